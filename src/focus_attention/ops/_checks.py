@@ -1,0 +1,46 @@
+"""Input validation shared by the ops: every failure is a ``ValueError`` that names the
+argument, what was received and what was expected (product decision)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fail(name: str, received: object, expected: str) -> None:
+    raise ValueError(f"{name}: received {received}, expected {expected}")
+
+
+def check_tensor(name: str, x: object, ndim: int, *, floating: bool | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        fail(name, type(x).__name__, f"a torch.Tensor of rank {ndim}")
+    assert isinstance(x, torch.Tensor)
+    if x.ndim != ndim:
+        fail(name, f"a tensor of shape {tuple(x.shape)} (rank {x.ndim})", f"rank {ndim}")
+    if floating is True and not x.is_floating_point():
+        fail(name, f"dtype {x.dtype}", "a floating-point dtype")
+    return x
+
+
+def check_bool(name: str, x: torch.Tensor) -> None:
+    if x.dtype != torch.bool:
+        fail(name, f"dtype {x.dtype}", "torch.bool (True = member / real token)")
+
+
+def check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        fail(name, f"shape {tuple(x.shape)}", f"shape {tuple(shape)} ({what})")
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    if torch.isnan(x).any():
+        fail(name, "a tensor containing NaN", "finite scores")
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(name, repr(value), "an int")
+    assert isinstance(value, int)
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in {low}..{high}"
+        fail(name, value, f"an int {rng}")
+    return value

@@ -1,0 +1,76 @@
+"""The dense boolean Focus mask: the oracle for tests and small inputs (spec section 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_bool, check_int, check_shape, check_tensor, fail
+
+
+def check_groups(
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    window: int,
+) -> tuple[int, int, int, int]:
+    """Validate group memberships; returns ``(B, Nq, Nk, K)``. Raises ``ValueError``."""
+    check_tensor("query_groups", query_groups, 3)
+    check_tensor("key_groups", key_groups, 3)
+    check_bool("query_groups", query_groups)
+    check_bool("key_groups", key_groups)
+    bsz, nq, k = query_groups.shape
+    if key_groups.shape[0] != bsz or key_groups.shape[2] != k:
+        fail(
+            "key_groups",
+            f"shape {tuple(key_groups.shape)}",
+            f"[B={bsz}, Nk, K={k}] matching query_groups",
+        )
+    if k < 1:
+        fail("query_groups", f"K = {k} groups", "K >= 1")
+    nk = key_groups.shape[1]
+    if nq > nk:
+        fail("query_groups", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
+    check_int("window", window, 1)
+    if key_padding_mask is not None:
+        check_tensor("key_padding_mask", key_padding_mask, 2)
+        check_bool("key_padding_mask", key_padding_mask)
+        check_shape("key_padding_mask", key_padding_mask, (bsz, nk), "[B, Nk], True = real")
+    return bsz, nq, nk, k
+
+
+def focus_mask(
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    window: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense Focus attention mask, ``O(Nq * Nk)`` memory: use it as an oracle only.
+
+    Queries are bottom-right aligned: query ``t`` sits at absolute position ``Nk - Nq + t``.
+    Query ``i`` may attend key ``j`` iff ``j <= i``, key ``j`` is real, and either
+    ``i - j < window`` (the window counts the query itself) or the two tokens share at least
+    one group (spec sections 3-4; the window convention is a product decision).
+
+    Args:
+        query_groups: bool ``[B, Nq, K]`` group memberships of the queries.
+        key_groups: bool ``[B, Nk, K]`` group memberships of the keys.
+        window: local window in tokens, ``>= 1``.
+        key_padding_mask: optional bool ``[B, Nk]``, True = real token.
+
+    Returns:
+        bool ``[B, Nq, Nk]``.
+
+    Raises:
+        ValueError: malformed shapes or dtypes, ``window < 1``, ``Nq > Nk``.
+    """
+    bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
+    device = query_groups.device
+    qpos = torch.arange(nk - nq, nk, device=device)[:, None]
+    kpos = torch.arange(nk, device=device)[None, :]
+    causal = kpos <= qpos
+    local = (qpos - kpos) < window
+    share = (query_groups.float() @ key_groups.float().transpose(1, 2)) > 0
+    mask = causal[None] & (local[None] | share)
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask[:, None, :]
+    return mask

@@ -1,0 +1,144 @@
+"""Routing: group scores, Sinkhorn balancing and hard top-k memberships (spec sections 1, 2, 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_finite, check_int, check_shape, check_tensor, fail
+
+
+def group_scores(
+    hidden: torch.Tensor,
+    proj: torch.Tensor,
+    centroids: torch.Tensor,
+    temperature: float,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Routing scores of every token against every centroid.
+
+    ``S = normalize(hidden @ proj) @ normalize(centroids).T / temperature`` computed in fp32
+    (spec section 1, Focus paper Sec. 3.1). With ``normalize=True`` (default, product
+    decision) both the projected hidden state and the centroids are L2-normalised, so the
+    scores are cosine similarities in ``[-1/temperature, 1/temperature]``: the hidden states
+    of pretrained LMs carry a few huge outlier features that otherwise swamp the routing.
+    ``normalize=False`` gives the paper's plain dot product.
+
+    Args:
+        hidden: ``[B, N, d_model]`` any float dtype, the hidden state entering the attention
+            block (after the block's input norm).
+        proj: ``[d_model, d_g]`` projection ``W_g``.
+        centroids: ``[K, d_g]`` centroids ``C``.
+        temperature: ``tau > 0`` (paper default 0.1).
+
+    Returns:
+        ``[B, N, K]`` float32 scores.
+
+    Raises:
+        ValueError: wrong ranks, mismatched ``d_model`` or ``d_g``, non-positive temperature.
+    """
+    check_tensor("hidden", hidden, 3, floating=True)
+    check_tensor("proj", proj, 2, floating=True)
+    check_tensor("centroids", centroids, 2, floating=True)
+    if proj.shape[0] != hidden.shape[-1]:
+        fail("proj", f"shape {tuple(proj.shape)}", f"[d_model={hidden.shape[-1]}, d_g]")
+    if centroids.shape[1] != proj.shape[1]:
+        fail("centroids", f"shape {tuple(centroids.shape)}", f"[K, d_g={proj.shape[1]}]")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        fail("temperature", repr(temperature), "a float > 0")
+    feats = hidden.float() @ proj.float()
+    cents = centroids.float()
+    if normalize:
+        feats = torch.nn.functional.normalize(feats, dim=-1, eps=1e-6)
+        cents = torch.nn.functional.normalize(cents, dim=-1, eps=1e-6)
+    return feats @ cents.t() / float(temperature)
+
+
+def sinkhorn(
+    log_scores: torch.Tensor,
+    n_iter: int,
+    padding_mask: torch.Tensor | None = None,
+    *,
+    return_column_bias: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sinkhorn balancing of routing scores, in log space and fp32 (spec section 2).
+
+    Starting from ``Q = exp(log_scores)`` each of ``n_iter`` iterations divides every group
+    column by its sum over the real tokens (equal mass per group), then every token row by its
+    sum over groups (rows sum to 1). Gradients flow through every step.
+
+    The result equals ``softmax(log_scores + c, dim=-1)`` row by row, where ``c`` ``[B, K]`` is
+    minus the accumulated column log-normalisers: a per-group bias. With
+    ``return_column_bias=True`` it is returned (centred to zero mean over groups) so a causal
+    router can calibrate a bias from it (product decision, spec section 4).
+
+    Args:
+        log_scores: ``[B, N, K]`` float scores (any float dtype; computed in fp32).
+        n_iter: number of iterations, ``>= 1`` (paper default 10).
+        padding_mask: optional bool ``[B, N]``, True = real token. Padding is excluded from
+            the column sums and its rows are all zero in the output.
+
+    Returns:
+        float32 ``[B, N, K]``; every real row sums to 1. With ``return_column_bias`` a tuple
+        ``(probs, bias [B, K] float32)``.
+
+    Raises:
+        ValueError: rank not 3, ``n_iter < 1``, NaN scores, malformed ``padding_mask``.
+    """
+    check_tensor("log_scores", log_scores, 3, floating=True)
+    check_int("n_iter", n_iter, 1)
+    check_finite("log_scores", log_scores)
+    bsz, n, k = log_scores.shape
+    x = log_scores.float()
+    real = None
+    if padding_mask is not None:
+        check_tensor("padding_mask", padding_mask, 2)
+        if padding_mask.dtype != torch.bool:
+            fail("padding_mask", f"dtype {padding_mask.dtype}", "torch.bool (True = real)")
+        check_shape("padding_mask", padding_mask, (bsz, n), "[B, N] of log_scores")
+        real = padding_mask[..., None]
+        x = x.masked_fill(~real, float("-inf"))
+    # +-inf scores (for example a centroid scaled to 1e4 at a tiny temperature) would make
+    # inf - inf; clamp to a range where exp() differences are still exact in fp32 log space.
+    x = x.clamp(min=-1e30, max=1e30) if real is None else x.clamp(max=1e30)
+    col_total = torch.zeros(bsz, 1, k, dtype=torch.float32, device=x.device)
+    for _ in range(n_iter):
+        col = torch.logsumexp(x, dim=1, keepdim=True)  # [B, 1, K]
+        col = torch.where(torch.isfinite(col), col, torch.zeros_like(col))
+        x = x - col
+        col_total = col_total + col
+        row = torch.logsumexp(x, dim=2, keepdim=True)  # [B, N, 1]
+        row = torch.where(torch.isfinite(row), row, torch.zeros_like(row))
+        x = x - row
+    probs = x.exp()
+    if real is not None:
+        probs = probs.masked_fill(~real, 0.0)
+    if not return_column_bias:
+        return probs
+    bias = -col_total[:, 0, :]
+    return probs, bias - bias.mean(dim=-1, keepdim=True)
+
+
+def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Hard routing: each token joins its ``top_k`` highest-scoring groups (spec section 4).
+
+    Ties go to the lowest group index (a stable descending sort), so the result is
+    deterministic on every run and device.
+
+    Args:
+        scores: ``[B, N, K]`` float scores (routing is decided in fp32).
+        top_k: ``1 <= top_k <= K``.
+
+    Returns:
+        bool ``[B, N, K]`` with exactly ``top_k`` True per token.
+
+    Raises:
+        ValueError: rank not 3, ``top_k`` outside ``1..K``, NaN scores.
+    """
+    check_tensor("scores", scores, 3, floating=True)
+    k = scores.shape[-1]
+    check_int("top_k", top_k, 1, k)
+    check_finite("scores", scores)
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
+    out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return out.scatter_(-1, order[..., :top_k], True)
