@@ -1,0 +1,50 @@
+"""The ``focus`` command. Each sub-command lives in its own module, which exposes
+``register_cli(subparsers)``; heavy imports happen only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+#: modules that contribute sub-commands, in the order ``--help`` lists them
+COMMAND_MODULES = ("data", "models", "train", "evaluate", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="focus",
+        description="Focus: learned-grouping sparse attention for pretrained causal LMs.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        full = f"focus_attention.{name}"
+        if importlib.util.find_spec(full) is None:
+            continue
+        importlib.import_module(full).register_cli(sub)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"focus-attention {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
