@@ -28,3 +28,16 @@ __all__ = [
     "sparse_attention",
     "topk_memberships",
 ]
+
+# Hugging Face adapter (issue 3): imported lazily so that `import focus_attention` does not
+# pay for importing transformers.
+_HF_EXPORTS = ("FocusConfig", "FocusModel", "get_focus_model")
+__all__ += list(_HF_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _HF_EXPORTS:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

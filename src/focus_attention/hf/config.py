@@ -1,0 +1,191 @@
+"""``FocusConfig``: the settings of a Focus retrofit, validated and JSON round-trippable."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+#: version of the on-disk ``focus_config.json`` layout (product decision).
+CONFIG_FORMAT_VERSION = 1
+
+GATES = ("paper", "log")
+ROUTINGS = ("auto", "soft", "topk")
+INFERENCE_ROUTINGS = ("causal", "sequence")
+
+
+def _bad(name: str, received: object, expected: str) -> ValueError:
+    return ValueError(f"FocusConfig.{name}: received {received!r}, expected {expected}")
+
+
+def _int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(name, value, f"an int >= {low}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _bad(name, value, "a finite number > 0")
+
+
+@dataclass
+class FocusConfig:
+    """Settings of a Focus retrofit (spec sections 1-4; issue 3 section 1).
+
+    Attributes:
+        num_groups: ``K``, the number of learned groups per layer (paper default 8).
+        group_dim: ``d_g``, the width of the routing projection (paper: 16).
+        window: local window in tokens; key ``j`` is local to query ``i`` when
+            ``0 <= i - j < window`` (the window counts the query itself; spec section 3).
+        top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``.
+        temperature: ``tau`` of the routing scores (paper default 0.1).
+        sinkhorn_iters: Sinkhorn iterations in soft routing (paper default 10).
+        gate: soft training gate, ``"paper"`` (Eq. 2, multiplicative sigmoid) or ``"log"``
+            (additive ``log(eps + g_i . g_j)``, whose hard limit is the inference mask).
+        gate_sharpness: ``lambda`` of the paper gate (not given in the paper; product default 10).
+        sink_tokens: the first ``sink_tokens`` real tokens of every sequence are members of
+            every group (every query sees them), in soft and top-k routing alike. Product
+            default 4 (the usual attention-sink count); still to be measured on a real model.
+        routing: ``"auto"`` (soft Sinkhorn routing in ``train()`` mode, hard top-k in
+            ``eval()`` mode), or ``"soft"`` / ``"topk"`` to force one (product decision).
+        inference_routing: how top-k groups are chosen: ``"causal"`` (default; top-k of the
+            token's own scores plus a per-group bias calibrated during soft training, so a
+            token's groups depend on that token only) or ``"sequence"`` (the paper's
+            sequence-wide Sinkhorn before top-k: non-causal, refuses a KV cache).
+        layers: indices of the layers that get Focus; ``None`` = every full-attention layer
+            (layers a model declares as sliding-window in ``config.layer_types`` are left as
+            they are). An explicitly listed sliding-window layer gets Focus and a full cache.
+        seed: seed of the deterministic router initialisation.
+        bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
+            soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
+            an exponential moving average; product decision).
+
+    Raises:
+        ValueError: on construction, for any field outside its range (the message names the
+            field, what was received and what was expected).
+    """
+
+    num_groups: int = 8
+    group_dim: int = 16
+    window: int = 128
+    top_k: int = 2
+    temperature: float = 0.1
+    sinkhorn_iters: int = 10
+    gate: str = "log"
+    gate_sharpness: float = 10.0
+    sink_tokens: int = 4
+    routing: str = "auto"
+    inference_routing: str = "causal"
+    layers: list[int] | None = None
+    seed: int = 0
+    bias_momentum: float = 0.01
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises ``ValueError`` naming the first bad one."""
+        _int("num_groups", self.num_groups, 1)
+        _int("group_dim", self.group_dim, 1)
+        _int("window", self.window, 1)
+        _int("top_k", self.top_k, 1)
+        if self.top_k > self.num_groups:
+            raise _bad("top_k", self.top_k, f"an int in 1..num_groups={self.num_groups}")
+        _positive_float("temperature", self.temperature)
+        _int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        if self.gate not in GATES:
+            raise _bad("gate", self.gate, f"one of {GATES}")
+        _positive_float("gate_sharpness", self.gate_sharpness)
+        _int("sink_tokens", self.sink_tokens, 0)
+        if self.routing not in ROUTINGS:
+            raise _bad("routing", self.routing, f"one of {ROUTINGS}")
+        if self.inference_routing not in INFERENCE_ROUTINGS:
+            raise _bad("inference_routing", self.inference_routing, f"one of {INFERENCE_ROUTINGS}")
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
+                raise _bad("layers", self.layers, "None or a list of layer indices")
+            layers = list(self.layers)
+            for i in layers:
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    raise _bad("layers", self.layers, "a list of ints >= 0")
+            if len(set(layers)) != len(layers):
+                raise _bad("layers", self.layers, "distinct layer indices")
+            if not layers:
+                raise _bad("layers", self.layers, "None or a non-empty list of layer indices")
+            self.layers = sorted(layers)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "an int")
+        if (
+            isinstance(self.bias_momentum, bool)
+            or not isinstance(self.bias_momentum, (int, float))
+            or not 0 < self.bias_momentum <= 1
+        ):
+            raise _bad("bias_momentum", self.bias_momentum, "a number in (0, 1]")
+
+    # --- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON dict of every field (plus ``format_version``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        out = json.loads(json.dumps(out))  # deep copy, JSON types only
+        out["format_version"] = CONFIG_FORMAT_VERSION
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FocusConfig:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: unknown keys, a newer ``format_version``, or invalid values.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"FocusConfig.from_dict: received {type(data).__name__}, expected a dict"
+            )
+        data = dict(data)
+        version = data.pop("format_version", CONFIG_FORMAT_VERSION)
+        if version != CONFIG_FORMAT_VERSION:
+            raise ValueError(
+                f"FocusConfig: format_version {version!r} is not supported "
+                f"(this library reads version {CONFIG_FORMAT_VERSION})"
+            )
+        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"FocusConfig: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    def to_json_string(self) -> str:
+        """The config as an indented JSON document."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json_string(cls, text: str) -> FocusConfig:
+        """Parse :meth:`to_json_string` output. Raises ``ValueError`` on bad JSON or values."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"FocusConfig: not valid JSON ({err})") from err
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> FocusConfig:
+        """Read a ``focus_config.json`` (extra top-level keys written by ``save_pretrained``,
+        such as the base-model fingerprint, are ignored)."""
+        data = json.loads(Path(path).read_text())
+        data.pop("base_model_fingerprint", None)
+        data.pop("library", None)
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> FocusConfig:
+        """A validated copy with some fields changed."""
+        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data.update(changes)
+        return FocusConfig(**data)
