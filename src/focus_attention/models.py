@@ -214,6 +214,7 @@ def _build_entry(
             t0 = time.monotonic()
             fields = build(out, scratch)
             shutil.rmtree(scratch, ignore_errors=True)
+            _normalise_modes(out)
             manifest = {
                 "format": CACHE_FORMAT,
                 **fields,
@@ -233,6 +234,15 @@ def _build_entry(
             shutil.rmtree(staging, ignore_errors=True)
     _log(f"ready: {final}", quiet=quiet)
     return final
+
+
+def _normalise_modes(root: Path) -> None:
+    """Give every file the default permissions (some writers create 0600 temp files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in root.rglob("*"):
+        with contextlib.suppress(OSError):
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _dir_size(path: Path) -> int:

@@ -1,0 +1,799 @@
+"""Text corpora for Focus: registered corpora that install offline from Debian packages, any
+local text file or folder, a deterministic train/validation/test split by whole document, and
+tokenisation into fixed-length blocks.
+
+Registered corpora (product decision, see ``shared/docs/assets.md``):
+
+* ``austen`` (default): Jane Austen's six novels from the Debian package
+  ``r-cran-janeaustenr`` (Project Gutenberg texts with their original line breaks, like
+  PG-19). Split by whole book: **test = Persuasion** (the held-out book the project's
+  orientation numbers use), **validation = Northanger Abbey** (the other short, late novel),
+  **train = Sense and Sensibility, Pride and Prejudice, Mansfield Park, Emma**.
+* ``linux-docs``: the Linux kernel documentation reST sources from the Debian package
+  ``linux-doc-6.1`` (``usr/share/doc/linux-doc-6.1/html/_sources/**/*.rst.txt``), one document
+  per file, split by whole document with the hash-rank rule below (90 % / 5 % / 5 %).
+
+Local corpora:
+
+* a folder: every non-hidden UTF-8 text file below it (recursively) is one document, named by
+  its relative path; split with the hash-rank rule. A folder with fewer than 3 documents is
+  split like single files, document by document.
+* a single file: cut into contiguous parts, the first 90 % of its characters for train, the
+  next 5 % for validation and the last 5 % for test; each cut moves forward to the next line
+  break so no line is split.
+
+Hash-rank rule: documents are ordered by ``sha256("focus-split:" + name)``; the first
+``max(1, round(0.05 n))`` are test, the next ``max(1, round(0.05 n))`` validation, the rest
+train. It depends only on the document names, never on their order on disk or on a seed.
+
+Prepared corpora are cached as plain text (one file per document) under
+``focus_home()/corpora/<name>/{train,validation,test}/NNNNN.txt`` with a manifest
+(``focus-manifest.json``: document names, split rule, source, sha256 of every file) written
+last; entries are built in a staging directory and renamed into place, so an interrupted
+prepare never leaves a half entry. Local corpora are cached as ``local-<stem>-<hash of the
+path>`` and rebuilt when a file's size or modification time changes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+import shutil
+import struct
+import subprocess
+import time
+import warnings
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .models import (
+    DEFAULT_MODEL,
+    _build_entry,
+    _dir_size,
+    _human,
+    _log,
+    _read_manifest,
+    _run_guarded,
+    focus_home,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import argparse
+
+    import torch
+
+__all__ = [
+    "AUSTEN_BOOKS",
+    "AUSTEN_SPLIT",
+    "CORPORA",
+    "DEFAULT_CORPUS",
+    "SPLITS",
+    "Corpus",
+    "CorpusSpec",
+    "Document",
+    "corpus_dir",
+    "list_corpora",
+    "load_corpus",
+    "prepare_corpus",
+    "register_cli",
+    "split_by_hash_rank",
+    "token_blocks",
+]
+
+#: the corpus used when none is given
+DEFAULT_CORPUS = "austen"
+#: split names, in this order everywhere
+SPLITS = ("train", "validation", "test")
+#: fractions of documents (hash-rank rule) or characters (single-file rule) for test/validation
+HELD_OUT_FRACTION = 0.05
+
+_RDATA_HINT = "pip install 'focus-attention[assets]'  (installs rdata, gguf, accelerate)"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a corpus: ``name`` (title or relative path) and its full ``text``."""
+
+    name: str
+    text: str
+
+
+@dataclass
+class Corpus:
+    """A prepared corpus.
+
+    Attributes:
+        name: registered name or ``local-...`` cache name.
+        path: cache directory.
+        splits: ``{"train": [...], "validation": [...], "test": [...]}`` of documents.
+        split_rule: human-readable description of how documents were assigned to splits.
+        source: where the text came from (package and version, or local path).
+    """
+
+    name: str
+    path: Path
+    splits: dict[str, list[Document]]
+    split_rule: str
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def split(self, split: str) -> list[Document]:
+        """Documents of one split. Raises ValueError for an unknown split name."""
+        if split not in self.splits:
+            raise ValueError(
+                f"corpus {self.name!r} has no split {split!r} (has {list(self.splits)})"
+            )
+        return self.splits[split]
+
+    def texts(self, split: str) -> list[str]:
+        """Texts of one split's documents, in the corpus order."""
+        return [d.text for d in self.split(split)]
+
+    def num_chars(self, split: str | None = None) -> int:
+        """Characters in one split, or in all splits when ``split`` is None."""
+        names = SPLITS if split is None else (split,)
+        return sum(len(d.text) for s in names for d in self.splits.get(s, []))
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """A registered corpus: ``name``, ``description``, Debian ``package``, ``split_rule``."""
+
+    name: str
+    description: str
+    package: str
+    split_rule: str
+    license: str = ""
+
+
+#: R object name in janeaustenr -> (title, year of first publication), publication order
+AUSTEN_BOOKS: dict[str, tuple[str, int]] = {
+    "sensesensibility": ("Sense and Sensibility", 1811),
+    "prideprejudice": ("Pride and Prejudice", 1813),
+    "mansfieldpark": ("Mansfield Park", 1814),
+    "emma": ("Emma", 1815),
+    "northangerabbey": ("Northanger Abbey", 1817),
+    "persuasion": ("Persuasion", 1817),
+}
+#: product decision: whole-book split of the six novels
+AUSTEN_SPLIT: dict[str, tuple[str, ...]] = {
+    "train": ("Sense and Sensibility", "Pride and Prejudice", "Mansfield Park", "Emma"),
+    "validation": ("Northanger Abbey",),
+    "test": ("Persuasion",),
+}
+
+_HASH_RULE = (
+    "by whole document: documents ordered by sha256('focus-split:' + name); the first "
+    "max(1, round(0.05 n)) are test, the next max(1, round(0.05 n)) validation, the rest train"
+)
+_FILE_RULE = (
+    "by contiguous parts of each file: first 90% of the characters train, next 5% validation, "
+    "last 5% test; each cut moved forward to the next line break"
+)
+
+CORPORA: dict[str, CorpusSpec] = {
+    "austen": CorpusSpec(
+        name="austen",
+        description="Jane Austen's six novels (Project Gutenberg texts), 717k words",
+        package="r-cran-janeaustenr",
+        split_rule="by whole book: test = Persuasion, validation = Northanger Abbey, "
+        "train = Sense and Sensibility, Pride and Prejudice, Mansfield Park, Emma",
+        license="public domain texts (package: MIT)",
+    ),
+    "linux-docs": CorpusSpec(
+        name="linux-docs",
+        description="Linux 6.1 kernel documentation, reST sources (~3,180 documents, 3.1M words)",
+        package="linux-doc-6.1",
+        split_rule=_HASH_RULE,
+        license="GPL-2.0",
+    ),
+}
+
+_LINUX_DOC_SOURCES = "usr/share/doc/linux-doc-6.1/html/_sources"
+_AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data"
+
+
+def corpus_dir(name: str) -> Path:
+    """Cache directory of a corpus (``focus_home()/corpora/<name>``); may not exist."""
+    return focus_home() / "corpora" / name
+
+
+# ---------------------------------------------------------------------------------------------
+# split rules
+# ---------------------------------------------------------------------------------------------
+
+
+def split_by_hash_rank(
+    names: Sequence[str], held_out_fraction: float = HELD_OUT_FRACTION
+) -> dict[str, list[str]]:
+    """Assign documents to splits by the hash-rank rule (see the module docstring).
+
+    Args:
+        names: unique document names (at least 3).
+        held_out_fraction: fraction of documents for test, and again for validation.
+
+    Returns:
+        ``{"train": [...], "validation": [...], "test": [...]}``; each list keeps the order of
+        ``names``. Deterministic: depends only on the names.
+
+    Raises:
+        ValueError: fewer than 3 documents or duplicate names.
+    """
+    if len(set(names)) != len(names):
+        raise ValueError("document names must be unique")
+    n = len(names)
+    if n < 3:
+        raise ValueError(f"the hash-rank split needs at least 3 documents, got {n}")
+    n_held = max(1, round(held_out_fraction * n))
+    ranked = sorted(names, key=lambda s: hashlib.sha256(f"focus-split:{s}".encode()).hexdigest())
+    test, val = set(ranked[:n_held]), set(ranked[n_held : 2 * n_held])
+    return {
+        "train": [s for s in names if s not in test and s not in val],
+        "validation": [s for s in names if s in val],
+        "test": [s for s in names if s in test],
+    }
+
+
+def _split_text_contiguous(text: str, held_out_fraction: float = HELD_OUT_FRACTION) -> list[str]:
+    """Cut a text into [train, validation, test] parts by the single-file rule."""
+    n = len(text)
+
+    def cut(pos: int) -> int:
+        nl = text.find("\n", pos)
+        return n if nl < 0 else nl + 1
+
+    a = cut(round((1 - 2 * held_out_fraction) * n))
+    b = cut(max(a, round((1 - held_out_fraction) * n)))
+    return [text[:a], text[a:b], text[b:]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Debian packages
+# ---------------------------------------------------------------------------------------------
+
+
+def _debian_tree(package: str, needed: str, scratch: Path, *, quiet: bool) -> tuple[Path, str]:
+    """Root of a file tree holding ``needed`` (a path inside ``package``), and a description
+    of the source: the installed system files when present, else the .deb fetched with
+    ``apt-get download`` and unpacked with ``dpkg -x`` (no installation, no root needed unless
+    the package lists must be refreshed with ``apt-get update``)."""
+    if (Path("/") / needed).exists():
+        _log(f"using the installed Debian package {package} (/{needed})", quiet=quiet)
+        return Path("/"), f"installed {package}"
+    missing = [tool for tool in ("apt-get", "dpkg") if shutil.which(tool) is None]
+    if missing:
+        raise RuntimeError(
+            f"this corpus comes from the Debian package {package}, but {' and '.join(missing)} "
+            f"is not available here. On Debian/Ubuntu run `apt-get download {package}`; "
+            "elsewhere, use a local text file or folder as the corpus."
+        )
+    debs = scratch / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    _log(f"downloading the Debian package {package} (apt-get download) ...", quiet=quiet)
+    t0 = time.monotonic()
+
+    def download() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["apt-get", "download", "-q", package], cwd=debs, capture_output=True, text=True
+        )
+
+    proc = download()
+    if proc.returncode != 0:
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            raise RuntimeError(
+                f"`apt-get download {package}` failed: {_tail(proc.stderr)}\nIf the package "
+                "lists are missing or stale, run `sudo apt-get update` and try again."
+            )
+        _log("  download failed; refreshing the package lists (apt-get update) ...", quiet=quiet)
+        upd = subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True)
+        proc = download()
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"`apt-get download {package}` failed even after `apt-get update` "
+                f"(exit {upd.returncode}): {_tail(proc.stderr)}\nIs a Debian mirror reachable?"
+            )
+    found = sorted(debs.glob(f"{package}_*.deb"))
+    if not found:
+        raise RuntimeError(f"`apt-get download {package}` produced no .deb file")
+    deb = found[0]
+    _log(
+        f"  {deb.name}: {_human(deb.stat().st_size)} in {time.monotonic() - t0:.1f} s", quiet=quiet
+    )
+    root = scratch / "root"
+    proc = subprocess.run(["dpkg", "-x", str(deb), str(root)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`dpkg -x {deb.name}` failed: {_tail(proc.stderr)}")
+    if not (root / needed).exists():
+        raise RuntimeError(f"{deb.name} does not contain {needed}: unexpected package layout")
+    return root, deb.name
+
+
+def _tail(text: str, n: int = 4) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return "\n".join(lines[-n:]) or "(no output)"
+
+
+def _r_lazyload_objects(data_dir: Path) -> dict[str, Any]:
+    """Read every object of an R lazy-load database (``Rdata.rdx`` + ``Rdata.rdb``).
+
+    The index is a gzip'd serialized R list whose ``variables`` map names to
+    ``(offset, length)`` in the .rdb; each stored object is a 4-byte big-endian uncompressed
+    length followed by zlib data (R's ``compress=TRUE``; type-tagged bzip2/xz/none variants
+    are handled too) holding a serialized R object, parsed with the ``rdata`` package.
+    """
+    try:
+        import rdata
+    except ImportError as e:
+        raise RuntimeError(
+            f"reading the austen corpus needs the Python package rdata: {_RDATA_HINT}"
+        ) from e
+    import bz2
+    import lzma
+
+    def parse(raw: bytes) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Unknown file type: assumed RDS"
+            return rdata.conversion.convert(rdata.parser.parse_data(raw))
+
+    index = parse(gzip.decompress((data_dir / "Rdata.rdx").read_bytes()))
+    blob = (data_dir / "Rdata.rdb").read_bytes()
+    out = {}
+    for name, (offset, length) in index["variables"].items():
+        rec = blob[int(offset) : int(offset) + int(length)]
+        (size,) = struct.unpack(">I", rec[:4])
+        try:
+            raw = zlib.decompress(rec[4:])
+        except zlib.error:
+            kind, body = rec[4:5], rec[5:]
+            decoders = {b"Z": lzma.decompress, b"2": bz2.decompress, b"1": zlib.decompress}
+            raw = body if kind == b"0" else decoders[kind](body)
+        if len(raw) != size:
+            raise RuntimeError(f"R object {name}: {len(raw)} bytes, the index says {size}")
+        out[str(name)] = parse(raw)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# building entries
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_documents(out: Path, splits: dict[str, list[Document]]) -> dict[str, list[dict]]:
+    """Write documents as UTF-8 text files; return the manifest's ``splits`` section."""
+    section: dict[str, list[dict]] = {}
+    for split in SPLITS:
+        docs = splits.get(split, [])
+        (out / split).mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i, doc in enumerate(docs):
+            rel = f"{split}/{i:05d}.txt"
+            (out / rel).write_text(doc.text, encoding="utf-8", newline="")
+            rows.append({"name": doc.name, "file": rel, "chars": len(doc.text)})
+        section[split] = rows
+    return section
+
+
+def _summary(splits: dict[str, list[Document]]) -> str:
+    return ", ".join(
+        f"{s} {len(splits[s])} docs / {sum(len(d.text.split()) for d in splits[s]) / 1e3:.0f}k words"
+        for s in SPLITS
+    )
+
+
+def _build_austen(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
+    spec = CORPORA["austen"]
+    root, origin = _debian_tree(spec.package, _AUSTEN_DATA + "/Rdata.rdb", scratch, quiet=quiet)
+    objects = _r_lazyload_objects(root / _AUSTEN_DATA)
+    missing = sorted(set(AUSTEN_BOOKS) - set(objects))
+    if missing:
+        raise RuntimeError(f"{spec.package}: novels missing from the R data: {missing}")
+    by_title = {}
+    for key, (title, _year) in AUSTEN_BOOKS.items():
+        lines = ["" if not isinstance(x, str) else x.rstrip() for x in objects[key]]
+        by_title[title] = "\n".join(lines).strip("\n") + "\n"
+    splits = {s: [Document(t, by_title[t]) for t in AUSTEN_SPLIT[s]] for s in SPLITS}
+    _log(f"  {_summary(splits)}", quiet=quiet)
+    return {
+        "split_rule": spec.split_rule,
+        "source": {"debian_package": spec.package, "origin": origin, "license": spec.license},
+        "splits": _write_documents(out, splits),
+    }
+
+
+def _build_linux_docs(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
+    spec = CORPORA["linux-docs"]
+    root, origin = _debian_tree(spec.package, _LINUX_DOC_SOURCES, scratch, quiet=quiet)
+    base = root / _LINUX_DOC_SOURCES
+    files = sorted(p for p in base.rglob("*.rst.txt") if p.is_file())
+    docs = {}
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            docs[p.relative_to(base).as_posix()[: -len(".rst.txt")]] = text
+    if len(docs) < 3:
+        raise RuntimeError(f"{spec.package}: only {len(docs)} documents under {_LINUX_DOC_SOURCES}")
+    assignment = split_by_hash_rank(list(docs))
+    splits = {s: [Document(n, docs[n]) for n in assignment[s]] for s in SPLITS}
+    _log(f"  {_summary(splits)}", quiet=quiet)
+    return {
+        "split_rule": spec.split_rule,
+        "source": {"debian_package": spec.package, "origin": origin, "license": spec.license},
+        "splits": _write_documents(out, splits),
+    }
+
+
+def _read_text_file(path: Path) -> str | None:
+    """UTF-8 text of a file, or None for binary / non-UTF-8 / empty files."""
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        return None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    return text.replace("\r\n", "\n") if text.strip() else None
+
+
+def _local_files(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
+def _local_stamp(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in _local_files(root):
+        st = p.stat()
+        rel = p.name if root.is_file() else p.relative_to(root).as_posix()
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _build_local(root: Path, out: Path, *, quiet: bool) -> dict[str, Any]:
+    docs: dict[str, str] = {}
+    skipped = []
+    for p in _local_files(root):
+        rel = p.name if root.is_file() else p.relative_to(root).as_posix()
+        text = _read_text_file(p)
+        if text is None:
+            skipped.append(rel)
+        else:
+            docs[rel] = text
+    if skipped:
+        _log(
+            f"  skipped {len(skipped)} empty, binary or non-UTF-8 file(s): {skipped[:5]}",
+            quiet=quiet,
+        )
+    if not docs:
+        raise ValueError(f"{root}: no non-empty UTF-8 text files to use as a corpus")
+    if len(docs) >= 3:
+        rule = _HASH_RULE
+        assignment = split_by_hash_rank(list(docs))
+        splits = {s: [Document(n, docs[n]) for n in assignment[s]] for s in SPLITS}
+    else:
+        rule = _FILE_RULE
+        splits = {s: [] for s in SPLITS}
+        for name, text in docs.items():
+            for s, part in zip(SPLITS, _split_text_contiguous(text), strict=True):
+                if part.strip():
+                    splits[s].append(Document(name, part))
+    empty = [s for s in SPLITS if not splits[s]]
+    if empty:
+        total = sum(len(t) for t in docs.values())
+        raise ValueError(
+            f"{root}: too little text to split ({total} characters): the {', '.join(empty)} "
+            "split(s) would be empty. Use more text or a folder of at least 3 documents."
+        )
+    _log(f"  {_summary(splits)}", quiet=quiet)
+    return {
+        "split_rule": rule,
+        "source": {"local_path": str(root), "skipped": skipped},
+        "splits": _write_documents(out, splits),
+    }
+
+
+def _local_name(root: Path) -> str:
+    stem = (
+        root.name[: -len("".join(root.suffixes))] if root.is_file() and root.suffixes else root.name
+    )
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "corpus"
+    return f"local-{slug}-{hashlib.sha256(str(root).encode()).hexdigest()[:10]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, Path | None]:
+    text = os.fspath(name_or_path)
+    if not isinstance(name_or_path, os.PathLike) and text in CORPORA:
+        return text, None
+    path = Path(text).expanduser()
+    if path.exists():
+        root = path.resolve()
+        return _local_name(root), root
+    raise ValueError(
+        f"corpus {text!r}: not a registered corpus ({', '.join(CORPORA)}) "
+        "and no such local text file or folder"
+    )
+
+
+def prepare_corpus(
+    name_or_path: str | os.PathLike[str] = DEFAULT_CORPUS,
+    *,
+    force: bool = False,
+    quiet: bool = False,
+) -> Path:
+    """Make a corpus available in the cache and return its directory.
+
+    Args:
+        name_or_path: a registered name (``austen``, ``linux-docs``; see ``CORPORA``) or a
+            local text file or folder. Registered names take precedence over same-named
+            paths (use ``./austen`` for a local folder of that name).
+        force: rebuild even when the entry is complete and up to date.
+        quiet: no progress messages on stderr.
+
+    Returns:
+        ``focus_home()/corpora/<name>``; registered corpora are fetched once from Debian
+        (``apt-get download`` + ``dpkg -x``, or the installed package files), local ones are
+        rebuilt when their files' sizes or modification times change. Idempotent; a
+        complete entry costs one manifest read.
+
+    Raises:
+        ValueError: unknown name / missing path, or a local corpus too small to split.
+        RuntimeError: apt-get/dpkg missing, the package could not be downloaded, or the
+            ``rdata`` module is missing (each message says what to install).
+    """
+    name, root = _resolve(name_or_path)
+    final = corpus_dir(name)
+    if root is None:
+        if not force and _read_manifest(final) is not None:
+            return final
+        builder = {"austen": _build_austen, "linux-docs": _build_linux_docs}[name]
+        _log(f"preparing corpus {name} into {final}", quiet=quiet)
+
+        def build(out: Path, scratch: Path) -> dict[str, Any]:
+            return {"kind": "corpus", "name": name, **builder(out, scratch, quiet=quiet)}
+
+        return _build_entry(final, f"corpus-{name}", build, force=force, quiet=quiet)
+
+    stamp = _local_stamp(root)
+    manifest = _read_manifest(final)
+    if not force and manifest is not None and manifest.get("source", {}).get("stamp") == stamp:
+        return final
+    _log(f"preparing local corpus {root} into {final}", quiet=quiet)
+
+    def build_local(out: Path, scratch: Path) -> dict[str, Any]:
+        fields = _build_local(root, out, quiet=quiet)
+        fields["source"]["stamp"] = stamp
+        return {"kind": "corpus", "name": name, **fields}
+
+    return _build_entry(final, f"corpus-{name}", build_local, force=True, quiet=quiet)
+
+
+def load_corpus(
+    name_or_path: str | os.PathLike[str] = DEFAULT_CORPUS, *, quiet: bool = False
+) -> Corpus:
+    """Prepare (if needed) and read a corpus.
+
+    Args:
+        name_or_path: as for :func:`prepare_corpus`.
+        quiet: no progress messages.
+
+    Returns:
+        A :class:`Corpus` whose ``splits`` map ``train``/``validation``/``test`` to
+        :class:`Document` lists (texts as stored, ``\\n`` line ends), with ``split_rule``
+        and ``source`` from the manifest.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`prepare_corpus`, or when the cache entry is
+        damaged (a file listed in the manifest is missing).
+    """
+    path = prepare_corpus(name_or_path, quiet=quiet)
+    manifest = _read_manifest(path)
+    if manifest is None:  # pragma: no cover - prepare_corpus guarantees it
+        raise RuntimeError(f"{path}: incomplete corpus entry")
+    splits: dict[str, list[Document]] = {}
+    for split in SPLITS:
+        docs = []
+        for row in manifest["splits"].get(split, []):
+            try:
+                text = (path / row["file"]).read_text(encoding="utf-8")
+            except OSError as e:
+                raise RuntimeError(
+                    f"{path}: damaged corpus entry ({e}); rebuild it with "
+                    f"`focus data prepare --force {os.fspath(name_or_path)}`"
+                ) from e
+            docs.append(Document(row["name"], text))
+        splits[split] = docs
+    return Corpus(
+        name=manifest["name"],
+        path=path,
+        splits=splits,
+        split_rule=manifest["split_rule"],
+        source=manifest.get("source", {}),
+    )
+
+
+def list_corpora() -> list[dict[str, Any]]:
+    """One dict per registered corpus: ``name``, ``description``, ``package``,
+    ``split_rule``, ``license``, ``default``, ``prepared``, ``path``, ``size_bytes`` and
+    ``documents`` (per split; empty when not prepared)."""
+    rows = []
+    for spec in CORPORA.values():
+        path = corpus_dir(spec.name)
+        manifest = _read_manifest(path)
+        rows.append(
+            {
+                "name": spec.name,
+                "description": spec.description,
+                "package": spec.package,
+                "split_rule": spec.split_rule,
+                "license": spec.license,
+                "default": spec.name == DEFAULT_CORPUS,
+                "prepared": manifest is not None,
+                "path": str(path),
+                "size_bytes": _dir_size(path) if manifest else 0,
+                "documents": {s: len(v) for s, v in manifest["splits"].items()} if manifest else {},
+            }
+        )
+    return rows
+
+
+def token_blocks(
+    tokenizer: Any,
+    texts: Iterable[str | Document] | str,
+    seq_len: int,
+    *,
+    max_tokens: int | None = None,
+    separator_id: int | None = None,
+) -> torch.Tensor:
+    """Tokenise documents into non-overlapping fixed-length blocks.
+
+    Each text is tokenised on its own (no special tokens added), the token lists are joined
+    with one separator token between consecutive documents (the tokenizer's EOS unless
+    ``separator_id`` is given), the stream is truncated to ``max_tokens`` when given, and cut
+    into ``len // seq_len`` consecutive blocks; the remainder is dropped. Empty texts are
+    skipped. Deterministic.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (callable returning ``input_ids``).
+        texts: strings or :class:`Document` objects (a single string is one document).
+        seq_len: tokens per block (> 0).
+        max_tokens: cap on the tokens taken from the stream before cutting (documents after
+            the cap are not tokenised).
+        separator_id: token id placed between documents (default ``tokenizer.eos_token_id``).
+
+    Returns:
+        ``torch.LongTensor`` of shape ``[n_blocks, seq_len]``.
+
+    Raises:
+        ValueError: ``seq_len``/``max_tokens`` not positive, no separator available, or too
+            few tokens for one block.
+    """
+    import torch
+
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    sep = separator_id if separator_id is not None else getattr(tokenizer, "eos_token_id", None)
+    if sep is None:
+        raise ValueError("the tokenizer has no EOS token to separate documents: pass separator_id")
+    if isinstance(texts, (str, Document)):
+        texts = [texts]
+    pieces: list[torch.Tensor] = []
+    total = 0
+    sep_t = torch.tensor([int(sep)], dtype=torch.long)
+    for item in texts:
+        text = item.text if isinstance(item, Document) else item
+        if not text:
+            continue
+        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)[
+            "input_ids"
+        ]
+        if not len(ids):
+            continue
+        if pieces:
+            pieces.append(sep_t)
+            total += 1
+        pieces.append(torch.as_tensor(ids, dtype=torch.long))
+        total += len(ids)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    stream = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    n_blocks = stream.numel() // seq_len
+    if n_blocks == 0:
+        raise ValueError(
+            f"only {stream.numel()} tokens: not enough for one block of seq_len={seq_len}"
+        )
+    return stream[: n_blocks * seq_len].reshape(n_blocks, seq_len).clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    print(f"corpora cache: {focus_home() / 'corpora'}")
+    for row in list_corpora():
+        mark = "*" if row["default"] else " "
+        if row["prepared"]:
+            docs = "/".join(str(row["documents"].get(s, 0)) for s in SPLITS)
+            state = f"prepared, {_human(row['size_bytes'])}, docs {docs}"
+        else:
+            state = "not prepared"
+        print(f"{mark} {row['name']:<11} {state:<40} {row['description']}")
+        print(f"  {'':<11} from Debian: {row['package']}; split {row['split_rule']}")
+    print("(* default; docs = train/validation/test; any local text file or folder also works)")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    for name in args.names or [DEFAULT_CORPUS]:
+        t0 = time.monotonic()
+        path = prepare_corpus(name, force=args.force)
+        print(f"{name}: {path} ({_human(_dir_size(path))}, {time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def _cmd_setup(args: argparse.Namespace) -> int:
+    from .models import prepare_model
+
+    models = args.model or [DEFAULT_MODEL]
+    corpora = args.corpus or [DEFAULT_CORPUS]
+    print(f"focus setup: cache {focus_home()} (set FOCUS_HOME to change)", flush=True)
+    rows = []
+    for kind, names, prep in (
+        ("model", models, prepare_model),
+        ("corpus", corpora, prepare_corpus),
+    ):
+        for name in names:
+            t0 = time.monotonic()
+            path = prep(name, force=args.force)
+            dt = time.monotonic() - t0
+            rows.append((kind, name, path, _dir_size(path), dt))
+            print(f"  {kind} {name}: ready ({_human(rows[-1][3])}, {dt:.1f} s)", flush=True)
+    print("summary:")
+    for kind, name, path, size, dt in rows:
+        print(f"  {kind:<6} {name:<14} {_human(size):>10} {dt:7.1f} s  {path}")
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``focus data list``, ``focus data prepare NAME...`` and ``focus setup``."""
+    p = subparsers.add_parser("data", help="list and prepare text corpora (offline cache)")
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    ls = sub.add_parser("list", help="registered corpora and whether they are prepared")
+    ls.set_defaults(func=_run_guarded(_cmd_list))
+    pr = sub.add_parser("prepare", help="fetch and split corpora into the cache (idempotent)")
+    pr.add_argument("names", nargs="*", metavar="NAME",
+                    help=f"registered name or local text file/folder (default {DEFAULT_CORPUS})")  # fmt: skip
+    pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    pr.set_defaults(func=_run_guarded(_cmd_prepare))
+
+    s = subparsers.add_parser(
+        "setup",
+        help="prepare the default model and corpus (idempotent; run once, then work offline)",
+        description=f"Prepare models and corpora into the cache (FOCUS_HOME). Without options: "
+        f"model {DEFAULT_MODEL} and corpus {DEFAULT_CORPUS}.",
+    )
+    s.add_argument("--model", nargs="+", action="extend", metavar="M",
+                   help=f"model(s) to prepare (default {DEFAULT_MODEL})")  # fmt: skip
+    s.add_argument("--corpus", nargs="+", action="extend", metavar="C",
+                   help=f"corpus/corpora to prepare (default {DEFAULT_CORPUS})")  # fmt: skip
+    s.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    s.set_defaults(func=_run_guarded(_cmd_setup))
