@@ -28,7 +28,31 @@ from focus_attention.data import (
 )
 from focus_attention.models import MANIFEST_NAME, focus_home, verify_entry
 
-WORDS = "the a of and to in was he she it that his her with for had as you not on be at by".split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "was",
+    "he",
+    "she",
+    "it",
+    "that",
+    "his",
+    "her",
+    "with",
+    "for",
+    "had",
+    "as",
+    "you",
+    "not",
+    "on",
+    "be",
+    "at",
+    "by",
+]
 
 
 def _text(seed: int, n_lines: int, words_per_line: int = 9) -> str:
@@ -58,7 +82,8 @@ def folder(tmp_path):
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(tmodels.WordLevel(unk_token="[UNK]"))
