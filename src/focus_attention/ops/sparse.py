@@ -20,7 +20,6 @@ tensor is built.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -32,8 +31,16 @@ from .masks import check_groups
 Backend = Literal["auto", "cpu_flash", "math"]
 BACKENDS = ("auto", "cpu_flash", "math")
 
-#: queries per block in blocked (staircase / band) calls; product decision, tuned on CPU.
-QUERY_BLOCK = 256
+#: keys per masked chunk of a staircase (query list != key list): m // 16 clamped to
+#: these bounds; product decision, tuned on CPU.
+STAIR_CHUNK_MIN = 128
+STAIR_CHUNK_MAX = 512
+#: queries per block of the local band; product decision, tuned on CPU.
+BAND_BLOCK = 64
+#: most membership classes handled one staircase each (else per-group with masks).
+MAX_CLASSES = 64
+#: mask elements per batched band call (bounds its memory); product decision.
+BAND_ELEMENTS = 1 << 21
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
 
@@ -44,37 +51,48 @@ def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attend_cpu_flash(q, k, v, mask, causal, scale):
-    """One PyTorch CPU flash-attention call on ``[H, n, D]`` / ``[H, m, D]`` operands."""
+    """One PyTorch CPU flash-attention call (native GQA). ``q [(nb,) H, n, D]``,
+    ``k/v [(nb,) H_kv, m, D]``, bool ``mask`` broadcastable to ``[(nb,) 1, n, m]`` or None.
+    Returns ``(out like q, lse [(nb,) H, n] float32)``."""
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
     attn_mask = None if mask is None else _float_mask(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], 0.0, causal, attn_mask=attn_mask, scale=scale
+        q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale
     )[:2]
-    out, lse = out[0], lse[0].float()
-    if mask is not None:  # the kernel reports lse 0 for a row with no visible key
+    if not batched:
+        out, lse = out[0], lse[0]
+    lse = lse.float()
+    if mask is not None:  # the kernel reports lse 0 and a finite row when nothing is visible
         empty = ~mask.any(dim=-1)
         if bool(empty.any()):
-            lse = lse.masked_fill(empty[None], -math.inf)
-            out = out.masked_fill(empty[None, :, None], 0.0)
+            lse = lse.masked_fill(empty, -math.inf)
+            out = out.masked_fill(empty[..., None], 0.0)
     return out, lse
 
 
 def _attend_math(q, k, v, mask, causal, scale, softcap):
-    """Differentiable attention on ``[H, n, D]`` operands, ``O(MATH_BLOCK * m)`` memory."""
-    n, m = q.shape[1], k.shape[1]
+    """Differentiable attention, same operands as :func:`_attend_cpu_flash` but with
+    ``H_kv == H``; ``O(MATH_BLOCK * m)`` memory per head."""
+    n, m = q.shape[-2], k.shape[-2]
     ct = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for gradcheck
     outs, lses = [], []
     for start in range(0, n, MATH_BLOCK):
         stop = min(n, start + MATH_BLOCK)
         hi = min(m, stop) if causal else m
-        logits = (q[:, start:stop].to(ct) @ k[:, :hi].to(ct).transpose(-1, -2)) * scale
+        qb, kb = q[..., start:stop, :].to(ct), k[..., :hi, :].to(ct)
+        logits = (qb @ kb.transpose(-1, -2)) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
+        vis = None
         if causal:
-            vis = torch.arange(hi, device=q.device)[None, :] <= torch.arange(
-                start, stop, device=q.device
-            )[:, None]
-        else:
-            vis = mask[start:stop] if mask is not None else None
+            vis = (
+                torch.arange(hi, device=q.device)[None, :]
+                <= torch.arange(start, stop, device=q.device)[:, None]
+            )
+        elif mask is not None:
+            vis = mask[..., start:stop, :]
         if vis is not None:
             row_any = vis.any(dim=-1, keepdim=True)
             logits = logits.masked_fill(~vis, -math.inf)
@@ -83,21 +101,20 @@ def _attend_math(q, k, v, mask, causal, scale, softcap):
         probs = torch.exp(logits - lse[..., None])
         if vis is not None:
             probs = torch.where(row_any, probs, torch.zeros_like(probs))
-            lse = torch.where(row_any[:, 0], lse, torch.full_like(lse, -math.inf))
-        outs.append((probs @ v[:, :hi].to(ct)).to(q.dtype))
+            lse = torch.where(row_any[..., 0], lse, torch.full_like(lse, -math.inf))
+        outs.append((probs @ v[..., :hi, :].to(ct)).to(q.dtype))
         lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-@dataclass
-class _Parts:
-    """Partial results ``(query index, out, lse)`` of one batch element, merged at the end."""
+class _Collect:
+    """Partial results ``(query index, out, lse)`` kept for one differentiable merge."""
 
-    num_heads: int
-    nq: int
-    idx: list[torch.Tensor] = field(default_factory=list)
-    out: list[torch.Tensor] = field(default_factory=list)
-    lse: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, num_heads: int, nq: int, d: int, dtype: torch.dtype, device) -> None:
+        self.h, self.nq, self.d, self.dtype, self.device = num_heads, nq, d, dtype, device
+        self.idx: list[torch.Tensor] = []
+        self.out: list[torch.Tensor] = []
+        self.lse: list[torch.Tensor] = []
 
     def add(self, idx: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         if idx.numel():
@@ -105,127 +122,189 @@ class _Parts:
             self.out.append(out)
             self.lse.append(lse)
 
-    def merge(self, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-sum-exp merge of disjoint parts; a query with no part outputs 0, lse -inf."""
-        h, nq = self.num_heads, self.nq
+    def result(self, *, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-sum-exp merge of disjoint parts; a query with no part outputs 0, lse -inf.
+        ``raw`` keeps the merge's precision instead of casting to the input dtype."""
+        h, nq, d = self.h, self.nq, self.d
         if not self.idx:
-            return (
-                torch.zeros(h, nq, d, dtype=dtype, device=device),
-                torch.full((h, nq), -math.inf, device=device),
-            )
+            zeros = torch.zeros(h, nq, d, dtype=self.dtype, device=self.device)
+            return zeros, torch.full((h, nq), -math.inf, device=self.device)
         idx = torch.cat(self.idx)
         lse = torch.cat(self.lse, dim=1)  # [H, P] fp32 (fp64 under gradcheck)
-        ct = torch.promote_types(lse.dtype, torch.float32)
+        ct = lse.dtype
         out = torch.cat(self.out, dim=1).to(ct)  # [H, P, D]
         index = idx[None].expand(h, -1)
-        peak = torch.full((h, nq), -math.inf, device=device, dtype=lse.dtype)
+        peak = torch.full((h, nq), -math.inf, device=self.device, dtype=ct)
         peak = peak.scatter_reduce(1, index, lse.detach(), "amax")
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         w = torch.exp(lse - peak.gather(1, index))  # exactly 0 for empty parts (lse -inf)
-        den = torch.zeros(h, nq, device=device, dtype=w.dtype).index_add(1, idx, w)
-        num = torch.zeros(h, nq, d, device=device, dtype=ct).index_add(1, idx, w[..., None] * out)
+        den = torch.zeros(h, nq, device=self.device, dtype=ct).index_add(1, idx, w)
+        num = torch.zeros(h, nq, d, device=self.device, dtype=ct)
+        num = num.index_add(1, idx, w[..., None] * out)
         has = den > 0
-        merged = num / torch.where(has, den, torch.ones_like(den))[..., None]
-        total = torch.where(has, peak + torch.log(torch.where(has, den, torch.ones_like(den))), -math.inf)
-        return merged.to(dtype), total
+        safe = torch.where(has, den, torch.ones_like(den))
+        merged = num / safe[..., None]
+        total = torch.where(has, peak + torch.log(safe), torch.full_like(peak, -math.inf))
+        return (merged if raw else merged.to(self.dtype)), total
+
+
+class _Accumulate:
+    """In-place online log-sum-exp merge (inference): memory of one fp32 output."""
+
+    def __init__(self, num_heads: int, nq: int, d: int, dtype: torch.dtype, device) -> None:
+        self.dtype = dtype
+        self.out = torch.zeros(num_heads, nq, d, dtype=torch.float32, device=device)
+        self.lse = torch.full((num_heads, nq), -math.inf, dtype=torch.float32, device=device)
+
+    def add(self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        old = self.lse[:, idx]
+        new = torch.logaddexp(old, lse)
+        finite = torch.isfinite(new)
+        safe = torch.where(finite, new, torch.zeros_like(new))
+        w_old = torch.where(finite, torch.exp(old - safe), torch.zeros_like(new))
+        w_new = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(new))
+        acc = self.out[:, idx]
+        acc.mul_(w_old[..., None]).add_(out.float() * w_new[..., None])
+        if not isinstance(idx, slice):
+            self.out[:, idx] = acc
+        self.lse[:, idx] = new
+
+    def result(self, *, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``; ``raw`` keeps the fp32 accumulator instead of the input dtype."""
+        return (self.out if raw else self.out.to(self.dtype)), self.lse
 
 
 class _Runner:
-    """Runs causal sub-problems of one batch element on the chosen backend."""
+    """Runs the causal sub-problems of one batch element on the chosen backend."""
 
     def __init__(self, q, k, v, scale, softcap, backend):
         self.q, self.k, self.v = q, k, v  # [H, Nq, D], [H_kv, Nk, D]
-        self.rep = q.shape[0] // k.shape[0]
         self.scale, self.softcap, self.backend = scale, softcap, backend
 
-    def _kv(self, kidx: torch.Tensor | slice):
-        k, v = self.k[:, kidx], self.v[:, kidx]
-        if self.rep > 1:
-            k = k.repeat_interleave(self.rep, dim=0)
-            v = v.repeat_interleave(self.rep, dim=0)
-        return k, v
-
     def attend(self, q, k, v, mask, causal):
+        """``q [..., H, n, D]``, ``k/v [..., H_kv, m, D]``, bool ``mask [..., n, m]`` or None."""
         if self.backend == "math":
+            rep = q.shape[-3] // k.shape[-3]
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=-3)
+                v = v.repeat_interleave(rep, dim=-3)
             return _attend_math(q, k, v, mask, causal, self.scale, self.softcap)
         return _attend_cpu_flash(q, k, v, mask, causal, self.scale)
 
-    def staircase(self, parts: _Parts, qidx, qpos, kidx, kpos) -> None:
+    def staircase(self, acc, qidx, qpos, kidx, kpos, q_excl=None, k_excl=None) -> None:
         """Causal attention (key visible iff its position <= the query's) between a sorted
-        query list and a sorted key list, both given as indices and absolute positions."""
+        query list and a sorted key list, both given as indices and absolute positions.
+        With ``q_excl [n, E]`` / ``k_excl [m, E]`` (bool), a pair that shares any of the E
+        features is also excluded."""
         if qidx.numel() == 0 or kidx.numel() == 0:
             return
         q_all = self.q[:, qidx]
-        if qpos.shape == kpos.shape and torch.equal(qpos, kpos):
-            k, v = self._kv(kidx)
-            parts.add(qidx, *self.attend(q_all, k, v, None, True))
+        k_all, v_all = self.k[:, kidx], self.v[:, kidx]
+        if q_excl is not None:
+            q_excl, k_excl = q_excl.float(), k_excl.float()
+        elif qpos.shape == kpos.shape and torch.equal(qpos, kpos):
+            acc.add(qidx, *self.attend(q_all, k_all, v_all, None, True))
             return
         n = qidx.numel()
-        starts = torch.arange(0, n, QUERY_BLOCK, device=qpos.device)
-        stops = (starts + QUERY_BLOCK).clamp(max=n)
-        lo_all = torch.searchsorted(kpos, qpos[starts], right=True).tolist()
-        hi_all = torch.searchsorted(kpos, qpos[stops - 1], right=True).tolist()
-        k_all, v_all = self._kv(kidx)
-        for s, e, lo, hi in zip(starts.tolist(), stops.tolist(), lo_all, hi_all, strict=True):
+        h, d = q_all.shape[0], q_all.shape[-1]
+        local = type(acc)(h, n, d, q_all.dtype, q_all.device)  # merged here, added once
+        # Block by key chunks of `chunk` keys: the queries whose last visible key falls in
+        # chunk c see keys [0, c * chunk) unmasked and only chunk c through a causal mask.
+        m = kidx.numel()
+        chunk = min(STAIR_CHUNK_MAX, max(STAIR_CHUNK_MIN, m // 16))
+        visible = torch.searchsorted(kpos, qpos, right=True)  # keys visible per query
+        chunk_of = (visible - 1).div(chunk, rounding_mode="floor")  # -1: sees no key
+        bounds = torch.searchsorted(chunk_of, torch.arange(-1, -(-m // chunk) + 1)).tolist()
+        for c in range(len(bounds) - 1):
+            s, e = bounds[c], bounds[c + 1]
+            if c == 0 or s == e:  # c == 0 holds the queries that see no key
+                continue
+            lo, hi = (c - 1) * chunk, min(m, c * chunk)
             q = q_all[:, s:e]
-            if lo > 0:  # keys no later than the block's first query: visible to all of it
-                parts.add(qidx[s:e], *self.attend(q, k_all[:, :lo], v_all[:, :lo], None, False))
-            if hi > lo:  # the diagonal strip: causal mask
-                mask = kpos[None, lo:hi] <= qpos[s:e, None]
-                parts.add(
-                    qidx[s:e],
-                    *self.attend(q, k_all[:, lo:hi], v_all[:, lo:hi], mask, False),
-                )
+            rows = slice(s, e) if isinstance(local, _Accumulate) else torch.arange(s, e)
+            if lo > 0:
+                pre = None
+                if q_excl is not None:
+                    pre = (q_excl[s:e] @ k_excl[:lo].t()) == 0
+                local.add(rows, *self.attend(q, k_all[:, :lo], v_all[:, :lo], pre, False))
+            mask = kpos[None, lo:hi] <= qpos[s:e, None]
+            if q_excl is not None:
+                mask &= (q_excl[s:e] @ k_excl[lo:hi].t()) == 0
+            local.add(rows, *self.attend(q, k_all[:, lo:hi], v_all[:, lo:hi], mask, False))
+        acc.add(qidx, *local.result(raw=True))
 
-    def band(self, parts: _Parts, qg, kg, real, offset: int, window: int) -> None:
-        """Local pairs (``0 <= i - j < window``) that share no group, block by block."""
-        nq = self.q.shape[1]
+    def band(self, acc, qg, kg, real, offset: int, window: int) -> None:
+        """Local pairs (``0 <= i - j < window``) that share no group, as batched blocks of
+        ``BAND_BLOCK`` queries against their ``BAND_BLOCK + window - 1`` nearest keys."""
+        h, nq, d = self.q.shape
+        h_kv, nk = self.k.shape[0], self.k.shape[1]
+        device = qg.device
+        bq = BAND_BLOCK
+        width = min(bq + window - 1, nk)
+        per_call = max(1, BAND_ELEMENTS // (bq * width))  # blocks per call: bounded memory
+        nblk = -(-nq // bq)
         kgf = kg.float()
-        for s in range(0, nq, QUERY_BLOCK):
-            e = min(nq, s + QUERY_BLOCK)
-            lo, hi = max(0, offset + s - window + 1), offset + e
-            qp = torch.arange(offset + s, offset + e, device=qg.device)[:, None]
-            kp = torch.arange(lo, hi, device=qg.device)[None, :]
-            dist = qp - kp
-            share = (qg[s:e].float() @ kgf[lo:hi].t()) > 0
-            mask = (dist >= 0) & (dist < window) & ~share
+        for b0 in range(0, nblk, per_call):
+            b1 = min(nblk, b0 + per_call)
+            s, e = b0 * bq, min(nq, b1 * bq)
+            nb = b1 - b0
+            t = torch.arange(b0 * bq, b1 * bq, device=device).view(nb, bq)  # query indices
+            qvalid = t < nq
+            tc = t.clamp(max=nq - 1)
+            # the keys of block i: the `width` positions ending at its last query
+            last = (offset + t[:, -1]).clamp(max=nk - 1)
+            j = last[:, None] - width + 1 + torch.arange(width, device=device)[None]
+            jvalid = j >= 0
+            jc = j.clamp(min=0)
+            dist = (offset + t)[:, :, None] - j[:, None, :]  # [nb, bq, width]
+            share = (qg.float()[tc] @ kgf[jc].transpose(1, 2)) > 0
+            mask = (dist >= 0) & (dist < window) & jvalid[:, None, :] & qvalid[:, :, None]
+            mask &= ~share
             if real is not None:
-                mask &= real[None, lo:hi]
+                mask &= real[jc][:, None, :]
             if not bool(mask.any()):
                 continue
-            k, v = self._kv(slice(lo, hi))
-            parts.add(
-                torch.arange(s, e, device=qg.device),
-                *self.attend(self.q[:, s:e], k, v, mask, False),
+            q = self.q[:, tc.reshape(-1)].view(h, nb, bq, d).transpose(0, 1)
+            k = self.k[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
+            v = self.v[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
+            out, lse = self.attend(q, k, v, mask[:, None], False)  # [nb, H, bq, D], [nb, H, bq]
+            out = out.transpose(0, 1).reshape(h, nb * bq, d)[:, : e - s]
+            lse = lse.transpose(0, 1).reshape(h, nb * bq)[:, : e - s]
+            acc.add(
+                slice(s, e) if isinstance(acc, _Accumulate) else t.reshape(-1)[: e - s], out, lse
             )
 
 
-def _groups(parts: _Parts, run: _Runner, qg, kg, real, offset: int) -> None:
-    """All pairs that share a group, each assigned to the lowest shared group."""
-    num_groups = qg.shape[-1]
-    device = qg.device
-    for g in range(num_groups):
-        qidx = torch.nonzero(qg[:, g], as_tuple=True)[0]
-        kmember = kg[:, g] if real is None else kg[:, g] & real
-        kidx = torch.nonzero(kmember, as_tuple=True)[0]
-        if qidx.numel() == 0 or kidx.numel() == 0:
-            continue
+def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
+    """All pairs that share a group, each counted once.
+
+    Queries are partitioned by their exact membership set S; class S attends causally to
+    the real keys of every group in S (one sorted union list, so a key sharing several
+    groups appears once). With ``top_k = 1`` every class is one group and its query list
+    equals its key list: one ``is_causal`` call per group. When there are more than
+    ``MAX_CLASSES`` classes (large ``C(K, top_k)``), each pair is instead assigned to the
+    lowest group the two tokens share: group g attends to its members, excluding (by mask)
+    keys that share a lower group with the query.
+    """
+    kmember = kg if real is None else kg & real[:, None]
+    has_group = qg.any(dim=-1)
+    classes, inverse = torch.unique(qg, dim=0, return_inverse=True)
+    if classes.shape[0] <= MAX_CLASSES:
+        for c in range(classes.shape[0]):
+            members = classes[c]
+            if not bool(members.any()):
+                continue  # queries in no group: local attention only
+            qidx = torch.nonzero(inverse == c, as_tuple=True)[0]
+            kidx = torch.nonzero(kmember[:, members].any(dim=-1), as_tuple=True)[0]
+            run.staircase(acc, qidx, qidx + offset, kidx, kidx)
+        return
+    for g in range(qg.shape[-1]):
+        qidx = torch.nonzero(qg[:, g] & has_group, as_tuple=True)[0]
+        kidx = torch.nonzero(kmember[:, g], as_tuple=True)[0]
         if g == 0:
-            classes = [(qidx, None)]
+            run.staircase(acc, qidx, qidx + offset, kidx, kidx)
         else:
-            lower = qg[qidx, :g]  # [nq_g, g] memberships below g
-            if not bool(lower.any()):
-                classes = [(qidx, None)]
-            else:
-                uniq, inverse = torch.unique(lower, dim=0, return_inverse=True)
-                classes = [(qidx[inverse == c], uniq[c]) for c in range(uniq.shape[0])]
-        for cls_q, cls_lower in classes:
-            cls_k = kidx
-            if cls_lower is not None and bool(cls_lower.any()):
-                # drop keys that share a lower group with this class: counted there already
-                keep = ~kg[kidx][:, :g][:, cls_lower].any(dim=-1)
-                cls_k = kidx[keep]
-            run.staircase(parts, cls_q, cls_q + offset, cls_k, cls_k.to(device))
+            run.staircase(acc, qidx, qidx + offset, kidx, kidx, qg[qidx, :g], kmember[kidx, :g])
 
 
 def sparse_attention(
@@ -295,20 +374,20 @@ def sparse_attention(
             and softcap is None
         )
         backend = "cpu_flash" if fast else "math"
-    elif backend == "cpu_flash":
-        if query.device.type != "cpu" or softcap is not None:
-            fail("backend", "'cpu_flash'", "CPU tensors and softcap=None ('math' otherwise)")
+    elif backend == "cpu_flash" and (query.device.type != "cpu" or softcap is not None):
+        fail("backend", "'cpu_flash'", "CPU tensors and softcap=None ('math' otherwise)")
 
     offset = nk - nq
     outs, lses = [], []
     for i in range(b):
         real = None if key_padding_mask is None else key_padding_mask[i]
         run = _Runner(query[i], key[i], value[i], scale, softcap, backend)
-        parts = _Parts(h, nq)
+        acc_type = _Collect if backend == "math" else _Accumulate
+        acc = acc_type(h, nq, d, query.dtype, query.device)
         qg, kg = query_groups[i], key_groups[i]
-        _groups(parts, run, qg, kg, real, offset)
-        run.band(parts, qg, kg, real, offset, window)
-        out, lse = parts.merge(d, query.dtype, query.device)
+        _groups(acc, run, qg, kg, real, offset)
+        run.band(acc, qg, kg, real, offset, window)
+        out, lse = acc.result()
         outs.append(out)
         lses.append(lse)
     out = torch.stack(outs)

@@ -1,0 +1,333 @@
+"""Benchmarks: ``focus bench kernel`` (attention op against dense SDPA).
+
+Timings live here and in ``benchmarks/``, never in pass/fail tests. Every result file
+records the configuration, library versions and hardware it was measured with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware, for every result file (product decision)."""
+    import torch
+
+    from . import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            names = re.findall(r"model name\s*:\s*(.+)", fh.read())
+        if names:
+            cpu = names[0].strip()
+    except OSError:
+        pass
+    return {
+        "focus_attention": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and ``os.replace`` (atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            match = re.search(rf"{key}:\s+(\d+)", fh.read())
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> int | None:
+    """Peak resident memory (bytes) that one call of ``fn`` adds above the memory held
+    before it, on Linux via ``/proc/self/clear_refs`` (resets the peak) and ``VmHWM``;
+    ``None`` where that is unavailable. Measures the whole process: run nothing else."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    result = fn()
+    peak = _status_kib("VmHWM")
+    del result
+    if before is None or peak is None:
+        return None
+    return max(0, peak - before) * 1024
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list]:
+    """Median wall-clock seconds of ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> Any:
+    """Random memberships with exactly ``n * top_k / K`` tokens per group (up to rounding):
+    token ``i`` joins groups ``(p_i + r) mod K`` for ``r`` in ``0..top_k-1``, where ``p`` is a
+    random permutation of ``arange(n) mod K``. Returns bool ``[1, n, K]``."""
+    import torch
+
+    first = torch.arange(n) % num_groups
+    first = first[torch.randperm(n, generator=generator)]
+    groups = (first[:, None] + torch.arange(top_k)[None, :]) % num_groups
+    out = torch.zeros(1, n, num_groups, dtype=torch.bool)
+    out[0].scatter_(1, groups, True)
+    return out
+
+
+def run_kernel_benchmark(
+    lengths=KERNEL_LENGTHS,
+    top_ks=(1, 2),
+    *,
+    num_heads: int = 9,
+    num_key_value_heads: int = 3,
+    head_dim: int = 64,
+    window: int = 128,
+    num_groups: int = 8,
+    repeats: int = 3,
+    memory: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Dense causal SDPA against :func:`focus_attention.sparse_attention`, same process.
+
+    Returns a dict with ``config``, ``environment`` and ``rows`` (one per ``(N, top_k)``):
+    seconds (median of ``repeats`` after one warm-up) of each, speedup, density (fraction
+    of causal pairs kept), ideal speedup ``1 / density``, efficiency ``speedup / ideal`` and
+    the peak extra resident bytes of one call of each.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from .ops import pairs_retained, sparse_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    combos = [(n, k) for n in lengths for k in top_ks]
+    bar = tqdm(combos, desc="kernel", disable=not progress)
+    for n, top_k in bar:
+        bar.set_postfix(N=n, top_k=top_k)
+        q = torch.randn(1, num_heads, n, head_dim, generator=gen)
+        k = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen)
+        v = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen)
+        groups = balanced_memberships(n, num_groups, top_k, gen)
+
+        def dense(q=q, k=k, v=v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+
+        def sparse(q=q, k=k, v=v, groups=groups):
+            return sparse_attention(q, k, v, groups, groups, window)
+
+        with torch.inference_mode():
+            dense_s, dense_all = median_seconds(dense, repeats)
+            sparse_s, sparse_all = median_seconds(sparse, repeats)
+            dense_mem = peak_extra_bytes(dense) if memory else None
+            sparse_mem = peak_extra_bytes(sparse) if memory else None
+        density = pairs_retained(groups, groups, window)
+        speedup = dense_s / sparse_s
+        ideal = 1.0 / density
+        rows.append(
+            {
+                "N": n,
+                "top_k": top_k,
+                "dense_s": dense_s,
+                "sparse_s": sparse_s,
+                "dense_runs_s": dense_all,
+                "sparse_runs_s": sparse_all,
+                "speedup": speedup,
+                "density": density,
+                "ideal_speedup": ideal,
+                "efficiency": speedup / ideal,
+                "dense_peak_bytes": dense_mem,
+                "sparse_peak_bytes": sparse_mem,
+            }
+        )
+    config = {
+        "lengths": list(lengths),
+        "top_ks": list(top_ks),
+        "batch_size": 1,
+        "num_heads": num_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "window": window,
+        "num_groups": num_groups,
+        "dtype": "float32",
+        "repeats": repeats,
+        "warmup": 1,
+        "seed": seed,
+        "memberships": "balanced random (bench.balanced_memberships)",
+        "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
+        "memory": "peak extra resident bytes of one call (VmHWM after clear_refs)",
+    }
+    return {"benchmark": "kernel", "config": config, "environment": environment(), "rows": rows}
+
+
+def kernel_table(result: dict[str, Any]) -> str:
+    """Markdown table of a kernel benchmark result."""
+
+    def mib(x):
+        return "n/a" if x is None else f"{x / 2**20:.0f}"
+
+    lines = [
+        "| N | top_k | dense s | sparse s | speedup | density | ideal | efficiency "
+        "| dense MiB | sparse MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['N']} | {r['top_k']} | {r['dense_s']:.3f} | {r['sparse_s']:.3f} "
+            f"| {r['speedup']:.2f}x | {r['density']:.3f} | {r['ideal_speedup']:.2f}x "
+            f"| {r['efficiency']:.2f} | {mib(r['dense_peak_bytes'])} "
+            f"| {mib(r['sparse_peak_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG plot of measured and ideal speedup against N, one line pair per top_k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for top_k in sorted({r["top_k"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["top_k"] == top_k]
+        ns = [r["N"] for r in rows]
+        (line,) = ax.plot(ns, [r["speedup"] for r in rows], "o-", label=f"top_k={top_k} measured")
+        ax.plot(
+            ns,
+            [r["ideal_speedup"] for r in rows],
+            "--",
+            color=line.get_color(),
+            label=f"top_k={top_k} ideal (1/density)",
+        )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N (tokens)")
+    ax.set_ylabel("speedup over dense causal SDPA")
+    cfg = result["config"]
+    ax.set_title(
+        f"Focus sparse attention, K={cfg['num_groups']}, window={cfg['window']}, "
+        f"H={cfg['num_heads']}/{cfg['num_key_value_heads']}, D={cfg['head_dim']}, fp32",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _cmd_kernel(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_kernel_benchmark(
+        lengths=tuple(args.lengths),
+        top_ks=tuple(args.top_k),
+        window=args.window,
+        num_groups=args.num_groups,
+        repeats=args.repeats,
+        memory=not args.no_memory,
+        seed=args.seed,
+    )
+    print(kernel_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_kernel(result, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    """Add ``focus bench`` and its sub-commands."""
+    bench = subparsers.add_parser("bench", help="speed benchmarks (write JSON results)")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    kernel = sub.add_parser(
+        "kernel",
+        help="sparse_attention against dense causal SDPA (SmolLM2-135M attention shape)",
+        description="Times dense torch SDPA (is_causal) against focus sparse_attention in "
+        "one process, fp32, B=1, H=9, H_kv=3, D=64, and reports speedup, density, ideal "
+        "speedup (1/density), efficiency and peak memory.",
+    )
+    kernel.add_argument("--json", help="write results to this JSON file")
+    kernel.add_argument("--plot", help="PNG plot path (default: the JSON path with .png)")
+    kernel.add_argument(
+        "--lengths", type=int, nargs="+", default=list(KERNEL_LENGTHS), help="tokens"
+    )
+    kernel.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    kernel.add_argument("--num-groups", type=int, default=8)
+    kernel.add_argument("--window", type=int, default=128, help="local window (tokens)")
+    kernel.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
+    kernel.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    kernel.add_argument("--seed", type=int, default=0)
+    kernel.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    kernel.set_defaults(func=_cmd_kernel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m focus_attention.bench ...`` (same as ``focus bench ...``)."""
+    parser = argparse.ArgumentParser(prog="python -m focus_attention.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # reuse the `focus bench` sub-commands directly
+    register_cli(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
