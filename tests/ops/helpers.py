@@ -1,0 +1,357 @@
+"""Shared builders and independent oracles for the op-level exactness tests.
+
+Everything here is written from the contract (issue 2, section 2) and the spec
+(``focus-method.md`` sections 1-5), not from the implementation: the brute-force mask, the
+float64 attention and the Sinkhorn reference are deliberately naive so that a bug in the ops
+cannot hide in a shared helper.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from focus_attention.ops import dense_attention, focus_mask, sparse_attention
+
+#: the two explicit sparse backends every exactness test runs on.
+BACKENDS = ("cpu_flash", "math")
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: contract tolerance for fp32 outputs (max abs error against the exact result).
+FP32_ATOL = 1e-5
+
+#: hypothesis settings: reproducible in CI (derandomize), no per-example deadline (the CPUs
+#: are shared), a moderate number of examples to keep tests/ops under ~3 minutes.
+HYP = settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+#: the same, fewer examples, for the costlier properties (each example runs several calls).
+HYP_SMALL = settings(HYP, max_examples=20)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def block_lengths() -> list[int]:
+    """Sequence lengths around every block size the sparse implementation exposes (and the
+    documented 256), so the grids keep hitting block edges if the constants are retuned."""
+    import focus_attention.ops.sparse as sparse_mod
+
+    sizes = {64, 256}
+    for name in dir(sparse_mod):
+        value = getattr(sparse_mod, name)
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name.isupper() and is_int and 8 <= value <= 1024:
+            sizes.add(value)
+    lengths = set()
+    for b in sizes:
+        lengths.update({b - 1, b + 1, 2 * b + 3})
+    return sorted(n for n in lengths if n <= 1100)
+
+
+# --------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One sparse-attention problem: tensors plus the window."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    window: int
+    kpm: torch.Tensor | None = None
+
+    def to(self, dtype: torch.dtype) -> Case:
+        return replace(self, q=self.q.to(dtype), k=self.k.to(dtype), v=self.v.to(dtype))
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nk(self) -> int:
+        return self.k.shape[2]
+
+    def sparse(self, backend: str = "auto", **kw):
+        return sparse_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.qg,
+            self.kg,
+            self.window,
+            key_padding_mask=self.kpm,
+            backend=backend,
+            **kw,
+        )
+
+    def mask(self) -> torch.Tensor:
+        return brute_mask(self.qg, self.kg, self.window, self.kpm)
+
+
+def topk_groups(
+    g: torch.Generator, batch: int, n: int, groups: int, top_k: int, used: int | None = None
+) -> torch.Tensor:
+    """Each token joins exactly ``top_k`` distinct groups drawn uniformly among the first
+    ``used`` groups (``used < groups`` leaves the remaining groups empty)."""
+    used = groups if used is None else used
+    top_k = min(top_k, used)
+    order = torch.rand(batch, n, used, generator=g).argsort(dim=-1)[..., :top_k]
+    out = torch.zeros(batch, n, groups, dtype=torch.bool)
+    out[..., :used] = torch.zeros(batch, n, used, dtype=torch.bool).scatter_(-1, order, True)
+    return out
+
+
+def padding_mask(
+    g: torch.Generator, batch: int, n: int, kind: str | None, lengths: list[int] | None = None
+) -> torch.Tensor | None:
+    """``[B, n]`` bool, True = real. ``kind``: None, "left", "right" or "random"."""
+    if kind is None:
+        return None
+    if kind == "random":
+        m = torch.rand(batch, n, generator=g) < 0.75
+        return m
+    if lengths is None:
+        lengths = [int(torch.randint(0, n + 1, (1,), generator=g)) for _ in range(batch)]
+        lengths[0] = n  # one full row keeps most cases non-trivial
+    m = torch.zeros(batch, n, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        if kind == "left":
+            m[b, n - length :] = True
+        else:
+            m[b, :length] = True
+    return m
+
+
+def make_case(
+    *,
+    batch: int = 1,
+    heads: int = 2,
+    kv_heads: int | None = None,
+    nq: int | None = None,
+    nk: int = 64,
+    dim: int = 16,
+    groups: int = 4,
+    top_k: int = 1,
+    window: int = 8,
+    padding: str | None = None,
+    lengths: list[int] | None = None,
+    membership: str = "topk",
+    query_membership: str = "aligned",
+    used_groups: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Case:
+    """Random inputs for one problem.
+
+    membership: "topk" (exactly ``top_k`` groups per token), "random" (each token in each
+    group with probability 0.3, so some tokens have no group and some groups are empty) or
+    "none" (no token in any group: local attention only).
+    query_membership: "aligned" (the queries are the last ``nq`` keys and carry their
+    memberships, as in a model) or "independent" (memberships differ between the lists).
+    """
+    g = gen(seed)
+    kv_heads = heads if kv_heads is None else kv_heads
+    nq = nk if nq is None else nq
+    q = torch.randn(batch, heads, nq, dim, generator=g)
+    k = torch.randn(batch, kv_heads, nk, dim, generator=g)
+    v = torch.randn(batch, kv_heads, nk, dim, generator=g)
+
+    def draw(n: int) -> torch.Tensor:
+        if membership == "topk":
+            return topk_groups(g, batch, n, groups, top_k, used_groups)
+        if membership == "random":
+            m = torch.rand(batch, n, groups, generator=g) < 0.3
+            if used_groups is not None:
+                m[..., used_groups:] = False
+            return m
+        if membership == "none":
+            return torch.zeros(batch, n, groups, dtype=torch.bool)
+        raise AssertionError(membership)
+
+    kg = draw(nk)
+    qg = kg[:, nk - nq :].clone() if query_membership == "aligned" else draw(nq)
+    kpm = padding_mask(g, batch, nk, padding, lengths)
+    case = Case(q, k, v, qg, kg, window, kpm)
+    return case.to(dtype) if dtype != torch.float32 else case
+
+
+# --------------------------------------------------------------------------------------
+# independent oracles
+# --------------------------------------------------------------------------------------
+
+
+def brute_mask(
+    qg: torch.Tensor, kg: torch.Tensor, window: int, kpm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The contract's mask written out literally: query t sits at ``Nk - Nq + t``; key j is
+    visible iff ``j <= i``, j is real, and ``i - j < window`` or they share a group."""
+    batch, nq, _ = qg.shape
+    nk = kg.shape[1]
+    i = torch.arange(nk - nq, nk)[:, None]
+    j = torch.arange(nk)[None, :]
+    share = (qg[:, :, None, :] & kg[:, None, :, :]).any(dim=-1)
+    mask = (j <= i) & ((i - j < window) | share)
+    if kpm is not None:
+        mask = mask & kpm[:, None, :]
+    return mask
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 masked softmax attention, GQA by head index arithmetic; a row with no
+    visible key gives zeros and lse -inf. Returns ``(out float64, lse float64)``."""
+    batch, heads, nq, dim = q.shape
+    kv_heads = k.shape[1]
+    rep = heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    out = torch.zeros(batch, heads, nq, dim, dtype=torch.float64)
+    lse = torch.full((batch, heads, nq), -math.inf, dtype=torch.float64)
+    for h in range(heads):
+        kh, vh = k[:, h // rep].double(), v[:, h // rep].double()
+        logits = q[:, h].double() @ kh.transpose(-1, -2) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~mask, -math.inf)
+        row = mask.any(dim=-1)
+        safe = torch.where(row[..., None], logits, torch.zeros_like(logits))
+        l_h = torch.logsumexp(safe, dim=-1)
+        p = torch.exp(safe - l_h[..., None]) * mask
+        out[:, h] = p @ vh
+        lse[:, h] = torch.where(row, l_h, torch.full_like(l_h, -math.inf))
+    return out, lse
+
+
+def oracle(case: Case, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's oracle, ``dense_attention(..., focus_mask(...))``, in float64 on the
+    case's (possibly half-precision) values."""
+    mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
+    return dense_attention(case.q.double(), case.k.double(), case.v.double(), mask, **kw)
+
+
+def sdpa_in_dtype(case: Case, mask: torch.Tensor) -> torch.Tensor:
+    """Dense attention computed in the case's own dtype by PyTorch SDPA with a boolean
+    mask (the production dense path); rows with no visible key are set to zero as the
+    contract requires (SDPA leaves them undefined)."""
+    rep = case.q.shape[1] // case.k.shape[1]
+    k = case.k.repeat_interleave(rep, dim=1)
+    v = case.v.repeat_interleave(rep, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(case.q, k, v, attn_mask=mask[:, None])
+    return torch.where(mask.any(-1)[:, None, :, None], out, torch.zeros_like(out))
+
+
+def assert_matches_oracle(case: Case, out: torch.Tensor, lse: torch.Tensor | None = None):
+    """The contract's accuracy rule.
+
+    fp32: max abs error <= 1e-5 against the exact (float64) result.
+    bf16/fp16: the error against a high-precision reference (float64 on the same half
+    inputs, i.e. at least as accurate as the contract's fp32 reference) is at most twice the
+    error of dense SDPA run in that dtype. A tiny absolute floor of half an ulp of the
+    largest reference value (one rounding of the output) stops a dense error of exactly 0
+    (e.g. one visible key) from making the check flaky.
+    """
+    ref, ref_lse = oracle(case)
+    assert out.shape == case.q.shape
+    assert out.dtype == case.q.dtype
+    assert torch.isfinite(out).all(), "non-finite output"
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    if case.q.dtype == torch.float32:
+        assert err <= FP32_ATOL, f"fp32 max abs error {err:.3g} > {FP32_ATOL}"
+    else:
+        dense = sdpa_in_dtype(case, focus_mask(case.qg, case.kg, case.window, case.kpm))
+        dense_err = (dense.double() - ref).abs().max().item() if out.numel() else 0.0
+        floor = 0.5 * torch.finfo(case.q.dtype).eps * ref.abs().max().item()
+        bound = 2 * max(dense_err, floor)
+        assert err <= bound, (
+            f"{case.q.dtype} sparse error {err:.3g} > 2 x dense error "
+            f"{dense_err:.3g} (floor {floor:.3g})"
+        )
+    empty = ~case.mask().any(dim=-1)  # [B, Nq]
+    assert (out[empty[:, None].expand_as(out[..., 0])] == 0).all(), "empty row not zero"
+    if lse is not None:
+        assert lse.shape == case.q.shape[:3]
+        assert lse.dtype == torch.float32
+        assert not torch.isnan(lse).any(), "NaN lse"
+        assert not (lse == math.inf).any(), "+inf lse"
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse -inf pattern"
+        fin = torch.isfinite(ref_lse)
+        tol = 1e-4 if case.q.dtype == torch.float32 else 5e-2
+        if fin.any():
+            lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
+            assert lerr <= tol, f"lse error {lerr:.3g} > {tol}"
+
+
+def sinkhorn_reference(
+    log_scores: torch.Tensor, n_iter: int, padding: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float64 log-domain Sinkhorn exactly as spec section 2 describes it."""
+    x = log_scores.double()
+    if padding is not None:
+        x = x.masked_fill(~padding[..., None], -math.inf)
+    for _ in range(n_iter):
+        col = torch.logsumexp(x, dim=1, keepdim=True)
+        x = x - torch.where(torch.isfinite(col), col, torch.zeros_like(col))
+        row = torch.logsumexp(x, dim=2, keepdim=True)
+        x = x - torch.where(torch.isfinite(row), row, torch.zeros_like(row))
+    p = x.exp()
+    if padding is not None:
+        p = p.masked_fill(~padding[..., None], 0.0)
+    return p
+
+
+# --------------------------------------------------------------------------------------
+# hypothesis strategies
+# --------------------------------------------------------------------------------------
+
+
+@st.composite
+def case_params(draw, max_nk: int = 96, long_nk: int = 300) -> dict:
+    """Keyword arguments for :func:`make_case` covering the contract's whole input space:
+    GQA/MQA, prefill/decode/chunked, K and top_k, windows from 1 to beyond N, padding,
+    membership kinds, lengths across block edges (occasionally)."""
+    kv_heads = draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 3))
+    if draw(st.integers(0, 5)) == 0:
+        nk = draw(st.integers(max_nk, long_nk))
+    else:
+        nk = draw(st.integers(1, max_nk))
+    mode = draw(st.sampled_from(["prefill", "decode", "chunk"]))
+    nq = {"prefill": nk, "decode": 1, "chunk": draw(st.integers(1, nk))}[mode]
+    groups = draw(st.integers(1, 6))
+    top_k = draw(st.integers(1, groups))
+    window = draw(st.one_of(st.integers(1, 8), st.integers(1, nk + 4)))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        heads=heads,
+        kv_heads=kv_heads,
+        nq=nq,
+        nk=nk,
+        dim=draw(st.sampled_from([1, 3, 8, 16, 32])),
+        groups=groups,
+        top_k=top_k,
+        window=window,
+        padding=draw(st.sampled_from([None, None, "left", "right", "random"])),
+        membership=draw(st.sampled_from(["topk", "topk", "random", "none"])),
+        query_membership=draw(st.sampled_from(["aligned", "aligned", "independent"])),
+        used_groups=draw(st.one_of(st.none(), st.integers(1, groups))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
