@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.autograd.gradcheck import GradcheckError
 
 from focus_attention.ops import sinkhorn, topk_memberships
 
@@ -158,7 +159,7 @@ def test_gradients_with_padding_are_finite_and_match_float64_reference():
 
 @pytest.mark.xfail(
     strict=True,
-    raises=AssertionError,
+    raises=(AssertionError, GradcheckError),
     reason="BUG: sinkhorn casts float64 input to fp32 (log_scores.float()), so a float64 "
     "gradcheck (required by issue 2, section 3) cannot pass; compute in "
     "promote_types(dtype, float32) instead",
