@@ -1,0 +1,171 @@
+"""C05 (decode equals prefill) and the KV-cache rules of issue 3 section 3, on every
+supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import ARCHS, focus, ids
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from focus_attention.hf import FocusCacheLayer
+
+PROMPT, NEW = 300, 40
+
+
+def greedy(model, x, use_cache: bool, new: int = NEW, **kw):
+    with torch.no_grad():
+        return model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new,
+            do_sample=False,
+            use_cache=use_cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_c05_generate_with_cache_equals_without(arch):
+    _, fm = focus(arch, num_groups=4, top_k=1, window=32)
+    x = ids(1, PROMPT, seed=11)
+    cached, plain = greedy(fm, x, True), greedy(fm, x, False)
+    assert torch.equal(cached.sequences, plain.sequences)
+    assert len(cached.logits) == NEW
+    for a, b in zip(cached.logits, plain.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4
+    # Focus layers kept every key; the groups of cached keys were kept alongside
+    total = PROMPT + NEW - 1
+    for i in fm.focus_layers:
+        layer = cached.cache.layers[i]
+        assert isinstance(layer, FocusCacheLayer)
+        assert layer.keys.shape[2] == total and layer.groups.shape[1] == total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_c05_chunked_prefill_equals_full_forward(arch):
+    """Prefill 256, then 3 tokens at once, then 1 at a time: every chunk's logits equal the
+    matching rows of a full forward, and so do the groups each chunk used."""
+    _, fm = focus(arch, num_groups=4, top_k=2, window=32)
+    x = ids(1, 264, seed=12)
+    with torch.no_grad(), fm.record_routing() as full_rec:
+        full = fm(input_ids=x, use_cache=False).logits
+    cache = DynamicCache(config=fm.config)
+    bounds = [(0, 256), (256, 259)] + [(i, i + 1) for i in range(259, 264)]
+    chunk_rec = []
+    for start, stop in bounds:
+        with torch.no_grad(), fm.record_routing() as rec:
+            out = fm(input_ids=x[:, start:stop], cache=cache, use_cache=True).logits
+        chunk_rec.append(rec)
+        assert (out - full[:, start:stop]).abs().max() <= 1e-5, (start, stop)
+    for layer in fm.focus_layers:
+        want = next(r["query_groups"] for r in full_rec if r["layer"] == layer)
+        got = torch.cat(
+            [next(r["query_groups"] for r in rec if r["layer"] == layer) for rec in chunk_rec], 1
+        )
+        assert torch.equal(got, want), layer
+        assert torch.equal(cache.layers[layer].groups, want)
+
+
+def test_mistral_sliding_window_config_keeps_every_key_on_focus_layers():
+    """Mistral with config.sliding_window: transformers builds window-truncated cache layers;
+    Focus layers must keep every key (and equal no-cache generation)."""
+    _, fm = focus(
+        "mistral", num_groups=4, top_k=1, window=8, model_overrides=dict(sliding_window=16)
+    )
+    assert fm.focus_layers == [0, 1]
+    x = ids(1, 60, seed=13)
+    cached, plain = greedy(fm, x, True, new=12), greedy(fm, x, False, new=12)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b in zip(cached.logits, plain.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4
+    for layer in cached.cache.layers:
+        assert isinstance(layer, FocusCacheLayer) and layer.keys.shape[2] == 60 + 11
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_sliding_layers_are_left_as_they_are(arch):
+    ref, fm = focus(arch, num_groups=4, top_k=1, window=8)
+    assert fm.focus_layers == [1]  # layer 0 is a sliding-window layer
+    x = ids(1, 50, seed=14)
+    cached, plain = greedy(fm, x, True, new=10), greedy(fm, x, False, new=10)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b in zip(cached.logits, plain.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4
+    assert isinstance(cached.cache.layers[0], DynamicSlidingWindowLayer)
+    assert isinstance(cached.cache.layers[1], FocusCacheLayer)
+    assert cached.cache.layers[1].keys.shape[2] == 59
+    # an explicitly chosen sliding layer gets Focus and a full cache
+    _, fm_all = focus(arch, num_groups=4, top_k=1, window=8, layers=[0, 1])
+    out = greedy(fm_all, x, True, new=10)
+    assert all(isinstance(layer, FocusCacheLayer) for layer in out.cache.layers)
+    assert torch.equal(out.sequences, greedy(fm_all, x, False, new=10).sequences)
+
+
+def test_left_padded_batch_generation_with_cache_equals_without():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    x = ids(2, 40, seed=15)
+    mask = torch.ones_like(x)
+    mask[1, :17] = 0
+    kw = dict(max_new_tokens=15, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        a = fm.generate(x, attention_mask=mask, use_cache=True, **kw)
+        b = fm.generate(x, attention_mask=mask, use_cache=False, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for u, v in zip(a.logits, b.logits, strict=True):
+        assert (u - v).abs().max() <= 1e-4
+
+
+def test_beam_search_reorders_cached_groups():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 40, seed=16)
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=8, num_beams=3, do_sample=False)
+    with torch.no_grad():
+        a = fm.generate(x, use_cache=True, **kw)
+        b = fm.generate(x, use_cache=False, **kw)
+    assert torch.equal(a, b)
+
+
+def test_sequence_routing_refuses_a_kv_cache():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8, inference_routing="sequence")
+    x = ids(1, 30, seed=17)
+    with torch.no_grad():
+        out = fm(input_ids=x).logits  # use_cache defaults to False in this mode
+        assert torch.isfinite(out).all()
+        with pytest.raises(ValueError, match="not causal"):
+            fm(input_ids=x, use_cache=True)
+        with pytest.raises(ValueError, match="not causal"):
+            fm.generate(x, max_new_tokens=2, use_cache=True)
+        with pytest.raises(ValueError, match="not causal"):  # the base model called directly
+            fm.base_model(input_ids=x, use_cache=True)
+        gen = fm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False)
+        assert gen.shape == (1, 33)
+
+
+def test_soft_routing_cannot_continue_a_cache():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 20, seed=18)
+    cache = DynamicCache(config=fm.config)
+    with torch.no_grad():
+        fm(input_ids=x[:, :10], cache=cache, use_cache=True)
+        fm.set_routing("soft")
+        with pytest.raises(ValueError, match="cannot continue from a KV cache"):
+            fm(input_ids=x[:, 10:], cache=cache, use_cache=True)
+
+
+def test_static_and_foreign_caches_are_refused():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 12, seed=19)
+    with torch.no_grad():
+        static = StaticCache(config=fm.config, max_cache_len=32)
+        with pytest.raises(ValueError, match="dynamic KV cache"):
+            fm(input_ids=x, cache=static, use_cache=True)
+        filled = DynamicCache(config=fm.config)
+        with fm.disable_focus():
+            fm(input_ids=x, cache=filled, use_cache=True)
+        with pytest.raises(ValueError, match="computed without Focus"):
+            fm(input_ids=x[:, :1], cache=filled, use_cache=True)
