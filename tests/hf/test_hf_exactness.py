@@ -41,7 +41,9 @@ def test_topk_equals_base_under_left_padding(arch):
     x, mask = left_pad([ids(1, 40, seed=2)[0], ids(1, 13, seed=3)[0]])
     kw = dict(attention_mask=mask, position_ids=positions(mask))
     real = mask.bool()
-    torch.testing.assert_close(logits(fm, x, **kw)[real], logits(ref, x, **kw)[real], atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        logits(fm, x, **kw)[real], logits(ref, x, **kw)[real], atol=TOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
