@@ -308,6 +308,12 @@ def test_token_blocks():
     sep = token_blocks(tok, docs[:1] + docs[2:3], 9, separator_id=0)
     assert sep.flatten().tolist() == ids[0] + [0] + ids[1]
     assert token_blocks(tok, "the a of and", 2).shape == (2, 2)  # a single string
+    tok.bos_token = "[UNK]"
+    bos = token_blocks(tok, docs, 5, prepend_bos=True)
+    assert bos.shape == (3, 5) and (bos[:, 0] == tok.bos_token_id).all()
+    assert bos[:, 1:].flatten().tolist() == stream[:12]
+    with pytest.raises(ValueError, match="BOS"):
+        token_blocks(_tokenizer(), docs, 5, prepend_bos=True)
     with pytest.raises(ValueError, match="not enough"):
         token_blocks(tok, ["the a"], 8)
     with pytest.raises(ValueError, match="seq_len"):

@@ -656,6 +656,7 @@ def token_blocks(
     *,
     max_tokens: int | None = None,
     separator_id: int | None = None,
+    prepend_bos: bool = False,
 ) -> torch.Tensor:
     """Tokenise documents into non-overlapping fixed-length blocks.
 
@@ -672,6 +673,10 @@ def token_blocks(
         max_tokens: cap on the tokens taken from the stream before cutting (documents after
             the cap are not tokenised).
         separator_id: token id placed between documents (default ``tokenizer.eos_token_id``).
+        prepend_bos: start every block with ``tokenizer.bos_token_id`` followed by
+            ``seq_len - 1`` stream tokens (``max_tokens`` then counts stream tokens). Models
+            trained with a BOS at every sequence start (e.g. Gemma) need it for sane
+            perplexity; SmolLM2 does not use one.
 
     Returns:
         ``torch.LongTensor`` of shape ``[n_blocks, seq_len]``.
@@ -686,6 +691,10 @@ def token_blocks(
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    bos = getattr(tokenizer, "bos_token_id", None) if prepend_bos else None
+    if prepend_bos and (bos is None or seq_len < 2):
+        raise ValueError("prepend_bos needs a tokenizer with a BOS token and seq_len >= 2")
+    width = seq_len - 1 if prepend_bos else seq_len
     sep = separator_id if separator_id is not None else getattr(tokenizer, "eos_token_id", None)
     if sep is None:
         raise ValueError("the tokenizer has no EOS token to separate documents: pass separator_id")
@@ -713,12 +722,15 @@ def token_blocks(
     stream = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
     if max_tokens is not None:
         stream = stream[:max_tokens]
-    n_blocks = stream.numel() // seq_len
+    n_blocks = stream.numel() // width
     if n_blocks == 0:
         raise ValueError(
             f"only {stream.numel()} tokens: not enough for one block of seq_len={seq_len}"
         )
-    return stream[: n_blocks * seq_len].reshape(n_blocks, seq_len).clone()
+    blocks = stream[: n_blocks * width].reshape(n_blocks, width)
+    if prepend_bos:
+        blocks = torch.cat([torch.full((n_blocks, 1), int(bos), dtype=torch.long), blocks], 1)
+    return blocks.clone()
 
 
 # ---------------------------------------------------------------------------------------------
