@@ -366,7 +366,7 @@ def _austen_ppl(model, tok, *, prepend_bos: bool) -> float:
     from focus_attention.data import load_corpus, token_blocks
 
     blocks = token_blocks(tok, load_corpus("austen", quiet=True).texts("test"), 512,
-                          max_tokens=511, prepend_bos=prepend_bos)  # fmt: skip
+                          max_tokens=512 - prepend_bos, prepend_bos=prepend_bos)  # fmt: skip
     with torch.no_grad():
         return float(model(input_ids=blocks, labels=blocks).loss.exp())
 
