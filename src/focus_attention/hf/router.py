@@ -14,6 +14,12 @@ def _init_generator(seed: int, layer_idx: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + layer_idx) % (2**63 - 1))
 
 
+def _orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
+    """Q of the QR decomposition with a sign convention that makes it unique."""
+    q, r = torch.linalg.qr(x)
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
 class FocusRouter(nn.Module):
     """Routing of one attention layer (spec sections 1, 2 and 4).
 
@@ -23,12 +29,13 @@ class FocusRouter(nn.Module):
     ``bias_updates`` (how many soft-training batches fed it).
 
     Initialisation (product decision, deterministic from ``seed`` and ``layer_idx``):
-    ``proj`` has i.i.d. ``N(0, 1/d_model)`` entries (a random projection that keeps the
-    scale of its input); the centroids are ``K`` orthonormal directions (rows of a random
-    orthogonal matrix) when ``K <= d_g``, else ``K`` random unit vectors. The scores are
-    cosine similarities (:func:`focus_attention.ops.group_scores`), so for an isotropic
-    projected input every group is equally likely by symmetry: groups start balanced in
-    expectation. Pretrained hidden states share a mean direction that can favour one group;
+    ``proj`` has orthonormal columns (a random semi-orthogonal matrix, so an isotropic
+    hidden state projects to an isotropic ``d_g``-vector); the centroids are ``K``
+    orthonormal directions (rows of a random orthogonal matrix) when ``K <= d_g``, else ``K``
+    random unit vectors. The scores are cosine similarities
+    (:func:`focus_attention.ops.group_scores`), so for isotropic hidden states every group is
+    equally likely by symmetry when ``K <= d_g`` (approximately when ``K > d_g``): groups
+    start balanced in expectation. Pretrained hidden states share a mean direction that can favour one group;
     Sinkhorn balances soft routing by construction, and the calibrated ``routing_bias``
     (zero at initialisation) balances causal top-k routing once it has seen soft-routing
     batches (training or :meth:`FocusModel.calibrate`).
@@ -66,11 +73,10 @@ class FocusRouter(nn.Module):
     def reset_parameters(self, seed: int = 0) -> None:
         """Deterministic initialisation described in the class docstring (buffers zeroed)."""
         gen = _init_generator(seed, self.layer_idx)
-        proj = torch.randn(self.d_model, self.group_dim, generator=gen) / self.d_model**0.5
         k, d = self.num_groups, self.group_dim
+        proj = _orthonormal_columns(torch.randn(self.d_model, d, generator=gen))
         if k <= d:
-            q, r = torch.linalg.qr(torch.randn(d, k, generator=gen))
-            cents = (q * torch.sign(torch.diagonal(r))[None, :]).t()  # [K, d_g] orthonormal
+            cents = _orthonormal_columns(torch.randn(d, k, generator=gen)).t()  # [K, d_g]
         else:
             cents = torch.randn(k, d, generator=gen)
             cents = cents / cents.norm(dim=-1, keepdim=True)

@@ -1,0 +1,250 @@
+"""C13 (adapter files) and C14 (only centroids train), and the PEFT-like API."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from hf_models import ARCHS, build_model, focus, ids, left_pad
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from focus_attention.hf import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    FocusBaseMismatchWarning,
+    FocusConfig,
+    FocusModel,
+    get_focus_model,
+)
+
+# --------------------------------------------------------------------------------------------
+# C14: trainable parameters
+# --------------------------------------------------------------------------------------------
+
+
+def test_c14_gpt2_124m_trainable_parameters_exactly_148224(capsys):
+    with torch.device("meta"):
+        base = GPT2LMHeadModel(GPT2Config())  # 12 layers, d_model 768: GPT-2 124M
+    fm = get_focus_model(base, FocusConfig(num_groups=4, group_dim=16))
+    trainable, total = fm.get_nb_trainable_parameters()
+    assert trainable == 12 * (768 * 16 + 4 * 16) == 148_224
+    assert sum(p.numel() for p in fm.routers.parameters()) == 148_224
+    assert total == 148_224 + sum(p.numel() for p in base.parameters())
+    fm.print_trainable_parameters()
+    line = capsys.readouterr().out.strip()
+    assert line == (
+        f"trainable params: 148,224 || all params: {total:,d} || "
+        f"trainable%: {100 * 148_224 / total:.4f}"
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_c14_trainable_parameters_match_the_formula(arch):
+    _, fm = focus(arch, num_groups=4, group_dim=8)
+    d, n = fm.config.hidden_size, len(fm.focus_layers)
+    assert fm.get_nb_trainable_parameters()[0] == n * (d * 8 + 4 * 8)
+    assert all(not p.requires_grad for p in fm.base_model.parameters())
+
+
+def train_step(fm, x, mask):
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2, weight_decay=0.1)
+    fm.train()
+    out = fm(input_ids=x, attention_mask=mask, labels=x, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in fm.routers.named_parameters()}
+    opt.step()
+    return grads
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_c14_only_routers_change(arch, checkpointing):
+    _, fm = focus(arch, num_groups=4, top_k=1, window=8)
+    if checkpointing is not None:
+        fm.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
+        assert any(getattr(m, "gradient_checkpointing", False) for m in fm.base_model.modules())
+    before = {n: p.detach().clone() for n, p in fm.base_model.named_parameters()}
+    routers = {n: p.detach().clone() for n, p in fm.routers.named_parameters()}
+    x, mask = left_pad([ids(1, 40, seed=60)[0], ids(1, 25, seed=61)[0]])
+    grads = train_step(fm, x, mask)
+    for n, g in grads.items():
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
+    for n, p in fm.base_model.named_parameters():
+        assert torch.equal(p, before[n]), n  # byte-identical
+        assert p.grad is None
+    for n, p in fm.routers.named_parameters():
+        assert not torch.equal(p, routers[n]), n
+
+
+# --------------------------------------------------------------------------------------------
+# C13: adapter files
+# --------------------------------------------------------------------------------------------
+
+
+def trained(arch: str = "llama", **cfg):
+    _, fm = focus(arch, num_groups=4, top_k=1, window=8, **cfg)
+    x, mask = left_pad([ids(1, 40, seed=62)[0], ids(1, 25, seed=63)[0]])
+    train_step(fm, x, mask)
+    return fm.eval()
+
+
+def test_c13_save_and_reload_bit_identical(tmp_path):
+    fm = trained()
+    fm.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    assert set(tensors) == {
+        f"layer.{i}.{n}"
+        for i in fm.focus_layers
+        for n in ("proj", "centroids", "routing_bias", "bias_updates")
+    }
+    doc = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert doc["base_model_fingerprint"]["model_type"] == "llama"
+    assert doc["layers"] == fm.focus_layers
+    x = ids(2, 50, seed=64)
+    with torch.no_grad():
+        want = fm(input_ids=x).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same base: no mismatch warning
+        again = FocusModel.from_pretrained(build_model("llama"), tmp_path)
+    for (n1, a), (n2, b) in zip(
+        fm.routers.state_dict().items(), again.routers.state_dict().items(), strict=True
+    ):
+        assert n1 == n2 and torch.equal(a, b), n1
+    assert again.focus_config == fm.focus_config
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=x).logits, want)
+    # loading for inference: frozen and in eval (top-k) mode
+    assert not any(p.requires_grad for p in again.parameters())
+    assert again.routing_mode == "topk"
+    trainable = FocusModel.from_pretrained(build_model("llama"), tmp_path, is_trainable=True)
+    assert all(p.requires_grad for p in trainable.routers.parameters())
+
+
+def test_c13_save_overwrites_atomically(tmp_path):
+    fm = trained()
+    fm.save_pretrained(tmp_path)
+    first = (tmp_path / WEIGHTS_NAME).read_bytes()
+    with torch.no_grad():
+        for p in fm.routers.parameters():
+            p.add_(1.0)
+    fm.save_pretrained(tmp_path)
+    assert (tmp_path / WEIGHTS_NAME).read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(num_hidden_layers=3), "num_hidden_layers"),
+        (dict(hidden_size=96, intermediate_size=128), "hidden_size"),
+    ],
+)
+def test_c13_structure_mismatch_is_an_error(tmp_path, overrides, match):
+    trained().save_pretrained(tmp_path)
+    other = build_model("llama", **overrides)
+    with pytest.raises(ValueError, match=match):
+        FocusModel.from_pretrained(other, tmp_path)
+    assert other.config._attn_implementation != "focus"
+
+
+def test_c13_other_model_type_is_an_error(tmp_path):
+    trained().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model_type"):
+        FocusModel.from_pretrained(build_model("mistral"), tmp_path)
+
+
+def test_c13_same_shapes_different_weights_warns(tmp_path):
+    trained().save_pretrained(tmp_path)
+    with pytest.warns(FocusBaseMismatchWarning, match="same shapes but different weights"):
+        FocusModel.from_pretrained(build_model("llama", seed=1), tmp_path)
+
+
+def test_c13_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
+    trained().save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FocusModel.from_pretrained(build_model("llama", dtype=torch.bfloat16), tmp_path)
+
+
+@pytest.mark.parametrize("change", ["missing", "extra", "shape"])
+def test_c13_bad_weight_files_are_errors(tmp_path, change):
+    fm = trained()
+    fm.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    if change == "missing":
+        tensors.pop("layer.1.centroids")
+        match = r"missing keys \['layer.1.centroids'\]"
+    elif change == "extra":
+        tensors["layer.1.gate"] = torch.zeros(3)
+        match = r"unexpected keys \['layer.1.gate'\]"
+    else:
+        tensors["layer.0.proj"] = torch.zeros(3, 16)
+        match = "layer.0.proj has shape"
+    save_file(tensors, str(tmp_path / WEIGHTS_NAME))
+    base = build_model("llama")
+    with pytest.raises(ValueError, match=match):
+        FocusModel.from_pretrained(base, tmp_path)
+    # a failed load leaves the base model untouched and re-wrappable
+    assert base.config._attn_implementation != "focus"
+    get_focus_model(base, FocusConfig(num_groups=4))
+
+
+def test_missing_files_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        FocusModel.from_pretrained(build_model("llama"), tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# wrapping rules
+# --------------------------------------------------------------------------------------------
+
+
+def test_wrapping_twice_is_an_error_and_unload_allows_it_again():
+    base = build_model("llama")
+    fm = get_focus_model(base, FocusConfig(num_groups=4))
+    with pytest.raises(ValueError, match="already"):
+        get_focus_model(base, FocusConfig(num_groups=4))
+    fm.unload()
+    get_focus_model(base, FocusConfig(num_groups=4))
+
+
+def test_unsupported_model_type_lists_supported_ones():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = OPTForCausalLM(
+        OPTConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            ffn_dim=64,
+            word_embed_proj_dim=32,
+        )
+    )
+    with pytest.raises(ValueError) as err:
+        get_focus_model(opt, FocusConfig())
+    msg = str(err.value)
+    assert "'opt'" in msg
+    for name in ARCHS:
+        assert name in msg
+
+
+def test_layer_selection():
+    with pytest.raises(ValueError, match=r"layers \[5\] do not exist"):
+        get_focus_model(build_model("llama"), FocusConfig(layers=[0, 5]))
+    fm = get_focus_model(build_model("llama"), FocusConfig(num_groups=4, layers=[1]))
+    assert fm.focus_layers == [1] and list(fm.routers) == ["1"]
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        get_focus_model(build_model("gemma2", layer_types=["sliding_attention"] * 2), FocusConfig())
+
+
+def test_getattr_falls_through_to_the_base_model():
+    _, fm = focus("llama")
+    assert fm.config is fm.base_model.config
+    assert fm.get_input_embeddings() is fm.base_model.get_input_embeddings()

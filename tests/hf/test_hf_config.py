@@ -1,0 +1,77 @@
+"""FocusConfig: defaults, JSON round trip and validation (issue 3 section 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from focus_attention import FocusConfig as TopLevelFocusConfig
+from focus_attention import get_focus_model as top_level_get_focus_model
+from focus_attention.hf import FocusConfig, get_focus_model
+
+
+def test_defaults():
+    c = FocusConfig()
+    assert (c.num_groups, c.group_dim, c.window, c.top_k) == (8, 16, 128, 2)
+    assert (c.temperature, c.sinkhorn_iters) == (0.1, 10)
+    assert c.gate in ("paper", "log") and c.gate_sharpness > 0
+    assert c.sink_tokens == 4
+    assert (c.routing, c.inference_routing, c.layers, c.seed) == ("auto", "causal", None, 0)
+
+
+def test_top_level_exports():
+    assert TopLevelFocusConfig is FocusConfig
+    assert top_level_get_focus_model is get_focus_model
+
+
+def test_json_round_trip(tmp_path):
+    c = FocusConfig(num_groups=4, top_k=3, gate="paper", layers=[3, 1], seed=9, sink_tokens=0)
+    assert c.layers == [1, 3]
+    text = c.to_json_string()
+    assert json.loads(text)["format_version"] == 1
+    assert FocusConfig.from_json_string(text) == c
+    (tmp_path / "c.json").write_text(text)
+    assert FocusConfig.from_json_file(tmp_path / "c.json") == c
+    assert FocusConfig.from_dict(c.to_dict()) == c
+    assert c.replace(window=64).window == 64
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_groups", 0),
+        ("num_groups", 2.0),
+        ("group_dim", 0),
+        ("window", 0),
+        ("top_k", 0),
+        ("top_k", 9),  # > num_groups
+        ("temperature", 0.0),
+        ("temperature", float("nan")),
+        ("sinkhorn_iters", 0),
+        ("gate", "sigmoid"),
+        ("gate_sharpness", -1.0),
+        ("sink_tokens", -1),
+        ("routing", "hard"),
+        ("inference_routing", "future"),
+        ("layers", [0, 0]),
+        ("layers", [-1]),
+        ("layers", []),
+        ("layers", "0,1"),
+        ("seed", "0"),
+        ("bias_momentum", 0.0),
+        ("bias_momentum", True),
+    ],
+)
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"FocusConfig.{field}: received"):
+        FocusConfig(**{field: value})
+
+
+def test_unknown_keys_and_versions_are_errors():
+    with pytest.raises(ValueError, match="unknown keys"):
+        FocusConfig.from_dict({"num_groups": 4, "groups": 4})
+    with pytest.raises(ValueError, match="format_version"):
+        FocusConfig.from_dict({"format_version": 99})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        FocusConfig.from_json_string("{")
