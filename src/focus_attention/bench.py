@@ -7,6 +7,7 @@ records the configuration, library versions and hardware it was measured with.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -74,7 +75,9 @@ def _status_kib(key: str) -> int | None:
 def peak_extra_bytes(fn: Callable[[], Any]) -> int | None:
     """Peak resident memory (bytes) that one call of ``fn`` adds above the memory held
     before it, on Linux via ``/proc/self/clear_refs`` (resets the peak) and ``VmHWM``;
-    ``None`` where that is unavailable. Measures the whole process: run nothing else."""
+    ``None`` where that is unavailable. Measures the whole process, whose allocator may
+    reuse memory freed earlier: call it in a fresh process (see :func:`kernel_peak_memory`).
+    """
     import gc
 
     gc.collect()
@@ -90,6 +93,67 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int | None:
     if before is None or peak is None:
         return None
     return max(0, peak - before) * 1024
+
+
+def _kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]):
+    import torch
+
+    gen = torch.Generator().manual_seed(cfg["seed"] + 7919 * n + top_k)
+    q = torch.randn(1, cfg["num_heads"], n, cfg["head_dim"], generator=gen)
+    k = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
+    v = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
+    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    return q, k, v, groups
+
+
+def _kernel_call(method: str, q, k, v, groups, window: int):
+    import torch
+
+    from .ops import sparse_attention
+
+    if method == "dense":
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    return sparse_attention(q, k, v, groups, groups, window)
+
+
+def _peak_child(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
+    """Runs in a fresh process: warm the kernels on a small input, then measure one call."""
+    import torch
+
+    with torch.inference_mode():
+        small = _kernel_inputs(256, top_k, cfg)
+        _kernel_call(method, *small, cfg["window"])
+        inputs = _kernel_inputs(n, top_k, cfg)
+        peak = peak_extra_bytes(lambda: _kernel_call(method, *inputs, cfg["window"]))
+    print(json.dumps({"peak_bytes": peak}))
+
+
+def kernel_peak_memory(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> int | None:
+    """Peak extra resident bytes of one ``dense`` or ``sparse`` kernel call, measured in a
+    fresh Python process (so no memory freed by earlier calls is reused)."""
+    import subprocess
+
+    code = (
+        "import json, sys; from focus_attention.bench import _peak_child; "
+        "_peak_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))"
+    )
+    env = dict(os.environ)
+    import torch
+
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    # a fixed mmap threshold returns every freed block >= 64 KiB to the OS, so resident
+    # memory follows live tensors instead of glibc's cached arenas (same for both methods)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    out = subprocess.run(
+        [sys.executable, "-c", code, method, str(n), str(top_k), json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list]:
@@ -142,32 +206,32 @@ def run_kernel_benchmark(
     import torch
     from tqdm.auto import tqdm
 
-    from .ops import pairs_retained, sparse_attention
+    from .ops import pairs_retained
 
-    gen = torch.Generator().manual_seed(seed)
+    cfg = {
+        "num_heads": num_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "window": window,
+        "num_groups": num_groups,
+        "seed": seed,
+    }
     rows = []
     combos = [(n, k) for n in lengths for k in top_ks]
     bar = tqdm(combos, desc="kernel", disable=not progress)
     for n, top_k in bar:
         bar.set_postfix(N=n, top_k=top_k)
-        q = torch.randn(1, num_heads, n, head_dim, generator=gen)
-        k = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen)
-        v = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen)
-        groups = balanced_memberships(n, num_groups, top_k, gen)
-
-        def dense(q=q, k=k, v=v):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True
-            )
-
-        def sparse(q=q, k=k, v=v, groups=groups):
-            return sparse_attention(q, k, v, groups, groups, window)
-
+        inputs = _kernel_inputs(n, top_k, cfg)
+        groups = inputs[-1]
         with torch.inference_mode():
-            dense_s, dense_all = median_seconds(dense, repeats)
-            sparse_s, sparse_all = median_seconds(sparse, repeats)
-            dense_mem = peak_extra_bytes(dense) if memory else None
-            sparse_mem = peak_extra_bytes(sparse) if memory else None
+            dense_s, dense_all = median_seconds(
+                functools.partial(_kernel_call, "dense", *inputs, window), repeats
+            )
+            sparse_s, sparse_all = median_seconds(
+                functools.partial(_kernel_call, "sparse", *inputs, window), repeats
+            )
+        dense_mem = kernel_peak_memory("dense", n, top_k, cfg) if memory else None
+        sparse_mem = kernel_peak_memory("sparse", n, top_k, cfg) if memory else None
         density = pairs_retained(groups, groups, window)
         speedup = dense_s / sparse_s
         ideal = 1.0 / density
@@ -202,7 +266,7 @@ def run_kernel_benchmark(
         "seed": seed,
         "memberships": "balanced random (bench.balanced_memberships)",
         "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
-        "memory": "peak extra resident bytes of one call (VmHWM after clear_refs)",
+        "memory": "peak extra resident bytes of one call in a fresh process (VmHWM after clear_refs; MALLOC_MMAP_THRESHOLD_=65536)",
     }
     return {"benchmark": "kernel", "config": config, "environment": environment(), "rows": rows}
 

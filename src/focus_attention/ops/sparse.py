@@ -31,16 +31,18 @@ from .masks import check_groups
 Backend = Literal["auto", "cpu_flash", "math"]
 BACKENDS = ("auto", "cpu_flash", "math")
 
-#: keys per masked chunk of a staircase (query list != key list): m // 16 clamped to
-#: these bounds; product decision, tuned on CPU.
-STAIR_CHUNK_MIN = 128
-STAIR_CHUNK_MAX = 512
+#: most queries per attention call of a staircase; product decision, tuned on CPU.
+QUERY_BLOCK = 512
+#: keys per masked strip of a staircase whose query and key lists differ.
+STRIP = 256
+#: keys gathered at a time (bounds the workspace: KEY_CHUNK * H_kv * D * 2 elements).
+KEY_CHUNK = 2048
 #: queries per block of the local band; product decision, tuned on CPU.
 BAND_BLOCK = 64
 #: most membership classes handled one staircase each (else per-group with masks).
 MAX_CLASSES = 64
 #: mask elements per batched band call (bounds its memory); product decision.
-BAND_ELEMENTS = 1 << 21
+BAND_ELEMENTS = 1 << 17
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
 
@@ -122,9 +124,8 @@ class _Collect:
             self.out.append(out)
             self.lse.append(lse)
 
-    def result(self, *, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-sum-exp merge of disjoint parts; a query with no part outputs 0, lse -inf.
-        ``raw`` keeps the merge's precision instead of casting to the input dtype."""
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-sum-exp merge of disjoint parts; a query with no part outputs 0, lse -inf."""
         h, nq, d = self.h, self.nq, self.d
         if not self.idx:
             zeros = torch.zeros(h, nq, d, dtype=self.dtype, device=self.device)
@@ -145,16 +146,18 @@ class _Collect:
         safe = torch.where(has, den, torch.ones_like(den))
         merged = num / safe[..., None]
         total = torch.where(has, peak + torch.log(safe), torch.full_like(peak, -math.inf))
-        return (merged if raw else merged.to(self.dtype)), total
+        return merged.to(self.dtype), total
 
 
 class _Accumulate:
     """In-place online log-sum-exp merge (inference): memory of one fp32 output."""
 
-    def __init__(self, num_heads: int, nq: int, d: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> None:
+        """``out [H, Nq, D]`` and ``lse [H, Nq]`` fp32 buffers, overwritten (the caller's
+        output when the inputs are fp32, so no second copy is made)."""
         self.dtype = dtype
-        self.out = torch.zeros(num_heads, nq, d, dtype=torch.float32, device=device)
-        self.lse = torch.full((num_heads, nq), -math.inf, dtype=torch.float32, device=device)
+        self.out = out.zero_()
+        self.lse = lse.fill_(-math.inf)
 
     def add(self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         old = self.lse[:, idx]
@@ -168,10 +171,6 @@ class _Accumulate:
         if not isinstance(idx, slice):
             self.out[:, idx] = acc
         self.lse[:, idx] = new
-
-    def result(self, *, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``; ``raw`` keeps the fp32 accumulator instead of the input dtype."""
-        return (self.out if raw else self.out.to(self.dtype)), self.lse
 
 
 class _Runner:
@@ -195,43 +194,58 @@ class _Runner:
         """Causal attention (key visible iff its position <= the query's) between a sorted
         query list and a sorted key list, both given as indices and absolute positions.
         With ``q_excl [n, E]`` / ``k_excl [m, E]`` (bool), a pair that shares any of the E
-        features is also excluded."""
-        if qidx.numel() == 0 or kidx.numel() == 0:
+        features is also excluded.
+
+        Queries go in blocks of at most ``QUERY_BLOCK`` whose last visible keys fall in the
+        same ``STRIP`` keys; keys are gathered ``KEY_CHUNK`` at a time. Each block sees the
+        keys before its first query's horizon unmasked; only the strip between its first
+        and last horizon is masked. When the two lists coincide (prefill) blocks are
+        aligned on ``QUERY_BLOCK`` and the diagonal block runs as ``is_causal``.
+        """
+        n, m = qidx.numel(), kidx.numel()
+        if n == 0 or m == 0:
             return
-        q_all = self.q[:, qidx]
-        k_all, v_all = self.k[:, kidx], self.v[:, kidx]
+        equal = q_excl is None and n == m and torch.equal(qpos, kpos)
         if q_excl is not None:
             q_excl, k_excl = q_excl.float(), k_excl.float()
-        elif qpos.shape == kpos.shape and torch.equal(qpos, kpos):
-            acc.add(qidx, *self.attend(q_all, k_all, v_all, None, True))
-            return
-        n = qidx.numel()
-        h, d = q_all.shape[0], q_all.shape[-1]
-        local = type(acc)(h, n, d, q_all.dtype, q_all.device)  # merged here, added once
-        # Block by key chunks of `chunk` keys: the queries whose last visible key falls in
-        # chunk c see keys [0, c * chunk) unmasked and only chunk c through a causal mask.
-        m = kidx.numel()
-        chunk = min(STAIR_CHUNK_MAX, max(STAIR_CHUNK_MIN, m // 16))
-        visible = torch.searchsorted(kpos, qpos, right=True)  # keys visible per query
-        chunk_of = (visible - 1).div(chunk, rounding_mode="floor")  # -1: sees no key
-        bounds = torch.searchsorted(chunk_of, torch.arange(-1, -(-m // chunk) + 1)).tolist()
-        for c in range(len(bounds) - 1):
-            s, e = bounds[c], bounds[c + 1]
-            if c == 0 or s == e:  # c == 0 holds the queries that see no key
-                continue
-            lo, hi = (c - 1) * chunk, min(m, c * chunk)
-            q = q_all[:, s:e]
-            rows = slice(s, e) if isinstance(local, _Accumulate) else torch.arange(s, e)
-            if lo > 0:
-                pre = None
-                if q_excl is not None:
-                    pre = (q_excl[s:e] @ k_excl[:lo].t()) == 0
-                local.add(rows, *self.attend(q, k_all[:, :lo], v_all[:, :lo], pre, False))
-            mask = kpos[None, lo:hi] <= qpos[s:e, None]
-            if q_excl is not None:
-                mask &= (q_excl[s:e] @ k_excl[lo:hi].t()) == 0
-            local.add(rows, *self.attend(q, k_all[:, lo:hi], v_all[:, lo:hi], mask, False))
-        acc.add(qidx, *local.result(raw=True))
+        visible = torch.arange(1, n + 1) if equal else torch.searchsorted(kpos, qpos, right=True)
+        strip = QUERY_BLOCK if equal else STRIP
+        group = (visible - 1).div(strip, rounding_mode="floor")  # -1: sees no key
+        edges = torch.searchsorted(group, torch.arange(0, -(-m // strip) + 1)).tolist()
+        blocks = []  # (first row, end row, keys all rows see, keys the last row sees)
+        for c in range(len(edges) - 1):
+            for s in range(edges[c], edges[c + 1], QUERY_BLOCK):
+                e = min(edges[c + 1], s + QUERY_BLOCK)
+                lo = s if equal else int(visible[s])
+                blocks.append((s, e, lo, int(visible[e - 1])))
+        for k0 in range(0, m, KEY_CHUNK):
+            k1 = min(m, k0 + KEY_CHUNK)
+            todo = [blk for blk in blocks if blk[3] > k0]
+            if not todo:
+                break
+            k_c, v_c = self.k[:, kidx[k0:k1]], self.v[:, kidx[k0:k1]]
+            for s, e, lo, hi in todo:
+                q = self.q[:, qidx[s:e]]
+                pieces = []
+                full = min(k1, lo)
+                if full > k0:  # keys every row of the block sees
+                    mask = None
+                    if q_excl is not None:
+                        mask = (q_excl[s:e] @ k_excl[k0:full].t()) == 0
+                    a, b = 0, full - k0
+                    pieces.append(self.attend(q, k_c[:, a:b], v_c[:, a:b], mask, False))
+                s0, s1 = max(k0, lo), min(k1, hi)
+                if s1 > s0:  # the strip: causal mask (or is_causal on the diagonal)
+                    a, b = s0 - k0, s1 - k0
+                    if equal:
+                        pieces.append(self.attend(q, k_c[:, a:b], v_c[:, a:b], None, True))
+                    else:
+                        mask = kpos[None, s0:s1] <= qpos[s:e, None]
+                        if q_excl is not None:
+                            mask &= (q_excl[s:e] @ k_excl[s0:s1].t()) == 0
+                        pieces.append(self.attend(q, k_c[:, a:b], v_c[:, a:b], mask, False))
+                for out, lse in pieces:
+                    acc.add(qidx[s:e], out, lse)
 
     def band(self, acc, qg, kg, real, offset: int, window: int) -> None:
         """Local pairs (``0 <= i - j < window``) that share no group, as batched blocks of
@@ -379,16 +393,25 @@ def sparse_attention(
 
     offset = nk - nq
     outs, lses = [], []
+    if backend != "math":  # accumulate in place, straight into the fp32 result
+        acc_out = torch.empty(b, h, nq, d, dtype=torch.float32, device=query.device)
+        acc_lse = torch.empty(b, h, nq, dtype=torch.float32, device=query.device)
     for i in range(b):
         real = None if key_padding_mask is None else key_padding_mask[i]
         run = _Runner(query[i], key[i], value[i], scale, softcap, backend)
-        acc_type = _Collect if backend == "math" else _Accumulate
-        acc = acc_type(h, nq, d, query.dtype, query.device)
+        if backend == "math":
+            acc = _Collect(h, nq, d, query.dtype, query.device)
+        else:
+            acc = _Accumulate(acc_out[i], acc_lse[i], query.dtype)
         qg, kg = query_groups[i], key_groups[i]
         _groups(acc, run, qg, kg, real, offset)
         run.band(acc, qg, kg, real, offset, window)
-        out, lse = acc.result()
-        outs.append(out)
-        lses.append(lse)
-    out = torch.stack(outs)
-    return (out, torch.stack(lses)) if return_lse else out
+        if backend == "math":
+            out_i, lse_i = acc.result()
+            outs.append(out_i)
+            lses.append(lse_i)
+    if backend == "math":
+        out, lse = torch.stack(outs), torch.stack(lses)
+    else:
+        out, lse = acc_out.to(query.dtype), acc_lse
+    return (out, lse) if return_lse else out
