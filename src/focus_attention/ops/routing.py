@@ -79,8 +79,8 @@ def sinkhorn(
             the column sums and its rows are all zero in the output.
 
     Returns:
-        float32 ``[B, N, K]``; every real row sums to 1. With ``return_column_bias`` a tuple
-        ``(probs, bias [B, K] float32)``.
+        float32 ``[B, N, K]`` (float64 for float64 input); every real row sums to 1. With
+        ``return_column_bias`` a tuple ``(probs, bias [B, K])``.
 
     Raises:
         ValueError: rank not 3, ``n_iter < 1``, NaN scores, malformed ``padding_mask``.
@@ -89,30 +89,29 @@ def sinkhorn(
     check_int("n_iter", n_iter, 1)
     check_finite("log_scores", log_scores)
     bsz, n, k = log_scores.shape
-    x = log_scores.float()
+    ct = torch.promote_types(log_scores.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    # +-inf scores (a centroid scaled to 1e4 at a tiny temperature) would give inf - inf
+    x = log_scores.to(ct).clamp(min=-1e30, max=1e30)
     real = None
     if padding_mask is not None:
         check_tensor("padding_mask", padding_mask, 2)
         if padding_mask.dtype != torch.bool:
             fail("padding_mask", f"dtype {padding_mask.dtype}", "torch.bool (True = real)")
         check_shape("padding_mask", padding_mask, (bsz, n), "[B, N] of log_scores")
-        real = padding_mask[..., None]
-        x = x.masked_fill(~real, float("-inf"))
-    # +-inf scores (for example a centroid scaled to 1e4 at a tiny temperature) would make
-    # inf - inf; clamp to a range where exp() differences are still exact in fp32 log space.
-    x = x.clamp(min=-1e30, max=1e30) if real is None else x.clamp(max=1e30)
-    col_total = torch.zeros(bsz, 1, k, dtype=torch.float32, device=x.device)
+        # a sequence with no real token is computed as if unpadded, then zeroed below
+        real = (padding_mask | ~padding_mask.any(dim=1, keepdim=True))[..., None]
+        # padding rows stay finite (no NaN gradient) and are excluded from the column sums
+        x = torch.where(real, x, torch.zeros_like(x))
+    col_total = torch.zeros(bsz, 1, k, dtype=ct, device=x.device)
     for _ in range(n_iter):
-        col = torch.logsumexp(x, dim=1, keepdim=True)  # [B, 1, K]
-        col = torch.where(torch.isfinite(col), col, torch.zeros_like(col))
+        cols_in = x if real is None else x.masked_fill(~real, float("-inf"))
+        col = torch.logsumexp(cols_in, dim=1, keepdim=True)  # [B, 1, K]
         x = x - col
         col_total = col_total + col
-        row = torch.logsumexp(x, dim=2, keepdim=True)  # [B, N, 1]
-        row = torch.where(torch.isfinite(row), row, torch.zeros_like(row))
-        x = x - row
+        x = x - torch.logsumexp(x, dim=2, keepdim=True)  # rows sum to 1
     probs = x.exp()
-    if real is not None:
-        probs = probs.masked_fill(~real, 0.0)
+    if padding_mask is not None:
+        probs = probs.masked_fill(~padding_mask[..., None], 0.0)
     if not return_column_bias:
         return probs
     bias = -col_total[:, 0, :]
