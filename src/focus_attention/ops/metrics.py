@@ -8,7 +8,9 @@ from ._checks import check_int, check_shape, check_tensor
 from .masks import check_groups, focus_mask
 
 
-def group_shares(assignments: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+def group_shares(
+    assignments: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Share of routing mass held by each group over all real tokens of the batch.
 
     Args:
@@ -60,9 +62,7 @@ def pairs_retained(
         # a block of queries is the tail of a shorter sequence ending at its last query
         keys_end = nk - nq + stop
         kpm = None if key_padding_mask is None else key_padding_mask[:, :keys_end]
-        mask = focus_mask(
-            query_groups[:, start:stop], key_groups[:, :keys_end], window, kpm
-        )
+        mask = focus_mask(query_groups[:, start:stop], key_groups[:, :keys_end], window, kpm)
         causal = focus_mask(
             query_groups[:, start:stop].new_ones(query_groups.shape[0], stop - start, 1),
             key_groups.new_ones(key_groups.shape[0], keys_end, 1),
