@@ -9,7 +9,7 @@ cannot hide in a shared helper.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -73,6 +73,7 @@ class Case:
     kg: torch.Tensor
     window: int
     kpm: torch.Tensor | None = None
+    _ref: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def to(self, dtype: torch.dtype) -> Case:
         return replace(self, q=self.q.to(dtype), k=self.k.to(dtype), v=self.v.to(dtype))
@@ -241,11 +242,14 @@ def naive_attention(
     return out, lse
 
 
-def oracle(case: Case, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract's oracle, ``dense_attention(..., focus_mask(...))``, in float64 on the
-    case's (possibly half-precision) values."""
-    mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
-    return dense_attention(case.q.double(), case.k.double(), case.v.double(), mask, **kw)
+def oracle(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's oracle, ``dense_attention(..., focus_mask(...))``, in fp32 on the
+    case's (possibly half-precision) values: the contract's "fp32 reference". Cached on the
+    case (tests mutate a case only before its first oracle call)."""
+    if case._ref is None:
+        mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
+        case._ref = dense_attention(case.q.float(), case.k.float(), case.v.float(), mask)
+    return case._ref
 
 
 def sdpa_in_dtype(case: Case, mask: torch.Tensor) -> torch.Tensor:
@@ -262,12 +266,12 @@ def sdpa_in_dtype(case: Case, mask: torch.Tensor) -> torch.Tensor:
 def assert_matches_oracle(case: Case, out: torch.Tensor, lse: torch.Tensor | None = None):
     """The contract's accuracy rule.
 
-    fp32: max abs error <= 1e-5 against the exact (float64) result.
-    bf16/fp16: the error against a high-precision reference (float64 on the same half
-    inputs, i.e. at least as accurate as the contract's fp32 reference) is at most twice the
-    error of dense SDPA run in that dtype. A tiny absolute floor of half an ulp of the
-    largest reference value (one rounding of the output) stops a dense error of exactly 0
-    (e.g. one visible key) from making the check flaky.
+    fp32: max abs error <= 1e-5 against the oracle (dense_attention under focus_mask).
+    bf16/fp16: the error against the fp32 oracle run on the same half-precision values is
+    at most twice the error of dense SDPA (boolean mask) run in that dtype against the same
+    reference. A tiny absolute floor of half an ulp of the largest reference value (one
+    rounding of the output) stops a dense error of exactly 0 (e.g. one visible key) from
+    making the check flaky.
     """
     ref, ref_lse = oracle(case)
     assert out.shape == case.q.shape
@@ -294,9 +298,9 @@ def assert_matches_oracle(case: Case, out: torch.Tensor, lse: torch.Tensor | Non
         assert not (lse == math.inf).any(), "+inf lse"
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse -inf pattern"
         fin = torch.isfinite(ref_lse)
-        tol = 1e-4 if case.q.dtype == torch.float32 else 5e-2
+        tol = 1e-4 if case.q.dtype == torch.float32 else 1e-2
         if fin.any():
-            lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
+            lerr = (lse[fin] - ref_lse[fin]).abs().max().item()
             assert lerr <= tol, f"lse error {lerr:.3g} > {tol}"
 
 

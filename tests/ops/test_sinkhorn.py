@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.autograd.gradcheck import GradcheckError
 
 from focus_attention.ops import sinkhorn, topk_memberships
 
@@ -140,13 +139,6 @@ def test_gradients_flow_and_match_float64_reference():
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: with a partially padded sequence sinkhorn's backward is NaN for every real "
-    "token (row logsumexp of an all -inf padding row, masked by torch.where, has a NaN "
-    "gradient that flows into the column sums)",
-)
 def test_gradients_with_padding_are_finite_and_match_float64_reference():
     pad = torch.ones(2, 12, dtype=torch.bool)
     pad[1, 9:] = False
@@ -157,13 +149,6 @@ def test_gradients_with_padding_are_finite_and_match_float64_reference():
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, GradcheckError),
-    reason="BUG: sinkhorn casts float64 input to fp32 (log_scores.float()), so a float64 "
-    "gradcheck (required by issue 2, section 3) cannot pass; compute in "
-    "promote_types(dtype, float32) instead",
-)
 @pytest.mark.parametrize("padded", [False, True])
 def test_gradcheck_float64(padded):
     g = gen(4)
