@@ -93,8 +93,9 @@ def trained(arch: str = "llama", **cfg):
     return fm.eval()
 
 
-def test_c13_save_and_reload_bit_identical(tmp_path):
-    fm = trained()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_c13_save_and_reload_bit_identical(tmp_path, arch):
+    fm = trained(arch)
     fm.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
     tensors = load_file(str(tmp_path / WEIGHTS_NAME))
@@ -104,14 +105,14 @@ def test_c13_save_and_reload_bit_identical(tmp_path):
         for n in ("proj", "centroids", "routing_bias", "bias_updates")
     }
     doc = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert doc["base_model_fingerprint"]["model_type"] == "llama"
+    assert doc["base_model_fingerprint"]["model_type"] == fm.config.model_type
     assert doc["layers"] == fm.focus_layers
     x = ids(2, 50, seed=64)
     with torch.no_grad():
         want = fm(input_ids=x).logits
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same base: no mismatch warning
-        again = FocusModel.from_pretrained(build_model("llama"), tmp_path)
+        again = FocusModel.from_pretrained(build_model(arch), tmp_path)
     for (n1, a), (n2, b) in zip(
         fm.routers.state_dict().items(), again.routers.state_dict().items(), strict=True
     ):
@@ -122,7 +123,7 @@ def test_c13_save_and_reload_bit_identical(tmp_path):
     # loading for inference: frozen and in eval (top-k) mode
     assert not any(p.requires_grad for p in again.parameters())
     assert again.routing_mode == "topk"
-    trainable = FocusModel.from_pretrained(build_model("llama"), tmp_path, is_trainable=True)
+    trainable = FocusModel.from_pretrained(build_model(arch), tmp_path, is_trainable=True)
     assert all(p.requires_grad for p in trainable.routers.parameters())
 
 

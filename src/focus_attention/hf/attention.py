@@ -524,12 +524,13 @@ def _focus_layer(
             key_padding_mask=real,
             always_visible=sinks,
         )
-        # keep the cache consistent should decoding continue in top-k mode
-        q_groups = router.causal_groups(scores.detach(), cfg.top_k)
-        if real_q is not None:
-            q_groups = q_groups & real_q[..., None]
+        q_groups = k_groups = None
+        if cache_layer is not None or runtime.recorder is not None:
+            # keep the cache consistent should decoding continue in top-k mode
+            q_groups = router.causal_groups(scores.detach(), cfg.top_k)
+            if real_q is not None:
+                q_groups = q_groups & real_q[..., None]
         record["probs"] = probs.detach()
-        k_groups = q_groups
     else:
         if cfg.inference_routing == "sequence":
             if has_cache:
@@ -559,7 +560,7 @@ def _focus_layer(
     if runtime.recorder is not None:
         record.update(
             query_groups=q_groups.detach(),
-            key_groups=k_groups.detach() if mode == "topk" else None,
+            key_groups=None if k_groups is None else k_groups.detach(),
             key_padding=real,
             sinks=sinks,
             num_keys=nk,
