@@ -21,10 +21,12 @@ def run(fm, x, mask):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("routing", ["topk", "soft"])
+@pytest.mark.parametrize("routing", ["topk", "soft", "topk-sequence"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_c07_padded_batch_equals_single_sequences(arch, routing, side):
-    _, fm = focus(arch, num_groups=4, top_k=1, window=32)
+    inference = "sequence" if routing == "topk-sequence" else "causal"
+    _, fm = focus(arch, num_groups=4, top_k=1, window=32, inference_routing=inference)
+    routing = routing.split("-")[0]
     fm.set_routing(routing)
     seqs = [ids(1, n, seed=20 + n)[0] for n in LENGTHS]
     x, mask = (left_pad if side == "left" else right_pad)(seqs)

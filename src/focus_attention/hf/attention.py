@@ -45,7 +45,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ..ops import gated_attention, sinkhorn, sparse_attention, topk_memberships
+from ..ops import gated_attention, sparse_attention, topk_memberships
 from .config import FocusConfig
 from .router import FocusRouter
 
@@ -535,7 +535,8 @@ def _focus_layer(
         if cfg.inference_routing == "sequence":
             if has_cache:
                 raise ValueError("inference_routing='sequence' cannot use a KV cache")
-            _, column_bias = sinkhorn(scores, cfg.sinkhorn_iters, real_q, return_column_bias=True)
+            # top-k of the Sinkhorn rows == top-k of scores + the sequence's column bias
+            _, column_bias = router.soft(scores, cfg.sinkhorn_iters, real_q)
             q_groups = topk_memberships(scores + column_bias[:, None, :], cfg.top_k)
         else:
             q_groups = router.causal_groups(scores, cfg.top_k)

@@ -94,31 +94,10 @@ class FocusRouter(nn.Module):
     def soft(
         self, scores: torch.Tensor, n_iter: int, real: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sinkhorn rows ``[B, N, K]`` and column bias ``[B, K]`` (padding excluded; spec 2).
-
-        Padded sequences are balanced one by one over their real tokens only, which is what
-        ``sinkhorn(..., padding_mask=real)`` computes, but with finite gradients: that call
-        currently returns NaN gradients for every token of a padded sequence (the
-        logsumexp of an all ``-inf`` padding row; ops bug reported with issue 3, checked by
-        ``tests/hf/test_hf_router.py::test_ops_sinkhorn_padding_gradient``). Pad rows are
-        zero, as with ``padding_mask``. A sequence without real tokens gets bias 0.
-        """
-        if real is None:
-            probs, bias = sinkhorn(scores, n_iter, return_column_bias=True)
-            return probs, bias
-        full = real.all(dim=-1)
-        probs = scores.new_zeros(scores.shape, dtype=torch.float32)
-        bias = scores.new_zeros(scores.shape[0], scores.shape[2], dtype=torch.float32)
-        if bool(full.any()):
-            rows = full.nonzero(as_tuple=True)[0]
-            p, c = sinkhorn(scores[rows], n_iter, return_column_bias=True)
-            probs = probs.index_put((rows,), p)
-            bias = bias.index_put((rows,), c)
-        for b in (~full & real.any(dim=-1)).nonzero(as_tuple=True)[0].tolist():
-            idx = real[b].nonzero(as_tuple=True)[0]
-            p, c = sinkhorn(scores[b : b + 1, idx], n_iter, return_column_bias=True)
-            probs = probs.index_put((torch.full_like(idx, b), idx), p[0])
-            bias = bias.index_put((torch.tensor([b], device=bias.device),), c)
+        """Sinkhorn rows ``[B, N, K]`` float32 and column bias ``[B, K]`` of ``scores``
+        ``[B, N, K]``; padding (``real`` bool ``[B, N]``, True = real, or None) is excluded
+        from the column sums and its rows are zero (spec section 2)."""
+        probs, bias = sinkhorn(scores, n_iter, real, return_column_bias=True)
         return probs, bias
 
     def causal_groups(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
