@@ -113,7 +113,10 @@ class FocusRouter(nn.Module):
         """Fold one batch of Sinkhorn column biases ``[B, K]`` into ``routing_bias``.
 
         Sequences without a real token are skipped. The batch mean enters with weight
-        ``max(bias_momentum, 1 / (updates + 1))``: a cumulative mean at first, an EMA later.
+        ``max(bias_momentum, 1 / (updates + 1))``: a cumulative mean at first, an EMA later
+        (product decision, spec section 4). Called by every soft-routing forward in training
+        mode; with activation checkpointing the recomputed forward folds the same batch in a
+        second time.
         """
         if real is not None:
             column_bias = column_bias[real.any(dim=-1)]
