@@ -38,11 +38,11 @@ STRIP = 256
 #: keys gathered at a time (bounds the workspace: KEY_CHUNK * H_kv * D * 2 elements).
 KEY_CHUNK = 2048
 #: queries per block of the local band; product decision, tuned on CPU.
-BAND_BLOCK = 64
+BAND_BLOCK = 128
 #: most membership classes handled one staircase each (else per-group with masks).
 MAX_CLASSES = 64
 #: mask elements per batched band call (bounds its memory); product decision.
-BAND_ELEMENTS = 1 << 17
+BAND_ELEMENTS = 1 << 19
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
 
@@ -249,44 +249,61 @@ class _Runner:
 
     def band(self, acc, qg, kg, real, offset: int, window: int) -> None:
         """Local pairs (``0 <= i - j < window``) that share no group, as batched blocks of
-        ``BAND_BLOCK`` queries against their ``BAND_BLOCK + window - 1`` nearest keys."""
+        ``BAND_BLOCK`` queries against the ``BAND_BLOCK + window - 1`` keys ending at each
+        block's last query."""
         h, nq, d = self.q.shape
         h_kv, nk = self.k.shape[0], self.k.shape[1]
         device = qg.device
         bq = BAND_BLOCK
-        width = min(bq + window - 1, nk)
+        width = min(bq + window - 1, nk + bq - 1)
+        # distance query row r -> key column c is the same in every block
+        dist = torch.arange(bq, device=device)[:, None] - torch.arange(width, device=device)
+        dist = dist + (width - bq)
+        base = (dist >= 0) & (dist < window)  # [bq, width]
         per_call = max(1, BAND_ELEMENTS // (bq * width))  # blocks per call: bounded memory
         nblk = -(-nq // bq)
-        kgf = kg.float()
+        qgf, kgf = qg.float(), kg.float()
+        cols = torch.arange(width, device=device)
         for b0 in range(0, nblk, per_call):
             b1 = min(nblk, b0 + per_call)
-            s, e = b0 * bq, min(nq, b1 * bq)
-            nb = b1 - b0
-            t = torch.arange(b0 * bq, b1 * bq, device=device).view(nb, bq)  # query indices
-            qvalid = t < nq
+            s, e, nb = b0 * bq, min(nq, b1 * bq), b1 - b0
+            t = torch.arange(s, b1 * bq, device=device).view(nb, bq)  # query indices
             tc = t.clamp(max=nq - 1)
-            # the keys of block i: the `width` positions ending at its last query
-            last = (offset + t[:, -1]).clamp(max=nk - 1)
-            j = last[:, None] - width + 1 + torch.arange(width, device=device)[None]
-            jvalid = j >= 0
-            jc = j.clamp(min=0)
-            dist = (offset + t)[:, :, None] - j[:, None, :]  # [nb, bq, width]
-            share = (qg.float()[tc] @ kgf[jc].transpose(1, 2)) > 0
-            mask = (dist >= 0) & (dist < window) & jvalid[:, None, :] & qvalid[:, :, None]
-            mask &= ~share
+            j = (offset + t[:, -1:] - width + 1) + cols  # [nb, width] key positions
+            jc = j.clamp(0, nk - 1)
+            valid = (j >= 0) & (j < nk)
             if real is not None:
-                mask &= real[jc][:, None, :]
+                valid &= real[jc]
+            share = torch.bmm(qgf[tc], kgf[jc].transpose(1, 2)) > 0  # [nb, bq, width]
+            mask = base & valid[:, None, :] & ~share
+            mask &= (t < nq)[:, :, None]
             if not bool(mask.any()):
                 continue
-            q = self.q[:, tc.reshape(-1)].view(h, nb, bq, d).transpose(0, 1)
-            k = self.k[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
-            v = self.v[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
+            if int(j[0, 0]) >= 0 and int(j[-1, -1]) < nk and e - s == nb * bq:
+                # interior blocks: overlapping strided views, no copies
+                q = _blocks(self.q, s, nb, bq, bq)
+                k = _blocks(self.k, int(j[0, 0]), nb, width, bq)
+                v = _blocks(self.v, int(j[0, 0]), nb, width, bq)
+            else:
+                q = self.q[:, tc.reshape(-1)].view(h, nb, bq, d).transpose(0, 1)
+                k = self.k[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
+                v = self.v[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
             out, lse = self.attend(q, k, v, mask[:, None], False)  # [nb, H, bq, D], [nb, H, bq]
             out = out.transpose(0, 1).reshape(h, nb * bq, d)[:, : e - s]
             lse = lse.transpose(0, 1).reshape(h, nb * bq)[:, : e - s]
-            acc.add(
-                slice(s, e) if isinstance(acc, _Accumulate) else t.reshape(-1)[: e - s], out, lse
-            )
+            rows = slice(s, e) if isinstance(acc, _Accumulate) else t.reshape(-1)[: e - s]
+            acc.add(rows, out, lse)
+
+
+def _blocks(x: torch.Tensor, start: int, nb: int, length: int, step: int) -> torch.Tensor:
+    """``[nb, heads, length, D]`` view of ``x [heads, N, D]``: block ``i`` covers tokens
+    ``start + i * step ..`` (blocks may overlap; no copy)."""
+    sh, sn, sd = x.stride()
+    return x.as_strided(
+        (nb, x.shape[0], length, x.shape[2]),
+        (step * sn, sh, sn, sd),
+        x.storage_offset() + start * sn,
+    )
 
 
 def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
