@@ -332,6 +332,136 @@ def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     os.replace(tmp, path)
 
 
+MODEL_LENGTHS = (4096, 16384)
+
+
+def run_model_benchmark(
+    model_name: str = "smollm2-135m",
+    lengths=MODEL_LENGTHS,
+    top_ks=(1, 2),
+    *,
+    num_groups: int = 8,
+    window: int = 128,
+    adapter: str | None = None,
+    corpus: str = "austen",
+    repeats: int = 1,
+    warmup_tokens: int = 512,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """End-to-end prefill of a real model: stock ``sdpa`` attention against Focus top-k.
+
+    Input: the first N tokens of the corpus's test split (real text). Each forward runs
+    under ``torch.inference_mode()`` with ``use_cache=False`` and ``logits_to_keep=1`` (so
+    the vocabulary projection does not dominate). Focus uses the adapter at ``adapter`` if
+    given, else freshly initialised routers (speed does not depend on training, only on
+    the group sizes). Seconds are the median of ``repeats`` runs after one warm-up forward
+    of ``warmup_tokens`` tokens. Returns rows of tokens per second and speedup.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from .data import load_corpus
+    from .hf import FocusConfig, FocusModel, get_focus_model
+    from .models import load_model
+
+    model, tokenizer = load_model(model_name)
+    text = "\n\n".join(load_corpus(corpus).texts("test"))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < max(lengths):
+        reps = -(-max(lengths) // ids.shape[1])
+        ids = ids.repeat(1, reps)
+    model.config._attn_implementation = "sdpa"
+
+    def prefill(m, n):
+        with torch.inference_mode():
+            return m(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
+
+    rows = []
+    methods = [("sdpa", None)] + [("focus", k) for k in top_ks]
+    bar = tqdm([(n, m) for n in lengths for m in methods], desc="model", disable=not progress)
+    for n, (method, top_k) in bar:
+        bar.set_postfix(N=n, method=method, top_k=top_k)
+        if method == "sdpa":
+            runner = model
+        else:
+            if adapter:
+                runner = FocusModel.from_pretrained(model, adapter)
+                runner.focus_config.top_k = top_k
+            else:
+                cfg = FocusConfig(num_groups=num_groups, window=window, top_k=top_k)
+                runner = get_focus_model(model, cfg)
+            runner.eval()
+        prefill(runner, warmup_tokens)
+        seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), repeats, warmup=0)
+        if method == "focus":
+            model = runner.unload()
+            model.config._attn_implementation = "sdpa"
+        rows.append(
+            {
+                "N": n,
+                "method": method,
+                "top_k": top_k,
+                "seconds": seconds,
+                "runs_s": runs,
+                "tokens_per_second": n / seconds,
+            }
+        )
+    for row in rows:
+        ref = next(r for r in rows if r["N"] == row["N"] and r["method"] == "sdpa")
+        row["speedup_vs_sdpa"] = ref["seconds"] / row["seconds"]
+    config = {
+        "model": model_name,
+        "adapter": adapter,
+        "corpus": corpus,
+        "lengths": list(lengths),
+        "top_ks": list(top_ks),
+        "num_groups": num_groups,
+        "window": window,
+        "repeats": repeats,
+        "warmup_tokens": warmup_tokens,
+        "dtype": "float32",
+        "forward": "inference_mode, use_cache=False, logits_to_keep=1",
+    }
+    return {"benchmark": "model", "config": config, "environment": environment(), "rows": rows}
+
+
+def model_table(result: dict[str, Any]) -> str:
+    """Markdown table of an end-to-end model benchmark result."""
+    lines = [
+        "| N | attention | seconds | tokens/s | speedup vs sdpa |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        name = "sdpa (stock)" if r["method"] == "sdpa" else f"focus top_k={r['top_k']}"
+        lines.append(
+            f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
+            f"| {r['speedup_vs_sdpa']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_model_benchmark(
+        args.model,
+        tuple(args.lengths),
+        tuple(args.top_k),
+        num_groups=args.num_groups,
+        window=args.window,
+        adapter=args.adapter,
+        corpus=args.corpus,
+        repeats=args.repeats,
+    )
+    print(model_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_kernel(args: argparse.Namespace) -> int:
     import torch
 
@@ -381,6 +511,25 @@ def register_cli(subparsers) -> None:
     kernel.add_argument("--seed", type=int, default=0)
     kernel.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
     kernel.set_defaults(func=_cmd_kernel)
+
+    model = sub.add_parser(
+        "model",
+        help="end-to-end prefill of a real model: stock sdpa against Focus top-k",
+        description="Times a prefill forward (logits for the last token only) of the model "
+        "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
+        "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
+    )
+    model.add_argument("--model", default="smollm2-135m")
+    model.add_argument("--adapter", help="trained Focus adapter directory (default: fresh)")
+    model.add_argument("--corpus", default="austen")
+    model.add_argument("--json", help="write results to this JSON file")
+    model.add_argument("--lengths", type=int, nargs="+", default=list(MODEL_LENGTHS), help="tokens")
+    model.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    model.add_argument("--num-groups", type=int, default=8)
+    model.add_argument("--window", type=int, default=128)
+    model.add_argument("--repeats", type=int, default=1, help="timed runs (median)")
+    model.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    model.set_defaults(func=_cmd_model)
 
 
 def main(argv: list[str] | None = None) -> int:
