@@ -339,7 +339,7 @@ def case_params(draw, max_nk: int = 96, long_nk: int = 300) -> dict:
         nk = draw(st.integers(1, max_nk))
     mode = draw(st.sampled_from(["prefill", "decode", "chunk"]))
     nq = {"prefill": nk, "decode": 1, "chunk": draw(st.integers(1, nk))}[mode]
-    groups = draw(st.integers(1, 6))
+    groups = draw(st.one_of(st.integers(1, 6), st.integers(7, 10)))
     top_k = draw(st.integers(1, groups))
     window = draw(st.one_of(st.integers(1, 8), st.integers(1, nk + 4)))
     return dict(

@@ -407,7 +407,7 @@ def test_c10_training_step_with_empty_or_identical_groups(kind, gate):
     scores = group_scores(hidden, proj, cents, 0.1)
     pad = torch.ones(2, 60, dtype=torch.bool)
     pad[1, :7] = False
-    probs = sinkhorn(scores, 10)
+    probs = sinkhorn(scores, 10, padding_mask=pad)
     g = gen(11)
     q = torch.randn(2, 4, 60, 16, generator=g, requires_grad=True)
     k = torch.randn(2, 2, 60, 16, generator=g)
@@ -423,7 +423,8 @@ def test_c10_training_step_with_empty_or_identical_groups(kind, gate):
     shares = group_shares(sinkhorn(scores.detach(), 300))
     assert (shares - 1 / 16).abs().max() <= 1e-2
     if kind in ("identical", "zero"):  # identical rows: the uniform distribution exactly
-        torch.testing.assert_close(probs, torch.full_like(probs, 1 / 16), atol=1e-6, rtol=0)
+        want = torch.full_like(probs, 1 / 16).masked_fill(~pad[..., None], 0.0)
+        torch.testing.assert_close(probs, want, atol=1e-6, rtol=0)  # padding rows are zero
 
 
 @pytest.mark.parametrize("kind", ["far", "identical", "zero"])

@@ -58,6 +58,12 @@ def _grid() -> list:
     add("independent-queries", nk=150, query_membership="independent", top_k=2)
     add("independent-chunk", nk=150, nq=60, query_membership="independent", top_k=2)
     add("independent-random", nk=120, nq=90, membership="random", query_membership="independent")
+    # many distinct membership sets (C(K, top_k) large): the class-per-membership-set split
+    # gives way to a per-group split above some class count; cover both sides of it
+    add("many-classes-K10-top3", nk=400, groups=10, top_k=3, window=16)
+    add("many-classes-K12-top6-chunk", nk=300, nq=120, groups=12, top_k=6, window=4)
+    add("many-classes-random-pad", nk=300, groups=9, membership="random", padding="random")
+    add("many-classes-indep", nk=300, nq=200, groups=9, top_k=4, query_membership="independent")
     add("mqa", nk=130, heads=4, kv_heads=1)
     add("mha", nk=130, heads=3, kv_heads=3)
     add("dim1", nk=70, dim=1)
