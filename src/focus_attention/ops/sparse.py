@@ -39,6 +39,8 @@ STRIP = 256
 KEY_CHUNK = 2048
 #: queries per block of the local band; product decision, tuned on CPU.
 BAND_BLOCK = 128
+#: initial running log-sum-exp of the in-place merge (a finite stand-in for -inf).
+_EMPTY = -1e30
 #: most membership classes handled one staircase each (else per-group with masks).
 MAX_CLASSES = 64
 #: mask elements per batched band call (bounds its memory); product decision.
@@ -150,27 +152,33 @@ class _Collect:
 
 
 class _Accumulate:
-    """In-place online log-sum-exp merge (inference): memory of one fp32 output."""
+    """In-place online log-sum-exp merge (inference): memory of one fp32 output.
+
+    The running log-sum-exp starts at a finite sentinel (``_EMPTY``) instead of ``-inf`` so
+    the merge weights never see ``-inf - -inf``; exp() of any difference to the sentinel
+    underflows to exactly 0, and :meth:`finish` turns untouched rows back into ``-inf``.
+    """
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> None:
         """``out [H, Nq, D]`` and ``lse [H, Nq]`` fp32 buffers, overwritten (the caller's
         output when the inputs are fp32, so no second copy is made)."""
         self.dtype = dtype
         self.out = out.zero_()
-        self.lse = lse.fill_(-math.inf)
+        self.lse = lse.fill_(_EMPTY)
 
     def add(self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         old = self.lse[:, idx]
-        new = torch.logaddexp(old, lse)
-        finite = torch.isfinite(new)
-        safe = torch.where(finite, new, torch.zeros_like(new))
-        w_old = torch.where(finite, torch.exp(old - safe), torch.zeros_like(new))
-        w_new = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(new))
+        new = torch.logaddexp(old, lse)  # finite: old is
+        w_old = torch.exp(old - new)[..., None]
+        w_new = torch.exp(lse - new)[..., None]  # 0 where the part is empty (lse -inf)
         acc = self.out[:, idx]
-        acc.mul_(w_old[..., None]).add_(out.float() * w_new[..., None])
+        acc.mul_(w_old).addcmul_(out, w_new)
         if not isinstance(idx, slice):
             self.out[:, idx] = acc
         self.lse[:, idx] = new
+
+    def finish(self) -> None:
+        self.lse.masked_fill_(self.lse <= _EMPTY / 2, -math.inf)
 
 
 class _Runner:
@@ -423,7 +431,9 @@ def sparse_attention(
         qg, kg = query_groups[i], key_groups[i]
         _groups(acc, run, qg, kg, real, offset)
         run.band(acc, qg, kg, real, offset, window)
-        if backend == "math":
+        if backend != "math":
+            acc.finish()
+        else:
             out_i, lse_i = acc.result()
             outs.append(out_i)
             lses.append(lse_i)
