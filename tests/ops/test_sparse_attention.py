@@ -69,6 +69,7 @@ def _grid() -> list:
     add("dim1", nk=70, dim=1)
     add("dim64", nk=70, dim=64)
     add("dim80", nk=70, dim=80)
+    add("dim128", nk=70, dim=128)
     return rows
 
 
@@ -319,3 +320,43 @@ def test_long_sequence_matches_blockwise_oracle():
         worst = max(worst, (out[:, :, i : i + 1].double() - ref).abs().max().item())
     assert worst <= 1e-5, f"max abs error {worst:.3g} on sampled rows"
     assert math.isfinite(worst)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["prefill", "chunk", "decode"])
+def test_non_contiguous_inputs(mode, backend):
+    """Model code hands over transposed views ([B, N, H, D] storage) and sliced masks."""
+    nk = 150
+    nq = {"prefill": nk, "chunk": 40, "decode": 1}[mode]
+    case = make_case(nk=nk, nq=nq, batch=2, heads=4, kv_heads=2, top_k=2, padding="left")
+    q = case.q.transpose(1, 2).contiguous().transpose(1, 2)
+    k = case.k.transpose(1, 2).contiguous().transpose(1, 2)
+    v = case.v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q.is_contiguous() or nq == 1
+    wide = torch.zeros(2, nk, 7, dtype=torch.bool)
+    wide[..., 1:5] = case.kg  # the memberships as a strided slice of a wider tensor
+    kg = wide[..., 1:5]
+    qg = kg[:, nk - nq :] if torch.equal(case.qg, case.kg[:, nk - nq :]) else case.qg
+    kpm = torch.stack([case.kpm, case.kpm], dim=-1)[..., 0]
+    out = sparse_attention(q, k, v, qg, kg, case.window, key_padding_mask=kpm, backend=backend)
+    assert_matches_oracle(case, out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [5.0, 20.0])
+def test_large_logits_are_merged_stably(scale, backend):
+    """Logits in the tens to hundreds: every part and the log-sum-exp merge must stay finite and as
+    accurate as fp32 dense attention (a merge without max-subtraction overflows). fp32
+    itself cannot resolve such logits to 1e-5, so the bar is twice dense fp32's own error
+    against float64, plus 1e-6."""
+    case = make_case(nk=200, nq=60, batch=2, heads=4, kv_heads=2, top_k=2, window=6, seed=4)
+    out, lse = case.sparse(backend, scale=scale, return_lse=True)
+    exact, exact_lse = naive_attention(case.q, case.k, case.v, case.mask(), scale=scale)
+    dense, dense_lse = dense_attention(case.q, case.k, case.v, case.mask(), scale=scale)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err = (out.double() - exact).abs().max().item()
+    dense_err = (dense.double() - exact).abs().max().item()
+    assert err <= 2 * dense_err + 1e-6, (err, dense_err)
+    lse_err = (lse.double() - exact_lse).abs().max().item()
+    dense_lse_err = (dense_lse.double() - exact_lse).abs().max().item()
+    assert lse_err <= 2 * dense_lse_err + 1e-4, (lse_err, dense_lse_err)
