@@ -38,7 +38,7 @@ STRIP = 256
 #: keys gathered at a time (bounds the workspace: KEY_CHUNK * H_kv * D * 2 elements).
 KEY_CHUNK = 2048
 #: queries per block of the local band; product decision, tuned on CPU.
-BAND_BLOCK = 128
+BAND_BLOCK = 32
 #: initial running log-sum-exp of the in-place merge (a finite stand-in for -inf).
 _EMPTY = -1e30
 #: most membership classes handled one staircase each (else per-group with masks).
@@ -231,9 +231,10 @@ class _Runner:
             todo = [blk for blk in blocks if blk[3] > k0]
             if not todo:
                 break
-            k_c, v_c = self.k[:, kidx[k0:k1]], self.v[:, kidx[k0:k1]]
+            k_c = self.k.index_select(1, kidx[k0:k1])
+            v_c = self.v.index_select(1, kidx[k0:k1])
             for s, e, lo, hi in todo:
-                q = self.q[:, qidx[s:e]]
+                q = self.q.index_select(1, qidx[s:e])
                 pieces = []
                 full = min(k1, lo)
                 if full > k0:  # keys every row of the block sees
@@ -293,9 +294,9 @@ class _Runner:
                 k = _blocks(self.k, int(j[0, 0]), nb, width, bq)
                 v = _blocks(self.v, int(j[0, 0]), nb, width, bq)
             else:
-                q = self.q[:, tc.reshape(-1)].view(h, nb, bq, d).transpose(0, 1)
-                k = self.k[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
-                v = self.v[:, jc.reshape(-1)].view(h_kv, nb, width, d).transpose(0, 1)
+                q = self.q.index_select(1, tc.reshape(-1)).view(h, nb, bq, d).transpose(0, 1)
+                k = self.k.index_select(1, jc.reshape(-1)).view(h_kv, nb, width, d).transpose(0, 1)
+                v = self.v.index_select(1, jc.reshape(-1)).view(h_kv, nb, width, d).transpose(0, 1)
             out, lse = self.attend(q, k, v, mask[:, None], False)  # [nb, H, bq, D], [nb, H, bq]
             out = out.transpose(0, 1).reshape(h, nb * bq, d)[:, : e - s]
             lse = lse.transpose(0, 1).reshape(h, nb * bq)[:, : e - s]
@@ -314,6 +315,18 @@ def _blocks(x: torch.Tensor, start: int, nb: int, length: int, step: int) -> tor
     )
 
 
+def _membership_classes(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct membership rows of bool ``[N, K]``: ``(classes [C, K], inverse [N])``."""
+    k = groups.shape[-1]
+    if k > 62:  # no int64 code: compare whole rows (slower)
+        return torch.unique(groups, dim=0, return_inverse=True)
+    weights = torch.pow(2, torch.arange(k, device=groups.device, dtype=torch.int64))
+    codes = (groups.to(torch.int64) * weights).sum(dim=-1)
+    uniq, inverse = torch.unique(codes, return_inverse=True)
+    classes = (uniq[:, None] & weights) != 0
+    return classes, inverse
+
+
 def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
     """All pairs that share a group, each counted once.
 
@@ -327,7 +340,7 @@ def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
     """
     kmember = kg if real is None else kg & real[:, None]
     has_group = qg.any(dim=-1)
-    classes, inverse = torch.unique(qg, dim=0, return_inverse=True)
+    classes, inverse = _membership_classes(qg)
     if classes.shape[0] <= MAX_CLASSES:
         for c in range(classes.shape[0]):
             members = classes[c]
