@@ -535,7 +535,7 @@ def test_c12_zeroed_kv_head_zeroes_only_its_query_heads(kv_heads, mode, backend)
     heads = 8
     rep = heads // kv_heads
     nq = 100 if mode == "prefill" else 1
-    for zeroed in sorted({0, kv_heads // 2, kv_heads - 1}):
+    for zeroed in range(kv_heads):
         case = make_case(
             nk=100, nq=nq, batch=2, padding="left", seed=zeroed, **{**TINY, "kv_heads": kv_heads}
         )

@@ -172,7 +172,11 @@ def test_log_gate_with_one_hot_rows_equals_hard_mask_oracle(eps, tol, p, top_k_s
     out = gated_attention(q, k, v, gq, gk, p["window"], gate="log", eps=eps, key_padding_mask=kpm)
     mask = brute_mask(gq.bool(), gk.bool(), p["window"], kpm)
     ref, _ = naive_attention(q, k, v, mask)
-    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    # Rows whose hard mask is empty although some causal real key exists (only a padded
+    # query, which is not even local to itself, can be in that state) have no hard limit:
+    # the gate renormalises over its -log(eps)-biased keys. Compare every other row.
+    rows = mask.any(-1)[:, None, :, None].expand_as(ref)
+    err = (out.double() - ref).abs()[rows].max().item() if rows.any() else 0.0
     assert err <= tol, f"log gate with one-hot rows differs from the hard oracle by {err:.3g}"
 
 
