@@ -1,0 +1,340 @@
+"""The whole pipeline on a tiny random LLaMA and a small text made here: prepare the corpus,
+``focus train`` a few steps, load the adapter, ``focus eval`` (JSON and table); plus the
+same on the real assets (marked ``assets``).
+
+The helpers at the top (tiny tokenizer, model directory, corpus folder, training config)
+are shared with ``test_train.py`` and ``test_evaluate.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "was",
+    "he",
+    "she",
+    "it",
+    "that",
+    "his",
+    "her",
+    "had",
+    "with",
+    "for",
+    "as",
+    "not",
+    "but",
+    "at",
+    "be",
+    "on",
+    "my",
+    "all",
+    "by",
+    "him",
+    "have",
+    "so",
+    "which",
+    "you",
+    "said",
+    "mr",
+    "mrs",
+    "miss",
+    "very",
+    "could",
+    "would",
+    "there",
+    "been",
+    "they",
+    "were",
+    "no",
+    "one",
+    "elizabeth",
+    "darcy",
+    "anne",
+    "emma",
+    "house",
+    "letter",
+    "sister",
+    "mother",
+    "walk",
+    "morning",
+    "evening",
+    "ball",
+]
+PUNCT = [".", ",", ";", "!", "?"]
+
+
+def make_tokenizer():
+    """An offline word-level tokenizer over :data:`WORDS` (+ punctuation, ``<eos>``)."""
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as tmodels
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(tmodels.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        [" ".join(WORDS + PUNCT)],
+        trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>", "<bos>"]),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", unk_token="[UNK]"
+    )
+
+
+def make_text(seed: int, n_words: int) -> str:
+    """Deterministic pseudo-prose: a Markov-ish word walk with punctuation and line breaks."""
+    rng = random.Random(seed)
+    out, line = [], []
+    prev = 0
+    for i in range(n_words):
+        # a sticky walk over the word list gives the model something learnable
+        prev = (prev + rng.choice([1, 1, 2, 3, -1, 7])) % len(WORDS)
+        line.append(WORDS[prev])
+        if rng.random() < 0.1:
+            line.append(rng.choice(PUNCT))
+        if len(line) >= 12 or i == n_words - 1:
+            out.append(" ".join(line))
+            line = []
+    return "\n".join(out) + "\n"
+
+
+def make_model_dir(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
+    """Save a tiny random LLaMA (2 layers, hidden 32, GQA 4/2) and the tokenizer in ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_corpus_dir(path: Path, *, n_docs: int = 4, n_words: int = 1500) -> Path:
+    """A folder of ``n_docs`` text files (split by whole document: >= 1 train, validation and
+    test document each)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        (path / f"book{i}.txt").write_text(make_text(100 + i, n_words))
+    return path
+
+
+def tiny_config(assets: dict, out: Path, **changes):
+    """A TrainConfig for the tiny model: K=4, top_k=2, window 8, seq_len 32, 1 thread."""
+    from focus_attention.train import TrainConfig
+
+    kw = dict(
+        model=str(assets["model"]),
+        corpus=str(assets["corpus"]),
+        out=str(out),
+        steps=6,
+        seq_len=32,
+        batch_size=2,
+        grad_accum=1,
+        lr=1e-2,
+        warmup_steps=2,
+        eval_every=3,
+        eval_tokens=64,
+        save_every=2,
+        threads=1,
+        progress=False,
+        num_groups=4,
+        top_k=2,
+        window=8,
+        group_dim=8,
+        sink_tokens=1,
+    )
+    kw.update(changes)
+    return TrainConfig(**kw)
+
+
+def make_tiny_assets(root: Path) -> dict:
+    """A tiny model directory and a local corpus prepared in the cache ``root/focus-home``
+    (``FOCUS_HOME`` is set only while preparing: use it with :func:`use_tiny_assets`)."""
+    from focus_attention.data import prepare_corpus
+
+    home = root / "focus-home"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOCUS_HOME", str(home))
+        model = make_model_dir(root / "tiny-llama")
+        corpus = make_corpus_dir(root / "books")
+        prepare_corpus(corpus, quiet=True)
+    return {"model": model, "corpus": corpus, "root": root, "home": home}
+
+
+def use_tiny_assets(assets: dict, monkeypatch) -> dict:
+    """Point ``FOCUS_HOME`` at the tiny assets' cache for one test."""
+    monkeypatch.setenv("FOCUS_HOME", str(assets["home"]))
+    return assets
+
+
+@pytest.fixture(scope="module")
+def module_assets(tmp_path_factory):
+    return make_tiny_assets(tmp_path_factory.mktemp("pipeline"))
+
+
+@pytest.fixture
+def assets(module_assets, monkeypatch):
+    return use_tiny_assets(module_assets, monkeypatch)
+
+
+def _cli(argv: list[str]) -> int:
+    from focus_attention.cli import main
+
+    return main(argv)
+
+
+EVAL_KEYS = {
+    "ppl",
+    "pairs_retained",
+    "tokens",
+    "base_weights_sha256",
+    "config",
+    "versions",
+}
+
+
+def check_eval_schema(result: dict, num_groups: int) -> None:
+    """The JSON contract of ``focus eval`` (issue 4 section 3)."""
+    assert set(result) >= EVAL_KEYS
+    ks = [str(k) for k in range(1, num_groups + 1)]
+    assert set(result["ppl"]) >= {"base", "focus_soft", "focus_topk"}
+    assert list(result["ppl"]["focus_topk"]) == ks
+    assert list(result["pairs_retained"]) == ks
+    for v in [result["ppl"]["base"], result["ppl"]["focus_soft"], *result["ppl"]["focus_topk"].values()]:  # fmt: skip
+        assert isinstance(v, float) and math.isfinite(v) and v > 1
+    for v in result["pairs_retained"].values():
+        assert 0 < v <= 1
+    assert isinstance(result["tokens"], int) and result["tokens"] > 0
+    sha = result["base_weights_sha256"]
+    assert len(sha["before"]) == 64 and sha["before"] == sha["after"]
+    assert result["config"]["focus"]["num_groups"] == num_groups
+    assert {"torch", "transformers", "python"} <= set(result["versions"])
+    json.dumps(result)  # plain JSON
+
+
+def test_pipeline_cli_train_load_eval(assets, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from focus_attention.hf import FocusModel
+    from focus_attention.models import load_model
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(assets["model"]), "--corpus", str(assets["corpus"]),
+            "--out", str(out), "--steps", "4", "--seq-len", "32", "--batch-size", "2",
+            "--eval-every", "2", "--eval-tokens", "64", "--save-every", "2", "--threads", "1",
+            "--num-groups", "4", "--top-k", "2", "--window", "8", "--group-dim", "8",
+            "--sink-tokens", "1", "--lr", "0.01", "--warmup-steps", "1", "--no-progress"]  # fmt: skip
+    assert _cli(argv) == 0
+    for name in ("focus_config.json", "focus_model.safetensors", "log.jsonl", "train.png",
+                 "train_config.json", "train_result.json"):  # fmt: skip
+        assert (out / name).is_file(), name
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all({"loss", "lr", "dominance", "seconds"} <= set(r) for r in rows[1:])
+    assert {"val_ppl_topk", "val_ppl_soft"} <= set(rows[0]) and "val_ppl_topk" in rows[4]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]  # fmt: skip
+    result = json.loads((out / "train_result.json").read_text())
+    assert result["steps"] == 4 and result["extra"]["base_weights_sha256"]["equal"]
+    assert "trained 4 steps" in capsys.readouterr().out
+
+    # the adapter loads on a fresh base model and has the trained tensors
+    base, _ = load_model(assets["model"], quiet=True)
+    fm = FocusModel.from_pretrained(base, out)
+    saved = load_file(str(out / "focus_model.safetensors"))
+    for k, v in fm.focus_state_dict().items():
+        assert torch.equal(v, saved[k])
+    assert fm.focus_config.num_groups == 4 and not fm.training
+
+    js = tmp_path / "eval.json"
+    md = tmp_path / "eval.md"
+    argv = ["eval", "--model", str(assets["model"]), "--adapter", str(out), "--corpus",
+            str(assets["corpus"]), "--split", "test", "--json", str(js), "--markdown", str(md),
+            "--max-tokens", "256", "--seq-len", "64", "--threads", "1", "--no-progress"]  # fmt: skip
+    assert _cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| Focus top-k | 4 |" in printed and "| base (dense) |" in printed
+    assert md.read_text().strip() in printed
+    ev = json.loads(js.read_text())
+    check_eval_schema(ev, 4)
+    assert ev["tokens"] == 4 * 63 and ev["windows"] == 4
+    # top_k = K is dense causal attention: the base model's perplexity
+    assert ev["ppl"]["focus_topk"]["4"] == pytest.approx(ev["ppl"]["base"], rel=1e-4)
+    assert ev["pairs_retained"]["4"] == pytest.approx(1.0)
+    pr = [ev["pairs_retained"][str(k)] for k in range(1, 5)]
+    assert pr == sorted(pr)
+    assert ev["config"]["train_config"]["steps"] == 4
+
+
+def test_cli_errors_are_clear(assets, tmp_path, capsys):
+    # a missing adapter and an occupied output directory give one-line errors, exit 1
+    assert _cli(["eval", "--model", str(assets["model"]), "--adapter", str(tmp_path)]) == 1
+    assert "not a Focus adapter" in capsys.readouterr().err
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    argv = ["train", "--model", str(assets["model"]), "--corpus", str(assets["corpus"]),
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert _cli(argv) == 1
+    assert "--resume" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# real assets: smollm2-135m on austen (prepared by `focus setup`)
+# --------------------------------------------------------------------------------------------
+
+
+def _require_real() -> None:
+    from focus_attention.data import corpus_dir
+    from focus_attention.models import _read_manifest, focus_home, is_prepared
+
+    if not is_prepared("smollm2-135m"):
+        pytest.skip(f"smollm2-135m is not prepared in {focus_home()}: run `focus setup`")
+    if _read_manifest(corpus_dir("austen")) is None:
+        pytest.skip(f"corpus 'austen' is not prepared in {focus_home()}: run `focus setup`")
+
+
+@pytest.mark.assets
+@pytest.mark.slow
+def test_real_smollm2_austen_train_and_eval(tmp_path):
+    """A tiny real run: 3 steps of 128 tokens, then eval on 512 tokens of Persuasion."""
+    _require_real()
+    from focus_attention.evaluate import evaluate
+    from focus_attention.train import TrainConfig, train
+
+    out = tmp_path / "austen"
+    cfg = TrainConfig(out=str(out), steps=3, seq_len=128, warmup_steps=1, eval_every=-1,
+                      save_every=0, max_train_tokens=128 * 8, window=32, progress=False)  # fmt: skip
+    res = train(cfg)
+    assert res.steps == 3 and len(res.losses) == 3
+    assert all(math.isfinite(v) and 1 < v < 8 for v in res.losses)  # nats/token
+    assert res.trainable_parameters == 30 * (576 * 16 + 8 * 16)
+    ev = evaluate(adapter=out, max_tokens=512, seq_len=256, progress=False)
+    check_eval_schema(ev, 8)
+    assert ev["tokens"] == 2 * 255
+    assert 5 < ev["ppl"]["base"] < 80  # ~30 on Persuasion
+    assert ev["ppl"]["focus_topk"]["8"] == pytest.approx(ev["ppl"]["base"], rel=1e-3)
+    assert ev["pairs_retained"]["8"] == pytest.approx(1.0)
+    assert ev["pairs_retained"]["1"] < ev["pairs_retained"]["2"] < 1
