@@ -271,6 +271,65 @@ def run_kernel_benchmark(
     return {"benchmark": "kernel", "config": config, "environment": environment(), "rows": rows}
 
 
+def run_gate_benchmark(
+    n: int = 1024,
+    *,
+    num_heads: int = 9,
+    num_key_value_heads: int = 3,
+    head_dim: int = 64,
+    window: int = 128,
+    num_groups: int = 8,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Soft-gated attention (training path) against eager dense attention at length ``n``.
+
+    Eager dense is what transformers' ``eager`` attention does: repeat the key/value heads,
+    ``softmax(q k^T * scale + causal mask)`` in fp32, times ``v``. Forward and forward +
+    backward, median seconds of ``repeats`` after a warm-up; ratio = gated / eager.
+    """
+    import torch
+
+    from .ops import gated_attention, sinkhorn
+    from .ops.reference import expand_kv_heads
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, num_heads, n, head_dim, generator=gen, requires_grad=True)
+    k = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
+    v = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
+    scores = torch.randn(1, n, num_groups, generator=gen, requires_grad=True)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+    def eager():
+        kk, vv = expand_kv_heads(k, num_heads), expand_kv_heads(v, num_heads)
+        logits = (q @ kk.transpose(-1, -2)) * head_dim**-0.5
+        logits = logits.masked_fill(~causal, float("-inf"))
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype) @ vv
+
+    def gated(gate):
+        def call():
+            probs = sinkhorn(scores, 10)
+            return gated_attention(q, k, v, probs, probs, window, gate=gate)
+
+        return call
+
+    rows = []
+    for name, fn in [
+        ("eager_dense", eager),
+        ("gate_paper", gated("paper")),
+        ("gate_log", gated("log")),
+    ]:
+        with torch.no_grad():
+            fwd, _ = median_seconds(fn, repeats)
+        both, _ = median_seconds(lambda fn=fn: fn().sum().backward(), repeats)
+        rows.append({"method": name, "N": n, "forward_s": fwd, "forward_backward_s": both})
+    base = rows[0]
+    for r in rows:
+        r["forward_ratio"] = r["forward_s"] / base["forward_s"]
+        r["forward_backward_ratio"] = r["forward_backward_s"] / base["forward_backward_s"]
+    return rows
+
+
 def kernel_table(result: dict[str, Any]) -> str:
     """Markdown table of a kernel benchmark result."""
 
@@ -476,7 +535,15 @@ def _cmd_kernel(args: argparse.Namespace) -> int:
         memory=not args.no_memory,
         seed=args.seed,
     )
+    if not args.no_gates:
+        result["gates"] = run_gate_benchmark(window=args.window, num_groups=args.num_groups)
     print(kernel_table(result))
+    for r in result.get("gates", []):
+        print(
+            f"gates N={r['N']} {r['method']}: forward {r['forward_s'] * 1e3:.1f} ms "
+            f"({r['forward_ratio']:.2f}x eager), forward+backward "
+            f"{r['forward_backward_s'] * 1e3:.1f} ms ({r['forward_backward_ratio']:.2f}x)"
+        )
     if args.json:
         write_json_atomic(args.json, result)
         print(f"wrote {args.json}")
@@ -510,6 +577,9 @@ def register_cli(subparsers) -> None:
     kernel.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     kernel.add_argument("--seed", type=int, default=0)
     kernel.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    kernel.add_argument(
+        "--no-gates", action="store_true", help="skip the soft-gate vs eager timing at N=1024"
+    )
     kernel.set_defaults(func=_cmd_kernel)
 
     model = sub.add_parser(

@@ -112,23 +112,34 @@ def gated_attention(
         check_shape("always_visible", always_visible, (b, nk), "[B, Nk] bool")
         local = local | always_visible[:, None, :]
     visible = causal if key_padding_mask is None else causal & key_padding_mask[:, None, :]
-    affinity = query_probs.float() @ key_probs.float().transpose(1, 2)  # [B, Nq, Nk]
+    # fp32 (fp64 for float64 inputs, e.g. gradcheck)
+    ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
+    affinity = query_probs.to(ct) @ key_probs.to(ct).transpose(1, 2)  # [B, Nq, Nk]
 
     k = expand_kv_heads(key, h)
     v = expand_kv_heads(value, h)
-    logits = (query @ k.transpose(-1, -2)).float() * scale  # [B, H, Nq, Nk]
+    # Everything that does not depend on the head is folded into one [B, 1, Nq, Nk] tensor,
+    # so the per-head logits take a single extra pass (as eager attention's scale + mask).
+    # A row with no visible key (padding) is computed as if every key were visible and its
+    # output zeroed afterwards, so softmax never sees an all -inf row (no NaN gradient).
+    row_any = visible.any(dim=-1, keepdim=True)  # [B, Nq, 1]
+    visible = visible | ~row_any
+    neg_inf = torch.full((), -math.inf, device=device)
+    qk = query @ k.transpose(-1, -2)  # [B, H, Nq, Nk] in the input dtype
+    qk = qk.to(ct)
     if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+        qk = softcap * torch.tanh(qk * (scale / softcap))
+        scale_factor = 1.0
+    else:
+        scale_factor = scale
     if gate == "paper":
         factor = torch.where(local, torch.ones_like(affinity), torch.sigmoid(sharpness * affinity))
-        logits = logits * factor[:, None]
+        mask_bias = torch.where(visible, torch.zeros_like(affinity), neg_inf)
+        logits = torch.addcmul(mask_bias[:, None], qk, (factor * scale_factor)[:, None])
     else:
         bias = torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
-        logits = logits + bias[:, None]
-    visible = visible[:, None]
-    row_any = visible.any(dim=-1, keepdim=True)
-    logits = logits.masked_fill(~visible, -math.inf)
-    logits = torch.where(row_any, logits, torch.zeros_like(logits))
-    probs = torch.softmax(logits, dim=-1)
-    probs = torch.where(row_any, probs, torch.zeros_like(probs)).to(query.dtype)
-    return probs @ v
+        bias = torch.where(visible, bias, neg_inf)
+        logits = torch.add(bias[:, None], qk, alpha=scale_factor)
+    probs = torch.softmax(logits, dim=-1).to(query.dtype)
+    out = probs @ v
+    return out * row_any[:, None].to(out.dtype)
