@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.autograd.gradcheck import GradcheckError
 
 from focus_attention.ops import gated_attention
 
@@ -270,12 +269,6 @@ def test_gradients_match_float64_spec_reference(gate):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4, msg=f"d{name}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, GradcheckError),
-    reason="BUG: gated_attention casts logits and routing rows to fp32 (.float()) even for "
-    "float64 inputs, so the float64 gradcheck required by issue 2, section 3 cannot pass",
-)
 @pytest.mark.parametrize("gate", ["paper", "log"])
 def test_gradcheck_float64(gate):
     g = gen(51)
