@@ -1,0 +1,151 @@
+"""``focus eval`` on a tiny random LLaMA: the window scheme, the JSON contract, top_k = K is
+dense, pairs retained, the base-weight SHA-256 guard, overrides and argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_pipeline import check_eval_schema, make_tiny_assets, tiny_config, use_tiny_assets
+
+from focus_attention.evaluate import (
+    _RoutingStats,
+    evaluate,
+    markdown_table,
+    score_windows,
+    weights_sha256,
+)
+
+
+@pytest.fixture(scope="module")
+def module_assets(tmp_path_factory):
+    return make_tiny_assets(tmp_path_factory.mktemp("evaluate"))
+
+
+@pytest.fixture
+def assets(module_assets, monkeypatch):
+    return use_tiny_assets(module_assets, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def adapter(module_assets, tmp_path_factory):
+    """A 4-step tiny adapter (K = 4, top_k = 2, window 8, 1 sink token)."""
+    from focus_attention.train import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        use_tiny_assets(module_assets, mp)
+        out = tmp_path_factory.mktemp("adapter") / "run"
+        train(tiny_config(module_assets, out, steps=4, eval_every=-1, save_every=0))
+    return out
+
+
+def _evaluate(assets, adapter, **kw):
+    kw.setdefault("max_tokens", 192)
+    kw.setdefault("seq_len", 64)
+    return evaluate(str(assets["model"]), adapter, str(assets["corpus"]), "test",
+                    threads=1, progress=False, **kw)  # fmt: skip
+
+
+def test_score_windows_matches_the_models_own_loss(assets):
+    from focus_attention.models import load_model
+
+    model, _ = load_model(assets["model"], quiet=True)
+    torch.manual_seed(0)
+    blocks = torch.randint(0, model.config.vocab_size, (3, 16))
+    nll, n = score_windows(model, blocks)
+    assert n == 3 * 15
+    with torch.no_grad():
+        ref = sum(float(model(input_ids=b[None], labels=b[None]).loss) * 15 for b in blocks)
+    assert nll == pytest.approx(ref, rel=1e-5)
+    with pytest.raises(ValueError, match="seq_len"):
+        score_windows(model, blocks[:, :1])
+
+
+def test_weights_sha256_sees_every_tensor(assets):
+    from focus_attention.models import load_model
+
+    model, _ = load_model(assets["model"], quiet=True)
+    before = weights_sha256(model)
+    assert before == weights_sha256(model) and len(before) == 64
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-6
+    assert weights_sha256(model) != before
+
+
+def test_evaluate_contract(assets, adapter):
+    res = _evaluate(assets, adapter)
+    check_eval_schema(res, 4)
+    assert res["windows"] == 3 and res["tokens"] == 3 * 63
+    assert res["ppl"]["focus_topk"]["4"] == pytest.approx(res["ppl"]["base"], rel=1e-4)
+    pr = [res["pairs_retained"][str(k)] for k in range(1, 5)]
+    assert pr == sorted(pr) and pr[-1] == pytest.approx(1.0) and pr[0] < 1
+    for k in ("1", "2", "3", "4"):
+        layers = res["group_shares"]["topk"][k]
+        assert set(layers) == {"0", "1"}
+        for shares in layers.values():
+            assert len(shares) == 4 and sum(shares) == pytest.approx(1.0, abs=1e-5)
+        assert 0.25 <= res["dominance"]["topk"][k] <= res["dominance"]["topk_max"][k] <= 1
+    assert 0.25 <= res["dominance"]["soft"] <= 1
+    # the adapter's own top_k is what the config reports, not the last evaluated one
+    assert res["config"]["focus"]["top_k"] == 2 and res["config"]["trained_top_k"] == 2
+    assert res["routing_affected_share"] == pytest.approx((64 - 8) / 63)
+    assert res["config"]["train_config"]["steps"] == 4
+    assert set(res["seconds"]["topk"]) == {"1", "2", "3", "4"}
+    table = markdown_table(res)
+    assert table.count("| Focus top-k |") == 4 and "| Focus soft |" in table
+
+
+def test_top_k_subset_and_overrides(assets, adapter):
+    res = _evaluate(assets, adapter, top_k_values=[1, 3], inference_routing="sequence",
+                    sink_tokens=0, max_tokens=64)  # fmt: skip
+    assert list(res["ppl"]["focus_topk"]) == ["1", "3"]
+    assert res["config"]["focus"]["inference_routing"] == "sequence"
+    assert res["config"]["focus"]["sink_tokens"] == 0
+    assert all(math.isfinite(v) for v in res["ppl"]["focus_topk"].values())
+    with pytest.raises(ValueError, match="outside"):
+        _evaluate(assets, adapter, top_k_values=[5])
+
+
+@pytest.mark.filterwarnings("ignore::focus_attention.hf.FocusBaseMismatchWarning")
+def test_base_weights_changed_during_eval_fail_loudly(assets, adapter, monkeypatch):
+    import focus_attention.evaluate as ev
+
+    original = ev.score_windows
+
+    def tampering(model, blocks, **kw):
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)  # a base parameter
+        return original(model, blocks, **kw)
+
+    monkeypatch.setattr(ev, "score_windows", tampering)
+    with pytest.raises(RuntimeError, match="weights changed"):
+        _evaluate(assets, adapter, top_k_values=[1], max_tokens=64)
+
+
+def test_routing_stats_detect_a_top_k_that_was_not_applied():
+    groups = torch.zeros(1, 6, 4, dtype=torch.bool)
+    groups[..., 0] = True  # one group per token
+    rec = {"layer": 0, "mode": "topk", "query_groups": groups, "key_groups": groups}
+    stats = _RoutingStats(window=2, num_groups=4, expect_top_k=2)
+    with pytest.raises(RuntimeError, match="top_k"):
+        stats.add(0, [rec])
+    ok = _RoutingStats(window=2, num_groups=4, expect_top_k=1)
+    ok.add(0, [rec])
+    s = ok.summary()
+    assert s["pairs_retained"] == 1.0 and s["dominance"] == 1.0  # everything in group 0
+    with pytest.raises(RuntimeError, match="no routing"):
+        ok.add(1, [])
+
+
+def test_argument_errors(assets, adapter, tmp_path):
+    with pytest.raises(ValueError, match="split"):
+        evaluate(str(assets["model"]), adapter, str(assets["corpus"]), "dev", progress=False)
+    with pytest.raises(ValueError, match="seq_len"):
+        _evaluate(assets, adapter, seq_len=1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        _evaluate(assets, adapter, max_tokens=0)
+    with pytest.raises(FileNotFoundError, match="not a Focus adapter"):
+        _evaluate(assets, tmp_path)
+    with pytest.raises(ValueError, match="not enough"):
+        _evaluate(assets, adapter, max_tokens=32)

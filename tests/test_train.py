@@ -1,0 +1,251 @@
+"""``focus train`` on a tiny random LLaMA: centroid-only, exact resume, Ctrl-C, checkpoints,
+schedule, data order, configuration errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+
+from focus_attention.train import (
+    CHECKPOINT_DIR,
+    TrainConfig,
+    _sample_indices,
+    _trainable,
+    latest_checkpoint,
+    lr_factor,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def module_assets(tmp_path_factory):
+    return make_tiny_assets(tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture
+def assets(module_assets, monkeypatch):
+    return use_tiny_assets(module_assets, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def reference(module_assets, tmp_path_factory):
+    """An uninterrupted 6-step run (the reference for resume tests)."""
+    with pytest.MonkeyPatch.context() as mp:
+        use_tiny_assets(module_assets, mp)
+        out = tmp_path_factory.mktemp("reference") / "run"
+        result = train(tiny_config(module_assets, out))
+    return result
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "focus_model.safetensors"))
+
+
+def _log(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def _same_log(a: list[dict], b: list[dict]) -> None:
+    """Equal logs apart from the wall-clock seconds."""
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in a]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in b]
+
+
+def test_reference_run(reference):
+    out = reference.out
+    assert reference.steps == 6 and len(reference.losses) == 6
+    assert all(math.isfinite(v) for v in reference.losses)
+    assert [v["step"] for v in reference.validation] == [0, 3, 6]
+    assert latest_checkpoint(out).name == "step-0000006"
+    assert sorted(p.name for p in (out / CHECKPOINT_DIR).iterdir()) == [
+        "step-0000004",
+        "step-0000006",
+    ]  # keep_checkpoints = 2
+    rows = _log(out)
+    assert [r["step"] for r in rows] == list(range(7))
+    assert rows[1]["lr"] == pytest.approx(0.5e-2) and rows[2]["lr"] == pytest.approx(1e-2)
+    assert all(0.25 <= r["dominance"] <= 1 for r in rows[1:])
+    assert reference.trainable_parameters == 2 * (32 * 8 + 4 * 8)
+    assert reference.extra["base_weights_sha256"]["equal"]
+    # the routers moved, the final adapter equals the last checkpoint's
+    ckpt = _weights(out / CHECKPOINT_DIR / "step-0000006")
+    for k, v in _weights(out).items():
+        assert torch.equal(v, ckpt[k])
+    assert (out / "train.png").stat().st_size > 1000
+
+
+def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
+    out = tmp_path / "run"
+
+    def ctrl_c(step, record):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, as from the terminal
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(assets, out), callback=ctrl_c)
+    # the adapter and a checkpoint of step 3 were saved and load
+    assert latest_checkpoint(out).name == "step-0000003"
+    from focus_attention.hf import FocusModel
+    from focus_attention.models import load_model
+
+    base, _ = load_model(assets["model"], quiet=True)
+    fm = FocusModel.from_pretrained(base, out)
+    ckpt = _weights(out / CHECKPOINT_DIR / "step-0000003")
+    for k, v in fm.focus_state_dict().items():
+        assert torch.equal(v, ckpt[k])
+    assert json.loads((out / "train_result.json").read_text())["extra"]["interrupted"]
+
+    resumed = train(tiny_config(assets, out, resume=True))
+    assert resumed.start_step == 3 and resumed.steps == 6
+    assert resumed.losses == reference.losses[3:]
+    ref_w, w = _weights(reference.out), _weights(out)
+    assert ref_w.keys() == w.keys()
+    for k in ref_w:
+        assert torch.equal(ref_w[k], w[k]), k
+    _same_log(_log(out), _log(reference.out))
+
+
+def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path):
+    out = tmp_path / "run"
+
+    def crash(step, record):
+        if step == 5:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(assets, out), callback=crash)
+    assert latest_checkpoint(out).name == "step-0000004"
+    assert len(_log(out)) == 6  # steps 0..5 logged; step 5 is lost with the crash
+    resumed = train(tiny_config(assets, out, resume=True))
+    assert resumed.start_step == 4 and resumed.losses == reference.losses[4:]
+    for k, v in _weights(reference.out).items():
+        assert torch.equal(v, _weights(out)[k]), k
+    _same_log(_log(out), _log(reference.out))
+
+
+def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, monkeypatch):
+    from focus_attention.hf import FocusModel
+
+    out = tmp_path / "run"
+    calls = {"n": 0}
+    original = FocusModel.forward
+
+    def forward(self, *args, **kwargs):
+        if self.training:  # a training forward, not a validation one
+            calls["n"] += 1
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FocusModel, "forward", forward)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(assets, out))
+    assert calls["n"] == 1
+    assert latest_checkpoint(out).name == "step-0000000"
+    assert (out / "focus_config.json").is_file() and (out / "focus_model.safetensors").is_file()
+
+
+def test_only_focus_parameters_train(assets):
+    from focus_attention.hf import FocusConfig, get_focus_model
+    from focus_attention.models import load_model
+
+    base, _ = load_model(assets["model"], quiet=True)
+    fm = get_focus_model(base, FocusConfig(num_groups=4, top_k=2, window=8, group_dim=8))
+    named = _trainable(fm)
+    assert {n for n, _ in named} == {f"routers.{i}.{t}" for i in ("0", "1") for t in ("proj", "centroids")}  # fmt: skip
+    base.model.norm.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="base parameters require grad"):
+        _trainable(fm)
+    base.model.norm.weight.requires_grad_(False)
+    fm.routers["0"].proj.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="Focus parameters"):
+        _trainable(fm)
+
+
+def test_grad_accum_matches_batch(assets, tmp_path):
+    a = train(tiny_config(assets, tmp_path / "a", steps=2, batch_size=2, grad_accum=1, eval_every=-1))  # fmt: skip
+    b = train(tiny_config(assets, tmp_path / "b", steps=2, batch_size=1, grad_accum=2, eval_every=-1))  # fmt: skip
+    assert a.losses == pytest.approx(b.losses, rel=1e-5)
+    wa, wb = _weights(a.out), _weights(b.out)
+    for k in wa:
+        if k.endswith("bias_updates"):  # counts forwards: 2 vs 4
+            assert int(wb[k]) == 2 * int(wa[k])
+            continue
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+
+
+def test_zero_steps_saves_untrained_adapter(assets, tmp_path):
+    res = train(tiny_config(assets, tmp_path / "z", steps=0))
+    assert res.steps == 0 and res.losses == [] and res.final_loss is None
+    assert [v["step"] for v in res.validation] == [0]
+    assert (res.out / "focus_model.safetensors").is_file()
+    w = _weights(res.out)
+    assert float(w["layer.0.routing_bias"].abs().sum()) == 0  # never calibrated
+
+
+def test_out_directory_guards(assets, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(assets, out, steps=1, eval_every=-1))
+    with pytest.raises(ValueError, match="--resume"):
+        train(tiny_config(assets, out, steps=1, eval_every=-1))
+    with pytest.raises(ValueError, match="settings differ"):
+        train(tiny_config(assets, out, steps=1, eval_every=-1, lr=0.5, resume=True))
+    with pytest.raises(FileNotFoundError):
+        train(tiny_config(assets, tmp_path / "empty", resume=True))
+    res = train(tiny_config(assets, out, steps=2, eval_every=-1, overwrite=True))
+    assert res.start_step == 0 and [r["step"] for r in _log(out)] == [1, 2]
+    # resuming a finished run with more free settings changed does nothing more
+    again = train(tiny_config(assets, out, steps=2, eval_every=-1, resume=True, save_every=7))
+    assert again.start_step == 2 and again.losses == []
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, 10, 2) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(2, 10, 2) == pytest.approx(1.0)
+    assert lr_factor(6, 10, 2) == pytest.approx(0.5)
+    assert lr_factor(10, 10, 2) == pytest.approx(0.0)
+    assert lr_factor(0, 5, 0) == 1.0
+
+
+def test_data_order_is_a_seeded_permutation_per_epoch():
+    cfg = TrainConfig(batch_size=2, grad_accum=3, seed=5)
+    n = 10
+    seen = [i for step in range(5) for m in range(3) for i in _sample_indices(step, m, cfg, n)]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert seen[:10] != seen[10:20]  # a fresh permutation each epoch
+    assert seen == [i for step in range(5) for m in range(3) for i in _sample_indices(step, m, cfg, n)]  # fmt: skip
+    other = TrainConfig(batch_size=2, grad_accum=3, seed=6)
+    assert _sample_indices(0, 0, other, n) + _sample_indices(0, 1, other, n) != seen[:4]
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"steps": -1}, "steps"),
+        ({"seq_len": 1}, "seq_len"),
+        ({"lr": 0}, "lr"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"threads": 0}, "threads"),
+        ({"resume": True, "overwrite": True}, "resume"),
+        ({"top_k": 9}, "top_k"),
+        ({"gate": "nope"}, "gate"),
+    ],
+)
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**changes)
+
+
+def test_config_round_trip_and_default_out():
+    cfg = TrainConfig(corpus="/data/my books/", num_groups=4, top_k=1)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert str(cfg.out_dir()) == "runs/my-books"
+    assert cfg.focus_config().num_groups == 4 and cfg.focus_config().seed == cfg.seed
+    with pytest.raises(ValueError, match="unknown"):
+        TrainConfig.from_dict({"bogus": 1})
