@@ -167,12 +167,6 @@ def test_oracle_helpers_agree_with_package_oracle():
     torch.testing.assert_close(pkg_lse.double(), mine_lse, atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: dense_attention computes softmax/LSE in fp32 for float64 inputs "
-    "(documented: 'computed in the inputs' dtype'), so the oracle is only fp32-accurate",
-)
 def test_dense_attention_float64_is_float64_accurate():
     case = make_case(nk=40, nq=40, top_k=2)
     mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
@@ -287,13 +281,6 @@ def test_math_backend_gradients_match_oracle(params, dtype):
         assert (got[1][pad] == 0).all() and (got[2][pad] == 0).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: backend='cpu_flash' with inputs that require grad silently returns an output "
-    "whose gradients are wrong (the kernel's LSE is not differentiable, so the merge weights "
-    "get no gradient); it must raise ValueError naming 'backend' or produce oracle gradients",
-)
 def test_cpu_flash_backend_never_returns_wrong_gradients():
     case = make_case(nk=60, top_k=2, window=4, seed=6)
     q = case.q.clone().requires_grad_(True)

@@ -25,7 +25,8 @@ def dense_attention(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention under an explicit boolean mask, computed in the inputs' dtype.
+    """Softmax attention under an explicit boolean mask: logits in the inputs' dtype,
+    softmax in fp32 (float64 for float64 inputs), as eager attention does.
 
     A query row with no visible key outputs zeros and log-sum-exp ``-inf`` (product
     decision: never NaN). ``O(Nq * Nk)`` memory: an oracle, not a fast path.
@@ -37,7 +38,7 @@ def dense_attention(
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
 
     Returns:
-        ``(out [B, H, Nq, D] in query's dtype, lse [B, H, Nq] float32)``.
+        ``(out [B, H, Nq, D] in query's dtype, lse [B, H, Nq] float32 or float64)``.
     """
     num_heads, d = query.shape[1], query.shape[-1]
     scale = d**-0.5 if scale is None else scale
@@ -51,8 +52,9 @@ def dense_attention(
     logits = logits.masked_fill(~mask, float("-inf"))
     row_any = mask.any(dim=-1, keepdim=True)
     logits = torch.where(row_any, logits, torch.zeros_like(logits))
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    probs = torch.softmax(logits.float(), dim=-1).to(query.dtype)
+    ct = torch.promote_types(logits.dtype, torch.float32)  # fp32, fp64 for float64 inputs
+    lse = torch.logsumexp(logits.to(ct), dim=-1)
+    probs = torch.softmax(logits.to(ct), dim=-1).to(query.dtype)
     probs = torch.where(row_any, probs, torch.zeros_like(probs))
     lse = torch.where(row_any[..., 0], lse, torch.full_like(lse, -math.inf))
     return probs @ v, lse

@@ -390,7 +390,8 @@ def sparse_attention(
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)`` (math backend).
-        backend: ``"cpu_flash"`` (PyTorch's CPU flash kernel; inference only), ``"math"``
+        backend: ``"cpu_flash"`` (PyTorch's CPU flash kernel; inference only: raises if an
+            input requires grad), ``"math"``
             (blocked, differentiable, any device and dtype) or ``"auto"``: ``cpu_flash`` for
             CPU float32/bfloat16/float16 inputs without grad and without softcap, else
             ``math``.
@@ -415,10 +416,16 @@ def sparse_attention(
     if backend not in BACKENDS:
         fail("backend", repr(backend), f"one of {BACKENDS}")
     scale = d**-0.5 if scale is None else float(scale)
-    if backend == "auto":
-        needs_grad = torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    if backend == "cpu_flash" and needs_grad:
+        fail(
+            "backend",
+            "'cpu_flash' with inputs that require grad",
+            "'math' or 'auto' for gradients (the CPU kernel's log-sum-exp is not differentiable)",
         )
+    if backend == "auto":
         fast = (
             query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
