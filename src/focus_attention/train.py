@@ -122,8 +122,9 @@ class TrainConfig:
         betas: AdamW betas.
         max_grad_norm: gradient-norm clip (``0`` disables clipping).
         seed: seeds Python, NumPy and torch, the data order and the router initialisation.
-        eval_every: validation every this many steps (and at step 0 and at the end); ``0``
-            only at step 0 and at the end; a negative value disables validation.
+        eval_every: validation every this many steps, and at step 0 (where the base model is
+            scored too) and at the end; ``0``: only at step 0 and at the end; a negative
+            value disables validation.
         eval_tokens: validation tokens (cap on the validation stream; whole ``seq_len``
             windows).
         save_every: checkpoint every this many steps (and at the end); ``0``: only at the end.
@@ -632,13 +633,19 @@ def write_plot(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str
     return png
 
 
-def _validate(fm: Any, blocks: torch.Tensor) -> dict[str, Any]:
+def _validate(fm: Any, blocks: torch.Tensor, *, base: bool = False) -> dict[str, Any]:
     """Validation perplexity of ``blocks`` with top-k and with soft routing (eval mode, no
-    bias update); the model is put back into training mode (base model in eval mode)."""
+    bias update) and, with ``base``, of the base model (Focus disabled); the model is put
+    back into training mode (base model in eval mode)."""
     from .evaluate import score_windows
 
     fm.eval()
+    extra = {}
     try:
+        if base:
+            with fm.disable_focus():
+                nll_base, n = score_windows(fm, blocks)
+            extra["val_ppl_base"] = math.exp(nll_base / n)
         fm.set_routing("topk")
         nll_topk, n = score_windows(fm, blocks)
         fm.set_routing("soft")
@@ -651,6 +658,7 @@ def _validate(fm: Any, blocks: torch.Tensor) -> dict[str, Any]:
         "val_ppl_topk": math.exp(nll_topk / n),
         "val_ppl_soft": math.exp(nll_soft / n),
         "val_tokens": n,
+        **extra,
     }
 
 
@@ -808,7 +816,7 @@ def train(
         try:
             if val_blocks is not None and step == 0 and 0 not in logged_steps:
                 t0 = time.monotonic()
-                rec = {"step": 0, **_validate(fm, val_blocks)}
+                rec = {"step": 0, **_validate(fm, val_blocks, base=True)}
                 elapsed += time.monotonic() - t0
                 rec["seconds"] = round(elapsed, 3)
                 validation.append(rec)
