@@ -1,0 +1,71 @@
+"""Benchmark plumbing (no timing assertions: timings are benchmarked, not tested)."""
+
+import json
+
+import pytest
+import torch
+
+from focus_attention import bench, cli
+
+
+def test_balanced_memberships_are_exactly_balanced_and_top_k():
+    gen = torch.Generator().manual_seed(0)
+    for top_k in (1, 2, 3):
+        g = bench.balanced_memberships(96, 8, top_k, gen)
+        assert g.dtype == torch.bool and g.shape == (1, 96, 8)
+        assert (g.sum(-1) == top_k).all()
+        assert (g[0].sum(0) == 96 * top_k // 8).all()
+
+
+def test_kernel_benchmark_writes_json_table_and_plot(tmp_path):
+    out = tmp_path / "k.json"
+    rc = cli.main(
+        [
+            "bench", "kernel", "--json", str(out), "--lengths", "64", "96", "--top-k", "1",
+            "--repeats", "1", "--no-memory", "--no-gates", "--window", "8",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "kernel"
+    assert {r["N"] for r in data["rows"]} == {64, 96}
+    for r in data["rows"]:
+        assert r["dense_s"] > 0 and r["sparse_s"] > 0
+        assert 0 < r["density"] <= 1
+        assert r["ideal_speedup"] == pytest.approx(1 / r["density"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+    assert data["environment"]["torch"] == torch.__version__
+    assert (tmp_path / "k.png").stat().st_size > 0
+    table = bench.kernel_table(data)
+    assert table.count("\n") == 3
+
+
+def test_peak_memory_is_measured_in_a_fresh_process():
+    cfg = dict(num_heads=2, num_key_value_heads=1, head_dim=16, window=8, num_groups=4, seed=0)
+    peak = bench.kernel_peak_memory("sparse", 4096, 1, cfg)
+    if peak is None:
+        pytest.skip("no /proc/self/clear_refs on this platform")
+    # the fp32 output alone is 2 * 4096 * 16 * 4 bytes = 512 KiB
+    assert peak >= 2 * 4096 * 16 * 4
+
+
+def test_gate_benchmark_rows():
+    rows = bench.run_gate_benchmark(64, num_heads=2, num_key_value_heads=1, head_dim=8, repeats=1)
+    assert [r["method"] for r in rows] == ["eager_dense", "gate_paper", "gate_log"]
+    assert rows[0]["forward_ratio"] == 1.0
+
+
+def test_cli_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in ("setup", "models", "data", "bench"):
+        assert name in text
+
+
+def test_write_json_atomic_leaves_no_temporary(tmp_path):
+    target = tmp_path / "sub" / "r.json"
+    bench.write_json_atomic(target, {"a": 1})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["r.json"]
