@@ -1,20 +1,24 @@
 """Exact sparse attention for hard top-k routing (spec section 5).
 
 The Focus mask is split into disjoint parts; each part runs as standard attention and the
-parts are merged by log-sum-exp:
+parts are merged by log-sum-exp (an empty part has log-sum-exp ``-inf`` and weight 0):
 
-- **group parts**: pairs that share a group, each pair assigned to the *lowest* group the two
-  tokens share (so a pair sharing several groups counts once, for any ``top_k``). Group ``g``
-  gathers its members in position order. Queries whose memberships below ``g`` differ form
-  separate sub-classes, each attending to the members of ``g`` that share none of its lower
-  groups: every sub-class is then a plain causal problem between two sorted position lists.
-- **local part**: pairs inside the window that share no group (a narrow band, masked).
+- **group part** (pairs that share at least one group): queries are partitioned by their
+  exact membership set S; class S attends causally to the real keys of every group in S,
+  gathered as one sorted union list (a key sharing several groups appears once, so every
+  pair is counted once). With ``top_k = 1`` each class is one group whose query and key
+  lists coincide: plain ``is_causal`` attention. With more than ``MAX_CLASSES`` classes,
+  each pair is instead assigned to the lowest group the two tokens share (masked).
+- **local part** (pairs inside the window that share no group): a narrow band, in batched
+  blocks over strided views, with a boolean mask.
 
-A causal problem between a sorted query list and a sorted key list runs as one ``is_causal``
-call when the lists coincide (prefill, the common case), else block by block: the keys that
-every query of a block may see go to an unmasked call, only the short diagonal strip is
-masked. Memory is linear in N for fixed block sizes; no ``Nq x Nk`` or per-group quadratic
-tensor is built.
+A causal problem between a sorted query list and a sorted key list (a "staircase") runs in
+query blocks x key chunks: the keys before a block's first query are unmasked, only the
+strip up to its last query is masked, and on a coinciding (prefill) list the diagonal block
+is ``is_causal``. Memory is linear in N for fixed block sizes; no ``Nq x Nk`` or
+per-group quadratic tensor is built. The ``cpu_flash`` backend uses PyTorch's CPU
+flash-attention kernel (native GQA, log-sum-exp output, inference only); the ``math``
+backend is blocked, differentiable and runs on any device and dtype.
 """
 
 from __future__ import annotations
