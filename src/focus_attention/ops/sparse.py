@@ -48,7 +48,7 @@ _EMPTY = -1e30
 #: most membership classes handled one staircase each (else per-group with masks).
 MAX_CLASSES = 64
 #: mask elements per batched band call (bounds its memory); product decision.
-BAND_ELEMENTS = 1 << 19
+BAND_ELEMENTS = 1 << 16
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
 
@@ -164,22 +164,28 @@ class _Accumulate:
     """
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> None:
-        """``out [H, Nq, D]`` and ``lse [H, Nq]`` fp32 buffers, overwritten (the caller's
-        output when the inputs are fp32, so no second copy is made)."""
+        """Token-major fp32 buffers ``out [Nq, H, D]`` and ``lse [Nq, H]``, overwritten (the
+        caller's output when the inputs are fp32, so no second copy is made). Token-major
+        rows make the gathers and scatters of :meth:`add` contiguous copies."""
         self.dtype = dtype
         self.out = out.zero_()
         self.lse = lse.fill_(_EMPTY)
 
     def add(self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-        old = self.lse[:, idx]
+        """Merge one part: ``out [H, n, D]``, ``lse [H, n]`` for the queries ``idx``."""
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)  # [n, H, D], [n, H] views
+        rows = isinstance(idx, slice)
+        old = self.lse[idx] if rows else self.lse.index_select(0, idx)
         new = torch.logaddexp(old, lse)  # finite: old is
         w_old = torch.exp(old - new)[..., None]
         w_new = torch.exp(lse - new)[..., None]  # 0 where the part is empty (lse -inf)
-        acc = self.out[:, idx]
+        acc = self.out[idx] if rows else self.out.index_select(0, idx)
         acc.mul_(w_old).addcmul_(out, w_new)
-        if not isinstance(idx, slice):
-            self.out[:, idx] = acc
-        self.lse[:, idx] = new
+        if rows:
+            self.lse[idx] = new
+        else:
+            self.out.index_copy_(0, idx, acc)
+            self.lse.index_copy_(0, idx, new)
 
     def finish(self) -> None:
         self.lse.masked_fill_(self.lse <= _EMPTY / 2, -math.inf)
@@ -403,7 +409,9 @@ def sparse_attention(
             with no visible key).
 
     Returns:
-        ``[B, H, Nq, D]`` in the query's dtype (and the log-sum-exp if asked).
+        ``[B, H, Nq, D]`` in the query's dtype (and the log-sum-exp if asked). On the
+        ``cpu_flash`` backend it is a transposed view of a token-major ``[B, Nq, H, D]``
+        buffer (so ``out.transpose(1, 2)``, the layout transformers expects, is contiguous).
 
     Raises:
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
@@ -442,9 +450,9 @@ def sparse_attention(
 
     offset = nk - nq
     outs, lses = [], []
-    if backend != "math":  # accumulate in place, straight into the fp32 result
-        acc_out = torch.empty(b, h, nq, d, dtype=torch.float32, device=query.device)
-        acc_lse = torch.empty(b, h, nq, dtype=torch.float32, device=query.device)
+    if backend != "math":  # accumulate in place, token-major, straight into the result
+        acc_out = torch.empty(b, nq, h, d, dtype=torch.float32, device=query.device)
+        acc_lse = torch.empty(b, nq, h, dtype=torch.float32, device=query.device)
     for i in range(b):
         real = None if key_padding_mask is None else key_padding_mask[i]
         run = _Runner(query[i], key[i], value[i], scale, softcap, backend)
@@ -464,5 +472,6 @@ def sparse_attention(
     if backend == "math":
         out, lse = torch.stack(outs), torch.stack(lses)
     else:
-        out, lse = acc_out.to(query.dtype), acc_lse
+        # [B, H, Nq, D] views of the token-major buffers (transformers wants [B, Nq, H, D])
+        out, lse = acc_out.transpose(1, 2).to(query.dtype), acc_lse.transpose(1, 2)
     return (out, lse) if return_lse else out
