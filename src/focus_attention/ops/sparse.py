@@ -357,8 +357,13 @@ def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
             if not bool(members.any()):
                 continue  # queries in no group: local attention only
             qidx = torch.nonzero(inverse == c, as_tuple=True)[0]
+            qpos = qidx + offset
             kidx = torch.nonzero(kmember[:, members].any(dim=-1), as_tuple=True)[0]
-            run.staircase(acc, qidx, qidx + offset, kidx, kidx)
+            # keys that are this class's own queries (in prefill usually all of them: one
+            # is_causal problem) apart from the other keys (sink tokens, other groups' members)
+            own = torch.isin(kidx, qpos)
+            run.staircase(acc, qidx, qpos, kidx[own], kidx[own])
+            run.staircase(acc, qidx, qpos, kidx[~own], kidx[~own])
         return
     for g in range(qg.shape[-1]):
         qidx = torch.nonzero(qg[:, g] & has_group, as_tuple=True)[0]
