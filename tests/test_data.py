@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import word_tokenizer
 
 from focus_attention import data, models
 from focus_attention.data import (
@@ -82,16 +83,7 @@ def folder(tmp_path):
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, pre_tokenizers, trainers
-    from tokenizers import models as tmodels
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(tmodels.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        [" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>"])
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+    return word_tokenizer(WORDS)
 
 
 # --------------------------------------------------------------------------------------------

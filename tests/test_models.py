@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_llama, word_tokenizer
 
 from focus_attention import models
 from focus_attention.models import (
@@ -34,33 +35,11 @@ WORDS = ["the", "a", "of", "and", "to", "in", "was", "he", "she", "it", "that", 
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, pre_tokenizers, trainers
-    from tokenizers import models as tmodels
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(tmodels.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        [" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>"])
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+    return word_tokenizer(WORDS)
 
 
 def _tiny_llama(vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(vocab)
 
 
 @pytest.fixture
