@@ -454,6 +454,10 @@ def sparse_attention(
         fail("backend", "'cpu_flash'", "CPU tensors and softcap=None ('math' otherwise)")
 
     offset = nk - nq
+    if backend != "math":
+        # one copy into [B, H, N, D] rows makes every later gather a contiguous row copy
+        # (transformers hands over transposed [B, N, H, D] views)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     outs, lses = [], []
     if backend != "math":  # accumulate in place, token-major, straight into the result
         acc_out = torch.empty(b, nq, h, d, dtype=torch.float32, device=query.device)
