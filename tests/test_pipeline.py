@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_llama, word_tokenizer
 
 WORDS = [
     "the",
@@ -77,20 +78,8 @@ PUNCT = [".", ",", ";", "!", "?"]
 
 
 def make_tokenizer():
-    """An offline word-level tokenizer over :data:`WORDS` (+ punctuation, ``<eos>``)."""
-    from tokenizers import Tokenizer, pre_tokenizers, trainers
-    from tokenizers import models as tmodels
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(tmodels.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        [" ".join(WORDS + PUNCT)],
-        trainers.WordLevelTrainer(special_tokens=["[UNK]", "<eos>", "<bos>"]),
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", unk_token="[UNK]"
-    )
+    """An offline word-level tokenizer over :data:`WORDS` (+ punctuation, ``<eos>``, ``<bos>``)."""
+    return word_tokenizer(WORDS + PUNCT, bos=True)
 
 
 def make_text(seed: int, n_words: int) -> str:
@@ -112,23 +101,15 @@ def make_text(seed: int, n_words: int) -> str:
 
 def make_model_dir(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
     """Save a tiny random LLaMA (2 layers, hidden 32, GQA 4/2) and the tokenizer in ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tok = make_tokenizer()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+    model = tiny_llama(
+        len(tok),
+        seed,
+        max_positions=max_positions,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
