@@ -393,3 +393,64 @@ def test_cuda_inputs_equal_oracle(dtype, backend):
     )
     assert out.device.type == "cuda"
     assert_matches_oracle(case, out.cpu(), lse.cpu())
+
+
+#: every block constant of the sparse op shrunk, so that short inputs cross many query
+#: blocks, key chunks, strips and band calls (the production sizes are only crossed by
+#: inputs of thousands of tokens).
+TINY_BLOCKS = dict(
+    QUERY_BLOCK=8, STRIP=4, KEY_CHUNK=16, BAND_BLOCK=4, BAND_ELEMENTS=64, MATH_BLOCK=8
+)
+TINY_GRID = [
+    p
+    for p in GRID
+    if p.id.startswith(("prefill-n3", "chunk", "decode-nk257", "topk", "pad-", "many", "indep"))
+    or p.id in {"window1-decode", "random-memberships", "empty-groups", "no-memberships"}
+]
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    import focus_attention.ops.sparse as sparse_mod
+
+    for name, value in TINY_BLOCKS.items():
+        assert hasattr(sparse_mod, name), name  # a renamed constant must fail loudly
+        monkeypatch.setattr(sparse_mod, name, value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params", TINY_GRID)
+def test_grid_with_tiny_blocks_equals_oracle(params, backend, tiny_blocks):
+    case = make_case(**params)
+    out, lse = case.sparse(backend, return_lse=True)
+    assert_matches_oracle(case, out, lse)
+
+
+@pytest.mark.parametrize("max_classes", [1, 3])
+def test_few_classes_fallback_with_tiny_blocks(max_classes, tiny_blocks, monkeypatch):
+    """The per-group fallback (more classes than MAX_CLASSES) across many blocks/chunks."""
+    import focus_attention.ops.sparse as sparse_mod
+
+    monkeypatch.setattr(sparse_mod, "MAX_CLASSES", max_classes)
+    for backend in BACKENDS:
+        case = make_case(nk=90, nq=70, groups=5, top_k=2, window=6, padding="random", seed=5)
+        out, lse = case.sparse(backend, return_lse=True)
+        assert_matches_oracle(case, out, lse)
+
+
+@given(params=case_params(max_nk=60, long_nk=120))
+@HYP_SMALL
+def test_property_with_tiny_blocks_equals_oracle(params):
+    import focus_attention.ops.sparse as sparse_mod
+
+    saved = {name: getattr(sparse_mod, name) for name in TINY_BLOCKS}
+    try:
+        for name, value in TINY_BLOCKS.items():
+            setattr(sparse_mod, name, value)
+        case = make_case(**params)
+        for backend in BACKENDS:
+            out, lse = case.sparse(backend, return_lse=True)
+            assert_matches_oracle(case, out, lse)
+    finally:
+        for name, value in saved.items():
+            setattr(sparse_mod, name, value)
