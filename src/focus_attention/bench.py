@@ -444,8 +444,7 @@ def run_model_benchmark(
             runner = model
         else:
             if adapter:
-                runner = FocusModel.from_pretrained(model, adapter)
-                runner.focus_config.top_k = top_k
+                runner = FocusModel.from_pretrained(model, adapter).set_top_k(top_k)
             else:
                 cfg = FocusConfig(num_groups=num_groups, window=window, top_k=top_k)
                 runner = get_focus_model(model, cfg)

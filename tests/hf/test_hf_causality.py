@@ -185,7 +185,7 @@ def test_soft_and_sequence_routing_are_not_causal(arch):
     leaks = {}
     for routing, inference in (("topk", "causal"), ("soft", "causal"), ("topk", "sequence")):
         fm.set_routing(routing)
-        fm.focus_config.inference_routing = inference
+        fm.focus_config = fm.focus_config.replace(inference_routing=inference)
         la, lb = call(fm, a, "mask=None"), call(fm, b, "mask=None")
         leaks[(routing, inference)] = float((la[:, :CUT] - lb[:, :CUT]).abs().max())
     assert leaks[("topk", "causal")] <= 1e-6

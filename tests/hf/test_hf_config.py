@@ -27,7 +27,7 @@ def test_top_level_exports():
 
 def test_json_round_trip(tmp_path):
     c = FocusConfig(num_groups=4, top_k=3, gate="paper", layers=[3, 1], seed=9, sink_tokens=0)
-    assert c.layers == [1, 3]
+    assert c.layers == (1, 3)
     text = c.to_json_string()
     assert json.loads(text)["format_version"] == 1
     assert FocusConfig.from_json_string(text) == c

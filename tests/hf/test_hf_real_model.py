@@ -48,9 +48,9 @@ def test_smollm2_with_focus():
         with fm.disable_focus():
             assert torch.equal(fm(input_ids=x).logits, dense)
         # dense where the window covers the sequence
-        fm.focus_config.window = 128
+        fm.focus_config = fm.focus_config.replace(window=128)
         assert (fm(input_ids=x).logits - dense).abs().max() <= 1e-4
-        fm.focus_config.window = 32
+        fm.focus_config = fm.focus_config.replace(window=32)
         assert torch.isfinite(sparse).all()
         kw = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(x))
         assert torch.equal(

@@ -13,6 +13,7 @@ from .attention import (
 from .config import FocusConfig
 from .model import (
     CONFIG_NAME,
+    FIXED_CONFIG_FIELDS,
     WEIGHTS_NAME,
     FocusBaseMismatchWarning,
     FocusModel,
@@ -24,6 +25,7 @@ from .router import FocusRouter
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_NAME",
+    "FIXED_CONFIG_FIELDS",
     "SUPPORTED_MODEL_TYPES",
     "WEIGHTS_NAME",
     "FocusBaseMismatchWarning",

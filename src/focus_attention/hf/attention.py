@@ -65,7 +65,8 @@ class FocusRuntime:
     """State shared by the Focus layers of one wrapped model (product decision).
 
     Attributes:
-        focus_config: the :class:`FocusConfig`.
+        focus_config: the :class:`FocusConfig` in use, read by every Focus-layer call (replaced
+            as a whole when ``FocusModel.focus_config`` is assigned).
         base_impl: the model's attention implementation before Focus (``"sdpa"``, ``"eager"``...).
         enabled: False inside ``disable_focus()``.
         routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import FrozenInstanceError, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,14 @@ def _positive_float(name: str, value: object) -> None:
         raise _bad(name, value, "a finite number > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class FocusConfig:
     """Settings of a Focus retrofit (spec sections 1-4; issue 3 section 1).
+
+    Immutable (a frozen dataclass): assigning a field raises ``FrozenInstanceError`` (an
+    ``AttributeError``). Change settings with :meth:`replace`, which returns a validated
+    copy; on a wrapped model assign it to ``FocusModel.focus_config`` (or use
+    ``FocusModel.set_top_k``) so that the model uses it.
 
     Attributes:
         num_groups: ``K``, the number of learned groups per layer (paper default 8).
@@ -59,9 +64,10 @@ class FocusConfig:
             token's own scores plus a per-group bias calibrated during soft training, so a
             token's groups depend on that token only) or ``"sequence"`` (the paper's
             sequence-wide Sinkhorn before top-k: non-causal, refuses a KV cache).
-        layers: indices of the layers that get Focus; ``None`` = every full-attention layer
-            (layers a model declares as sliding-window in ``config.layer_types`` are left as
-            they are). An explicitly listed sliding-window layer gets Focus and a full cache.
+        layers: indices of the layers that get Focus, stored as a sorted tuple (any iterable
+            of ints is accepted); ``None`` = every full-attention layer (layers a model
+            declares as sliding-window in ``config.layer_types`` are left as they are). An
+            explicitly listed sliding-window layer gets Focus and a full cache.
         seed: seed of the deterministic router initialisation.
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
@@ -83,7 +89,7 @@ class FocusConfig:
     sink_tokens: int = 4
     routing: str = "auto"
     inference_routing: str = "causal"
-    layers: list[int] | None = None
+    layers: tuple[int, ...] | None = None
     seed: int = 0
     bias_momentum: float = 0.01
 
@@ -91,7 +97,8 @@ class FocusConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field; raises ``ValueError`` naming the first bad one."""
+        """Check every field (and store ``layers`` as a sorted tuple); raises ``ValueError``
+        naming the first bad one."""
         _int("num_groups", self.num_groups, 1)
         _int("group_dim", self.group_dim, 1)
         _int("window", self.window, 1)
@@ -119,7 +126,7 @@ class FocusConfig:
                 raise _bad("layers", self.layers, "distinct layer indices")
             if not layers:
                 raise _bad("layers", self.layers, "None or a non-empty list of layer indices")
-            self.layers = sorted(layers)
+            object.__setattr__(self, "layers", tuple(sorted(layers)))  # frozen dataclass
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "an int")
         if (
@@ -189,3 +196,16 @@ class FocusConfig:
         data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         data.update(changes)
         return FocusConfig(**data)
+
+
+def _refuse_assignment(self: FocusConfig, name: str, value: object) -> None:
+    raise FrozenInstanceError(
+        f"FocusConfig is immutable: cannot set {name!r} to {value!r}; use "
+        f"config.replace({name}=...) for a validated copy (on a FocusModel: "
+        f"model.focus_config = model.focus_config.replace({name}=...))"
+    )
+
+
+# The frozen dataclass's own __setattr__ only says "cannot assign to field": replace it with
+# one that says what to do instead (construction does not go through __setattr__).
+FocusConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assign]

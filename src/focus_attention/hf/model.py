@@ -39,6 +39,10 @@ WEIGHTS_NAME = "focus_model.safetensors"
 _ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
 #: elements sampled from each of a few base tensors for the weight fingerprint.
 _FINGERPRINT_SAMPLE = 4096
+#: FocusConfig fields fixed once a FocusModel is built: they set the routers' parameter
+#: shapes (num_groups, group_dim), which layers have routers (layers), or only the routers'
+#: initialisation (seed).
+FIXED_CONFIG_FIELDS = ("num_groups", "group_dim", "layers", "seed")
 
 
 class FocusBaseMismatchWarning(UserWarning):
@@ -132,6 +136,34 @@ def _atomic_write(path: Path, write) -> None:
             tmp.unlink()
 
 
+def _resolve_layers(
+    model_config: Any, modules: dict[int, nn.Module], requested: tuple[int, ...] | None
+) -> list[int]:
+    """The Focus layers of a model: ``requested`` (``FocusConfig.layers``) or, when it is
+    None, every full-attention layer (by ``config.layer_types``).
+
+    Raises:
+        ValueError: a requested layer that does not exist, or no full-attention layer and
+            no explicit ``layers``.
+    """
+    if requested is None:
+        types = layer_types(model_config, int(model_config.num_hidden_layers))
+        layers = [i for i in modules if types[i] == "full_attention"]
+        if not layers:
+            raise ValueError(
+                f"{model_config.model_type}: no full-attention layer (layer_types={types}); "
+                "pass FocusConfig(layers=[...]) to choose layers explicitly"
+            )
+        return layers
+    missing = [i for i in requested if i not in modules]
+    if missing:
+        raise ValueError(
+            f"FocusConfig.layers: layers {missing} do not exist; the model has "
+            f"attention layers 0..{max(modules)}"
+        )
+    return list(requested)
+
+
 # --------------------------------------------------------------------------------------------
 # the adapter
 # --------------------------------------------------------------------------------------------
@@ -148,6 +180,11 @@ class FocusModel(nn.Module):
     Routing: ``train()`` uses soft Sinkhorn routing with the soft gate, ``eval()`` hard top-k
     routing through exact sparse attention; :meth:`set_routing` overrides. KV-cache decoding
     works in top-k mode with causal inference routing (the default).
+
+    Settings: :attr:`focus_config` is the (immutable) config in use; assign a new one, e.g.
+    ``model.focus_config = model.focus_config.replace(top_k=1, window=64)``, or call
+    :meth:`set_top_k`, to change settings from the next forward on. The fields in
+    :data:`FIXED_CONFIG_FIELDS` cannot change.
 
     Args:
         base_model: a supported transformers causal LM (``gpt2``, ``llama``, ``mistral``,
@@ -171,26 +208,9 @@ class FocusModel(nn.Module):
         if base_impl == ATTN_IMPLEMENTATION:
             raise ValueError("this model already uses the 'focus' attention implementation")
         modules = attention_modules(base_model, arch)
-        num_layers = int(model_config.num_hidden_layers)
-        types = layer_types(model_config, num_layers)
-        if config.layers is None:
-            layers = [i for i in modules if types[i] == "full_attention"]
-            if not layers:
-                raise ValueError(
-                    f"{model_config.model_type}: no full-attention layer (layer_types={types}); "
-                    "pass FocusConfig(layers=[...]) to choose layers explicitly"
-                )
-        else:
-            missing = [i for i in config.layers if i not in modules]
-            if missing:
-                raise ValueError(
-                    f"FocusConfig.layers: layers {missing} do not exist; the model has "
-                    f"attention layers 0..{max(modules)}"
-                )
-            layers = list(config.layers)
-        self.focus_config = config.replace(layers=layers)
+        layers = _resolve_layers(model_config, modules, config.layers)
         self.architecture = arch
-        runtime = FocusRuntime(self.focus_config, base_impl, routing=config.routing)
+        runtime = FocusRuntime(config.replace(layers=layers), base_impl, routing=config.routing)
         register_runtime(model_config, runtime)
 
         object.__setattr__(self, "_runtime", runtime)
@@ -236,6 +256,61 @@ class FocusModel(nn.Module):
             if name in ("base_model", "routers", "_runtime") or name.startswith("__"):
                 raise
             return getattr(self.base_model, name)
+
+    @property
+    def focus_config(self) -> FocusConfig:
+        """The :class:`FocusConfig` in use (immutable; ``layers`` resolved to this model's
+        Focus layers).
+
+        Assigning a config makes the next forward use it: ``top_k``, ``window``,
+        ``temperature``, ``sinkhorn_iters``, ``gate``, ``gate_sharpness``, ``sink_tokens``,
+        ``inference_routing`` and ``bias_momentum`` take effect; ``routing``, when it differs
+        from the current config's, acts like :meth:`set_routing`. ``layers=None`` means this
+        model's default layers. A KV cache filled earlier keeps the groups it was filled with.
+
+        Raises (on assignment):
+            ValueError: not a :class:`FocusConfig`; an invalid one; a change to a field in
+                :data:`FIXED_CONFIG_FIELDS` (``num_groups``, ``group_dim``, ``layers``,
+                ``seed``; the message names the field, what was received and what was
+                expected); an unloaded model.
+        """
+        return self._runtime.focus_config
+
+    @focus_config.setter
+    def focus_config(self, config: FocusConfig) -> None:
+        self._check_live()
+        if not isinstance(config, FocusConfig):
+            raise ValueError(
+                f"FocusModel.focus_config: received {type(config).__name__}, expected a FocusConfig"
+            )
+        config.validate()
+        current = self._runtime.focus_config
+        layers = _resolve_layers(self.base_model.config, self._modules_by_layer, config.layers)
+        config = config.replace(layers=layers)
+        for name in FIXED_CONFIG_FIELDS:
+            received, expected = getattr(config, name), getattr(current, name)
+            if received != expected:
+                raise ValueError(
+                    f"FocusModel.focus_config.{name}: received {received!r}, expected "
+                    f"{expected!r} ({name} is fixed once the adapter is built; wrap the base "
+                    "model again with get_focus_model to change it)"
+                )
+        for router in self.routers.values():
+            router.temperature = float(config.temperature)
+            router.bias_momentum = float(config.bias_momentum)
+        if config.routing != current.routing:
+            self._runtime.routing = config.routing
+        self._runtime.focus_config = config
+
+    def set_top_k(self, top_k: int) -> FocusModel:
+        """Route every token to ``top_k`` groups from the next forward on (shorthand for
+        ``model.focus_config = model.focus_config.replace(top_k=top_k)``).
+
+        Raises:
+            ValueError: ``top_k`` is not an int in ``1..num_groups``.
+        """
+        self.focus_config = self.focus_config.replace(top_k=top_k)
+        return self
 
     @property
     def focus_layers(self) -> list[int]:
