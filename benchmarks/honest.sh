@@ -9,7 +9,7 @@
 #
 # Lane 1: gate=log  (default) sink_tokens=4: 300 steps; eval causal, sequence, and sink_tokens=0.
 # Lane 2: gate=paper          sink_tokens=4: 300 steps; eval causal, sequence; untrained random
-#         centroids (0 steps; sequence and causal routing); the README's default job's adapter.
+#         centroids (0 steps; sequence routing, with and without sink tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LANE=${1:?usage: honest.sh 1|2 [RUNS_DIR]}
@@ -42,8 +42,6 @@ else
   evaluate "$H/paper-s4" sequence --inference-routing sequence
   [ -f "$H/random/focus_config.json" ] || run focus train --out "$H/random" --steps 0 --eval-every -1 --threads 1 --no-progress
   evaluate "$H/random" sequence --inference-routing sequence
-  evaluate "$H/random" causal
   evaluate "$H/random" sequence-sinks0 --inference-routing sequence --sink-tokens 0
-  [ ! -f runs/austen/focus_config.json ] || evaluate runs/austen causal
 fi
 log "lane $LANE done"
