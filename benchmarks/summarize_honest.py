@@ -1,10 +1,11 @@
 """Collect the honest-results evaluations (``benchmarks/honest.sh``) into one table.
 
-usage: python benchmarks/summarize_honest.py [RUNS_DIR] [--json OUT.json]
+usage: python benchmarks/summarize_honest.py [RUNS_DIR] [--json OUT.json] [--plot OUT.png]
 
 Reads ``RUNS_DIR/*/eval-*.json`` (default ``runs/honest``) and prints a markdown table of
 perplexities (token-weighted, the eval's window scheme) and pairs retained; with ``--json``
-also writes the collected evaluations (configuration, versions and hardware included).
+also writes the collected evaluations (configuration, versions and hardware included);
+with ``--plot`` a bar chart of perplexity per evaluation (dense base as a line).
 """
 
 from __future__ import annotations
@@ -52,10 +53,39 @@ def table(evals: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def plot(evals: list[tuple[str, dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, _ in evals]
+    series = [("soft", lambda r: r["ppl"]["focus_soft"])]
+    series += [
+        (f"top-{k}", lambda r, k=k: r["ppl"]["focus_topk"].get(k, float("nan")))
+        for k in ("1", "2", "4")
+    ]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4))
+    width = 0.8 / len(series)
+    for i, (label, get) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, [get(r) for _, r in evals], width, label=label)
+    base = evals[0][1]["ppl"]["base"]
+    ax.axhline(base, color="black", linestyle="--", linewidth=1, label=f"dense base {base:.2f}")
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_ylim(base * 0.9, None)
+    ax.legend(fontsize=8, ncol=3)
+    ax.set_title(f"smollm2-135m + Focus on Persuasion ({evals[0][1]['tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="?", default="runs/honest")
     ap.add_argument("--json", help="also write the collected evaluations here")
+    ap.add_argument("--plot", help="also write a bar chart (PNG) here")
     args = ap.parse_args()
     files = sorted(glob.glob(os.path.join(args.runs, "*", "eval-*.json")))
     if not files:
@@ -66,6 +96,8 @@ def main() -> None:
         from focus_attention.bench import write_json_atomic
 
         write_json_atomic(args.json, {name: r for name, r in evals})
+    if args.plot:
+        plot(evals, args.plot)
 
 
 if __name__ == "__main__":
