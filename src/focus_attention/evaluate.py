@@ -257,7 +257,8 @@ def evaluate(
     import torch
     from tqdm.auto import tqdm
 
-    from .bench import environment, write_json_atomic
+    from ._files import write_json_atomic
+    from .bench import environment
     from .data import SPLITS, load_corpus, token_blocks
     from .hf import FocusModel
     from .models import load_model
@@ -471,11 +472,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     table = markdown_table(result)
     print(table)
     if args.markdown:
-        from .train import _atomic_write_text
+        from ._files import atomic_write_text
 
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(path, table + "\n")
+        atomic_write_text(path, table + "\n")
     print(f"\nbase weights SHA-256 unchanged: {result['base_weights_sha256']['after']}")
     print(f"{result['seconds']['total']:.0f} s" + (f"; JSON: {args.json}" if args.json else ""))
     return 0

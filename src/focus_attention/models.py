@@ -44,13 +44,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+from ._files import atomic_write_text, file_lock, staged_directory
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse
@@ -162,24 +163,6 @@ def verify_entry(entry: Path, *, full: bool = False) -> list[str]:
     return problems
 
 
-@contextlib.contextmanager
-def _entry_lock(key: str) -> Iterator[None]:
-    """Serialise concurrent prepares of one entry (POSIX advisory lock; no-op elsewhere)."""
-    locks = focus_home() / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(locks / f"{key}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _build_entry(
     final: Path,
     key: str,
@@ -194,22 +177,20 @@ def _build_entry(
     ``scratch_dir`` for downloads, and returns manifest fields. The manifest (with the sha256
     and size of every file in ``out_dir``) is written last, then ``out_dir`` is renamed to
     ``final``. On any exception nothing at ``final`` changes and the staging area is removed.
+    Concurrent prepares of one entry are serialised by a lock file in ``.locks``.
     """
     if not force and _read_manifest(final) is not None:
         return final
     home = focus_home()
     staging_root = home / ".staging"
-    staging_root.mkdir(parents=True, exist_ok=True)
-    with _entry_lock(key):
+    with file_lock(home / ".locks" / f"{key}.lock"):
         if not force and _read_manifest(final) is not None:  # built meanwhile by another process
             return final
         # Under the lock nobody else builds this entry: leftovers are from killed runs.
         for stale in staging_root.glob(f"{key}.*"):
             shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=staging_root))
-        try:
-            out, scratch = staging / "entry", staging / "scratch"
-            out.mkdir()
+        with staged_directory(final, staging_root, prefix=f"{key}.") as out:
+            scratch = out.parent / "scratch"
             scratch.mkdir()
             t0 = time.monotonic()
             fields = build(out, scratch)
@@ -222,16 +203,7 @@ def _build_entry(
                 "build_seconds": round(time.monotonic() - t0, 1),
                 "files": _file_records(out),
             }
-            tmp_manifest = out / (MANIFEST_NAME + ".tmp")
-            tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp_manifest, out / MANIFEST_NAME)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists() or final.is_symlink():  # incomplete, outdated or forced
-                old = staging / "old"
-                os.replace(final, old)
-            os.replace(out, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
     _log(f"ready: {final}", quiet=quiet)
     return final
 

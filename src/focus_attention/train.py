@@ -46,11 +46,13 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._checks import bad, check_int, check_number
+from ._files import atomic_write, atomic_write_text, staged_directory, write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse
@@ -185,41 +187,26 @@ class TrainConfig:
     def validate(self) -> None:
         """Check the ranges; raises ``ValueError`` naming the first bad field (the Focus
         fields are checked by ``FocusConfig``)."""
-
-        def need(ok: bool, name: str, expected: str) -> None:
-            if not ok:
-                raise ValueError(
-                    f"TrainConfig.{name}: received {getattr(self, name)!r}, expected {expected}"
-                )
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        need(is_int(self.steps) and self.steps >= 0, "steps", "an int >= 0")
-        for name in ("seq_len", "batch_size", "grad_accum", "keep_checkpoints"):
-            need(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an int >= 1")
-        need(self.seq_len >= 2, "seq_len", "an int >= 2")
-        need(isinstance(self.lr, (int, float)) and self.lr > 0, "lr", "a number > 0")
-        need(is_int(self.warmup_steps) and self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
-        need(self.weight_decay >= 0, "weight_decay", "a number >= 0")
-        need(self.max_grad_norm >= 0, "max_grad_norm", "a number >= 0")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "two in [0, 1)")
-        need(is_int(self.seed), "seed", "an int")
-        need(is_int(self.eval_every), "eval_every", "an int")
-        need(is_int(self.eval_tokens) and self.eval_tokens >= 1, "eval_tokens", "an int >= 1")
-        need(is_int(self.save_every) and self.save_every >= 0, "save_every", "an int >= 0")
-        need(
-            self.max_train_tokens is None
-            or (is_int(self.max_train_tokens) and self.max_train_tokens >= 1),
-            "max_train_tokens",
-            "None or an int >= 1",
-        )
-        need(
-            self.threads is None or (is_int(self.threads) and self.threads >= 1),
-            "threads",
-            "None or an int >= 1",
-        )
-        need(not (self.resume and self.overwrite), "resume", "not both resume and overwrite")
+        owner = "TrainConfig"
+        check_int(owner, "steps", self.steps, 0)
+        check_int(owner, "seq_len", self.seq_len, 2)
+        for name in ("batch_size", "grad_accum", "keep_checkpoints"):
+            check_int(owner, name, getattr(self, name), 1)
+        check_number(owner, "lr", self.lr)
+        check_int(owner, "warmup_steps", self.warmup_steps, 0)
+        check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
+        # inf: no clipping, like 0
+        check_number(owner, "max_grad_norm", self.max_grad_norm, inclusive=True, finite=False)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise bad(owner, "betas", self.betas, "two in [0, 1)")
+        check_int(owner, "seed", self.seed)
+        check_int(owner, "eval_every", self.eval_every)
+        check_int(owner, "eval_tokens", self.eval_tokens, 1)
+        check_int(owner, "save_every", self.save_every, 0)
+        check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        if self.resume and self.overwrite:
+            raise bad(owner, "resume", self.resume, "not both resume and overwrite")
         self.focus_config()  # validates the Focus fields
 
     def focus_config(self):
@@ -266,7 +253,8 @@ class TrainResult:
         losses: training loss (mean next-token cross-entropy, nats/token) of every step run
             by this call, in order.
         validation: the validation records of this call: dicts with ``step``,
-            ``val_ppl_topk``, ``val_ppl_soft``, ``val_tokens``.
+            ``val_ppl_topk``, ``val_ppl_soft``, ``val_tokens`` (and ``val_ppl_base`` at step
+            0).
         final_loss: loss of the last step (``None`` if no step ran).
         seconds: wall-clock seconds of this call (loading included).
         train_seconds: cumulative seconds spent in the training loop over all resumes.
@@ -361,19 +349,6 @@ def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
 def auto_prepend_bos(model: Any) -> bool:
     """True for models trained with a BOS at every sequence start (Gemma family)."""
     return str(getattr(model.config, "model_type", "")).startswith("gemma")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 class _SigintGuard:
@@ -512,9 +487,8 @@ def _save_checkpoint(fm: Any, opt: Any, sched: Any, step: int, elapsed: float,
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
     if not (final / STATE_NAME).is_file():
-        tmp = root / f".tmp-step-{step:07d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        # a directory without state at ``final`` (leftover of a foreign tool) is replaced
+        with staged_directory(final, root, prefix=f".tmp-step-{step:07d}-") as tmp:
             fm.save_pretrained(tmp)
             state = {
                 "format": STATE_FORMAT,
@@ -525,15 +499,7 @@ def _save_checkpoint(fm: Any, opt: Any, sched: Any, step: int, elapsed: float,
                 "rng": _rng_state(),
                 "config": cfg.to_dict(),
             }
-            torch.save(state, tmp / STATE_NAME)
-            with open(tmp / STATE_NAME, "rb") as fh:
-                os.fsync(fh.fileno())
-            if final.exists():  # a directory without state: leftover of a foreign tool
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            atomic_write(tmp / STATE_NAME, lambda path: torch.save(state, path))
     steps = sorted(
         (int(p.name[5:]), p)
         for p in root.iterdir()
@@ -625,14 +591,10 @@ def write_plot(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str
     ax2.set_title("validation perplexity")
     fig.tight_layout()
     png = Path(png_path)
-    tmp = png.with_name(f".{png.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, png)
+        atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
     return png
 
 
@@ -663,6 +625,10 @@ def _validate(fm: Any, blocks: torch.Tensor, *, base: bool = False) -> dict[str,
         "val_tokens": n,
         **extra,
     }
+
+
+#: what :attr:`TrainResult.validation` keeps of a validation record
+_VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_tokens", "val_ppl_base")
 
 
 def _eval_due(step: int, cfg: TrainConfig) -> bool:
@@ -706,7 +672,7 @@ def train(
     import torch
     from tqdm.auto import tqdm
 
-    from .bench import environment, write_json_atomic
+    from .bench import environment
     from .data import load_corpus, token_blocks
     from .evaluate import weights_sha256
     from .hf import FocusModel, get_focus_model
@@ -776,7 +742,7 @@ def train(
         _set_rng_state(state["rng"])
         step, elapsed = int(state["step"]), float(state["elapsed"])
         kept = [r for r in _read_log(log_path) if r.get("step", 0) <= step]
-        _atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in kept))
     else:
         log_path.unlink(missing_ok=True)
     start_step = step
@@ -804,26 +770,36 @@ def train(
     interrupted = False
     with _SigintGuard() as guard, open(log_path, "a") as log:
 
-        def emit(rec: dict[str, Any]) -> None:
+        def emit(rec: dict[str, Any], started: float) -> None:
+            """Add the time since ``started`` to the loop time and log ``rec`` with it."""
+            nonlocal elapsed
+            elapsed += time.monotonic() - started
+            rec["seconds"] = round(elapsed, 3)
             log.write(json.dumps(rec) + "\n")
             log.flush()
 
-        def finish() -> None:
+        def validate(rec: dict[str, Any], *, base: bool = False) -> None:
+            """Score the validation blocks into ``rec`` and keep them in ``validation``."""
+            rec.update(_validate(fm, val_blocks, base=base))
+            validation.append({k: rec[k] for k in _VALIDATION_KEYS if k in rec})
+
+        def save(*, final: bool = False) -> None:
+            """A checkpoint of the current step; ``final`` (end of run, Ctrl-C): also the
+            adapter in ``out`` and the plot. SIGINT waits until it is written."""
             nonlocal last_ckpt
             with guard.critical():
                 last_ckpt = _save_checkpoint(fm, opt, sched, step, elapsed, cfg, out)
-                fm.save_pretrained(out)
-                log.flush()
-                write_plot(log_path, out / "train.png")
+                if final:
+                    fm.save_pretrained(out)
+                    log.flush()
+                    write_plot(log_path, out / "train.png")
 
         try:
             if val_blocks is not None and step == 0 and 0 not in logged_steps:
                 t0 = time.monotonic()
-                rec = {"step": 0, **_validate(fm, val_blocks, base=True)}
-                elapsed += time.monotonic() - t0
-                rec["seconds"] = round(elapsed, 3)
-                validation.append(rec)
-                emit(rec)
+                rec = {"step": 0}
+                validate(rec, base=True)
+                emit(rec, t0)
                 pbar.set_postfix(val_ppl=f"{rec['val_ppl_topk']:.2f}")
             while step < cfg.steps:
                 t0 = time.monotonic()
@@ -864,12 +840,8 @@ def train(
                 rec["tokens"] = step * tokens_per_step
                 losses.append(rec["loss"])
                 if val_blocks is not None and _eval_due(step, cfg):
-                    rec.update(_validate(fm, val_blocks))
-                    validation.append({k: rec[k] for k in ("step", "val_ppl_topk",
-                                                           "val_ppl_soft", "val_tokens")})  # fmt: skip
-                elapsed += time.monotonic() - t0
-                rec["seconds"] = round(elapsed, 3)
-                emit(rec)
+                    validate(rec)
+                emit(rec, t0)
                 pbar.update(1)
                 post = {"loss": f"{rec['loss']:.3f}", "dom": f"{rec.get('dominance', 0):.2f}",
                         "lr": f"{lr_now:.1e}"}  # fmt: skip
@@ -879,13 +851,12 @@ def train(
                 if callback is not None:
                     callback(step, rec)
                 if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                    with guard.critical():
-                        last_ckpt = _save_checkpoint(fm, opt, sched, step, elapsed, cfg, out)
-            finish()
+                    save()
+            save(final=True)
         except KeyboardInterrupt:
             interrupted = True
             pbar.close()
-            finish()
+            save(final=True)
             print(
                 f"\nfocus train: interrupted after step {step}; adapter saved in {out}, "
                 f"checkpoint {last_ckpt}; continue with --resume",

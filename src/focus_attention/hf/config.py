@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 from dataclasses import FrozenInstanceError, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from .._checks import bad, check_int, check_number
 
 #: version of the on-disk ``focus_config.json`` layout (product decision).
 CONFIG_FORMAT_VERSION = 1
@@ -16,23 +18,10 @@ ROUTINGS = ("auto", "soft", "topk")
 INFERENCE_ROUTINGS = ("causal", "sequence")
 
 
-def _bad(name: str, received: object, expected: str) -> ValueError:
-    return ValueError(f"FocusConfig.{name}: received {received!r}, expected {expected}")
-
-
-def _int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _bad(name, value, f"an int >= {low}")
-
-
-def _positive_float(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise _bad(name, value, "a finite number > 0")
+# checks that name the field as "FocusConfig.<field>"
+_bad = functools.partial(bad, "FocusConfig")
+_int = functools.partial(check_int, "FocusConfig")
+_positive_float = functools.partial(check_number, "FocusConfig")
 
 
 @dataclass(frozen=True)
@@ -127,8 +116,7 @@ class FocusConfig:
             if not layers:
                 raise _bad("layers", self.layers, "None or a non-empty list of layer indices")
             object.__setattr__(self, "layers", tuple(sorted(layers)))  # frozen dataclass
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad("seed", self.seed, "an int")
+        _int("seed", self.seed)
         if (
             isinstance(self.bias_momentum, bool)
             or not isinstance(self.bias_momentum, (int, float))

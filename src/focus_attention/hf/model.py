@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import os
-import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .._files import atomic_write
 from .architectures import (
     attention_modules,
     get_architecture,
@@ -121,19 +121,6 @@ def _compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], where:
             FocusBaseMismatchWarning,
             stacklevel=3,
         )
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in the same directory, fsync, then ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _resolve_layers(
@@ -488,12 +475,12 @@ class FocusModel(nn.Module):
         fingerprint = base_model_fingerprint(self.base_model)
         tensors = self.focus_state_dict()
         meta = {"format": "pt", "focus_config": self.focus_config.to_json_string()}
-        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
+        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
         doc = self.focus_config.to_dict()
         doc["base_model_fingerprint"] = fingerprint
         doc["library"] = "focus_attention"
         text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
+        atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
 
     @classmethod
     def from_pretrained(
