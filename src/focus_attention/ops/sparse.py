@@ -127,7 +127,7 @@ class _Collect:
         self.out: list[torch.Tensor] = []
         self.lse: list[torch.Tensor] = []
 
-    def add(self, idx: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def add(self, idx: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, fresh=False) -> None:
         if idx.numel():
             self.idx.append(idx)
             self.out.append(out)
@@ -174,10 +174,22 @@ class _Accumulate:
         self.out = out.zero_()
         self.lse = lse.fill_(_EMPTY)
 
-    def add(self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Merge one part: ``out [H, n, D]``, ``lse [H, n]`` for the queries ``idx``."""
+    def add(
+        self, idx: torch.Tensor | slice, out: torch.Tensor, lse: torch.Tensor, fresh=False
+    ) -> None:
+        """Merge one part: ``out [H, n, D]``, ``lse [H, n]`` for the queries ``idx``.
+        ``fresh``: no earlier part touched these rows, so the part is copied, not merged."""
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)  # [n, H, D], [n, H] views
         rows = isinstance(idx, slice)
+        if fresh:
+            lse = lse.clamp_min(_EMPTY)  # an empty row keeps the finite sentinel
+            if rows:
+                self.out[idx] = out
+                self.lse[idx] = lse
+            else:
+                self.out.index_copy_(0, idx, out.to(self.out.dtype))
+                self.lse.index_copy_(0, idx, lse)
+            return
         old = self.lse[idx] if rows else self.lse.index_select(0, idx)
         new = torch.logaddexp(old, lse)  # finite: old is
         w_old = torch.exp(old - new)[..., None]
@@ -211,11 +223,13 @@ class _Runner:
             return _attend_math(q, k, v, mask, causal, self.scale, self.softcap)
         return _attend_cpu_flash(q, k, v, mask, causal, self.scale)
 
-    def staircase(self, acc, qidx, qpos, kidx, kpos, q_excl=None, k_excl=None) -> None:
+    def staircase(self, acc, qidx, qpos, kidx, kpos, q_excl=None, k_excl=None, fresh=False) -> bool:
         """Causal attention (key visible iff its position <= the query's) between a sorted
         query list and a sorted key list, both given as indices and absolute positions.
         With ``q_excl [n, E]`` / ``k_excl [m, E]`` (bool), a pair that shares any of the E
-        features is also excluded.
+        features is also excluded. ``fresh``: no part touched these queries yet (each
+        block's first piece is then copied into the accumulator instead of merged).
+        Returns whether any piece was added.
 
         Queries go in blocks of at most ``QUERY_BLOCK`` whose last visible keys fall in the
         same ``STRIP`` keys; keys are gathered ``KEY_CHUNK`` at a time. Each block sees the
@@ -225,7 +239,7 @@ class _Runner:
         """
         n, m = qidx.numel(), kidx.numel()
         if n == 0 or m == 0:
-            return
+            return False
         equal = q_excl is None and n == m and torch.equal(qpos, kpos)
         if q_excl is not None:
             q_excl, k_excl = q_excl.float(), k_excl.float()
@@ -239,6 +253,7 @@ class _Runner:
                 e = min(edges[c + 1], s + QUERY_BLOCK)
                 lo = s if equal else int(visible[s])
                 blocks.append((s, e, lo, int(visible[e - 1])))
+        touched: dict[int, bool] = {}  # block (first row) -> has a piece
         for k0 in range(0, m, KEY_CHUNK):
             k1 = min(m, k0 + KEY_CHUNK)
             todo = [blk for blk in blocks if blk[3] > k0]
@@ -267,7 +282,9 @@ class _Runner:
                             mask &= (q_excl[s:e] @ k_excl[s0:s1].t()) == 0
                         pieces.append(self.attend(q, k_c[:, a:b], v_c[:, a:b], mask, False))
                 for out, lse in pieces:
-                    acc.add(qidx[s:e], out, lse)
+                    acc.add(qidx[s:e], out, lse, fresh and not touched.get(s, False))
+                    touched[s] = True
+        return bool(touched)
 
     def band(self, acc, qg, kg, real, offset: int, window: int) -> None:
         """Local pairs (``0 <= i - j < window``) that share no group, as batched blocks of
@@ -365,8 +382,9 @@ def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
             # keys that are this class's own queries (in prefill usually all of them: one
             # is_causal problem) apart from the other keys (sink tokens, other groups' members)
             own = torch.isin(kidx, qpos)
-            run.staircase(acc, qidx, qpos, kidx[own], kidx[own])
-            run.staircase(acc, qidx, qpos, kidx[~own], kidx[~own])
+            # classes partition the queries and run first: their rows are untouched
+            fresh = not run.staircase(acc, qidx, qpos, kidx[own], kidx[own], fresh=True)
+            run.staircase(acc, qidx, qpos, kidx[~own], kidx[~own], fresh=fresh)
         return
     for g in range(qg.shape[-1]):
         qidx = torch.nonzero(qg[:, g] & has_group, as_tuple=True)[0]
