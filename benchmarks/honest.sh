@@ -3,17 +3,17 @@
 # smollm2-135m on austen/train and their evaluation on the first 12,288 tokens of the held-out
 # book (Persuasion) in 1024-token windows -- the token range of the issue's orientation numbers.
 #
-#   usage: bash benchmarks/honest.sh 1|2|3 [RUNS_DIR]   (lanes of one torch thread each, niced;
+#   usage: bash benchmarks/honest.sh 1|2|3|4 [RUNS_DIR]   (lanes of one torch thread each, niced;
 #          run two at a time on a 2-core machine, ~2.5 h in all; they resume where they stopped)
 #   then:  .venv/bin/python benchmarks/summarize_honest.py RUNS_DIR > benchmarks/results/honest.md
 #
 # Lane 1: gate=log  (default) sink_tokens=4: 300 steps; eval causal, sequence, and sink_tokens=0.
 # Lane 2: gate=paper          sink_tokens=4: 300 steps; eval causal, sequence; untrained random
 #         centroids (0 steps; sequence routing, with and without sink tokens).
-# Lane 3: the README's default job (80 steps, defaults) trained with sink_tokens 0 and 4.
+# Lanes 3 and 4: the README's default job (80 steps, defaults) with sink_tokens 0 and 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LANE=${1:?usage: honest.sh 1|2|3 [RUNS_DIR]}
+LANE=${1:?usage: honest.sh 1|2|3|4 [RUNS_DIR]}
 H=${2:-runs/honest}
 mkdir -p "$H"
 export PATH="$PWD/.venv/bin:$PATH"
@@ -32,11 +32,10 @@ evaluate() { # adapter, name, flags...
   local a=$1 name=$2; shift 2
   [ -f "$a/eval-$name.json" ] || run focus eval --adapter "$a" "${EV[@]}" "$@" --json "$a/eval-$name.json" --markdown "$a/eval-$name.md"
 }
-if [ "$LANE" = 3 ]; then  # sink_tokens 0 against 4 at the README default job's budget
-  train "$H/default-s0" 80 --threads 1 --no-progress --sink-tokens 0
-  evaluate "$H/default-s0" causal
-  train "$H/default-s4" 80 --threads 1 --no-progress --sink-tokens 4
-  evaluate "$H/default-s4" causal
+if [ "$LANE" = 3 ] || [ "$LANE" = 4 ]; then  # the README default job's budget (80 steps)
+  sinks=$([ "$LANE" = 3 ] && echo 0 || echo 4)
+  train "$H/default-s$sinks" 80 --threads 1 --no-progress --sink-tokens "$sinks"
+  evaluate "$H/default-s$sinks" causal
 elif [ "$LANE" = 1 ]; then
   train "$H/log-s4" 300 "${COMMON[@]}" --gate log --sink-tokens 4
   evaluate "$H/log-s4" causal
