@@ -300,3 +300,17 @@ def _gated(**over):
 )
 def test_gated_attention_rejects(over, names):
     _expect(lambda: _gated(**over), names)
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "0.1"])
+def test_scale_and_softcap_must_be_positive_finite(name, bad):
+    """PyTorch's CPU flash kernel answers NaN for a causal call with scale <= 0: refuse it."""
+    q = torch.randn(1, 2, 8, 4)
+    k = v = torch.randn(1, 2, 8, 4)
+    g = torch.zeros(1, 8, 2, dtype=torch.bool)
+    g[..., 0] = True
+    with pytest.raises(ValueError, match=name):
+        sparse_attention(q, k, v, g, g, 2, **{name: bad})
+    with pytest.raises(ValueError, match=name):
+        gated_attention(q, k, v, g.float(), g.float(), 2, **{name: bad})

@@ -3,6 +3,8 @@ argument, what was received and what was expected (product decision)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -44,3 +46,15 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> in
         rng = f">= {low}" if high is None else f"in {low}..{high}"
         fail(name, value, f"an int {rng}")
     return value
+
+
+def check_positive(name: str, value: object) -> float | None:
+    """``None`` or a finite real number > 0 (a logit ``scale`` or ``softcap``): PyTorch's
+    CPU flash kernel returns NaN for a causal call with ``scale <= 0``, and ``softcap <= 0``
+    is meaningless, so both are refused rather than answered wrongly."""
+    if value is None:
+        return None
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not math.isfinite(value) or value <= 0:
+        fail(name, repr(value), "a finite number > 0 (or None for the default)")
+    return float(value)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_shape, check_tensor, fail
+from ._checks import check_positive, check_shape, check_tensor, fail
 from .masks import check_groups
 from .reference import expand_kv_heads
 
@@ -84,7 +84,8 @@ def gated_attention(
         ``[B, H, Nq, D]`` in the query's dtype.
 
     Raises:
-        ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``.
+        ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
+            ``softcap`` not a finite number > 0.
     """
     _check_qkv(query, key, value)
     if gate not in GATES:
@@ -102,6 +103,8 @@ def gated_attention(
         key_padding_mask,
         window,
     )
+    scale = check_positive("scale", scale)
+    softcap = check_positive("softcap", softcap)
     scale = d**-0.5 if scale is None else scale
     device = query.device
     qpos = torch.arange(nk - nq, nk, device=device)[:, None]

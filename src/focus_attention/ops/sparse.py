@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_int, fail
+from ._checks import check_int, check_positive, fail
 from .gates import _check_qkv
 from .masks import check_groups
 
@@ -441,7 +441,8 @@ def sparse_attention(
 
     Raises:
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
-            non-boolean group masks, ``window < 1``, ``Nq > Nk``, unknown backend.
+            non-boolean group masks, ``window < 1``, ``Nq > Nk``, ``scale`` or ``softcap``
+            not a finite number > 0, unknown backend.
     """
     _check_qkv(query, key, value)
     bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
@@ -453,7 +454,9 @@ def sparse_attention(
     check_int("window", window, 1)
     if backend not in BACKENDS:
         fail("backend", repr(backend), f"one of {BACKENDS}")
-    scale = d**-0.5 if scale is None else float(scale)
+    scale = check_positive("scale", scale)
+    softcap = check_positive("softcap", softcap)
+    scale = d**-0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
