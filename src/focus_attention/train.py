@@ -208,6 +208,15 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise bad(owner, "resume", self.resume, "not both resume and overwrite")
         self.focus_config()  # validates the Focus fields
+        if self.seq_len <= self.window:
+            raise bad(
+                owner,
+                "seq_len",
+                self.seq_len,
+                f"more than window ({self.window}): in blocks of {self.seq_len} tokens every "
+                "pair is inside the local window, so routing changes nothing and the centroids "
+                "get no gradient (use a longer --seq-len or a smaller --window)",
+            )
 
     def focus_config(self):
         """The :class:`~focus_attention.hf.FocusConfig` of this run (``seed`` = ``seed``).
