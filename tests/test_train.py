@@ -130,6 +130,33 @@ def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path
     _same_log(_log(out), _log(reference.out))
 
 
+def test_resume_accepts_changed_validation_and_save_settings(assets, reference, tmp_path):
+    out = tmp_path / "run"
+
+    def crash(step, record):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(assets, out), callback=crash)
+    assert latest_checkpoint(out).name == "step-0000002"
+    changed = dict(eval_every=1, eval_tokens=32, save_every=1, keep_checkpoints=5, threads=2)
+    resumed = train(tiny_config(assets, out, resume=True, **changed))
+    assert resumed.start_step == 2 and resumed.losses == reference.losses[2:]
+    assert [v["step"] for v in resumed.validation] == [3, 4, 5, 6]
+    for k, v in _weights(reference.out).items():
+        assert torch.equal(v, _weights(out)[k]), k
+
+
+def test_resume_with_more_steps_says_why_not(assets, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(assets, out, steps=1, eval_every=-1))
+    with pytest.raises(
+        ValueError, match="'steps'.*learning-rate schedule.*new run with another --out"
+    ):
+        train(tiny_config(assets, out, steps=3, eval_every=-1, resume=True))
+
+
 def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, monkeypatch):
     from focus_attention.hf import FocusModel
 

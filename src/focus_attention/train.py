@@ -90,7 +90,7 @@ FOCUS_FIELDS = (
     "inference_routing",
 )
 #: TrainConfig fields that may differ between a run and its ``--resume`` (they do not change
-#: the trained parameters)
+#: the trained parameters: validation runs in eval mode, without bias updates or randomness)
 RESUME_FREE_FIELDS = (
     "resume",
     "overwrite",
@@ -98,7 +98,14 @@ RESUME_FREE_FIELDS = (
     "save_every",
     "keep_checkpoints",
     "progress",
+    "eval_every",
+    "eval_tokens",
 )
+#: why a locked field cannot change on ``--resume`` (added to the error message)
+_RESUME_LOCKED_WHY = {
+    "steps": "steps sets the learning-rate schedule (warm-up and cosine decay to 0 at the "
+    "last step); to train longer start a new run with another --out",
+}
 
 
 @dataclass
@@ -711,9 +718,10 @@ def train(
             and getattr(saved, f.name) != getattr(cfg, f.name)
         }
         if diff:
+            why = "".join(f"; {_RESUME_LOCKED_WHY[k]}" for k in diff if k in _RESUME_LOCKED_WHY)
             raise ValueError(
                 f"--resume: settings differ from the checkpoint {ckpt} "
-                f"(field: (checkpoint, now)): {diff}"
+                f"(field: (checkpoint, now)): {diff}{why}"
             )
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "train_config.json", cfg.to_dict())
