@@ -157,6 +157,31 @@ def test_resume_with_more_steps_says_why_not(assets, tmp_path):
         train(tiny_config(assets, out, steps=3, eval_every=-1, resume=True))
 
 
+def test_resume_of_a_finished_run_touches_nothing(assets, tmp_path, capsys):
+    from focus_attention.cli import main
+
+    out = tmp_path / "run"
+    train(tiny_config(assets, out, steps=2, eval_every=1))
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    assert json.loads((out / "train_result.json").read_text())["losses"]
+    capsys.readouterr()
+    argv = ["train", "--model", str(assets["model"]), "--corpus", str(assets["corpus"]),
+            "--out", str(out), "--steps", "2", "--seq-len", "32", "--batch-size", "2",
+            "--lr", "0.01", "--warmup-steps", "2", "--eval-every", "5", "--eval-tokens", "64",
+            "--save-every", "2", "--threads", "1", "--num-groups", "4", "--top-k", "2",
+            "--window", "8", "--group-dim", "8", "--sink-tokens", "1", "--resume",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "nothing to do: run already finished at step 2" in printed.err
+    assert "trained" not in printed.out
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    res = train(tiny_config(assets, out, steps=2, eval_every=1, resume=True))
+    assert res.steps == res.start_step == 2 and res.losses == [] and res.checkpoint is not None
+    assert res.trainable_parameters == 2 * (32 * 8 + 4 * 8)  # 2 layers, d_model 32
+
+
 def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, monkeypatch):
     from focus_attention.hf import FocusModel
 

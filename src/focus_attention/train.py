@@ -647,6 +647,40 @@ def _validate(fm: Any, blocks: torch.Tensor, *, base: bool = False) -> dict[str,
 _VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_tokens", "val_ppl_base")
 
 
+def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float) -> TrainResult:
+    """``--resume`` of a run whose newest checkpoint is its last step: say so and touch
+    nothing (the adapter, log, plot and ``train_result.json`` stay as they are)."""
+    from safetensors.torch import load_file
+
+    from .hf.model import WEIGHTS_NAME
+
+    step = int(state["step"])
+    print(
+        f"focus train: nothing to do: run already finished at step {step} ({out}); "
+        "its files are left as they are",
+        file=sys.stderr,
+    )
+    tensors = load_file(str(ckpt / WEIGHTS_NAME))
+    n_trainable = sum(t.numel() for k, t in tensors.items() if k.endswith((".proj", ".centroids")))
+    png = out / "train.png"
+    return TrainResult(
+        out=out,
+        steps=step,
+        start_step=step,
+        losses=[],
+        validation=[],
+        final_loss=None,
+        seconds=time.monotonic() - t_call,
+        train_seconds=float(state["elapsed"]),
+        trainable_parameters=n_trainable,
+        adapter=out,
+        checkpoint=ckpt,
+        log=out / "log.jsonl",
+        plot=png if png.is_file() else None,
+        extra={"already_finished": True},
+    )
+
+
 def _eval_due(step: int, cfg: TrainConfig) -> bool:
     if cfg.eval_every < 0:
         return False
@@ -723,6 +757,8 @@ def train(
                 f"--resume: settings differ from the checkpoint {ckpt} "
                 f"(field: (checkpoint, now)): {diff}{why}"
             )
+        if int(state["step"]) >= cfg.steps:
+            return _finished_result(out, ckpt, state, t_call)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "train_config.json", cfg.to_dict())
     seed_everything(cfg.seed)
@@ -995,6 +1031,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     result = train(cfg)
+    if result.extra.get("already_finished"):
+        return 0  # train() said "nothing to do"
     last = result.validation[-1] if result.validation else {}
     print(f"trained {result.steps} steps ({result.train_seconds:.0f} s in the loop, "
           f"{result.seconds:.0f} s in all); final loss {result.final_loss}")  # fmt: skip
