@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from focus_attention._checks import check_int, check_number
 from focus_attention._files import atomic_write, file_lock, staged_directory, write_json_atomic
@@ -22,6 +27,24 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
     write_json_atomic(tmp_path / "sub" / "b.json", {"x": 1})
     assert (tmp_path / "sub" / "b.json").read_text() == '{\n  "x": 1\n}\n'
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_atomic_write_honours_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        # safetensors creates its files 0o600; torch.save and write_text follow the umask
+        atomic_write(tmp_path / "w.safetensors", lambda p: save_file({"a": torch.ones(2)}, str(p)))
+        atomic_write(tmp_path / "s.pt", lambda p: torch.save({"a": 1}, p))
+        write_json_atomic(tmp_path / "c.json", {"x": 1})
+    finally:
+        os.umask(previous)
+    for name in ("w.safetensors", "s.pt", "c.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+    # replacing a file keeps its permissions, as open(path, "w") does
+    (tmp_path / "w.safetensors").chmod(0o640)
+    atomic_write(tmp_path / "w.safetensors", lambda p: save_file({"a": torch.ones(3)}, str(p)))
+    assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == 0o640
 
 
 def test_staged_directory_replaces_or_keeps_the_destination(tmp_path):

@@ -13,11 +13,27 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+
+def _umask() -> int:
+    """The process umask (read from ``/proc`` where possible: setting it to read it back
+    is not thread-safe)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
@@ -27,13 +43,22 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     same suffix (so writers that infer a format from it still work); ``tmp`` is then fsynced
     and renamed to ``path``. The parent directory must exist.
 
+    The file gets the permissions a plain ``open(path, "w")`` would give it: those of the
+    file it replaces, or ``0o666`` less the process umask for a new file (whatever mode the
+    writer created ``tmp`` with; safetensors, for one, creates ``0o600`` files).
+
     Raises:
         whatever ``write`` raises (``path`` is then unchanged and ``tmp`` removed).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp{path.suffix}")
     try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:  # a new file
+        mode = 0o666 & ~_umask()
+    try:
         write(tmp)
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
