@@ -241,9 +241,13 @@ def _focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
     )
 
 
+@torch.compiler.disable
 def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a Focus attention module: capture the hidden state entering it
-    (``[B, N, d_model]``) and prepare its KV-cache layer (spec section 8)."""
+    (``[B, N, d_model]``) and prepare its KV-cache layer (spec section 8).
+
+    Runs eagerly under ``torch.compile`` (``torch.compiler.disable``), like
+    :func:`_focus_layer`: see :func:`focus_attention_forward`."""
     handle: LayerHandle | None = module.__dict__.get("_focus_handle")
     if handle is None or not handle.runtime.enabled:
         return
@@ -441,6 +445,13 @@ def focus_attention_forward(
     Raises:
         ValueError: unsupported masks or caches (see module docstring), soft routing with a
             non-empty KV cache, ``inference_routing="sequence"`` with a KV cache.
+
+    Under ``torch.compile`` a Focus layer's routing and attention (and the pre-hook) run
+    eagerly (``torch.compiler.disable``: dynamo breaks the graph around them):
+    ``sparse_attention`` compiled by inductor gives wrong numbers (measured: max |diff| ~2
+    on a 40-token call; ``aot_eager`` is exact, so the op's in-place merges are the suspect,
+    not pinned down), and the routing state passes through Python objects. The rest of the
+    model compiles as usual.
     """
     handle: LayerHandle | None = module.__dict__.get("_focus_handle")
     if handle is None or not handle.runtime.enabled:
@@ -454,6 +465,7 @@ def focus_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@torch.compiler.disable
 def _focus_layer(
     handle: LayerHandle,
     module: torch.nn.Module,
