@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import ARCHS, focus, ids
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from focus_attention.hf import FocusCacheLayer
@@ -169,3 +169,26 @@ def test_static_and_foreign_caches_are_refused():
             fm(input_ids=x, cache=filled, use_cache=True)
         with pytest.raises(ValueError, match="computed without Focus"):
             fm(input_ids=x[:, :1], cache=filled, use_cache=True)
+
+
+def test_generate_with_a_static_cache_is_refused_early():
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 10, seed=23)
+    with fm.record_routing() as records:
+        for kwargs in (
+            {"cache_implementation": "static"},
+            {"cache_implementation": "offloaded_static"},
+            {"generation_config": GenerationConfig(cache_implementation="static")},
+            {"past_key_values": StaticCache(config=fm.config, max_cache_len=32)},
+        ):
+            with pytest.raises(ValueError, match="dynamic KV cache that keeps every key"):
+                fm.generate(x, max_new_tokens=4, do_sample=False, **kwargs)
+    assert records == []  # refused before any Focus layer ran
+    fm.generation_config.cache_implementation = "static"
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        fm.generate(x, max_new_tokens=4, do_sample=False)
+    # the base model (Focus disabled) keeps its static cache; "dynamic" still works
+    with fm.disable_focus():
+        assert fm.generate(x, max_new_tokens=2, do_sample=False).shape == (1, 12)
+    out = fm.generate(x, max_new_tokens=2, do_sample=False, cache_implementation="dynamic")
+    assert out.shape == (1, 12)

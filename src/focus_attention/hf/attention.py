@@ -192,6 +192,46 @@ class FocusCacheLayer(DynamicLayer):
             self.groups = self.groups[indices, ...]
 
 
+#: ``cache_implementation`` values (``generate``) whose caches Focus layers can use: the
+#: default dynamic cache (None / ``"dynamic"``) and its CPU-offloaded variant.
+DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded")
+_DYNAMIC_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # FocusCacheLayer included
+
+
+def check_dynamic_cache(cache: Any = None, cache_implementation: str | None = None) -> None:
+    """Refuse, before any forward, a KV cache Focus layers cannot use.
+
+    Args:
+        cache: a ``past_key_values`` object, or None.
+        cache_implementation: ``generate``'s ``cache_implementation``, or None.
+
+    Raises:
+        ValueError: a ``cache_implementation`` other than those in
+            :data:`DYNAMIC_CACHE_IMPLEMENTATIONS` (``"static"``, ``"offloaded_static"``,
+            ``"sliding_window"``, ``"hybrid"``, ``"quantized"``, ``"paged"``...), or a cache
+            with a layer that is not a dynamic one (``StaticLayer``, ``QuantizedLayer``...).
+    """
+    need = (
+        "Focus layers need a dynamic KV cache that keeps every key (transformers.DynamicCache, "
+        "the default)"
+    )
+    if cache_implementation not in DYNAMIC_CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{need}; cache_implementation={cache_implementation!r} is not supported: leave "
+            "cache_implementation unset (or 'dynamic')"
+        )
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    if isinstance(cache, Cache):
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, _DYNAMIC_LAYERS):
+                raise ValueError(
+                    f"{need}; layer {i} of the given {type(cache).__name__} is a "
+                    f"{type(layer).__name__} (static, quantized and offloaded-static caches are "
+                    "not supported)"
+                )
+
+
 def _focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
     """Make layer ``layer_idx`` of ``cache`` a :class:`FocusCacheLayer` and return it.
 

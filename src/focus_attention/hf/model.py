@@ -26,6 +26,7 @@ from .attention import (
     ATTN_IMPLEMENTATION,
     FocusRuntime,
     LayerHandle,
+    check_dynamic_cache,
     focus_pre_hook,
     register_focus_attention,
     register_runtime,
@@ -320,7 +321,15 @@ class FocusModel(nn.Module):
             and self.routing_mode == "topk"
         )
 
-    def _cache_defaults(self, kwargs: dict) -> dict:
+    def _cache_defaults(self, kwargs: dict, args: tuple = (), *, generate: bool = False) -> dict:
+        if self._runtime.enabled:
+            impl = None
+            if generate:  # generate(inputs, generation_config, ...)
+                gen_cfg = args[1] if len(args) > 1 else kwargs.get("generation_config")
+                gen_cfg = gen_cfg or getattr(self.base_model, "generation_config", None)
+                impl = getattr(gen_cfg, "cache_implementation", None)
+                impl = kwargs.get("cache_implementation", impl)
+            check_dynamic_cache(kwargs.get("past_key_values", kwargs.get("cache")), impl)
         if self._sequence_topk():
             if (
                 kwargs.get("use_cache")
@@ -343,9 +352,10 @@ class FocusModel(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The base model's ``generate``. KV-cache decoding needs top-k routing with
         ``inference_routing="causal"``; with ``"sequence"`` it runs without a cache
-        (``use_cache=True`` raises ``ValueError``)."""
+        (``use_cache=True`` raises ``ValueError``). Only the dynamic cache (the default) works:
+        a static, quantized or other ``cache_implementation`` raises ``ValueError``."""
         self._check_live()
-        return self.base_model.generate(*args, **self._cache_defaults(kwargs))
+        return self.base_model.generate(*args, **self._cache_defaults(kwargs, args, generate=True))
 
     # --- modes ---------------------------------------------------------------------------
 
