@@ -249,3 +249,11 @@ def test_getattr_falls_through_to_the_base_model():
     _, fm = focus("llama")
     assert fm.config is fm.base_model.config
     assert fm.get_input_embeddings() is fm.base_model.get_input_embeddings()
+
+
+def test_corrupt_config_file_is_a_value_error(tmp_path):
+    _, fm = focus("llama")
+    fm.save_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text((tmp_path / CONFIG_NAME).read_text()[:40])
+    with pytest.raises(ValueError, match=f"{CONFIG_NAME}: not a valid Focus config.*invalid JSON"):
+        FocusModel.from_pretrained(build_model("llama"), tmp_path)

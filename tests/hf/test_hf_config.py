@@ -75,3 +75,23 @@ def test_unknown_keys_and_versions_are_errors():
         FocusConfig.from_dict({"format_version": 99})
     with pytest.raises(ValueError, match="not valid JSON"):
         FocusConfig.from_json_string("{")
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        ('{"num_groups": 4,', "invalid JSON"),
+        (b"\xff\xfe{}", "invalid JSON"),
+        ("[1, 2]", "a JSON list, expected an object"),
+        ('{"num_groups": 0}', "FocusConfig.num_groups: received 0"),
+    ],
+)
+def test_corrupt_config_file_is_a_value_error_naming_it(tmp_path, content, what):
+    path = tmp_path / "focus_config.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError, match="focus_config.json: not a valid Focus config") as err:
+        FocusConfig.from_json_file(path)
+    assert str(path) in str(err.value) and what in str(err.value)

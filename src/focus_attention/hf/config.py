@@ -173,17 +173,49 @@ class FocusConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> FocusConfig:
         """Read a ``focus_config.json`` (extra top-level keys written by ``save_pretrained``,
-        such as the base-model fingerprint, are ignored)."""
-        data = json.loads(Path(path).read_text())
-        data.pop("base_model_fingerprint", None)
-        data.pop("library", None)
-        return cls.from_dict(data)
+        such as the base-model fingerprint, are ignored).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: a corrupt file (invalid JSON or UTF-8, not a JSON object) or invalid
+                settings; the message names the file.
+        """
+        return read_config_file(path)[0]
 
     def replace(self, **changes: Any) -> FocusConfig:
         """A validated copy with some fields changed."""
         data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         data.update(changes)
         return FocusConfig(**data)
+
+
+#: top-level keys of a saved ``focus_config.json`` that are not FocusConfig fields
+SAVED_EXTRA_KEYS = ("base_model_fingerprint", "library")
+
+
+def read_config_file(path: str | Path) -> tuple[FocusConfig, dict[str, Any]]:
+    """Read a ``focus_config.json``: ``(config, extra)``, ``extra`` holding the
+    :data:`SAVED_EXTRA_KEYS` present in the file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a corrupt file (invalid JSON or UTF-8, not a JSON object) or invalid
+            settings; the message names the file and what is wrong.
+    """
+    path = Path(path)
+    what = f"{path}: not a valid Focus config file"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} (invalid JSON: {err})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} (a JSON {type(data).__name__}, expected an object)")
+    extra = {k: data.pop(k) for k in SAVED_EXTRA_KEYS if k in data}
+    try:
+        config = FocusConfig.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from err
+    return config, extra
 
 
 def _refuse_assignment(self: FocusConfig, name: str, value: object) -> None:

@@ -32,7 +32,7 @@ from .attention import (
     register_runtime,
     unregister_runtime,
 )
-from .config import ROUTINGS, FocusConfig
+from .config import ROUTINGS, FocusConfig, read_config_file
 from .router import FocusRouter
 
 CONFIG_NAME = "focus_config.json"
@@ -509,8 +509,9 @@ class FocusModel(nn.Module):
 
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: a base model with another type, layer count or hidden size; missing
-                or extra tensors; shape mismatches.
+            ValueError: a corrupt or invalid ``focus_config.json`` (the message names it); a
+                base model with another type, layer count or hidden size; missing or extra
+                tensors; shape mismatches.
 
         Warns:
             FocusBaseMismatchWarning: same structure but different parameter shapes or
@@ -520,10 +521,8 @@ class FocusModel(nn.Module):
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name} not found")
-        doc = json.loads((directory / CONFIG_NAME).read_text())
-        saved_fp = doc.pop("base_model_fingerprint", None) or {}
-        doc.pop("library", None)
-        config = FocusConfig.from_dict(doc)
+        config, extra = read_config_file(directory / CONFIG_NAME)
+        saved_fp = extra.get("base_model_fingerprint") or {}
         _compare_fingerprints(
             saved_fp, base_model_fingerprint(base_model), "FocusModel.from_pretrained"
         )
