@@ -79,6 +79,12 @@ def test_reference_run(reference):
     for k, v in _weights(out).items():
         assert torch.equal(v, ckpt[k])
     assert (out / "train.png").stat().st_size > 1000
+    # the same library versions block as focus eval's JSON
+    from focus_attention.evaluate import library_versions
+
+    doc = json.loads((out / "train_result.json").read_text())
+    assert doc["versions"] == library_versions()
+    assert {"torch", "transformers", "tokenizers", "safetensors", "python"} <= set(doc["versions"])
 
 
 def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):

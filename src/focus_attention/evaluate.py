@@ -192,7 +192,9 @@ class _RoutingStats:
         return out
 
 
-def _versions() -> dict[str, str | None]:
+def library_versions() -> dict[str, str | None]:
+    """Python and library versions (None: not installed), for every result file: the
+    ``versions`` block of ``focus eval``'s JSON and of ``train_result.json``."""
     import importlib.metadata
 
     out: dict[str, str | None] = {"python": platform.python_version()}
@@ -391,7 +393,7 @@ def evaluate(
             "focus_layers": focus_layers,
             "train_config": train_cfg,
         },
-        "versions": _versions(),
+        "versions": library_versions(),
         "environment": environment(),
         "seconds": seconds,
     }

@@ -724,7 +724,7 @@ def train(
 
     from .bench import environment
     from .data import load_corpus, token_blocks
-    from .evaluate import weights_sha256
+    from .evaluate import library_versions, weights_sha256
     from .hf import FocusModel, get_focus_model
     from .models import load_model
 
@@ -945,7 +945,8 @@ def train(
         },
     )
     doc = {**result.to_dict(), "config": cfg.to_dict(),
-           "focus_config": fm.focus_config.to_dict(), "environment": environment()}  # fmt: skip
+           "focus_config": fm.focus_config.to_dict(), "versions": library_versions(),
+           "environment": environment()}  # fmt: skip
     write_json_atomic(out / "train_result.json", doc)
     if sha_after != sha_before:
         raise RuntimeError(
