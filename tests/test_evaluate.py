@@ -146,3 +146,17 @@ def test_argument_errors(assets, adapter, tmp_path):
         _evaluate(assets, tmp_path)
     with pytest.raises(ValueError, match="not enough"):
         _evaluate(assets, adapter, max_tokens=32)
+
+
+def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
+    import focus_attention.models
+    from focus_attention.evaluate import evaluate
+    from focus_attention.hf import FocusConfig
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(focus_attention.models, "load_model", no_loading)
+    (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
+    with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
+        evaluate("any-model", tmp_path, "any-corpus", "test", top_k_values=[9], progress=False)

@@ -316,3 +316,18 @@ def test_config_round_trip_and_default_out():
     assert cfg.focus_config().num_groups == 4 and cfg.focus_config().seed == cfg.seed
     with pytest.raises(ValueError, match="unknown"):
         TrainConfig.from_dict({"bogus": 1})
+
+
+def test_missing_corpus_fails_before_the_model_loads(tmp_path, monkeypatch):
+    import focus_attention.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the corpus was checked")
+
+    monkeypatch.setattr(focus_attention.models, "load_model", no_loading)
+    cfg = TrainConfig(
+        corpus=str(tmp_path / "nonexistent"), out=str(tmp_path / "run"), progress=False
+    )
+    with pytest.raises(ValueError, match="no such local text file or folder"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -276,27 +276,28 @@ def evaluate(
     adapter = Path(adapter)
     if not (adapter / "focus_config.json").is_file():
         raise FileNotFoundError(f"{adapter / 'focus_config.json'} not found: not a Focus adapter")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    quiet = not progress
-    seconds: dict[str, Any] = {}
-
-    t = time.monotonic()
-    base, tokenizer = load_model(model, quiet=quiet)
-    bos = auto_prepend_bos(base) if prepend_bos is None else prepend_bos
-    sha_before = weights_sha256(base)
-    texts = load_corpus(corpus, quiet=quiet).texts(split)
-    blocks = token_blocks(tokenizer, texts, seq_len, max_tokens=max_tokens, prepend_bos=bos)
-    seconds["load"] = time.monotonic() - t
-
     from .hf import FocusConfig
 
+    # argument errors first: loading the model takes a while
     saved_cfg = FocusConfig.from_json_file(adapter / "focus_config.json")
     k_all = list(range(1, saved_cfg.num_groups + 1))
     ks = k_all if top_k_values is None else sorted({int(k) for k in top_k_values})
     bad = [k for k in ks if k not in k_all]
     if bad or not ks:
         raise ValueError(f"top_k_values: {bad or ks} outside 1..K={saved_cfg.num_groups}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    quiet = not progress
+    seconds: dict[str, Any] = {}
+
+    t = time.monotonic()
+    texts = load_corpus(corpus, quiet=quiet).texts(split)
+    base, tokenizer = load_model(model, quiet=quiet)
+    bos = auto_prepend_bos(base) if prepend_bos is None else prepend_bos
+    sha_before = weights_sha256(base)
+    blocks = token_blocks(tokenizer, texts, seq_len, max_tokens=max_tokens, prepend_bos=bos)
+    seconds["load"] = time.monotonic() - t
+
     n_win = int(blocks.shape[0])
     bar = tqdm(total=n_win * (2 + len(ks)), disable=quiet, desc="eval", dynamic_ncols=True,
                file=sys.stderr)  # fmt: skip

@@ -759,14 +759,14 @@ def train(
             )
         if int(state["step"]) >= cfg.steps:
             return _finished_result(out, ckpt, state, t_call)
+    quiet = not cfg.progress
+    corpus = load_corpus(cfg.corpus, quiet=quiet)  # a bad corpus fails before the model loads
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "train_config.json", cfg.to_dict())
     seed_everything(cfg.seed)
 
-    quiet = not cfg.progress
     model, tokenizer = load_model(cfg.model, quiet=quiet)
     bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
-    corpus = load_corpus(cfg.corpus, quiet=quiet)
     train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
                                 max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
     val_blocks = None
