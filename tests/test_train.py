@@ -118,15 +118,20 @@ def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
     _same_log(_log(out), _log(reference.out))
 
 
-def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path):
-    out = tmp_path / "run"
+def _crash_at(assets, out, crash_step: int) -> None:
+    """A run of the reference settings into ``out`` that crashes after step ``crash_step``."""
 
     def crash(step, record):
-        if step == 5:
+        if step == crash_step:
             raise RuntimeError("simulated crash")
 
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_config(assets, out), callback=crash)
+
+
+def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path):
+    out = tmp_path / "run"
+    _crash_at(assets, out, 5)
     assert latest_checkpoint(out).name == "step-0000004"
     assert len(_log(out)) == 6  # steps 0..5 logged; step 5 is lost with the crash
     resumed = train(tiny_config(assets, out, resume=True))
@@ -138,13 +143,7 @@ def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path
 
 def test_resume_accepts_changed_validation_and_save_settings(assets, reference, tmp_path):
     out = tmp_path / "run"
-
-    def crash(step, record):
-        if step == 3:
-            raise RuntimeError("simulated crash")
-
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train(tiny_config(assets, out), callback=crash)
+    _crash_at(assets, out, 3)
     assert latest_checkpoint(out).name == "step-0000002"
     changed = dict(eval_every=1, eval_tokens=32, save_every=1, keep_checkpoints=5, threads=2)
     resumed = train(tiny_config(assets, out, resume=True, **changed))
