@@ -10,23 +10,6 @@ import torch._inductor.config
 from hf_models import focus, ids
 
 
-@pytest.fixture(scope="module")
-def inductor():
-    """Skip unless inductor can compile a trivial function on this machine (it needs a C++
-    compiler on CPU)."""
-    torch._dynamo.reset()
-    try:
-        with torch._inductor.config.patch(compile_threads=1):
-            out = torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
-    except Exception as err:  # no compiler, unsupported platform, ...
-        pytest.skip(f"inductor cannot compile here: {type(err).__name__}: {err}")
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(out, torch.full((3,), 3.0))
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_compiled_focus_model_matches_eager(inductor):

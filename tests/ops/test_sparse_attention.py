@@ -454,3 +454,24 @@ def test_property_with_tiny_blocks_equals_oracle(params):
     finally:
         for name, value in saved.items():
             setattr(sparse_mod, name, value)
+
+
+@pytest.mark.slow
+def test_compiled_call_matches_eager(inductor):
+    """Inductor once changed the op's output by ~2 (reviewer finding): it must run eagerly."""
+    import torch._inductor.config
+
+    case = make_case(nk=40, heads=4, kv_heads=2, dim=8, window=8, top_k=1, seed=40)
+    case.kg[:, :2] = True  # two tokens in every group: several membership classes
+    case.qg[:, :2] = True
+    eager = case.sparse("auto")
+
+    def user_code(q, k, v, qg, kg):  # a model calling the op inside a compiled graph
+        return sparse_attention(q * 1.0, k, v, qg, kg, case.window) + 0.0
+
+    args = (case.q, case.k, case.v, case.qg, case.kg)
+    with torch._inductor.config.patch(compile_threads=1), torch.no_grad():
+        wrapped = torch.compile(user_code)(*args)
+        direct = torch.compile(sparse_attention)(*args, case.window)
+    torch.testing.assert_close(wrapped, eager, rtol=0, atol=1e-6)
+    torch.testing.assert_close(direct, eager, rtol=0, atol=1e-6)

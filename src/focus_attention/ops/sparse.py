@@ -438,12 +438,46 @@ def sparse_attention(
         ``[B, H, Nq, D]`` in the query's dtype (and the log-sum-exp if asked). On the
         ``cpu_flash`` backend it is a transposed view of a token-major ``[B, Nq, H, D]``
         buffer (so ``out.transpose(1, 2)``, the layout transformers expects, is contiguous).
+        Under ``torch.compile`` the op runs eagerly (a graph break): inductor compiled it
+        wrongly (max error ~2 on a 40-token input), so it is excluded from compilation.
 
     Raises:
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
             non-boolean group masks, ``window < 1``, ``Nq > Nk``, ``scale`` or ``softcap``
             not a finite number > 0, unknown backend.
     """
+    return _sparse_attention(
+        query,
+        key,
+        value,
+        query_groups,
+        key_groups,
+        window,
+        scale,
+        key_padding_mask,
+        softcap,
+        backend,
+        return_lse,
+    )
+
+
+# Inductor compiled the op wrongly (errors ~2 when several membership classes exist), and
+# torch.compile of a disabled *public* function still traces it: the body sits in this
+# disabled helper, so any compiled caller graph-breaks here and the op runs eagerly.
+@torch.compiler.disable
+def _sparse_attention(
+    query,
+    key,
+    value,
+    query_groups,
+    key_groups,
+    window,
+    scale,
+    key_padding_mask,
+    softcap,
+    backend,
+    return_lse,
+):
     _check_qkv(query, key, value)
     bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
     b, h, q_len, d = query.shape
