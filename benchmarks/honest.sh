@@ -9,7 +9,7 @@
 #
 # Lane 1: gate=log  (default) sink_tokens=4: 300 steps; eval causal, sequence, and sink_tokens=0.
 # Lane 2: gate=paper          sink_tokens=4: 300 steps; eval causal, sequence; untrained random
-#         centroids (0 steps; sequence routing, with and without sink tokens).
+#         centroids (0 steps, sequence routing: Sinkhorn-balanced random projections).
 # Lanes 3 and 4: the README's default job (80 steps, defaults) with sink_tokens 0 and 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,6 @@ else
   evaluate "$H/paper-s4" causal
   evaluate "$H/paper-s4" sequence --inference-routing sequence
   [ -f "$H/random/focus_config.json" ] || run focus train --out "$H/random" --steps 0 --eval-every -1 --threads 1 --no-progress
-  evaluate "$H/random" sequence --inference-routing sequence
-  evaluate "$H/random" sequence-sinks0 --inference-routing sequence --sink-tokens 0
+  evaluate "$H/random" sequence --inference-routing sequence --top-k-values 1,2
 fi
 log "lane $LANE done"

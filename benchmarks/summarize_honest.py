@@ -67,14 +67,19 @@ def plot(evals: list[tuple[str, dict]], path: str) -> None:
     ]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4))
     width = 0.8 / len(series)
+    base = evals[0][1]["ppl"]["base"]
+    top = base * 1.15  # the sink-less runs are far above: clip them and print their values
     for i, (label, get) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
-        ax.bar(xs, [get(r) for _, r in evals], width, label=label)
-    base = evals[0][1]["ppl"]["base"]
+        ys = [get(r) for _, r in evals]
+        ax.bar(xs, [min(y, top) for y in ys], width, label=label)
+        for x, y in zip(xs, ys, strict=True):
+            if y > top:
+                ax.text(x, top, f"{y:.0f}", ha="center", va="bottom", fontsize=7)
     ax.axhline(base, color="black", linestyle="--", linewidth=1, label=f"dense base {base:.2f}")
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("perplexity (lower is better)")
-    ax.set_ylim(base * 0.9, None)
+    ax.set_ylabel("perplexity (clipped bars labelled)")
+    ax.set_ylim(base * 0.95, top * 1.04)
     ax.legend(fontsize=8, ncol=3)
     ax.set_title(f"smollm2-135m + Focus on Persuasion ({evals[0][1]['tokens']} tokens)")
     fig.tight_layout()
