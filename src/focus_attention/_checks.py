@@ -31,6 +31,19 @@ def check_int(
         raise bad(owner, name, value, f"None or {expected}" if optional else expected)
 
 
+def is_number(
+    value: object, *, low: float = 0.0, inclusive: bool = False, finite: bool = True
+) -> bool:
+    """Whether ``value`` is a real number (int or float, not a bool, not NaN) ``> low``
+    (``>= low`` with ``inclusive``), and finite unless ``finite`` is False."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and (value >= low if inclusive else value > low)
+        and (not finite or math.isfinite(value))
+    )
+
+
 def check_number(
     owner: str,
     name: str,
@@ -46,12 +59,6 @@ def check_number(
     Raises:
         ValueError: otherwise (see :func:`bad`).
     """
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and (value >= low if inclusive else value > low)
-        and (not finite or math.isfinite(value))
-    )
-    if not ok:
+    if not is_number(value, low=low, inclusive=inclusive, finite=finite):
         what = f"a finite number {'>=' if inclusive else '>'} {low:g}"
         raise bad(owner, name, value, what if finite else what.replace("finite ", ""))

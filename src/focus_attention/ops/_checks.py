@@ -3,9 +3,9 @@ argument, what was received and what was expected (product decision)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .._checks import is_number
 
 
 def fail(name: str, received: object, expected: str) -> None:
@@ -54,7 +54,6 @@ def check_positive(name: str, value: object) -> float | None:
     is meaningless, so both are refused rather than answered wrongly."""
     if value is None:
         return None
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not ok or not math.isfinite(value) or value <= 0:
+    if not is_number(value):
         fail(name, repr(value), "a finite number > 0 (or None for the default)")
     return float(value)

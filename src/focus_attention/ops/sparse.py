@@ -181,14 +181,9 @@ class _Accumulate:
         ``fresh``: no earlier part touched these rows, so the part is copied, not merged."""
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)  # [n, H, D], [n, H] views
         rows = isinstance(idx, slice)
-        if fresh:
-            lse = lse.clamp_min(_EMPTY)  # an empty row keeps the finite sentinel
-            if rows:
-                self.out[idx] = out
-                self.lse[idx] = lse
-            else:
-                self.out.index_copy_(0, idx, out.to(self.out.dtype))
-                self.lse.index_copy_(0, idx, lse)
+        if fresh:  # staircase pieces: ``idx`` is an index tensor
+            self.out.index_copy_(0, idx, out.to(self.out.dtype))
+            self.lse.index_copy_(0, idx, lse.clamp_min(_EMPTY))  # empty rows keep the sentinel
             return
         old = self.lse[idx] if rows else self.lse.index_select(0, idx)
         new = torch.logaddexp(old, lse)  # finite: old is
@@ -253,7 +248,7 @@ class _Runner:
                 e = min(edges[c + 1], s + QUERY_BLOCK)
                 lo = s if equal else int(visible[s])
                 blocks.append((s, e, lo, int(visible[e - 1])))
-        touched: dict[int, bool] = {}  # block (first row) -> has a piece
+        touched: set[int] = set()  # blocks (by first row) that have a piece
         for k0 in range(0, m, KEY_CHUNK):
             k1 = min(m, k0 + KEY_CHUNK)
             todo = [blk for blk in blocks if blk[3] > k0]
@@ -282,8 +277,8 @@ class _Runner:
                             mask &= (q_excl[s:e] @ k_excl[s0:s1].t()) == 0
                         pieces.append(self.attend(q, k_c[:, a:b], v_c[:, a:b], mask, False))
                 for out, lse in pieces:
-                    acc.add(qidx[s:e], out, lse, fresh and not touched.get(s, False))
-                    touched[s] = True
+                    acc.add(qidx[s:e], out, lse, fresh and s not in touched)
+                    touched.add(s)
         return bool(touched)
 
     def band(self, acc, qg, kg, real, offset: int, window: int) -> None:
