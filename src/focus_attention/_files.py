@@ -126,3 +126,16 @@ def staged_directory(
         os.replace(out, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def focus_home() -> Path:
+    """Root of the asset cache.
+
+    Returns:
+        ``Path(os.environ["FOCUS_HOME"])`` when set (``~`` expanded), else
+        ``~/.cache/focus-attention``. The directory is not created here.
+    """
+    env = os.environ.get("FOCUS_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "focus-attention"

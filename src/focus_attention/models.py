@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ._files import atomic_write_text, file_lock, staged_directory
+from ._files import atomic_write_text, file_lock, focus_home, staged_directory
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse
@@ -87,19 +87,6 @@ _ASSETS_HINT = "pip install 'focus-attention[assets]'  (installs gguf, accelerat
 # ---------------------------------------------------------------------------------------------
 # cache helpers (shared with focus_attention.data)
 # ---------------------------------------------------------------------------------------------
-
-
-def focus_home() -> Path:
-    """Root of the asset cache.
-
-    Returns:
-        ``Path(os.environ["FOCUS_HOME"])`` when set (``~`` expanded), else
-        ``~/.cache/focus-attention``. The directory is not created here.
-    """
-    env = os.environ.get("FOCUS_HOME")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "focus-attention"
 
 
 def _log(msg: str, *, quiet: bool = False) -> None:

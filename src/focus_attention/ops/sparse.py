@@ -16,9 +16,14 @@ A causal problem between a sorted query list and a sorted key list (a "staircase
 query blocks x key chunks: the keys before a block's first query are unmasked, only the
 strip up to its last query is masked, and on a coinciding (prefill) list the diagonal block
 is ``is_causal``. Memory is linear in N for fixed block sizes; no ``Nq x Nk`` or
-per-group quadratic tensor is built. The ``cpu_flash`` backend uses PyTorch's CPU
-flash-attention kernel (native GQA, log-sum-exp output, inference only); the ``math``
-backend is blocked, differentiable and runs on any device and dtype.
+per-group quadratic tensor is built.
+
+Backends: ``cpu_fused`` is this package's C++ kernel (``csrc/focus_cpu.cpp``, built on
+first use): the same two parts, each tile gathered into fp32 buffers and run
+flash-attention style with MKL's sgemm, with no intermediate results in Python; it is the
+fastest CPU path. ``cpu_flash`` runs the parts as calls of PyTorch's CPU flash-attention
+kernel (native GQA, log-sum-exp output). Both are inference only. The ``math`` backend is
+blocked, differentiable and runs on any device and dtype.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from typing import Literal
 
 import torch
 
+from . import _extension
 from ._checks import check_int, check_positive, fail
 from .gates import _check_qkv
 from .masks import check_groups
 
-Backend = Literal["auto", "cpu_flash", "math"]
-BACKENDS = ("auto", "cpu_flash", "math")
+Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
+BACKENDS = ("auto", "cpu_fused", "cpu_flash", "math")
 
 #: most queries per attention call of a staircase; product decision, tuned on CPU (from
 #: 768 queries on, PyTorch's CPU flash kernel works in 256-row tiles: 1024 was ~10% faster
@@ -54,6 +60,16 @@ MAX_CLASSES = 64
 BAND_ELEMENTS = 1 << 16
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
+#: ``cpu_fused``: query rows (query heads sharing a key head x queries) per group tile, keys
+#: per block, queries per local tile; product decision, tuned on CPU at 16-32K tokens
+#: (384 rows x 512 keys keeps one tile's buffers near 1 MiB).
+FUSED_ROWS = 384
+FUSED_KEYS = 512
+FUSED_BAND = 32
+#: ``cpu_fused`` runs when the membership classes average at least this many queries (or
+#: there are at most ``MAX_CLASSES``); tiny classes would make tiles of a few rows that each
+#: walk their groups' keys, so ``cpu_flash``'s per-group staircases are used instead.
+FUSED_MIN_CLASS_ROWS = 16
 
 
 def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -421,11 +437,14 @@ def sparse_attention(
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)`` (math backend).
-        backend: ``"cpu_flash"`` (PyTorch's CPU flash kernel; inference only: raises if an
-            input requires grad), ``"math"``
-            (blocked, differentiable, any device and dtype) or ``"auto"``: ``cpu_flash`` for
-            CPU float32/bfloat16/float16 inputs without grad and without softcap, else
-            ``math``.
+        backend: ``"cpu_fused"`` (this package's C++ kernel, built on first use; at most 64
+            groups; raises if it cannot be built), ``"cpu_flash"`` (calls of PyTorch's CPU
+            flash kernel); both inference only: they raise if an input requires grad.
+            ``"math"`` (blocked, differentiable, any device and dtype) or ``"auto"``: for
+            CPU float32/bfloat16/float16 inputs without grad and without softcap,
+            ``cpu_fused`` if it is available and ``K <= 64`` (with many tiny membership
+            classes, see ``FUSED_MIN_CLASS_ROWS``, ``cpu_flash``), else ``cpu_flash``;
+            otherwise ``math``.
         return_lse: also return the log-sum-exp ``[B, H, Nq]`` float32 (``-inf`` for a query
             with no visible key).
 
@@ -439,7 +458,9 @@ def sparse_attention(
     Raises:
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
             non-boolean group masks, ``window < 1``, ``Nq > Nk``, ``scale`` or ``softcap``
-            not a finite number > 0, unknown backend.
+            not a finite number > 0, unknown backend, an inference-only backend with inputs
+            that require grad, ``cpu_fused`` with more than 64 groups.
+        RuntimeError: ``backend="cpu_fused"`` when the kernel cannot be built or loaded.
     """
     return _sparse_attention(
         query,
@@ -489,11 +510,12 @@ def _sparse_attention(
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
-    if backend == "cpu_flash" and needs_grad:
+    explicit_fused = backend == "cpu_fused"  # "auto" may fall back to cpu_flash
+    if backend in ("cpu_flash", "cpu_fused") and needs_grad:
         fail(
             "backend",
-            "'cpu_flash' with inputs that require grad",
-            "'math' or 'auto' for gradients (the CPU kernel's log-sum-exp is not differentiable)",
+            f"{backend!r} with inputs that require grad",
+            "'math' or 'auto' for gradients (the CPU kernels' log-sum-exp is not differentiable)",
         )
     if backend == "auto":
         fast = (
@@ -503,8 +525,19 @@ def _sparse_attention(
             and softcap is None
         )
         backend = "cpu_flash" if fast else "math"
-    elif backend == "cpu_flash" and (query.device.type != "cpu" or softcap is not None):
-        fail("backend", "'cpu_flash'", "CPU tensors and softcap=None ('math' otherwise)")
+        if fast and query_groups.shape[-1] <= 64 and _extension.load() is not None:
+            backend = "cpu_fused"
+    elif backend in ("cpu_flash", "cpu_fused") and (
+        query.device.type != "cpu" or softcap is not None
+    ):
+        fail("backend", repr(backend), "CPU tensors and softcap=None ('math' otherwise)")
+    if backend == "cpu_fused":
+        if query_groups.shape[-1] > 64:
+            fail("query_groups", f"K={query_groups.shape[-1]} groups", "K <= 64 for 'cpu_fused'")
+        if _extension.load() is None:
+            raise RuntimeError(
+                f"backend='cpu_fused': the kernel is unavailable ({_extension.unavailable_reason()})"
+            )
 
     offset = nk - nq
     if backend != "math":
@@ -515,6 +548,20 @@ def _sparse_attention(
     if backend != "math":  # accumulate in place, token-major, straight into the result
         acc_out = torch.empty(b, nq, h, d, dtype=torch.float32, device=query.device)
         acc_lse = torch.empty(b, nq, h, dtype=torch.float32, device=query.device)
+    if backend == "cpu_fused" and _fused(
+        query,
+        key,
+        value,
+        query_groups,
+        key_groups,
+        key_padding_mask,
+        window,
+        scale,
+        acc_out,
+        acc_lse,
+        strict=explicit_fused,
+    ):
+        return _finish(acc_out, acc_lse, query.dtype, return_lse)
     for i in range(b):
         real = None if key_padding_mask is None else key_padding_mask[i]
         run = _Runner(query[i], key[i], value[i], scale, softcap, backend)
@@ -533,7 +580,41 @@ def _sparse_attention(
             lses.append(lse_i)
     if backend == "math":
         out, lse = torch.stack(outs), torch.stack(lses)
-    else:
-        # [B, H, Nq, D] views of the token-major buffers (transformers wants [B, Nq, H, D])
-        out, lse = acc_out.transpose(1, 2).to(query.dtype), acc_lse.transpose(1, 2)
+        return (out, lse) if return_lse else out
+    return _finish(acc_out, acc_lse, query.dtype, return_lse)
+
+
+def _finish(acc_out, acc_lse, dtype, return_lse):
+    # [B, H, Nq, D] views of the token-major buffers (transformers wants [B, Nq, H, D])
+    out, lse = acc_out.transpose(1, 2).to(dtype), acc_lse.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse, strict) -> bool:
+    """Run the ``cpu_fused`` kernel into the token-major ``out [B, Nq, H, D]`` / ``lse``
+    buffers. Returns False (nothing computed) when the membership classes are too small
+    on average for its tiles (see ``FUSED_MIN_CLASS_ROWS``) unless ``strict``."""
+    nq, rep = query.shape[2], query.shape[1] // key.shape[1]
+    max_classes = -1 if strict else max(MAX_CLASSES, nq // FUSED_MIN_CLASS_ROWS)
+    real = (
+        torch.empty(0, dtype=torch.bool)
+        if key_padding_mask is None
+        else key_padding_mask.contiguous()
+    )
+    done = _extension.load().focus_forward(
+        query,
+        key,
+        value,
+        qg.contiguous(),
+        kg.contiguous(),
+        real,
+        window,
+        scale,
+        out,
+        lse,
+        max(1, FUSED_ROWS // rep),
+        FUSED_KEYS,
+        FUSED_BAND,
+        max_classes,
+    )
+    return done >= 0

@@ -1,0 +1,539 @@
+// Fused CPU kernel for exact Focus sparse attention (hard routing), spec section 5.
+//
+// One call computes, for every query i at absolute position p_i = offset + i,
+//   softmax over the keys j with j <= p_i, key j real, and
+//   (p_i - j < window  or  the two tokens share at least one group),
+// as two disjoint parts merged by log-sum-exp:
+//   phase 1 (group part): queries are partitioned by their exact membership set S (a
+//     "class"); a tile of up to `tile_q` class queries attends causally (by position) to
+//     the union of the real keys of every group in S, walked as a k-way merge of the
+//     groups' sorted key lists (a key in several groups of S is visited once);
+//   phase 2 (local part): tiles of consecutive queries attend to the contiguous keys of
+//     their window, masked to pairs that share no group, and merge into phase 1's rows.
+// Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
+// gathered rows, with MKL's sgemm for the two products; nothing of size Nq x Nk exists.
+// Work items are sorted by estimated cost and pulled from an atomic counter by every
+// thread (a causal workload is triangular: static splits would be unbalanced).
+// Product decision: written for the CPU machines this project runs on; the Python side
+// falls back to calls of PyTorch's CPU flash kernel if this file cannot be built.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// C[m x n] (row stride ldc) = alpha * A[m x k] * B[n x k]^T (row-major operands).
+inline void gemm_abt(int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                     int ldb, float* c, int ldc) {
+  const float beta = 0.f;
+  sgemm_("T", "N", &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// C[m x n] += A[m x k] * B[k x n] (row-major operands).
+inline void gemm_ab_add(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                        float* c, int ldc) {
+  const float one = 1.f;
+  sgemm_("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp); exactly 0 below -87 and for -inf.
+// Branch-free so that the loops below vectorise.
+inline float exp_nonpositive(float x) {
+  const bool under = !(x >= -87.f);  // also true for NaN-free -inf
+  const float xc = under ? 0.f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.f : p * scale;
+}
+
+#ifdef __AVX2__
+// 8 lanes of exp_nonpositive (same polynomial and cut-off).
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_NGE_UQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// max of x[0..n)
+inline float row_max(const float* x, int64_t n) {
+  float mx = kNegInf;
+  int64_t j = 0;
+#ifdef __AVX2__
+  __m256 v = _mm256_set1_ps(kNegInf);
+  for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + j));
+  mx = hmax8(v);
+#endif
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// x[j] = exp(x[j] - shift) for j < n (x[j] <= shift); returns the sum
+inline float exp_shift_sum(float* x, int64_t n, float shift) {
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef __AVX2__
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j), sh));
+    _mm256_storeu_ps(x + j, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; j < n; ++j) {
+    x[j] = exp_nonpositive(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t d) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, sizeof(float) * d);
+  } else {
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]);
+  }
+}
+
+// Running state of one tile: rows = rep heads x n queries (row r*n + i is head hk*rep+r,
+// query i of the tile).
+struct TileState {
+  int64_t rows = 0, d = 0, tile_k = 0;
+  std::vector<float> q, k, v, s, acc, m, l;
+  std::vector<int64_t> kpos;
+  void reserve(int64_t max_rows, int64_t head_dim, int64_t tk) {
+    d = head_dim;
+    tile_k = tk;
+    q.resize(max_rows * d);
+    acc.resize(max_rows * d);
+    s.resize(max_rows * tk);
+    m.resize(max_rows);
+    l.resize(max_rows);
+    k.resize(tk * d);
+    v.resize(tk * d);
+    kpos.resize(tk);
+  }
+  void start(int64_t r) {
+    rows = r;
+    std::fill(acc.begin(), acc.begin() + r * d, 0.f);
+    std::fill(m.begin(), m.begin() + r, kNegInf);
+    std::fill(l.begin(), l.begin() + r, 0.f);
+  }
+  // One key block of nk keys already in k/v/kpos; s holds masked logits (-inf = hidden).
+  void update(int64_t nk) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* srow = s.data() + r * tile_k;
+      const float mx = row_max(srow, nk);
+      if (mx == kNegInf) {  // nothing visible in this block: P = 0
+        std::fill(srow, srow + nk, 0.f);
+        continue;
+      }
+      const float mnew = std::max(m[r], mx);
+      const float sum = exp_shift_sum(srow, nk, mnew);
+      const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mnew);
+      if (alpha != 1.f) {
+        float* a = acc.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) a[e] *= alpha;
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mnew;
+    }
+    gemm_ab_add(rows, d, nk, s.data(), tile_k, v.data(), d, acc.data(), d);
+  }
+};
+
+struct Item {
+  int64_t batch, problem, row0, row1, head_kv;
+  double cost;
+};
+
+// Per batch element: classes (query lists by exact membership code), groups' key lists.
+struct Plan {
+  std::vector<int64_t> class_code;    // [C]
+  std::vector<int64_t> class_start;   // [C + 1] into class_rows
+  std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
+  std::vector<int64_t> group_start;   // [K + 1] into group_keys
+  std::vector<int32_t> group_keys;    // real keys of each group, sorted
+  std::vector<uint64_t> qcode, kcode;  // membership bit codes (kcode 0 for padding)
+};
+
+Plan make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int64_t nk,
+               int64_t kgroups) {
+  Plan p;
+  p.qcode.resize(nq);
+  p.kcode.resize(nk);
+  for (int64_t i = 0; i < nq; ++i) {
+    uint64_t c = 0;
+    for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(qg[i * kgroups + g]) << g;
+    p.qcode[i] = c;
+  }
+  p.group_start.assign(kgroups + 1, 0);
+  for (int64_t j = 0; j < nk; ++j) {
+    uint64_t c = 0;
+    if (real == nullptr || real[j]) {
+      for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(kg[j * kgroups + g]) << g;
+    }
+    p.kcode[j] = c;
+    for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += (c >> g) & 1;
+  }
+  for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += p.group_start[g];
+  p.group_keys.resize(p.group_start[kgroups]);
+  std::vector<int64_t> fill(p.group_start.begin(), p.group_start.end() - 1);
+  for (int64_t j = 0; j < nk; ++j) {
+    for (uint64_t c = p.kcode[j]; c; c &= c - 1) {
+      p.group_keys[fill[__builtin_ctzll(c)]++] = static_cast<int32_t>(j);
+    }
+  }
+  // classes: queries sorted by (code, index); code 0 (no group) gets no class
+  std::vector<int32_t> order(nq);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return p.qcode[a] < p.qcode[b]; });
+  for (int64_t t = 0; t < nq; ++t) {
+    const uint64_t c = p.qcode[order[t]];
+    if (c == 0) continue;
+    if (p.class_code.empty() || static_cast<uint64_t>(p.class_code.back()) != c) {
+      p.class_code.push_back(static_cast<int64_t>(c));
+      p.class_start.push_back(static_cast<int64_t>(p.class_rows.size()));
+    }
+    p.class_rows.push_back(order[t]);
+  }
+  p.class_start.push_back(static_cast<int64_t>(p.class_rows.size()));
+  return p;
+}
+
+// Walks the union of several groups' sorted key lists in increasing order, once per key.
+struct KeyUnion {
+  std::vector<const int32_t*> cur, end;
+  KeyUnion(const Plan& p, uint64_t code) {
+    for (uint64_t c = code; c; c &= c - 1) {
+      const int64_t g = __builtin_ctzll(c);
+      if (p.group_start[g] < p.group_start[g + 1]) {
+        cur.push_back(p.group_keys.data() + p.group_start[g]);
+        end.push_back(p.group_keys.data() + p.group_start[g + 1]);
+      }
+    }
+  }
+  // next key <= limit, or -1
+  int64_t next(int64_t limit) {
+    int64_t best = std::numeric_limits<int64_t>::max();
+    for (size_t t = 0; t < cur.size(); ++t)
+      if (cur[t] != end[t]) best = std::min<int64_t>(best, *cur[t]);
+    if (best > limit) return -1;
+    for (size_t t = 0; t < cur.size(); ++t)
+      if (cur[t] != end[t] && *cur[t] == best) ++cur[t];
+    return best;
+  }
+};
+
+template <typename T>
+struct Kernel {
+  const T *q, *k, *v;
+  const bool* real;  // [B, Nk] or null
+  float *out, *lse;  // [B, Nq, H, D], [B, Nq, H]
+  int64_t b, h, hkv, nq, nk, d, rep, window, offset, tile_q, tile_k, tile_band;
+  float scale;
+  std::vector<Plan> plans;
+
+  const T* q_row(int64_t bi, int64_t head, int64_t i) const {
+    return q + ((bi * h + head) * nq + i) * d;
+  }
+  const T* k_row(int64_t bi, int64_t head, int64_t j) const {
+    return k + ((bi * hkv + head) * nk + j) * d;
+  }
+  const T* v_row(int64_t bi, int64_t head, int64_t j) const {
+    return v + ((bi * hkv + head) * nk + j) * d;
+  }
+
+  // logits of the tile's rows against the block's nk keys, scaled, into ts.s
+  void logits(TileState& ts, int64_t n, int64_t nkb) const {
+    gemm_abt(static_cast<int>(rep * n), static_cast<int>(nkb), static_cast<int>(d), scale,
+             ts.q.data(), static_cast<int>(d), ts.k.data(), static_cast<int>(d), ts.s.data(),
+             static_cast<int>(ts.tile_k));
+  }
+
+  void load_queries(TileState& ts, int64_t bi, int64_t hk, const int32_t* rows, int64_t first,
+                    int64_t n) const {
+    for (int64_t r = 0; r < rep; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t qi = rows ? rows[i] : first + i;
+        load_row(ts.q.data() + (r * n + i) * d, q_row(bi, hk * rep + r, qi), d);
+      }
+  }
+
+  // phase 1: class queries rows[0..n) against the union of the class's groups' keys
+  void group_tile(TileState& ts, const Item& it) const {
+    const Plan& p = plans[it.batch];
+    const int32_t* rows = p.class_rows.data() + it.row0;
+    const int64_t n = it.row1 - it.row0;
+    const int64_t bi = it.batch, hk = it.head_kv;
+    ts.start(rep * n);
+    load_queries(ts, bi, hk, rows, 0, n);
+    const int64_t first_pos = offset + rows[0], last_pos = offset + rows[n - 1];
+    KeyUnion keys(p, static_cast<uint64_t>(p.class_code[it.problem]));
+    while (true) {
+      int64_t nkb = 0;
+      for (; nkb < tile_k; ++nkb) {
+        const int64_t j = keys.next(last_pos);
+        if (j < 0) break;
+        ts.kpos[nkb] = j;
+        load_row(ts.k.data() + nkb * d, k_row(bi, hk, j), d);
+        load_row(ts.v.data() + nkb * d, v_row(bi, hk, j), d);
+      }
+      if (nkb == 0) break;
+      logits(ts, n, nkb);
+      if (ts.kpos[nkb - 1] > first_pos) {  // causal mask inside the block
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t pos = offset + rows[i];
+          const int64_t cut = std::upper_bound(ts.kpos.begin(), ts.kpos.begin() + nkb, pos) -
+                              ts.kpos.begin();
+          for (int64_t r = 0; r < rep; ++r) {
+            float* srow = ts.s.data() + (r * n + i) * ts.tile_k;
+            std::fill(srow + cut, srow + nkb, kNegInf);
+          }
+        }
+      }
+      ts.update(nkb);
+      if (nkb < tile_k) break;
+    }
+    for (int64_t r = 0; r < rep; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = r * n + i, head = hk * rep + r;
+        float* o = out + ((bi * nq + rows[i]) * h + head) * d;
+        const float* a = ts.acc.data() + row * d;
+        float& ls = lse[(bi * nq + rows[i]) * h + head];
+        if (ts.l[row] > 0.f) {
+          const float inv = 1.f / ts.l[row];
+          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
+          ls = ts.m[row] + std::log(ts.l[row]);
+        } else {
+          std::fill(o, o + d, 0.f);
+          ls = kNegInf;
+        }
+      }
+  }
+
+  // phase 2: queries first..first+n (in order) against their window's keys that share no
+  // group, merged into phase 1's result (rows without a class start empty)
+  void band_tile(TileState& ts, const Item& it) const {
+    const Plan& p = plans[it.batch];
+    const int64_t bi = it.batch, hk = it.head_kv, first = it.row0, n = it.row1 - it.row0;
+    const bool* rl = real ? real + bi * nk : nullptr;
+    ts.start(rep * n);
+    load_queries(ts, bi, hk, nullptr, first, n);
+    const int64_t lo = std::max<int64_t>(0, offset + first - window + 1);
+    const int64_t hi = std::min<int64_t>(nk, offset + first + n);  // exclusive
+    for (int64_t j0 = lo; j0 < hi; j0 += tile_k) {
+      const int64_t nkb = std::min<int64_t>(tile_k, hi - j0);
+      for (int64_t t = 0; t < nkb; ++t) {
+        load_row(ts.k.data() + t * d, k_row(bi, hk, j0 + t), d);
+        load_row(ts.v.data() + t * d, v_row(bi, hk, j0 + t), d);
+      }
+      logits(ts, n, nkb);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = offset + first + i;
+        const uint64_t qc = p.qcode[first + i];
+        for (int64_t t = 0; t < nkb; ++t) {
+          const int64_t j = j0 + t;
+          const bool vis = j <= pos && pos - j < window && (rl == nullptr || rl[j]) &&
+                           (qc & p.kcode[j]) == 0;
+          if (!vis)
+            for (int64_t r = 0; r < rep; ++r) ts.s[(r * n + i) * ts.tile_k + t] = kNegInf;
+        }
+      }
+      ts.update(nkb);
+    }
+    for (int64_t r = 0; r < rep; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = r * n + i, head = hk * rep + r, qi = first + i;
+        float* o = out + ((bi * nq + qi) * h + head) * d;
+        float& ls = lse[(bi * nq + qi) * h + head];
+        const bool has_group = p.qcode[qi] != 0;
+        const float l1 = has_group ? ls : kNegInf;
+        if (ts.l[row] <= 0.f) {  // no local part
+          if (!has_group) {
+            std::fill(o, o + d, 0.f);
+            ls = kNegInf;
+          }
+          continue;
+        }
+        const float l2 = ts.m[row] + std::log(ts.l[row]);
+        const float* a = ts.acc.data() + row * d;
+        if (l1 == kNegInf) {
+          const float inv = 1.f / ts.l[row];
+          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
+          ls = l2;
+          continue;
+        }
+        const float mx = std::max(l1, l2);
+        const float w1 = std::exp(l1 - mx), w2 = std::exp(l2 - mx);
+        const float tot = w1 + w2;
+        const float c1 = w1 / tot, c2 = w2 / (tot * ts.l[row]);
+        for (int64_t e = 0; e < d; ++e) o[e] = o[e] * c1 + a[e] * c2;
+        ls = mx + std::log(tot);
+      }
+  }
+
+  template <typename F>
+  void run_items(std::vector<Item>& items, int64_t max_rows, F&& body) const {
+    std::sort(items.begin(), items.end(),
+              [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    std::atomic<int64_t> next{0};
+    const int64_t total = static_cast<int64_t>(items.size());
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      TileState ts;
+      ts.reserve(max_rows, d, tile_k);
+      for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) body(ts, items[t]);
+    });
+  }
+
+  void run() {
+    std::vector<Item> items;
+    for (int64_t bi = 0; bi < b; ++bi) {
+      const Plan& p = plans[bi];
+      const int64_t classes = static_cast<int64_t>(p.class_code.size());
+      for (int64_t c = 0; c < classes; ++c) {
+        const int64_t groups = __builtin_popcountll(static_cast<uint64_t>(p.class_code[c]));
+        for (int64_t r0 = p.class_start[c]; r0 < p.class_start[c + 1]; r0 += tile_q) {
+          const int64_t r1 = std::min(p.class_start[c + 1], r0 + tile_q);
+          const double cost = static_cast<double>(r1 - r0) *
+                              static_cast<double>(offset + p.class_rows[r1 - 1] + 1) * groups;
+          for (int64_t hk = 0; hk < hkv; ++hk) items.push_back({bi, c, r0, r1, hk, cost});
+        }
+      }
+    }
+    run_items(items, rep * tile_q, [this](TileState& ts, const Item& it) { group_tile(ts, it); });
+    items.clear();
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t r0 = 0; r0 < nq; r0 += tile_band)
+        for (int64_t hk = 0; hk < hkv; ++hk)
+          items.push_back({bi, 0, r0, std::min(nq, r0 + tile_band), hk, 1.0});
+    run_items(items, rep * tile_band, [this](TileState& ts, const Item& it) { band_tile(ts, it); });
+  }
+};
+
+// query [B, H, Nq, D], key/value [B, H_kv, Nk, D] (contiguous, same dtype), query_groups
+// bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64), real bool [B, Nk] or empty;
+// writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H]. Returns the largest number of
+// membership classes of a batch element, or -1 without computing anything when that
+// exceeds max_classes (>= 0; -1 = no limit).
+int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& query_groups, const at::Tensor& key_groups,
+                      const at::Tensor& real, int64_t window, double scale, at::Tensor out,
+                      at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band,
+                      int64_t max_classes) {
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
+              "focus_forward: query/key/value must be contiguous");
+  TORCH_CHECK(query_groups.is_contiguous() && key_groups.is_contiguous(),
+              "focus_forward: group masks must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && out.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat,
+              "focus_forward: out/lse must be contiguous float32");
+  TORCH_CHECK(query_groups.size(2) <= 64, "focus_forward: at most 64 groups");
+  int64_t classes = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "focus", [&] {
+    Kernel<scalar_t> ker;
+    ker.q = query.data_ptr<scalar_t>();
+    ker.k = key.data_ptr<scalar_t>();
+    ker.v = value.data_ptr<scalar_t>();
+    ker.real = real.numel() ? real.data_ptr<bool>() : nullptr;
+    ker.out = out.data_ptr<float>();
+    ker.lse = lse.data_ptr<float>();
+    ker.b = query.size(0);
+    ker.h = query.size(1);
+    ker.nq = query.size(2);
+    ker.d = query.size(3);
+    ker.hkv = key.size(1);
+    ker.nk = key.size(2);
+    ker.rep = ker.h / ker.hkv;
+    ker.window = window;
+    ker.offset = ker.nk - ker.nq;
+    ker.scale = static_cast<float>(scale);
+    ker.tile_q = tile_q;
+    ker.tile_k = tile_k;
+    ker.tile_band = tile_band;
+    const int64_t kgroups = query_groups.size(2);
+    const bool* qg = query_groups.data_ptr<bool>();
+    const bool* kg = key_groups.data_ptr<bool>();
+    for (int64_t bi = 0; bi < ker.b; ++bi) {
+      ker.plans.push_back(make_plan(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
+                                    ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq, ker.nk,
+                                    kgroups));
+      classes = std::max(classes, static_cast<int64_t>(ker.plans.back().class_code.size()));
+      if (max_classes >= 0 && classes > max_classes) {
+        classes = -1;
+        return;
+      }
+    }
+    ker.run();
+  });
+  return classes;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("focus_forward", &focus_forward, "Fused Focus sparse attention forward (CPU)");
+}
