@@ -281,13 +281,12 @@ def test_math_backend_gradients_match_oracle(params, dtype):
         assert (got[1][pad] == 0).all() and (got[2][pad] == 0).all()
 
 
-def test_cpu_flash_backend_never_returns_wrong_gradients():
+@pytest.mark.parametrize("backend", ["cpu_fused", "cpu_flash"])
+def test_cpu_backends_never_return_wrong_gradients(backend):
     case = make_case(nk=60, top_k=2, window=4, seed=6)
     q = case.q.clone().requires_grad_(True)
     try:
-        out = sparse_attention(
-            q, case.k, case.v, case.qg, case.kg, case.window, backend="cpu_flash"
-        )
+        out = sparse_attention(q, case.k, case.v, case.qg, case.kg, case.window, backend=backend)
     except ValueError as err:  # refusing is an acceptable answer
         assert "backend" in str(err)
         return
@@ -298,7 +297,7 @@ def test_cpu_flash_backend_never_returns_wrong_gradients():
     ref, _ = dense_attention(q2, case.k, case.v, case.mask())
     ref.pow(2).sum().backward()
     err = (q.grad - q2.grad).abs().max().item()
-    assert err <= 1e-4, f"cpu_flash gradient differs from the oracle by {err:.3g}"
+    assert err <= 1e-4, f"{backend} gradient differs from the oracle by {err:.3g}"
 
 
 def test_auto_backend_is_differentiable():
@@ -399,7 +398,15 @@ def test_cuda_inputs_equal_oracle(dtype, backend):
 #: blocks, key chunks, strips and band calls (the production sizes are only crossed by
 #: inputs of thousands of tokens).
 TINY_BLOCKS = dict(
-    QUERY_BLOCK=8, STRIP=4, KEY_CHUNK=16, BAND_BLOCK=4, BAND_ELEMENTS=64, MATH_BLOCK=8
+    QUERY_BLOCK=8,
+    STRIP=4,
+    KEY_CHUNK=16,
+    BAND_BLOCK=4,
+    BAND_ELEMENTS=64,
+    MATH_BLOCK=8,
+    FUSED_ROWS=6,
+    FUSED_KEYS=5,
+    FUSED_BAND=3,
 )
 TINY_GRID = [
     p
@@ -475,3 +482,98 @@ def test_compiled_call_matches_eager(inductor):
         direct = torch.compile(sparse_attention)(*args, case.window)
     torch.testing.assert_close(wrapped, eager, rtol=0, atol=1e-6)
     torch.testing.assert_close(direct, eager, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# cpu_fused: when "auto" uses it, its fallback, and running without it
+# --------------------------------------------------------------------------------------
+
+
+def _spy_fused(monkeypatch) -> list[bool]:
+    """Record what each call of the fused kernel answered (True = it computed the result)."""
+    import focus_attention.ops.sparse as sparse_mod
+
+    calls: list[bool] = []
+    real = sparse_mod._fused
+
+    def spy(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(sparse_mod, "_fused", spy)
+    return calls
+
+
+def test_auto_uses_the_fused_kernel_on_cpu(monkeypatch):
+    calls = _spy_fused(monkeypatch)
+    case = make_case(nk=80, top_k=2, groups=4, padding="random", seed=8)
+    out, lse = case.sparse("auto", return_lse=True)
+    assert calls == [True]
+    assert_matches_oracle(case, out, lse)
+
+
+@pytest.mark.parametrize("min_rows", [1, 10_000])
+def test_many_small_classes_fall_back_exactly(min_rows, monkeypatch):
+    """With tiny membership classes "auto" hands over to cpu_flash (the kernel answers
+    without computing); an explicit cpu_fused still computes. Both stay exact."""
+    import focus_attention.ops.sparse as sparse_mod
+
+    monkeypatch.setattr(sparse_mod, "MAX_CLASSES", 1)
+    monkeypatch.setattr(sparse_mod, "FUSED_MIN_CLASS_ROWS", min_rows)
+    calls = _spy_fused(monkeypatch)
+    case = make_case(nk=70, nq=50, groups=5, top_k=2, window=5, padding="random", seed=9)
+    out, lse = case.sparse("auto", return_lse=True)
+    assert calls == [min_rows == 1]  # 50 queries in several classes: 50 // 1 > classes
+    assert_matches_oracle(case, out, lse)
+    out, lse = case.sparse("cpu_fused", return_lse=True)
+    assert calls[-1] is True
+    assert_matches_oracle(case, out, lse)
+
+
+def test_more_than_64_groups(monkeypatch):
+    """The kernel's membership codes hold 64 groups: more is refused explicitly and "auto"
+    uses cpu_flash (exact)."""
+    calls = _spy_fused(monkeypatch)
+    case = make_case(nk=40, groups=70, top_k=3, seed=10)
+    with pytest.raises(ValueError, match="K <= 64"):
+        case.sparse("cpu_fused")
+    out, lse = case.sparse("auto", return_lse=True)
+    assert calls == []
+    assert_matches_oracle(case, out, lse)
+
+
+@pytest.mark.slow
+def test_without_the_extension_auto_falls_back_and_cpu_fused_refuses(tmp_path):
+    """FOCUS_NO_EXTENSION=1 (or a failed build): one RuntimeWarning, exact results from
+    cpu_flash, and a RuntimeError that names the reason for an explicit cpu_fused."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import warnings, torch
+from focus_attention.ops import sparse_attention, dense_attention, focus_mask
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 30, 8, generator=g) for _ in range(3))
+groups = torch.rand(1, 30, 3, generator=g) > 0.5
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = sparse_attention(q, k, v, groups, groups, 4)
+    sparse_attention(q, k, v, groups, groups, 4)
+assert [w.category for w in caught] == [RuntimeWarning], caught
+assert "FOCUS_NO_EXTENSION" in str(caught[0].message)
+ref, _ = dense_attention(q, k, v, focus_mask(groups, groups, 4))
+assert (out - ref).abs().max() < 1e-5
+try:
+    sparse_attention(q, k, v, groups, groups, 4, backend="cpu_fused")
+except RuntimeError as err:
+    assert "FOCUS_NO_EXTENSION" in str(err), err
+else:
+    raise AssertionError("cpu_fused ran without the extension")
+print("ok")
+"""
+    env = dict(os.environ, FOCUS_NO_EXTENSION="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
