@@ -95,7 +95,7 @@ def _kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]):
     return q, k, v, groups
 
 
-def _kernel_call(method: str, q, k, v, groups, window: int):
+def _kernel_call(method: str, q, k, v, groups, window: int, backend: str = "auto"):
     import torch
 
     from .ops import sparse_attention
@@ -104,7 +104,7 @@ def _kernel_call(method: str, q, k, v, groups, window: int):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True
         )
-    return sparse_attention(q, k, v, groups, groups, window)
+    return sparse_attention(q, k, v, groups, groups, window, backend=backend)
 
 
 def _peak_child(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
@@ -113,9 +113,11 @@ def _peak_child(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
 
     with torch.inference_mode():
         small = _kernel_inputs(256, top_k, cfg)
-        _kernel_call(method, *small, cfg["window"])
+        _kernel_call(method, *small, cfg["window"], cfg["backend"])
         inputs = _kernel_inputs(n, top_k, cfg)
-        peak = peak_extra_bytes(lambda: _kernel_call(method, *inputs, cfg["window"]))
+        peak = peak_extra_bytes(
+            lambda: _kernel_call(method, *inputs, cfg["window"], cfg["backend"])
+        )
     print(json.dumps({"peak_bytes": peak}))
 
 
@@ -184,8 +186,12 @@ def run_kernel_benchmark(
     memory: bool = True,
     seed: int = 0,
     progress: bool = True,
+    backend: str = "auto",
 ) -> dict[str, Any]:
     """Dense causal SDPA against :func:`focus_attention.sparse_attention`, same process.
+
+    ``backend`` is passed to the op (``"auto"``: the fused CPU kernel where it can be built);
+    the backend that ran is recorded in ``config["sparse_backend"]``.
 
     Returns a dict with ``config``, ``environment`` and ``rows`` (one per ``(N, top_k)``):
     seconds (median of ``repeats`` after one warm-up) of each, speedup, density (fraction
@@ -204,6 +210,7 @@ def run_kernel_benchmark(
         "window": window,
         "num_groups": num_groups,
         "seed": seed,
+        "backend": backend,
     }
     rows = []
     combos = [(n, k) for n in lengths for k in top_ks]
@@ -217,7 +224,7 @@ def run_kernel_benchmark(
                 functools.partial(_kernel_call, "dense", *inputs, window), repeats
             )
             sparse_s, sparse_all = median_seconds(
-                functools.partial(_kernel_call, "sparse", *inputs, window), repeats
+                functools.partial(_kernel_call, "sparse", *inputs, window, backend), repeats
             )
         dense_mem = kernel_peak_memory("dense", n, top_k, cfg) if memory else None
         sparse_mem = kernel_peak_memory("sparse", n, top_k, cfg) if memory else None
@@ -254,6 +261,7 @@ def run_kernel_benchmark(
         "warmup": 1,
         "seed": seed,
         "memberships": "balanced random (bench.balanced_memberships)",
+        "sparse_backend": _resolved_backend(backend),
         "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
         "memory": "peak extra resident bytes of one call in a fresh process (VmHWM after clear_refs; MALLOC_MMAP_THRESHOLD_=65536)",
     }
@@ -509,6 +517,15 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolved_backend(backend: str) -> str:
+    """The backend "auto" picks for the benchmark's inputs (CPU fp32, K = 8, no grad)."""
+    from .ops import fused_kernel_available
+
+    if backend != "auto":
+        return backend
+    return "cpu_fused" if fused_kernel_available() else "cpu_flash"
+
+
 def _cmd_kernel(args: argparse.Namespace) -> int:
     import torch
 
@@ -522,6 +539,7 @@ def _cmd_kernel(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         memory=not args.no_memory,
         seed=args.seed,
+        backend=args.backend,
     )
     if not args.no_gates:
         result["gates"] = run_gate_benchmark(window=args.window, num_groups=args.num_groups)
@@ -565,6 +583,12 @@ def register_cli(subparsers) -> None:
     kernel.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     kernel.add_argument("--seed", type=int, default=0)
     kernel.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    kernel.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "cpu_fused", "cpu_flash", "math"],
+        help="sparse_attention backend (auto: the fused CPU kernel where it can be built)",
+    )
     kernel.add_argument(
         "--no-gates", action="store_true", help="skip the soft-gate vs eager timing at N=1024"
     )

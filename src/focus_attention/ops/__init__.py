@@ -5,7 +5,7 @@ from .masks import focus_mask
 from .metrics import dominance, group_shares, pairs_retained
 from .reference import dense_attention, expand_kv_heads
 from .routing import group_scores, sinkhorn, topk_memberships
-from .sparse import BACKENDS, sparse_attention
+from .sparse import BACKENDS, fused_kernel_available, sparse_attention
 
 __all__ = [
     "BACKENDS",
@@ -14,6 +14,7 @@ __all__ = [
     "dominance",
     "expand_kv_heads",
     "focus_mask",
+    "fused_kernel_available",
     "gated_attention",
     "group_scores",
     "group_shares",

@@ -61,10 +61,11 @@ BAND_ELEMENTS = 1 << 16
 #: queries per block inside the math backend's quadratic step.
 MATH_BLOCK = 512
 #: ``cpu_fused``: query rows (query heads sharing a key head x queries) per group tile, keys
-#: per block, queries per local tile; product decision, tuned on CPU at 16-32K tokens
-#: (384 rows x 512 keys keeps one tile's buffers near 1 MiB).
+#: per block, queries per local tile; product decision, tuned on CPU at 16-32K tokens in
+#: interleaved runs (384 x 128 was as fast as 384 x 256/512 and keeps each thread's tile
+#: buffers near 0.4 MiB, so the op's peak memory stays at dense SDPA's).
 FUSED_ROWS = 384
-FUSED_KEYS = 512
+FUSED_KEYS = 128
 FUSED_BAND = 32
 #: ``cpu_fused`` runs when the membership classes average at least this many queries (or
 #: there are at most ``MAX_CLASSES``); tiny classes would make tiles of a few rows that each
@@ -404,6 +405,13 @@ def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
             run.staircase(acc, qidx, qidx + offset, kidx, kidx)
         else:
             run.staircase(acc, qidx, qidx + offset, kidx, kidx, qg[qidx, :g], kmember[kidx, :g])
+
+
+def fused_kernel_available() -> bool:
+    """Whether the ``cpu_fused`` backend can run here (builds the kernel on first call, ~1
+    minute once per machine and torch version; product decision). Returns False with a
+    ``RuntimeWarning`` that says why when it cannot be built or ``FOCUS_NO_EXTENSION=1``."""
+    return _extension.load() is not None
 
 
 def sparse_attention(

@@ -209,24 +209,26 @@ struct Item {
 };
 
 // Per batch element: classes (query lists by exact membership code), groups' key lists.
+template <typename C>  // membership code type: uint8_t .. uint64_t by the number of groups
 struct Plan {
   std::vector<int64_t> class_code;    // [C]
   std::vector<int64_t> class_start;   // [C + 1] into class_rows
   std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
   std::vector<int64_t> group_start;   // [K + 1] into group_keys
   std::vector<int32_t> group_keys;    // real keys of each group, sorted
-  std::vector<uint64_t> qcode, kcode;  // membership bit codes (kcode 0 for padding)
+  std::vector<C> qcode, kcode;        // membership bit codes (kcode 0 for padding)
 };
 
-Plan make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int64_t nk,
+template <typename C>
+Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int64_t nk,
                int64_t kgroups) {
-  Plan p;
+  Plan<C> p;
   p.qcode.resize(nq);
   p.kcode.resize(nk);
   for (int64_t i = 0; i < nq; ++i) {
     uint64_t c = 0;
     for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(qg[i * kgroups + g]) << g;
-    p.qcode[i] = c;
+    p.qcode[i] = static_cast<C>(c);
   }
   p.group_start.assign(kgroups + 1, 0);
   for (int64_t j = 0; j < nk; ++j) {
@@ -234,14 +236,14 @@ Plan make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int
     if (real == nullptr || real[j]) {
       for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(kg[j * kgroups + g]) << g;
     }
-    p.kcode[j] = c;
+    p.kcode[j] = static_cast<C>(c);
     for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += (c >> g) & 1;
   }
   for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += p.group_start[g];
   p.group_keys.resize(p.group_start[kgroups]);
   std::vector<int64_t> fill(p.group_start.begin(), p.group_start.end() - 1);
   for (int64_t j = 0; j < nk; ++j) {
-    for (uint64_t c = p.kcode[j]; c; c &= c - 1) {
+    for (uint64_t c = static_cast<uint64_t>(p.kcode[j]); c; c &= c - 1) {
       p.group_keys[fill[__builtin_ctzll(c)]++] = static_cast<int32_t>(j);
     }
   }
@@ -251,7 +253,7 @@ Plan make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return p.qcode[a] < p.qcode[b]; });
   for (int64_t t = 0; t < nq; ++t) {
-    const uint64_t c = p.qcode[order[t]];
+    const uint64_t c = static_cast<uint64_t>(p.qcode[order[t]]);
     if (c == 0) continue;
     if (p.class_code.empty() || static_cast<uint64_t>(p.class_code.back()) != c) {
       p.class_code.push_back(static_cast<int64_t>(c));
@@ -266,7 +268,8 @@ Plan make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int
 // Walks the union of several groups' sorted key lists in increasing order, once per key.
 struct KeyUnion {
   std::vector<const int32_t*> cur, end;
-  KeyUnion(const Plan& p, uint64_t code) {
+  template <typename C>
+  KeyUnion(const Plan<C>& p, uint64_t code) {
     for (uint64_t c = code; c; c &= c - 1) {
       const int64_t g = __builtin_ctzll(c);
       if (p.group_start[g] < p.group_start[g + 1]) {
@@ -287,14 +290,14 @@ struct KeyUnion {
   }
 };
 
-template <typename T>
+template <typename T, typename C>
 struct Kernel {
   const T *q, *k, *v;
   const bool* real;  // [B, Nk] or null
   float *out, *lse;  // [B, Nq, H, D], [B, Nq, H]
   int64_t b, h, hkv, nq, nk, d, rep, window, offset, tile_q, tile_k, tile_band;
   float scale;
-  std::vector<Plan> plans;
+  std::vector<Plan<C>> plans;
 
   const T* q_row(int64_t bi, int64_t head, int64_t i) const {
     return q + ((bi * h + head) * nq + i) * d;
@@ -324,7 +327,7 @@ struct Kernel {
 
   // phase 1: class queries rows[0..n) against the union of the class's groups' keys
   void group_tile(TileState& ts, const Item& it) const {
-    const Plan& p = plans[it.batch];
+    const Plan<C>& p = plans[it.batch];
     const int32_t* rows = p.class_rows.data() + it.row0;
     const int64_t n = it.row1 - it.row0;
     const int64_t bi = it.batch, hk = it.head_kv;
@@ -377,7 +380,7 @@ struct Kernel {
   // phase 2: queries first..first+n (in order) against their window's keys that share no
   // group, merged into phase 1's result (rows without a class start empty)
   void band_tile(TileState& ts, const Item& it) const {
-    const Plan& p = plans[it.batch];
+    const Plan<C>& p = plans[it.batch];
     const int64_t bi = it.batch, hk = it.head_kv, first = it.row0, n = it.row1 - it.row0;
     const bool* rl = real ? real + bi * nk : nullptr;
     ts.start(rep * n);
@@ -393,7 +396,7 @@ struct Kernel {
       logits(ts, n, nkb);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = offset + first + i;
-        const uint64_t qc = p.qcode[first + i];
+        const C qc = p.qcode[first + i];
         for (int64_t t = 0; t < nkb; ++t) {
           const int64_t j = j0 + t;
           const bool vis = j <= pos && pos - j < window && (rl == nullptr || rl[j]) &&
@@ -435,24 +438,23 @@ struct Kernel {
       }
   }
 
+  // Runs body(tile state, t) for t in [0, total), pulled from an atomic counter by every
+  // thread (each with its own tile buffers for max_rows query rows).
   template <typename F>
-  void run_items(std::vector<Item>& items, int64_t max_rows, F&& body) const {
-    std::sort(items.begin(), items.end(),
-              [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  void pull(int64_t total, int64_t max_rows, F&& body) const {
     std::atomic<int64_t> next{0};
-    const int64_t total = static_cast<int64_t>(items.size());
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       TileState ts;
       ts.reserve(max_rows, d, tile_k);
-      for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) body(ts, items[t]);
+      for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) body(ts, t);
     });
   }
 
   void run() {
     std::vector<Item> items;
     for (int64_t bi = 0; bi < b; ++bi) {
-      const Plan& p = plans[bi];
+      const Plan<C>& p = plans[bi];
       const int64_t classes = static_cast<int64_t>(p.class_code.size());
       for (int64_t c = 0; c < classes; ++c) {
         const int64_t groups = __builtin_popcountll(static_cast<uint64_t>(p.class_code[c]));
@@ -464,13 +466,17 @@ struct Kernel {
         }
       }
     }
-    run_items(items, rep * tile_q, [this](TileState& ts, const Item& it) { group_tile(ts, it); });
-    items.clear();
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t r0 = 0; r0 < nq; r0 += tile_band)
-        for (int64_t hk = 0; hk < hkv; ++hk)
-          items.push_back({bi, 0, r0, std::min(nq, r0 + tile_band), hk, 1.0});
-    run_items(items, rep * tile_band, [this](TileState& ts, const Item& it) { band_tile(ts, it); });
+    // costliest first: the pull order then balances the triangular workload
+    std::sort(items.begin(), items.end(),
+              [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    pull(static_cast<int64_t>(items.size()), rep * tile_q,
+         [&](TileState& ts, int64_t t) { group_tile(ts, items[t]); });
+    std::vector<Item>().swap(items);
+    const int64_t tiles = (nq + tile_band - 1) / tile_band;  // per batch element and head
+    pull(b * tiles * hkv, rep * tile_band, [&](TileState& ts, int64_t t) {
+      const int64_t bi = t / (tiles * hkv), r0 = (t / hkv) % tiles * tile_band;
+      band_tile(ts, Item{bi, 0, r0, std::min(nq, r0 + tile_band), t % hkv, 1.0});
+    });
   }
 };
 
@@ -493,41 +499,53 @@ int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::
               "focus_forward: out/lse must be contiguous float32");
   TORCH_CHECK(query_groups.size(2) <= 64, "focus_forward: at most 64 groups");
   int64_t classes = 0;
+  const int64_t kgroups = query_groups.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "focus", [&] {
-    Kernel<scalar_t> ker;
-    ker.q = query.data_ptr<scalar_t>();
-    ker.k = key.data_ptr<scalar_t>();
-    ker.v = value.data_ptr<scalar_t>();
-    ker.real = real.numel() ? real.data_ptr<bool>() : nullptr;
-    ker.out = out.data_ptr<float>();
-    ker.lse = lse.data_ptr<float>();
-    ker.b = query.size(0);
-    ker.h = query.size(1);
-    ker.nq = query.size(2);
-    ker.d = query.size(3);
-    ker.hkv = key.size(1);
-    ker.nk = key.size(2);
-    ker.rep = ker.h / ker.hkv;
-    ker.window = window;
-    ker.offset = ker.nk - ker.nq;
-    ker.scale = static_cast<float>(scale);
-    ker.tile_q = tile_q;
-    ker.tile_k = tile_k;
-    ker.tile_band = tile_band;
-    const int64_t kgroups = query_groups.size(2);
-    const bool* qg = query_groups.data_ptr<bool>();
-    const bool* kg = key_groups.data_ptr<bool>();
-    for (int64_t bi = 0; bi < ker.b; ++bi) {
-      ker.plans.push_back(make_plan(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
-                                    ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq, ker.nk,
-                                    kgroups));
-      classes = std::max(classes, static_cast<int64_t>(ker.plans.back().class_code.size()));
-      if (max_classes >= 0 && classes > max_classes) {
-        classes = -1;
-        return;
+    auto launch = [&](auto code_type) {
+      using C = decltype(code_type);
+      Kernel<scalar_t, C> ker;
+      ker.q = query.data_ptr<scalar_t>();
+      ker.k = key.data_ptr<scalar_t>();
+      ker.v = value.data_ptr<scalar_t>();
+      ker.real = real.numel() ? real.data_ptr<bool>() : nullptr;
+      ker.out = out.data_ptr<float>();
+      ker.lse = lse.data_ptr<float>();
+      ker.b = query.size(0);
+      ker.h = query.size(1);
+      ker.nq = query.size(2);
+      ker.d = query.size(3);
+      ker.hkv = key.size(1);
+      ker.nk = key.size(2);
+      ker.rep = ker.h / ker.hkv;
+      ker.window = window;
+      ker.offset = ker.nk - ker.nq;
+      ker.scale = static_cast<float>(scale);
+      ker.tile_q = tile_q;
+      ker.tile_k = tile_k;
+      ker.tile_band = tile_band;
+      const bool* qg = query_groups.data_ptr<bool>();
+      const bool* kg = key_groups.data_ptr<bool>();
+      for (int64_t bi = 0; bi < ker.b; ++bi) {
+        ker.plans.push_back(make_plan<C>(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
+                                         ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq,
+                                         ker.nk, kgroups));
+        classes = std::max(classes, static_cast<int64_t>(ker.plans.back().class_code.size()));
+        if (max_classes >= 0 && classes > max_classes) {
+          classes = -1;
+          return;
+        }
       }
+      ker.run();
+    };
+    if (kgroups <= 8) {
+      launch(uint8_t{});
+    } else if (kgroups <= 16) {
+      launch(uint16_t{});
+    } else if (kgroups <= 32) {
+      launch(uint32_t{});
+    } else {
+      launch(uint64_t{});
     }
-    ker.run();
   });
   return classes;
 }
