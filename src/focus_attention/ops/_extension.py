@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from .._files import focus_home
+from .._files import file_lock, focus_home
 
 SOURCE = Path(__file__).with_name("csrc") / "focus_cpu.cpp"
 #: compiler flags: the kernel is built on the machine that runs it, so -march=native is safe
@@ -32,8 +32,13 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _build_dir(tag: str) -> Path:
-    return focus_home() / "extensions" / tag
+def build_directory() -> Path:
+    """Where the kernel for this source text, torch, Python and machine is built."""
+    digest = hashlib.sha256(
+        SOURCE.read_bytes()
+        + repr((torch.__version__, sys.version, platform.machine(), CFLAGS)).encode()
+    ).hexdigest()[:16]
+    return focus_home() / "extensions" / digest
 
 
 def _ensure_ninja() -> None:
@@ -58,8 +63,9 @@ def load() -> ModuleType | None:
 
     Returns:
         A module with ``focus_forward(...)`` or None (disabled by ``FOCUS_NO_EXTENSION=1``,
-        not a Linux/x86-64 or similar platform with a compiler, or the build failed; the
-        reason is in :func:`unavailable_reason` and was warned once).
+        no C++ compiler, Python headers or ninja, or the build or load failed, e.g. a torch
+        without MKL's ``sgemm_``); the reason is in :func:`unavailable_reason` and was
+        warned once.
     """
     with _lock:
         if "module" in _state:
@@ -70,26 +76,27 @@ def load() -> ModuleType | None:
         elif not SOURCE.exists():
             reason = f"kernel source {SOURCE} is missing from the installation"
         else:
-            text = SOURCE.read_bytes()
-            digest = hashlib.sha256(
-                text + repr((torch.__version__, sys.version, platform.machine(), CFLAGS)).encode()
-            ).hexdigest()[:16]
             try:
                 from torch.utils import cpp_extension
 
                 _ensure_ninja()
-                build = _build_dir(digest)
-                build.mkdir(parents=True, exist_ok=True)
-                module = cpp_extension.load(
-                    name=f"focus_cpu_{digest}",
-                    sources=[str(SOURCE)],
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build),
-                    verbose=False,
-                )
+                build = build_directory()
+                # torch's builder waits forever on the "lock" file an interrupted build
+                # leaves behind; under our own lock no other process is building, so a
+                # leftover one is stale and removed
+                with file_lock(build / ".focus-build.lock"):
+                    (build / "lock").unlink(missing_ok=True)
+                    module = cpp_extension.load(
+                        name=f"focus_cpu_{build.name}",
+                        sources=[str(SOURCE)],
+                        extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(build),
+                        verbose=False,
+                    )
             except Exception as err:  # any build/load failure: fall back, say why once
-                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1:]}"
+                lines = str(err).strip().splitlines()
+                reason = f"{type(err).__name__}: {lines[-1] if lines else 'no message'}"
                 module = None
         if reason is not None:
             warnings.warn(

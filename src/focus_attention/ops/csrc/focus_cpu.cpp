@@ -6,8 +6,8 @@
 // as two disjoint parts merged by log-sum-exp:
 //   phase 1 (group part): queries are partitioned by their exact membership set S (a
 //     "class"); a tile of up to `tile_q` class queries attends causally (by position) to
-//     the union of the real keys of every group in S, walked as a k-way merge of the
-//     groups' sorted key lists (a key in several groups of S is visited once);
+//     the union of the real keys of every group in S, found by a scan of the keys' group
+//     bit codes (a key in several groups of S is visited once);
 //   phase 2 (local part): tiles of consecutive queries attend to the contiguous keys of
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
@@ -208,14 +208,12 @@ struct Item {
   double cost;
 };
 
-// Per batch element: classes (query lists by exact membership code), groups' key lists.
+// Per batch element: classes (query lists by exact membership code) and bit codes.
 template <typename C>  // membership code type: uint8_t .. uint64_t by the number of groups
 struct Plan {
   std::vector<int64_t> class_code;    // [C]
   std::vector<int64_t> class_start;   // [C + 1] into class_rows
   std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
-  std::vector<int64_t> group_start;   // [K + 1] into group_keys
-  std::vector<int32_t> group_keys;    // real keys of each group, sorted
   std::vector<C> qcode, kcode;        // membership bit codes (kcode 0 for padding)
 };
 
@@ -230,22 +228,12 @@ Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, 
     for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(qg[i * kgroups + g]) << g;
     p.qcode[i] = static_cast<C>(c);
   }
-  p.group_start.assign(kgroups + 1, 0);
   for (int64_t j = 0; j < nk; ++j) {
     uint64_t c = 0;
     if (real == nullptr || real[j]) {
       for (int64_t g = 0; g < kgroups; ++g) c |= static_cast<uint64_t>(kg[j * kgroups + g]) << g;
     }
     p.kcode[j] = static_cast<C>(c);
-    for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += (c >> g) & 1;
-  }
-  for (int64_t g = 0; g < kgroups; ++g) p.group_start[g + 1] += p.group_start[g];
-  p.group_keys.resize(p.group_start[kgroups]);
-  std::vector<int64_t> fill(p.group_start.begin(), p.group_start.end() - 1);
-  for (int64_t j = 0; j < nk; ++j) {
-    for (uint64_t c = static_cast<uint64_t>(p.kcode[j]); c; c &= c - 1) {
-      p.group_keys[fill[__builtin_ctzll(c)]++] = static_cast<int32_t>(j);
-    }
   }
   // classes: queries sorted by (code, index); code 0 (no group) gets no class
   std::vector<int32_t> order(nq);
@@ -265,28 +253,21 @@ Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, 
   return p;
 }
 
-// Walks the union of several groups' sorted key lists in increasing order, once per key.
+// Walks, in increasing order, the keys whose code shares a bit with `code`: the union of
+// the real keys of the groups in `code`, each key once. A scan of the 1-8 byte codes costs
+// little next to the rows it gathers.
+template <typename C>
 struct KeyUnion {
-  std::vector<const int32_t*> cur, end;
-  template <typename C>
-  KeyUnion(const Plan<C>& p, uint64_t code) {
-    for (uint64_t c = code; c; c &= c - 1) {
-      const int64_t g = __builtin_ctzll(c);
-      if (p.group_start[g] < p.group_start[g + 1]) {
-        cur.push_back(p.group_keys.data() + p.group_start[g]);
-        end.push_back(p.group_keys.data() + p.group_start[g + 1]);
-      }
-    }
-  }
+  const C* kcode;
+  C code;
+  int64_t j = 0, nk;
+  KeyUnion(const std::vector<C>& codes, uint64_t class_code)
+      : kcode(codes.data()), code(static_cast<C>(class_code)), nk(static_cast<int64_t>(codes.size())) {}
   // next key <= limit, or -1
   int64_t next(int64_t limit) {
-    int64_t best = std::numeric_limits<int64_t>::max();
-    for (size_t t = 0; t < cur.size(); ++t)
-      if (cur[t] != end[t]) best = std::min<int64_t>(best, *cur[t]);
-    if (best > limit) return -1;
-    for (size_t t = 0; t < cur.size(); ++t)
-      if (cur[t] != end[t] && *cur[t] == best) ++cur[t];
-    return best;
+    const int64_t stop = std::min(limit + 1, nk);
+    while (j < stop && (kcode[j] & code) == 0) ++j;
+    return j < stop ? j++ : -1;
   }
 };
 
@@ -334,7 +315,7 @@ struct Kernel {
     ts.start(rep * n);
     load_queries(ts, bi, hk, rows, 0, n);
     const int64_t first_pos = offset + rows[0], last_pos = offset + rows[n - 1];
-    KeyUnion keys(p, static_cast<uint64_t>(p.class_code[it.problem]));
+    KeyUnion<C> keys(p.kcode, static_cast<uint64_t>(p.class_code[it.problem]));
     while (true) {
       int64_t nkb = 0;
       for (; nkb < tile_k; ++nkb) {

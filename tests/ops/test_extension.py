@@ -1,0 +1,67 @@
+"""The fused CPU kernel's build and threading (its exactness is in test_sparse_attention)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from focus_attention.ops import _extension, fused_kernel_available
+
+from .helpers import assert_matches_oracle, make_case
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("FOCUS_NO_EXTENSION", "") not in ("", "0"), reason="FOCUS_NO_EXTENSION set"
+)
+
+
+def test_the_kernel_builds_here():
+    """CI machines have a compiler: a silent fall back to cpu_flash would hide a broken build."""
+    assert fused_kernel_available(), _extension.unavailable_reason()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_threads_give_identical_results(top_k):
+    """Work items are pulled by every thread in any order; each writes its own rows, so
+    the result is bitwise the same with 1 or 2 threads (and equals the oracle)."""
+    case = make_case(
+        batch=2,
+        nk=700,
+        nq=650,
+        heads=6,
+        kv_heads=2,
+        groups=5,
+        top_k=top_k,
+        window=9,
+        padding="random",
+        seed=11,
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = case.sparse("cpu_fused", return_lse=True)
+        torch.set_num_threads(2)
+        two = case.sparse("cpu_fused", return_lse=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert_matches_oracle(case, *two)
+
+
+@pytest.mark.slow
+def test_a_stale_build_lock_does_not_hang():
+    """An interrupted build leaves torch's "lock" file behind; loading must not wait on it."""
+    assert fused_kernel_available()
+    lock = _extension.build_directory() / "lock"
+    lock.write_text("")
+    code = "from focus_attention.ops import fused_kernel_available as f; print(f())"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
+        )
+    finally:
+        lock.unlink(missing_ok=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
