@@ -476,6 +476,7 @@ def run_model_benchmark(
         "warmup_tokens": warmup_tokens,
         "dtype": "float32",
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
+        "sparse_backend": _resolved_backend("auto"),
     }
     return {"benchmark": "model", "config": config, "environment": environment(), "rows": rows}
 
