@@ -13,6 +13,7 @@ from focus_attention.ops import dense_attention, focus_mask, sparse_attention
 
 from .helpers import (
     BACKENDS,
+    FP32_ATOL,
     HYP,
     HYP_SMALL,
     assert_matches_oracle,
@@ -577,3 +578,28 @@ print("ok")
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_nan_inputs_are_propagated_not_hidden(backend, where):
+    """A NaN in a query or a visible key makes the outputs that depend on it NaN, as in
+    dense attention (a kernel must not drop it from the softmax). cpu_fused and math make
+    exactly those NaN; cpu_flash may also spread a key's NaN to rows of the same stock
+    kernel call that do not see it (NaN logits plus a -inf float mask stay NaN), as dense
+    SDPA with a float mask does: never fewer NaN than the oracle."""
+    case = make_case(nk=90, heads=2, kv_heads=1, groups=4, top_k=2, window=6, seed=12)
+    if where == "query":
+        case.q[0, 0, 40] = math.nan
+    else:
+        case.k[0, 0, 40] = math.nan
+    out = case.sparse(backend)
+    ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
+    nan = torch.isnan(ref)
+    assert nan.any() and not nan.all()
+    got = torch.isnan(out)
+    assert not (nan & ~got).any(), "a NaN input vanished from an output that depends on it"
+    if backend != "cpu_flash":
+        assert torch.equal(got, nan)
+    keep = ~got
+    torch.testing.assert_close(out[keep], ref[keep].to(out.dtype), atol=FP32_ATOL, rtol=0)

@@ -458,7 +458,7 @@ def sparse_attention(
 
     Returns:
         ``[B, H, Nq, D]`` in the query's dtype (and the log-sum-exp if asked). On the
-        ``cpu_flash`` backend it is a transposed view of a token-major ``[B, Nq, H, D]``
+        CPU backends it is a transposed view of a token-major ``[B, Nq, H, D]``
         buffer (so ``out.transpose(1, 2)``, the layout transformers expects, is contiguous).
         Under ``torch.compile`` the op runs eagerly (a graph break): inductor compiled it
         wrongly (max error ~2 on a 40-token input), so it is excluded from compilation.

@@ -56,12 +56,13 @@ inline void gemm_ab_add(int m, int n, int k, const float* a, int lda, const floa
   sgemm_("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
 }
 
-// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp); exactly 0 below -87 and for -inf.
-// Branch-free so that the loops below vectorise.
+// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp); exactly 0 below -87 and for -inf, NaN
+// for NaN (a NaN input must not vanish from the softmax). Branch-free.
 inline float exp_nonpositive(float x) {
-  const bool under = !(x >= -87.f);  // also true for NaN-free -inf
+  const bool under = x < -87.f;  // false for NaN
   const float xc = under ? 0.f : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float n0 = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float n = n0 == n0 ? n0 : 0.f;  // NaN: any exponent, the polynomial stays NaN
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -80,8 +81,8 @@ inline float exp_nonpositive(float x) {
 // 8 lanes of exp_nonpositive (same polynomial and cut-off).
 inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_NGE_UQ);
-  x = _mm256_max_ps(x, lo);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // false for NaN
+  x = _mm256_max_ps(lo, x);  // keeps a NaN x (max returns its second operand then)
   const __m256 n = _mm256_floor_ps(
       _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -113,17 +114,26 @@ inline float hmax8(__m256 v) {
 }
 #endif
 
-// max of x[0..n)
+// max of x[0..n); NaN if any x[j] is NaN (max instructions alone may drop a NaN)
 inline float row_max(const float* x, int64_t n) {
   float mx = kNegInf;
+  bool nan = false;
   int64_t j = 0;
 #ifdef __AVX2__
-  __m256 v = _mm256_set1_ps(kNegInf);
-  for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + j));
+  __m256 v = _mm256_set1_ps(kNegInf), bad = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 xj = _mm256_loadu_ps(x + j);
+    v = _mm256_max_ps(v, xj);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(xj, xj, _CMP_UNORD_Q));
+  }
   mx = hmax8(v);
+  nan = _mm256_movemask_ps(bad) != 0;
 #endif
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
-  return mx;
+  for (; j < n; ++j) {
+    mx = std::max(mx, x[j]);
+    nan |= x[j] != x[j];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : mx;
 }
 
 // x[j] = exp(x[j] - shift) for j < n (x[j] <= shift); returns the sum
@@ -189,7 +199,7 @@ struct TileState {
         std::fill(srow, srow + nk, 0.f);
         continue;
       }
-      const float mnew = std::max(m[r], mx);
+      const float mnew = mx != mx ? mx : std::max(m[r], mx);  // NaN stays NaN
       const float sum = exp_shift_sum(srow, nk, mnew);
       const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - mnew);
       if (alpha != 1.f) {
@@ -347,7 +357,7 @@ struct Kernel {
         float* o = out + ((bi * nq + rows[i]) * h + head) * d;
         const float* a = ts.acc.data() + row * d;
         float& ls = lse[(bi * nq + rows[i]) * h + head];
-        if (ts.l[row] > 0.f) {
+        if (ts.l[row] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
           const float inv = 1.f / ts.l[row];
           for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
           ls = ts.m[row] + std::log(ts.l[row]);
@@ -395,7 +405,7 @@ struct Kernel {
         float& ls = lse[(bi * nq + qi) * h + head];
         const bool has_group = p.qcode[qi] != 0;
         const float l1 = has_group ? ls : kNegInf;
-        if (ts.l[row] <= 0.f) {  // no local part
+        if (ts.l[row] == 0.f) {  // no local part (a NaN sum goes on: NaN is propagated)
           if (!has_group) {
             std::fill(o, o + d, 0.f);
             ls = kNegInf;
