@@ -113,10 +113,10 @@ def _peak_child(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
 
     with torch.inference_mode():
         small = _kernel_inputs(256, top_k, cfg)
-        _kernel_call(method, *small, cfg["window"], cfg["backend"])
+        _kernel_call(method, *small, cfg["window"], cfg.get("backend", "auto"))
         inputs = _kernel_inputs(n, top_k, cfg)
         peak = peak_extra_bytes(
-            lambda: _kernel_call(method, *inputs, cfg["window"], cfg["backend"])
+            lambda: _kernel_call(method, *inputs, cfg["window"], cfg.get("backend", "auto"))
         )
     print(json.dumps({"peak_bytes": peak}))
 
