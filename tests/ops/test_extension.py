@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from focus_attention._files import file_lock
 from focus_attention.ops import _extension, fused_kernel_available
 
 from .helpers import assert_matches_oracle, make_case
@@ -55,8 +56,10 @@ def test_threads_give_identical_results(top_k):
 def test_a_stale_build_lock_does_not_hang():
     """An interrupted build leaves torch's "lock" file behind; loading must not wait on it."""
     assert fused_kernel_available()
-    lock = _extension.build_directory() / "lock"
-    lock.write_text("")
+    build = _extension.build_directory()
+    lock = build / "lock"
+    with file_lock(build / ".focus-build.lock"):  # never while another process builds
+        lock.write_text("")
     code = "from focus_attention.ops import fused_kernel_available as f; print(f())"
     try:
         done = subprocess.run(
@@ -65,3 +68,31 @@ def test_a_stale_build_lock_does_not_hang():
     finally:
         lock.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_failed_build_says_why_and_where_from_the_callers_line(tmp_path):
+    """A build that fails (here: no compiler) warns once, from the user's line, with the
+    first error and the path of the full log; the op still answers through cpu_flash."""
+    script = """
+import warnings, torch
+from focus_attention.ops import sparse_attention
+q = k = v = torch.randn(1, 1, 8, 4)
+g = torch.ones(1, 8, 2, dtype=torch.bool)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sparse_attention(q, k, v, g, g, 2)
+assert len(caught) == 1 and caught[0].category is RuntimeWarning, caught
+print(caught[0].filename)
+print(caught[0].message)
+"""
+    env = dict(os.environ, FOCUS_HOME=str(tmp_path), CXX="/nonexistent/c++")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    filename, message = done.stdout.strip().split("\n", 1)
+    assert filename == "<string>"  # the caller's code, not torch's or ours
+    assert "build-error.log" in message
+    logs = list(tmp_path.glob("extensions/*/build-error.log"))
+    assert logs and "nonexistent" in logs[0].read_text()

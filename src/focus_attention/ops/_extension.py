@@ -1,6 +1,6 @@
 """Just-in-time build of the fused CPU kernel (``csrc/focus_cpu.cpp``).
 
-The kernel is compiled once per machine, torch version and source text into
+The kernel is compiled once per install (source path and text), torch version and CPU into
 ``focus_home()/extensions/`` with ``torch.utils.cpp_extension`` (needs a C++ compiler, the
 Python headers and ninja) and loaded from there afterwards (~1 minute the first time, then
 instant). Where it cannot be built or loaded, :func:`load` returns None, says why once (a
@@ -32,13 +32,60 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (``-march=native`` code must not run on another CPU)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def build_directory() -> Path:
-    """Where the kernel for this source text, torch, Python and machine is built."""
-    digest = hashlib.sha256(
-        SOURCE.read_bytes()
-        + repr((torch.__version__, sys.version, platform.machine(), CFLAGS)).encode()
-    ).hexdigest()[:16]
+    """Where the kernel is built: one directory per source file (path and text), torch,
+    Python, compiler flags and CPU, so that two installs, or two CPUs sharing a home
+    directory, never rebuild or load each other's library."""
+    key = (
+        str(SOURCE.resolve()),
+        torch.__version__,
+        sys.version,
+        platform.machine(),
+        _cpu_features(),
+        CFLAGS,
+    )
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(key).encode()).hexdigest()[:16]
     return focus_home() / "extensions" / digest
+
+
+def _stacklevel() -> int:
+    """Stack level of the first caller outside this package and torch (the frames of
+    ``torch.compiler.disable`` sit between the user and this module)."""
+    ours = str(Path(__file__).resolve().parents[1])
+    theirs = str(Path(torch.__file__).resolve().parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((ours, theirs)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _failure(err: Exception, build: Path | None) -> str:
+    """A one-line reason (the first compiler error if there is one), the full text saved
+    to ``build-error.log`` in the build directory where possible."""
+    text = str(err).strip()
+    lines = text.splitlines()
+    errors = [line.strip() for line in lines if "error" in line.lower()]
+    reason = f"{type(err).__name__}: {(errors or lines or ['no message'])[0]}"
+    if build is not None:
+        try:
+            log = build / "build-error.log"
+            log.write_text(f"{type(err).__name__}\n{text}\n")
+            reason += f"; full output in {log}"
+        except OSError:
+            pass
+    return reason
 
 
 def _ensure_ninja() -> None:
@@ -76,18 +123,27 @@ def load() -> ModuleType | None:
         elif not SOURCE.exists():
             reason = f"kernel source {SOURCE} is missing from the installation"
         else:
+            build = None
             try:
                 from torch.utils import cpp_extension
 
                 _ensure_ninja()
                 build = build_directory()
+                name = f"focus_cpu_{build.name}"
                 # torch's builder waits forever on the "lock" file an interrupted build
                 # leaves behind; under our own lock no other process is building, so a
                 # leftover one is stale and removed
                 with file_lock(build / ".focus-build.lock"):
                     (build / "lock").unlink(missing_ok=True)
+                    if not (build / f"{name}.so").exists():
+                        print(
+                            f"focus_attention: building the fused CPU kernel in {build} "
+                            "(once per install, about a minute)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     module = cpp_extension.load(
-                        name=f"focus_cpu_{build.name}",
+                        name=name,
                         sources=[str(SOURCE)],
                         extra_cflags=CFLAGS,
                         extra_ldflags=["-fopenmp"],
@@ -95,15 +151,14 @@ def load() -> ModuleType | None:
                         verbose=False,
                     )
             except Exception as err:  # any build/load failure: fall back, say why once
-                lines = str(err).strip().splitlines()
-                reason = f"{type(err).__name__}: {lines[-1] if lines else 'no message'}"
+                reason = _failure(err, build if build is not None and build.is_dir() else None)
                 module = None
         if reason is not None:
             warnings.warn(
                 f"focus_attention: fused CPU kernel unavailable ({reason}); sparse_attention "
                 "uses PyTorch's CPU flash kernel instead (exact, slower)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_stacklevel(),
             )
         _state["module"], _state["reason"] = module, reason
         return module

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from ._checks import check_positive, check_shape, check_tensor, fail
-from .masks import check_groups
+from .masks import check_device, check_groups, effective_window
 from .reference import expand_kv_heads
 
 Gate = Literal["paper", "log"]
@@ -32,6 +32,10 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
         fail("key", f"H_kv = {key.shape[1]} for H = {h} query heads", "H % H_kv == 0")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         fail("key/value", f"dtypes {key.dtype}/{value.dtype}", f"the query's dtype {query.dtype}")
+    if d < 1:
+        fail("query", f"head_dim D = {d}", "D >= 1")
+    check_device("key", key, query.device, "query")
+    check_device("value", value, query.device, "query")
 
 
 def gated_attention(
@@ -98,11 +102,13 @@ def gated_attention(
     check_shape("key_probs", key_probs, (b, nk, query_probs.shape[-1]), "[B, Nk, K]")
     # reuse the group-mask validation for window / padding / Nq <= Nk
     check_groups(
-        torch.zeros(b, nq, 1, dtype=torch.bool),
-        torch.zeros(b, nk, 1, dtype=torch.bool),
+        torch.zeros(b, nq, 1, dtype=torch.bool, device=query.device),
+        torch.zeros(b, nk, 1, dtype=torch.bool, device=query.device),
         key_padding_mask,
         window,
     )
+    check_device("query_probs", query_probs, query.device, "query")
+    check_device("key_probs", key_probs, query.device, "query")
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     scale = d**-0.5 if scale is None else scale
@@ -110,7 +116,7 @@ def gated_attention(
     qpos = torch.arange(nk - nq, nk, device=device)[:, None]
     kpos = torch.arange(nk, device=device)[None, :]
     causal = (kpos <= qpos)[None]  # [1, Nq, Nk]
-    local = ((qpos - kpos) < window)[None]
+    local = ((qpos - kpos) < effective_window(window, nk))[None]
     if always_visible is not None:
         check_shape("always_visible", always_visible, (b, nk), "[B, Nk] bool")
         local = local | always_visible[:, None, :]

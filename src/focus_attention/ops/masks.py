@@ -31,11 +31,25 @@ def check_groups(
     if nq > nk:
         fail("query_groups", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
     check_int("window", window, 1)
+    check_device("key_groups", key_groups, query_groups.device, "query_groups")
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, 2)
         check_bool("key_padding_mask", key_padding_mask)
         check_shape("key_padding_mask", key_padding_mask, (bsz, nk), "[B, Nk], True = real")
+        check_device("key_padding_mask", key_padding_mask, query_groups.device, "query_groups")
     return bsz, nq, nk, k
+
+
+def check_device(name: str, tensor: torch.Tensor, device: torch.device, owner: str) -> None:
+    """Raise ``ValueError`` unless ``tensor`` lies on ``device`` (that of ``owner``)."""
+    if tensor.device != device:
+        fail(name, f"a tensor on {tensor.device}", f"the device of {owner} ({device})")
+
+
+def effective_window(window: int, num_keys: int) -> int:
+    """``window`` capped at ``Nk``: no pair is further apart than ``Nk - 1``, so the mask is
+    the same, and a huge window (e.g. ``2**63``) cannot overflow int64 arithmetic."""
+    return min(int(window), max(1, num_keys))
 
 
 def focus_mask(
@@ -64,6 +78,7 @@ def focus_mask(
         ValueError: malformed shapes or dtypes, ``window < 1``, ``Nq > Nk``.
     """
     bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
+    window = effective_window(window, nk)
     device = query_groups.device
     qpos = torch.arange(nk - nq, nk, device=device)[:, None]
     kpos = torch.arange(nk, device=device)[None, :]

@@ -36,7 +36,7 @@ import torch
 from . import _extension
 from ._checks import check_int, check_positive, fail
 from .gates import _check_qkv
-from .masks import check_groups
+from .masks import check_device, check_groups, effective_window
 
 Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
 BACKENDS = ("auto", "cpu_fused", "cpu_flash", "math")
@@ -67,10 +67,6 @@ MATH_BLOCK = 512
 FUSED_ROWS = 384
 FUSED_KEYS = 128
 FUSED_BAND = 32
-#: ``cpu_fused`` runs when the membership classes average at least this many queries (or
-#: there are at most ``MAX_CLASSES``); tiny classes would make tiles of a few rows that each
-#: walk their groups' keys, so ``cpu_flash``'s per-group staircases are used instead.
-FUSED_MIN_CLASS_ROWS = 16
 
 
 def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -409,7 +405,7 @@ def _groups(acc, run: _Runner, qg, kg, real, offset: int) -> None:
 
 def fused_kernel_available() -> bool:
     """Whether the ``cpu_fused`` backend can run here (builds the kernel on first call, ~1
-    minute once per machine and torch version; product decision). Returns False with a
+    minute once per install, torch version and CPU; product decision). Returns False with a
     ``RuntimeWarning`` that says why when it cannot be built or ``FOCUS_NO_EXTENSION=1``."""
     return _extension.load() is not None
 
@@ -450,9 +446,9 @@ def sparse_attention(
             flash kernel); both inference only: they raise if an input requires grad.
             ``"math"`` (blocked, differentiable, any device and dtype) or ``"auto"``: for
             CPU float32/bfloat16/float16 inputs without grad and without softcap,
-            ``cpu_fused`` if it is available and ``K <= 64`` (with many tiny membership
-            classes, see ``FUSED_MIN_CLASS_ROWS``, ``cpu_flash``), else ``cpu_flash``;
-            otherwise ``math``.
+            ``cpu_fused`` if it is available and ``K <= 64``, else ``cpu_flash``;
+            otherwise ``math``. ``cpu_fused`` computes in float32 (inputs are converted
+            row by row), so it refuses float64.
         return_lse: also return the log-sum-exp ``[B, H, Nq]`` float32 (``-inf`` for a query
             with no visible key).
 
@@ -467,7 +463,8 @@ def sparse_attention(
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
             non-boolean group masks, ``window < 1``, ``Nq > Nk``, ``scale`` or ``softcap``
             not a finite number > 0, unknown backend, an inference-only backend with inputs
-            that require grad, ``cpu_fused`` with more than 64 groups.
+            that require grad, ``cpu_fused`` with more than 64 groups or float64 inputs,
+            tensors on different devices, ``D < 1``.
         RuntimeError: ``backend="cpu_fused"`` when the kernel cannot be built or loaded.
     """
     return _sparse_attention(
@@ -510,6 +507,8 @@ def _sparse_attention(
     if key.shape[2] != nk:
         fail("key_groups", f"shape {tuple(key_groups.shape)}", f"[B={b}, Nk={key.shape[2]}, K]")
     check_int("window", window, 1)
+    window = effective_window(window, nk)
+    check_device("query_groups", query_groups, query.device, "query")
     if backend not in BACKENDS:
         fail("backend", repr(backend), f"one of {BACKENDS}")
     scale = check_positive("scale", scale)
@@ -518,7 +517,6 @@ def _sparse_attention(
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
-    explicit_fused = backend == "cpu_fused"  # "auto" may fall back to cpu_flash
     if backend in ("cpu_flash", "cpu_fused") and needs_grad:
         fail(
             "backend",
@@ -542,6 +540,13 @@ def _sparse_attention(
     if backend == "cpu_fused":
         if query_groups.shape[-1] > 64:
             fail("query_groups", f"K={query_groups.shape[-1]} groups", "K <= 64 for 'cpu_fused'")
+        if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            fail(
+                "query",
+                f"dtype {query.dtype}",
+                "float32, bfloat16 or float16 for 'cpu_fused', which computes in float32 "
+                "('math' for float64)",
+            )
         if _extension.load() is None:
             raise RuntimeError(
                 f"backend='cpu_fused': the kernel is unavailable ({_extension.unavailable_reason()})"
@@ -556,19 +561,19 @@ def _sparse_attention(
     if backend != "math":  # accumulate in place, token-major, straight into the result
         acc_out = torch.empty(b, nq, h, d, dtype=torch.float32, device=query.device)
         acc_lse = torch.empty(b, nq, h, dtype=torch.float32, device=query.device)
-    if backend == "cpu_fused" and _fused(
-        query,
-        key,
-        value,
-        query_groups,
-        key_groups,
-        key_padding_mask,
-        window,
-        scale,
-        acc_out,
-        acc_lse,
-        strict=explicit_fused,
-    ):
+    if backend == "cpu_fused":
+        _fused(
+            query,
+            key,
+            value,
+            query_groups,
+            key_groups,
+            key_padding_mask,
+            window,
+            scale,
+            acc_out,
+            acc_lse,
+        )
         return _finish(acc_out, acc_lse, query.dtype, return_lse)
     for i in range(b):
         real = None if key_padding_mask is None else key_padding_mask[i]
@@ -598,18 +603,16 @@ def _finish(acc_out, acc_lse, dtype, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse, strict) -> bool:
-    """Run the ``cpu_fused`` kernel into the token-major ``out [B, Nq, H, D]`` / ``lse``
-    buffers. Returns False (nothing computed) when the membership classes are too small
-    on average for its tiles (see ``FUSED_MIN_CLASS_ROWS``) unless ``strict``."""
-    nq, rep = query.shape[2], query.shape[1] // key.shape[1]
-    max_classes = -1 if strict else max(MAX_CLASSES, nq // FUSED_MIN_CLASS_ROWS)
+def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse) -> None:
+    """Run the ``cpu_fused`` kernel into the token-major ``out [B, Nq, H, D]`` and
+    ``lse [B, Nq, H]`` float32 buffers."""
+    rep = query.shape[1] // key.shape[1]
     real = (
         torch.empty(0, dtype=torch.bool)
         if key_padding_mask is None
         else key_padding_mask.contiguous()
     )
-    done = _extension.load().focus_forward(
+    _extension.load().focus_forward(
         query,
         key,
         value,
@@ -623,6 +626,4 @@ def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse,
         max(1, FUSED_ROWS // rep),
         FUSED_KEYS,
         FUSED_BAND,
-        max_classes,
     )
-    return done >= 0

@@ -474,13 +474,11 @@ struct Kernel {
 // query [B, H, Nq, D], key/value [B, H_kv, Nk, D] (contiguous, same dtype), query_groups
 // bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64), real bool [B, Nk] or empty;
 // writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H]. Returns the largest number of
-// membership classes of a batch element, or -1 without computing anything when that
-// exceeds max_classes (>= 0; -1 = no limit).
+// membership classes of a batch element.
 int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& query_groups, const at::Tensor& key_groups,
                       const at::Tensor& real, int64_t window, double scale, at::Tensor out,
-                      at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band,
-                      int64_t max_classes) {
+                      at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band) {
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
               "focus_forward: query/key/value must be contiguous");
   TORCH_CHECK(query_groups.is_contiguous() && key_groups.is_contiguous(),
@@ -521,10 +519,6 @@ int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::
                                          ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq,
                                          ker.nk, kgroups));
         classes = std::max(classes, static_cast<int64_t>(ker.plans.back().class_code.size()));
-        if (max_classes >= 0 && classes > max_classes) {
-          classes = -1;
-          return;
-        }
       }
       ker.run();
     };
