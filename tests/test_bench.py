@@ -69,3 +69,13 @@ def test_write_json_atomic_leaves_no_temporary(tmp_path):
     bench.write_json_atomic(target, {"a": 1})
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in target.parent.iterdir()] == ["r.json"]
+
+
+def test_environment_records_the_code_version():
+    from focus_attention.bench import environment
+
+    env = environment()
+    for key in ("focus_attention", "torch", "python", "cpu", "torch_threads", "date"):
+        assert env[key], key
+    commit = env["git_commit"]  # this test runs from the repository
+    assert commit is not None and len(commit.split("+")[0]) == 40
