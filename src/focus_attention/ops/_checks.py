@@ -33,6 +33,12 @@ def check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...], what: str) -
         fail(name, f"shape {tuple(x.shape)}", f"shape {tuple(shape)} ({what})")
 
 
+def check_device(name: str, tensor: torch.Tensor, device: torch.device, owner: str) -> None:
+    """Raise ``ValueError`` unless ``tensor`` lies on ``device`` (that of ``owner``)."""
+    if tensor.device != device:
+        fail(name, f"a tensor on {tensor.device}", f"the device of {owner} ({device})")
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
     if torch.isnan(x).any():
         fail(name, "a tensor containing NaN", "finite scores")

@@ -11,8 +11,8 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_positive, check_shape, check_tensor, fail
-from .masks import check_device, check_groups, effective_window
+from ._checks import check_device, check_positive, check_shape, check_tensor, fail
+from .masks import check_groups, effective_window
 from .reference import expand_kv_heads
 
 Gate = Literal["paper", "log"]

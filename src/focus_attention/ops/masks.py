@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_bool, check_int, check_shape, check_tensor, fail
+from ._checks import check_bool, check_device, check_int, check_shape, check_tensor, fail
 
 
 def check_groups(
@@ -38,12 +38,6 @@ def check_groups(
         check_shape("key_padding_mask", key_padding_mask, (bsz, nk), "[B, Nk], True = real")
         check_device("key_padding_mask", key_padding_mask, query_groups.device, "query_groups")
     return bsz, nq, nk, k
-
-
-def check_device(name: str, tensor: torch.Tensor, device: torch.device, owner: str) -> None:
-    """Raise ``ValueError`` unless ``tensor`` lies on ``device`` (that of ``owner``)."""
-    if tensor.device != device:
-        fail(name, f"a tensor on {tensor.device}", f"the device of {owner} ({device})")
 
 
 def effective_window(window: int, num_keys: int) -> int:

@@ -34,9 +34,9 @@ from typing import Literal
 import torch
 
 from . import _extension
-from ._checks import check_int, check_positive, fail
+from ._checks import check_device, check_int, check_positive, fail
 from .gates import _check_qkv
-from .masks import check_device, check_groups, effective_window
+from .masks import check_groups, effective_window
 
 Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
 BACKENDS = ("auto", "cpu_fused", "cpu_flash", "math")
@@ -66,6 +66,10 @@ MATH_BLOCK = 512
 #: buffers near 0.4 MiB, so the op's peak memory stays at dense SDPA's).
 FUSED_ROWS = 384
 FUSED_KEYS = 128
+#: most groups ``cpu_fused`` takes (its membership codes are at most 64-bit integers).
+FUSED_MAX_GROUPS = 64
+#: input dtypes of the CPU backends (``cpu_fused`` computes them in float32).
+CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_BAND = 32
 
 
@@ -523,31 +527,37 @@ def _sparse_attention(
             f"{backend!r} with inputs that require grad",
             "'math' or 'auto' for gradients (the CPU kernels' log-sum-exp is not differentiable)",
         )
+    num_groups = query_groups.shape[-1]
+    kernel = None  # the loaded cpu_fused module
     if backend == "auto":
         fast = (
             query.device.type == "cpu"
-            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and query.dtype in CPU_DTYPES
             and not needs_grad
             and softcap is None
         )
         backend = "cpu_flash" if fast else "math"
-        if fast and query_groups.shape[-1] <= 64 and _extension.load() is not None:
-            backend = "cpu_fused"
+        if fast and num_groups <= FUSED_MAX_GROUPS:
+            kernel = _extension.load()
+            backend = "cpu_fused" if kernel is not None else backend
     elif backend in ("cpu_flash", "cpu_fused") and (
         query.device.type != "cpu" or softcap is not None
     ):
         fail("backend", repr(backend), "CPU tensors and softcap=None ('math' otherwise)")
-    if backend == "cpu_fused":
-        if query_groups.shape[-1] > 64:
-            fail("query_groups", f"K={query_groups.shape[-1]} groups", "K <= 64 for 'cpu_fused'")
-        if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if backend == "cpu_fused" and kernel is None:
+        if num_groups > FUSED_MAX_GROUPS:
+            fail(
+                "query_groups", f"K={num_groups} groups", f"K <= {FUSED_MAX_GROUPS} for 'cpu_fused'"
+            )
+        if query.dtype not in CPU_DTYPES:
             fail(
                 "query",
                 f"dtype {query.dtype}",
                 "float32, bfloat16 or float16 for 'cpu_fused', which computes in float32 "
                 "('math' for float64)",
             )
-        if _extension.load() is None:
+        kernel = _extension.load()
+        if kernel is None:
             raise RuntimeError(
                 f"backend='cpu_fused': the kernel is unavailable ({_extension.unavailable_reason()})"
             )
@@ -563,6 +573,7 @@ def _sparse_attention(
         acc_lse = torch.empty(b, nq, h, dtype=torch.float32, device=query.device)
     if backend == "cpu_fused":
         _fused(
+            kernel,
             query,
             key,
             value,
@@ -603,8 +614,8 @@ def _finish(acc_out, acc_lse, dtype, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse) -> None:
-    """Run the ``cpu_fused`` kernel into the token-major ``out [B, Nq, H, D]`` and
+def _fused(kernel, query, key, value, qg, kg, key_padding_mask, window, scale, out, lse) -> None:
+    """Run the loaded ``cpu_fused`` ``kernel`` module into the token-major ``out [B, Nq, H, D]`` and
     ``lse [B, Nq, H]`` float32 buffers."""
     rep = query.shape[1] // key.shape[1]
     real = (
@@ -612,7 +623,7 @@ def _fused(query, key, value, qg, kg, key_padding_mask, window, scale, out, lse)
         if key_padding_mask is None
         else key_padding_mask.contiguous()
     )
-    _extension.load().focus_forward(
+    kernel.focus_forward(
         query,
         key,
         value,

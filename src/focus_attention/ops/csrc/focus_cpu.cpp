@@ -221,7 +221,7 @@ struct Item {
 // Per batch element: classes (query lists by exact membership code) and bit codes.
 template <typename C>  // membership code type: uint8_t .. uint64_t by the number of groups
 struct Plan {
-  std::vector<int64_t> class_code;    // [C]
+  std::vector<C> class_code;          // [C]
   std::vector<int64_t> class_start;   // [C + 1] into class_rows
   std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
   std::vector<C> qcode, kcode;        // membership bit codes (kcode 0 for padding)
@@ -251,10 +251,10 @@ Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, 
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return p.qcode[a] < p.qcode[b]; });
   for (int64_t t = 0; t < nq; ++t) {
-    const uint64_t c = static_cast<uint64_t>(p.qcode[order[t]]);
+    const C c = p.qcode[order[t]];
     if (c == 0) continue;
-    if (p.class_code.empty() || static_cast<uint64_t>(p.class_code.back()) != c) {
-      p.class_code.push_back(static_cast<int64_t>(c));
+    if (p.class_code.empty() || p.class_code.back() != c) {
+      p.class_code.push_back(c);
       p.class_start.push_back(static_cast<int64_t>(p.class_rows.size()));
     }
     p.class_rows.push_back(order[t]);
@@ -271,8 +271,8 @@ struct KeyUnion {
   const C* kcode;
   C code;
   int64_t j = 0, nk;
-  KeyUnion(const std::vector<C>& codes, uint64_t class_code)
-      : kcode(codes.data()), code(static_cast<C>(class_code)), nk(static_cast<int64_t>(codes.size())) {}
+  KeyUnion(const std::vector<C>& codes, C class_code)
+      : kcode(codes.data()), code(class_code), nk(static_cast<int64_t>(codes.size())) {}
   // next key <= limit, or -1
   int64_t next(int64_t limit) {
     const int64_t stop = std::min(limit + 1, nk);
@@ -325,7 +325,7 @@ struct Kernel {
     ts.start(rep * n);
     load_queries(ts, bi, hk, rows, 0, n);
     const int64_t first_pos = offset + rows[0], last_pos = offset + rows[n - 1];
-    KeyUnion<C> keys(p.kcode, static_cast<uint64_t>(p.class_code[it.problem]));
+    KeyUnion<C> keys(p.kcode, p.class_code[it.problem]);
     while (true) {
       int64_t nkb = 0;
       for (; nkb < tile_k; ++nkb) {
@@ -473,12 +473,11 @@ struct Kernel {
 
 // query [B, H, Nq, D], key/value [B, H_kv, Nk, D] (contiguous, same dtype), query_groups
 // bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64), real bool [B, Nk] or empty;
-// writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H]. Returns the largest number of
-// membership classes of a batch element.
-int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const at::Tensor& query_groups, const at::Tensor& key_groups,
-                      const at::Tensor& real, int64_t window, double scale, at::Tensor out,
-                      at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band) {
+// writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H].
+void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const at::Tensor& query_groups, const at::Tensor& key_groups,
+                   const at::Tensor& real, int64_t window, double scale, at::Tensor out,
+                   at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band) {
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
               "focus_forward: query/key/value must be contiguous");
   TORCH_CHECK(query_groups.is_contiguous() && key_groups.is_contiguous(),
@@ -487,7 +486,6 @@ int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::
                   lse.scalar_type() == at::kFloat,
               "focus_forward: out/lse must be contiguous float32");
   TORCH_CHECK(query_groups.size(2) <= 64, "focus_forward: at most 64 groups");
-  int64_t classes = 0;
   const int64_t kgroups = query_groups.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "focus", [&] {
     auto launch = [&](auto code_type) {
@@ -518,7 +516,6 @@ int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::
         ker.plans.push_back(make_plan<C>(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
                                          ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq,
                                          ker.nk, kgroups));
-        classes = std::max(classes, static_cast<int64_t>(ker.plans.back().class_code.size()));
       }
       ker.run();
     };
@@ -532,7 +529,6 @@ int64_t focus_forward(const at::Tensor& query, const at::Tensor& key, const at::
       launch(uint64_t{});
     }
   });
-  return classes;
 }
 
 }  // namespace
