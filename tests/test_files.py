@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from focus_attention._checks import check_int, check_number
-from focus_attention._files import atomic_write, file_lock, staged_directory, write_json_atomic
+from focus_attention.utils.checks import check_int, check_number
+from focus_attention.utils.io import atomic_write, file_lock, staged_directory, write_json_atomic
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ._files import atomic_write, write_json_atomic
+from .utils.io import atomic_write, write_json_atomic
 
 KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
 

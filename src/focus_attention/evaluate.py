@@ -259,12 +259,12 @@ def evaluate(
     import torch
     from tqdm.auto import tqdm
 
-    from ._files import write_json_atomic
     from .bench import environment
     from .data import SPLITS, load_corpus, token_blocks
     from .hf import FocusModel
     from .models import load_model
     from .train import auto_prepend_bos
+    from .utils.io import write_json_atomic
 
     t_all = time.monotonic()
     if split not in SPLITS:
@@ -475,7 +475,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     table = markdown_table(result)
     print(table)
     if args.markdown:
-        from ._files import atomic_write_text
+        from .utils.io import atomic_write_text
 
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)

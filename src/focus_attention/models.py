@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ._files import atomic_write_text, file_lock, focus_home, staged_directory
+from .utils.io import atomic_write_text, file_lock, focus_home, staged_directory
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse

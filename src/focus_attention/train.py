@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._checks import bad, check_int, check_number
-from ._files import atomic_write, atomic_write_text, staged_directory, write_json_atomic
+from .utils.checks import bad, check_int, check_number
+from .utils.io import atomic_write, atomic_write_text, staged_directory, write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import FrozenInstanceError, asdict, dataclass, fields
+from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .._checks import bad, check_int, check_number
+from ..utils.checks import bad, check_int, check_number
 
 #: version of the on-disk ``focus_config.json`` layout (product decision).
 CONFIG_FORMAT_VERSION = 1
@@ -67,20 +67,36 @@ class FocusConfig:
             field, what was received and what was expected).
     """
 
-    num_groups: int = 8
-    group_dim: int = 16
-    window: int = 128
-    top_k: int = 2
-    temperature: float = 0.1
-    sinkhorn_iters: int = 10
-    gate: str = "log"
-    gate_sharpness: float = 10.0
-    sink_tokens: int = 4
-    routing: str = "auto"
-    inference_routing: str = "causal"
-    layers: tuple[int, ...] | None = None
-    seed: int = 0
-    bias_momentum: float = 0.01
+    num_groups: int = field(default=8, metadata={"help": "K, learned groups per layer"})
+    group_dim: int = field(default=16, metadata={"help": "d_g, width of the routing projection"})
+    window: int = field(
+        default=128, metadata={"help": "local window in tokens, the query included"}
+    )
+    top_k: int = field(default=2, metadata={"help": "groups each token keeps at inference"})
+    temperature: float = field(default=0.1, metadata={"help": "tau of the routing scores"})
+    sinkhorn_iters: int = field(
+        default=10, metadata={"help": "Sinkhorn iterations of soft routing"}
+    )
+    gate: str = field(default="log", metadata={"help": "soft training gate", "choices": GATES})
+    gate_sharpness: float = field(default=10.0, metadata={"help": "lambda of the paper gate"})
+    sink_tokens: int = field(
+        default=4, metadata={"help": "first real tokens that belong to every group"}
+    )
+    routing: str = field(
+        default="auto",
+        metadata={"help": "soft in train(), top-k in eval(), or forced", "choices": ROUTINGS},
+    )
+    inference_routing: str = field(
+        default="causal",
+        metadata={"help": "how top-k groups are chosen", "choices": INFERENCE_ROUTINGS},
+    )
+    layers: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "layers that get Focus (default: every full layer)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the router initialisation"})
+    bias_momentum: float = field(
+        default=0.01, metadata={"help": "momentum of the calibrated causal routing bias"}
+    )
 
     def __post_init__(self) -> None:
         self.validate()

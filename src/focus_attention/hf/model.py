@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .._files import atomic_write
+from ..utils.io import atomic_write
 from .architectures import (
     attention_modules,
     get_architecture,

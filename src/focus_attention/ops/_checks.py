@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import is_number
+from ..utils.checks import is_number
 
 
 def fail(name: str, received: object, expected: str) -> None:

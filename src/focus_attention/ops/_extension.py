@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from .._files import file_lock, focus_home
+from ..utils.io import file_lock, focus_home
 
 SOURCE = Path(__file__).with_name("csrc") / "focus_cpu.cpp"
 #: compiler flags: the kernel is built on the machine that runs it, so -march=native is safe

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 #: modules that contribute sub-commands, in the order ``--help`` lists them
-COMMAND_MODULES = ("data", "models", "train", "evaluate", "bench")
+COMMAND_MODULES = (
+    "focus_attention.data",
+    "focus_attention.models",
+    "focus_attention.train",
+    "focus_attention.evaluate",
+    "focus_attention.bench",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,15 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        full = f"focus_attention.{name}"
-        if importlib.util.find_spec(full) is None:
-            continue
-        importlib.import_module(full).register_cli(sub)
+        importlib.import_module(name).register_cli(sub)
     return parser
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return f"focus-attention {__version__}"
 
