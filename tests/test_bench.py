@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from focus_attention import bench, cli
+from focus_attention import cli
+from focus_attention.bench import kernel as bench
+from focus_attention.utils.io import write_json_atomic
 
 
 def test_balanced_memberships_are_exactly_balanced_and_top_k():
@@ -66,13 +68,13 @@ def test_cli_help_lists_commands(capsys):
 
 def test_write_json_atomic_leaves_no_temporary(tmp_path):
     target = tmp_path / "sub" / "r.json"
-    bench.write_json_atomic(target, {"a": 1})
+    write_json_atomic(target, {"a": 1})
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in target.parent.iterdir()] == ["r.json"]
 
 
 def test_environment_records_the_code_version():
-    from focus_attention.bench import environment
+    from focus_attention.utils.env import environment
 
     env = environment()
     for key in ("focus_attention", "torch", "python", "cpu", "torch_threads", "date"):

@@ -9,13 +9,8 @@ import pytest
 import torch
 from test_pipeline import check_eval_schema, make_tiny_assets, tiny_config, use_tiny_assets
 
-from focus_attention.evaluate import (
-    _RoutingStats,
-    evaluate,
-    markdown_table,
-    score_windows,
-    weights_sha256,
-)
+from focus_attention.evaluation import RoutingStats, evaluate, markdown_table, score_windows
+from focus_attention.utils.env import weights_sha256
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +26,7 @@ def assets(module_assets, monkeypatch):
 @pytest.fixture(scope="module")
 def adapter(module_assets, tmp_path_factory):
     """A 4-step tiny adapter (K = 4, top_k = 2, window 8, 1 sink token)."""
-    from focus_attention.train import train
+    from focus_attention.training import train
 
     with pytest.MonkeyPatch.context() as mp:
         use_tiny_assets(module_assets, mp)
@@ -43,8 +38,8 @@ def adapter(module_assets, tmp_path_factory):
 def _evaluate(assets, adapter, **kw):
     kw.setdefault("max_tokens", 192)
     kw.setdefault("seq_len", 64)
-    return evaluate(str(assets["model"]), adapter, str(assets["corpus"]), "test",
-                    threads=1, progress=False, **kw)  # fmt: skip
+    return evaluate(model=str(assets["model"]), adapter=adapter, corpus=str(assets["corpus"]),
+                    split="test", threads=1, progress=False, **kw).to_dict()  # fmt: skip
 
 
 def test_score_windows_matches_the_models_own_loss(assets):
@@ -109,7 +104,7 @@ def test_top_k_subset_and_overrides(assets, adapter):
 
 @pytest.mark.filterwarnings("ignore::focus_attention.hf.FocusBaseMismatchWarning")
 def test_base_weights_changed_during_eval_fail_loudly(assets, adapter, monkeypatch):
-    import focus_attention.evaluate as ev
+    import focus_attention.evaluation.perplexity as ev
 
     original = ev.score_windows
 
@@ -127,7 +122,7 @@ def test_routing_stats():
     groups = torch.zeros(1, 6, 4, dtype=torch.bool)
     groups[..., 0] = True  # one group per token
     rec = {"layer": 0, "mode": "topk", "query_groups": groups, "key_groups": groups}
-    ok = _RoutingStats(window=2, num_groups=4)
+    ok = RoutingStats(window=2, num_groups=4)
     ok.add(0, [rec])
     s = ok.summary()
     assert s["pairs_retained"] == 1.0 and s["dominance"] == 1.0  # everything in group 0
@@ -137,7 +132,8 @@ def test_routing_stats():
 
 def test_argument_errors(assets, adapter, tmp_path):
     with pytest.raises(ValueError, match="split"):
-        evaluate(str(assets["model"]), adapter, str(assets["corpus"]), "dev", progress=False)
+        evaluate(model=str(assets["model"]), adapter=adapter, corpus=str(assets["corpus"]),
+                 split="dev", progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="seq_len"):
         _evaluate(assets, adapter, seq_len=1)
     with pytest.raises(ValueError, match="max_tokens"):
@@ -150,7 +146,6 @@ def test_argument_errors(assets, adapter, tmp_path):
 
 def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
     import focus_attention.models
-    from focus_attention.evaluate import evaluate
     from focus_attention.hf import FocusConfig
 
     def no_loading(*args, **kwargs):
@@ -159,4 +154,5 @@ def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(focus_attention.models, "load_model", no_loading)
     (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
     with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
-        evaluate("any-model", tmp_path, "any-corpus", "test", top_k_values=[9], progress=False)
+        evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k_values=[9],
+                 progress=False)  # fmt: skip

@@ -123,10 +123,21 @@ def make_corpus_dir(path: Path, *, n_docs: int = 4, n_words: int = 1500) -> Path
     return path
 
 
+def train_config(**settings):
+    """A TrainConfig from flat settings: the FocusConfig fields among them go to its
+    ``focus``."""
+    import dataclasses
+
+    from focus_attention.hf import FocusConfig
+    from focus_attention.training import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(FocusConfig)} - {"seed"}  # the run seeds it
+    focus = {k: settings.pop(k) for k in list(settings) if k in names}
+    return TrainConfig(**settings, focus=FocusConfig(**focus))
+
+
 def tiny_config(assets: dict, out: Path, **changes):
     """A TrainConfig for the tiny model: K=4, top_k=2, window 8, seq_len 32, 1 thread."""
-    from focus_attention.train import TrainConfig
-
     kw = dict(
         model=str(assets["model"]),
         corpus=str(assets["corpus"]),
@@ -149,7 +160,7 @@ def tiny_config(assets: dict, out: Path, **changes):
         sink_tokens=1,
     )
     kw.update(changes)
-    return TrainConfig(**kw)
+    return train_config(**kw)
 
 
 def make_tiny_assets(root: Path) -> dict:
@@ -199,7 +210,7 @@ EVAL_KEYS = {
 
 
 def check_eval_schema(result: dict, num_groups: int) -> None:
-    """The JSON contract of ``focus eval`` (issue 4 section 3)."""
+    """The JSON contract of ``focus eval``."""
     assert set(result) >= EVAL_KEYS
     ks = [str(k) for k in range(1, num_groups + 1)]
     assert set(result["ppl"]) >= {"base", "focus_soft", "focus_topk"}
@@ -302,17 +313,17 @@ def _require_real() -> None:
 def test_real_smollm2_austen_train_and_eval(tmp_path):
     """A tiny real run: 3 steps of 128 tokens, then eval on 512 tokens of Persuasion."""
     _require_real()
-    from focus_attention.evaluate import evaluate
-    from focus_attention.train import TrainConfig, train
+    from focus_attention.evaluation import evaluate
+    from focus_attention.training import train
 
     out = tmp_path / "austen"
-    cfg = TrainConfig(out=str(out), steps=3, seq_len=128, warmup_steps=1, eval_every=-1,
-                      save_every=0, max_train_tokens=128 * 8, window=32, progress=False)  # fmt: skip
+    cfg = train_config(out=str(out), steps=3, seq_len=128, warmup_steps=1, eval_every=-1,
+                       save_every=0, max_train_tokens=128 * 8, window=32, progress=False)  # fmt: skip
     res = train(cfg)
     assert res.steps == 3 and len(res.losses) == 3
     assert all(math.isfinite(v) and 1 < v < 8 for v in res.losses)  # nats/token
     assert res.trainable_parameters == 30 * (576 * 16 + 8 * 16)
-    ev = evaluate(adapter=out, max_tokens=512, seq_len=256, progress=False)
+    ev = evaluate(adapter=out, max_tokens=512, seq_len=256, progress=False).to_dict()
     check_eval_schema(ev, 8)
     assert ev["tokens"] == 2 * 255
     assert 5 < ev["ppl"]["base"] < 80  # ~30 on Persuasion

@@ -11,17 +11,17 @@ import signal
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+from test_pipeline import make_tiny_assets, tiny_config, train_config, use_tiny_assets
 
-from focus_attention.train import (
+from focus_attention.training import (
     CHECKPOINT_DIR,
     TrainConfig,
-    _sample_indices,
-    _trainable,
+    block_indices,
     latest_checkpoint,
     lr_factor,
     train,
 )
+from focus_attention.training.loop import trainable_parameters
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_reference_run(reference):
         assert torch.equal(v, ckpt[k])
     assert (out / "train.png").stat().st_size > 1000
     # the same library versions block as focus eval's JSON
-    from focus_attention.evaluate import library_versions
+    from focus_attention.utils.env import library_versions
 
     doc = json.loads((out / "train_result.json").read_text())
     assert doc["versions"] == library_versions()
@@ -214,15 +214,16 @@ def test_only_focus_parameters_train(assets):
 
     base, _ = load_model(assets["model"], quiet=True)
     fm = get_focus_model(base, FocusConfig(num_groups=4, top_k=2, window=8, group_dim=8))
-    named = _trainable(fm)
-    assert {n for n, _ in named} == {f"routers.{i}.{t}" for i in ("0", "1") for t in ("proj", "centroids")}  # fmt: skip
+    params = trainable_parameters(fm)
+    names = {n for n, p in fm.named_parameters() if any(p is q for q in params)}
+    assert {n.split("routers.", 1)[1] for n in names} == {f"{i}.{t}" for i in ("0", "1") for t in ("proj", "centroids")}  # fmt: skip
     base.model.norm.weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="base parameters require grad"):
-        _trainable(fm)
+        trainable_parameters(fm)
     base.model.norm.weight.requires_grad_(False)
     fm.routers["0"].proj.requires_grad_(False)
     with pytest.raises(RuntimeError, match="Focus parameters"):
-        _trainable(fm)
+        trainable_parameters(fm)
 
 
 def test_grad_accum_matches_batch(assets, tmp_path):
@@ -270,15 +271,18 @@ def test_lr_schedule():
     assert lr_factor(0, 5, 0) == 1.0
 
 
+def _order(seed: int, n: int = 10) -> list[int]:
+    """Block indices of 5 steps x 3 micro-batches of 2 blocks."""
+    return [i for step in range(5) for m in range(3)
+            for i in block_indices(step, m, batch_size=2, grad_accum=3, num_blocks=n, seed=seed)]  # fmt: skip
+
+
 def test_data_order_is_a_seeded_permutation_per_epoch():
-    cfg = TrainConfig(batch_size=2, grad_accum=3, seed=5)
-    n = 10
-    seen = [i for step in range(5) for m in range(3) for i in _sample_indices(step, m, cfg, n)]
+    seen = _order(5)
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
     assert seen[:10] != seen[10:20]  # a fresh permutation each epoch
-    assert seen == [i for step in range(5) for m in range(3) for i in _sample_indices(step, m, cfg, n)]  # fmt: skip
-    other = TrainConfig(batch_size=2, grad_accum=3, seed=6)
-    assert _sample_indices(0, 0, other, n) + _sample_indices(0, 1, other, n) != seen[:4]
+    assert seen == _order(5)
+    assert _order(6)[:4] != seen[:4]
 
 
 @pytest.mark.parametrize(
@@ -302,19 +306,31 @@ def test_data_order_is_a_seeded_permutation_per_epoch():
 )
 def test_config_errors_name_the_field(changes, field):
     if field is None:  # accepted
-        TrainConfig(**changes)
+        train_config(**changes)
         return
     with pytest.raises(ValueError, match=field):
-        TrainConfig(**changes)
+        train_config(**changes)
 
 
 def test_config_round_trip_and_default_out():
-    cfg = TrainConfig(corpus="/data/my books/", num_groups=4, top_k=1)
+    cfg = train_config(corpus="/data/my books/", num_groups=4, top_k=1, seed=3)
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert str(cfg.out_dir()) == "runs/my-books"
-    assert cfg.focus_config().num_groups == 4 and cfg.focus_config().seed == cfg.seed
+    assert cfg.focus_config().num_groups == 4 and cfg.focus_config().seed == 3
     with pytest.raises(ValueError, match="unknown"):
         TrainConfig.from_dict({"bogus": 1})
+
+
+def test_config_reads_the_flat_layout_of_earlier_runs():
+    flat = {"steps": 5, "seq_len": 64, "num_groups": 4, "top_k": 1, "window": 8, "seed": 2}
+    cfg = TrainConfig.from_dict(flat)
+    assert cfg.steps == 5 and cfg.focus.num_groups == 4 and cfg.focus.window == 8
+    assert cfg.focus_config().seed == 2
+
+
+def test_config_refuses_forced_top_k_routing():
+    with pytest.raises(ValueError, match="focus.routing"):
+        train_config(routing="topk")
 
 
 def test_missing_corpus_fails_before_the_model_loads(tmp_path, monkeypatch):

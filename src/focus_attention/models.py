@@ -858,3 +858,8 @@ def register_cli(subparsers: Any) -> None:
     pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     pr.add_argument("--verify", action="store_true", help="recompute sha256 of every file")
     pr.set_defaults(func=_run_guarded(_cmd_prepare))
+
+
+def auto_prepend_bos(model: Any) -> bool:
+    """True for models trained with a BOS at every sequence start (Gemma family)."""
+    return str(getattr(model.config, "model_type", "")).startswith("gemma")

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from focus_attention.utils.io import file_lock
 from focus_attention.ops import _extension, fused_kernel_available
+from focus_attention.utils.io import file_lock
 
 from .helpers import assert_matches_oracle, make_case
 

@@ -11,9 +11,9 @@ import sys
 COMMAND_MODULES = (
     "focus_attention.data",
     "focus_attention.models",
-    "focus_attention.train",
-    "focus_attention.evaluate",
-    "focus_attention.bench",
+    "focus_attention.cli.train",
+    "focus_attention.cli.eval",
+    "focus_attention.cli.bench",
 )
 
 

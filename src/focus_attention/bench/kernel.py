@@ -1,0 +1,342 @@
+"""``focus bench kernel``: the sparse attention op against dense causal SDPA, and the soft
+gates against eager attention (docs/method.md §5; the README's kernel table)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..ops import BACKENDS, gated_attention, pairs_retained, sinkhorn, sparse_attention
+from ..ops.reference import expand_kv_heads
+from ..utils.env import environment
+from ..utils.io import atomic_write
+from .timing import median_seconds, peak_extra_bytes
+
+__all__ = [
+    "KERNEL_LENGTHS",
+    "KernelBenchConfig",
+    "balanced_memberships",
+    "kernel_peak_memory",
+    "kernel_table",
+    "plot_kernel",
+    "run_gate_benchmark",
+    "run_kernel_benchmark",
+    "sparse_backend_name",
+]
+
+#: sequence lengths of the README's kernel table (tokens)
+KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+@dataclass
+class KernelBenchConfig:
+    """Settings of the kernel benchmark (each field a ``focus bench kernel`` flag). The
+    default shape is SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64."""
+
+    lengths: tuple[int, ...] = field(
+        default=KERNEL_LENGTHS, metadata={"help": "sequence lengths (tokens)"}
+    )
+    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
+    num_heads: int = field(default=9, metadata={"help": "query heads H"})
+    num_key_value_heads: int = field(default=3, metadata={"help": "key/value heads H_kv"})
+    head_dim: int = field(default=64, metadata={"help": "head_dim D"})
+    window: int = field(default=128, metadata={"help": "local window (tokens)"})
+    num_groups: int = field(default=8, metadata={"help": "K"})
+    repeats: int = field(default=3, metadata={"help": "timed runs (median) after a warm-up"})
+    seed: int = field(default=0, metadata={"help": "seed of the inputs"})
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "sparse_attention backend (auto: the fused CPU kernel where it can be built)",
+            "choices": BACKENDS,
+        },  # fmt: skip
+    )
+    memory: bool = field(
+        default=True, metadata={"help": "measure peak memory (a fresh process per call)"}
+    )
+    gates: bool = field(
+        default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
+    )
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bar"})
+
+
+def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torch.Tensor:
+    """Random memberships with exactly ``n * top_k / K`` tokens per group (up to rounding):
+    token ``i`` joins groups ``(p_i + r) mod K`` for ``r`` in ``0..top_k-1``, where ``p`` is a
+    random permutation of ``arange(n) mod K``. Returns bool ``[1, n, K]``."""
+    first = torch.arange(n) % num_groups
+    first = first[torch.randperm(n, generator=generator)]
+    groups = (first[:, None] + torch.arange(top_k)[None, :]) % num_groups
+    out = torch.zeros(1, n, num_groups, dtype=torch.bool)
+    out[0].scatter_(1, groups, True)
+    return out
+
+
+def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """Seeded query, key, value ``[1, H(_kv), n, D]`` fp32 and balanced memberships."""
+    gen = torch.Generator().manual_seed(cfg["seed"] + 7919 * n + top_k)
+    q = torch.randn(1, cfg["num_heads"], n, cfg["head_dim"], generator=gen)
+    k = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
+    v = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
+    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    return q, k, v, groups
+
+
+def kernel_call(method: str, q, k, v, groups, window: int, backend: str = "auto"):
+    """One ``dense`` (causal SDPA) or ``sparse`` (:func:`sparse_attention`) call."""
+    if method == "dense":
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    return sparse_attention(q, k, v, groups, groups, window, backend=backend)
+
+
+def measure_peak_here(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
+    """In a fresh process: warm the kernels on a small input, measure one call, print
+    ``{"peak_bytes": ...}`` as JSON."""
+    backend = cfg.get("backend", "auto")
+    with torch.inference_mode():
+        kernel_call(method, *kernel_inputs(256, top_k, cfg), cfg["window"], backend)
+        inputs = kernel_inputs(n, top_k, cfg)
+        peak = peak_extra_bytes(lambda: kernel_call(method, *inputs, cfg["window"], backend))
+    print(json.dumps({"peak_bytes": peak}))
+
+
+def kernel_peak_memory(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> int | None:
+    """Peak extra resident bytes of one ``dense`` or ``sparse`` kernel call, measured in a
+    fresh Python process (so no memory freed by earlier calls is reused)."""
+    code = (
+        "import json, sys; from focus_attention.bench.kernel import measure_peak_here; "
+        "measure_peak_here(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "
+        "json.loads(sys.argv[4]))"
+    )
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    # a fixed mmap threshold returns every freed block >= 64 KiB to the OS, so resident
+    # memory follows live tensors instead of glibc's cached arenas (same for both methods)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    out = subprocess.run(
+        [sys.executable, "-c", code, method, str(n), str(top_k), json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def sparse_backend_name(backend: str) -> str:
+    """The backend "auto" picks for the benchmark's inputs (CPU fp32, K = 8, no grad)."""
+    from ..ops import fused_kernel_available
+
+    if backend != "auto":
+        return backend
+    return "cpu_fused" if fused_kernel_available() else "cpu_flash"
+
+
+def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConfig) -> dict:
+    """Time, density and (optionally) peak memory of one ``(N, top_k)``."""
+    inputs = kernel_inputs(n, top_k, cfg)
+    window = config.window
+    with torch.inference_mode():
+        dense_s, dense_all = median_seconds(
+            functools.partial(kernel_call, "dense", *inputs, window), config.repeats
+        )
+        sparse_s, sparse_all = median_seconds(
+            functools.partial(kernel_call, "sparse", *inputs, window, config.backend),
+            config.repeats,
+        )
+    memory = config.memory
+    density = pairs_retained(inputs[-1], inputs[-1], window)
+    speedup, ideal = dense_s / sparse_s, 1.0 / density
+    return {
+        "N": n,
+        "top_k": top_k,
+        "dense_s": dense_s,
+        "sparse_s": sparse_s,
+        "dense_runs_s": dense_all,
+        "sparse_runs_s": sparse_all,
+        "speedup": speedup,
+        "density": density,
+        "ideal_speedup": ideal,
+        "efficiency": speedup / ideal,
+        "dense_peak_bytes": kernel_peak_memory("dense", n, top_k, cfg) if memory else None,
+        "sparse_peak_bytes": kernel_peak_memory("sparse", n, top_k, cfg) if memory else None,
+    }
+
+
+def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, Any]:
+    """Dense causal SDPA against :func:`focus_attention.sparse_attention`, same process.
+
+    ``config.backend`` is passed to the op; the backend that ran is recorded in
+    ``config["sparse_backend"]`` of the result.
+
+    Returns:
+        ``{"benchmark": "kernel", "config", "environment", "rows"}`` (and ``"gates"`` when
+        ``config.gates``), one row per ``(N, top_k)``: seconds (median of ``repeats`` after
+        one warm-up) of each, speedup, density (share of causal pairs kept), ideal speedup
+        ``1 / density``, efficiency ``speedup / ideal`` and the peak extra resident bytes of
+        one call of each.
+    """
+    from tqdm.auto import tqdm
+
+    config = config or KernelBenchConfig()
+    cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
+                                           "window", "num_groups", "seed", "backend")}  # fmt: skip
+    combos = [(n, k) for n in config.lengths for k in config.top_k]
+    bar = tqdm(combos, desc="kernel", disable=not config.progress)
+    rows = []
+    for n, top_k in bar:
+        bar.set_postfix(N=n, top_k=top_k)
+        rows.append(_kernel_row(n, top_k, cfg, config))
+    record = {
+        "lengths": list(config.lengths),
+        "top_ks": list(config.top_k),
+        "batch_size": 1,
+        **{
+            k: cfg[k]
+            for k in ("num_heads", "num_key_value_heads", "head_dim", "window", "num_groups")
+        },  # fmt: skip
+        "dtype": "float32",
+        "repeats": config.repeats,
+        "warmup": 1,
+        "seed": config.seed,
+        "memberships": "balanced random (bench.kernel.balanced_memberships)",
+        "sparse_backend": sparse_backend_name(config.backend),
+        "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
+        "memory": "peak extra resident bytes of one call in a fresh process (VmHWM after "
+        "clear_refs; MALLOC_MMAP_THRESHOLD_=65536)"
+        if config.memory
+        else None,
+    }
+    result = {"benchmark": "kernel", "config": record, "environment": environment(), "rows": rows}
+    if config.gates:
+        result["gates"] = run_gate_benchmark(window=config.window, num_groups=config.num_groups)
+    return result
+
+
+def run_gate_benchmark(
+    n: int = 1024,
+    *,
+    num_heads: int = 9,
+    num_key_value_heads: int = 3,
+    head_dim: int = 64,
+    window: int = 128,
+    num_groups: int = 8,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Soft-gated attention (training path, docs/method.md §3) against eager dense attention
+    at length ``n``.
+
+    Eager dense is what transformers' ``eager`` attention does: repeat the key/value heads,
+    ``softmax(q k^T * scale + causal mask)`` in fp32, times ``v``. Forward and forward +
+    backward, median seconds of ``repeats`` after a warm-up; ratio = gated / eager.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, num_heads, n, head_dim, generator=gen, requires_grad=True)
+    k = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
+    v = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
+    scores = torch.randn(1, n, num_groups, generator=gen, requires_grad=True)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+    def eager():
+        kk, vv = expand_kv_heads(k, num_heads), expand_kv_heads(v, num_heads)
+        logits = (q @ kk.transpose(-1, -2)) * head_dim**-0.5
+        logits = logits.masked_fill(~causal, float("-inf"))
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype) @ vv
+
+    def gated(gate):
+        def call():
+            probs = sinkhorn(scores, 10)
+            return gated_attention(q, k, v, probs, probs, window, gate=gate)
+
+        return call
+
+    rows = []
+    for name, fn in [("eager_dense", eager), ("gate_paper", gated("paper")),
+                     ("gate_log", gated("log"))]:  # fmt: skip
+        with torch.no_grad():
+            fwd, _ = median_seconds(fn, repeats)
+        both, _ = median_seconds(lambda fn=fn: fn().sum().backward(), repeats)
+        rows.append({"method": name, "N": n, "forward_s": fwd, "forward_backward_s": both})
+    base = rows[0]
+    for r in rows:
+        r["forward_ratio"] = r["forward_s"] / base["forward_s"]
+        r["forward_backward_ratio"] = r["forward_backward_s"] / base["forward_backward_s"]
+    return rows
+
+
+def kernel_table(result: dict[str, Any]) -> str:
+    """Markdown table of a kernel benchmark result."""
+
+    def mib(x):
+        return "n/a" if x is None else f"{x / 2**20:.0f}"
+
+    lines = [
+        "| N | top_k | dense s | sparse s | speedup | density | ideal | efficiency "
+        "| dense MiB | sparse MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['N']} | {r['top_k']} | {r['dense_s']:.3f} | {r['sparse_s']:.3f} "
+            f"| {r['speedup']:.2f}x | {r['density']:.3f} | {r['ideal_speedup']:.2f}x "
+            f"| {r['efficiency']:.2f} | {mib(r['dense_peak_bytes'])} "
+            f"| {mib(r['sparse_peak_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def gate_lines(result: dict[str, Any]) -> list[str]:
+    """One line per soft-gate timing row of a kernel benchmark result."""
+    return [
+        f"gates N={r['N']} {r['method']}: forward {r['forward_s'] * 1e3:.1f} ms "
+        f"({r['forward_ratio']:.2f}x eager), forward+backward "
+        f"{r['forward_backward_s'] * 1e3:.1f} ms ({r['forward_backward_ratio']:.2f}x)"
+        for r in result.get("gates", [])
+    ]
+
+
+def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG plot of measured and ideal speedup against N, one line pair per top_k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for top_k in sorted({r["top_k"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["top_k"] == top_k]
+        ns = [r["N"] for r in rows]
+        (line,) = ax.plot(ns, [r["speedup"] for r in rows], "o-", label=f"top_k={top_k} measured")
+        ax.plot(ns, [r["ideal_speedup"] for r in rows], "--", color=line.get_color(),
+                label=f"top_k={top_k} ideal (1/density)")  # fmt: skip
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N (tokens)")
+    ax.set_ylabel("speedup over dense causal SDPA")
+    cfg = result["config"]
+    ax.set_title(
+        f"Focus sparse attention, K={cfg['num_groups']}, window={cfg['window']}, "
+        f"H={cfg['num_heads']}/{cfg['num_key_value_heads']}, D={cfg['head_dim']}, fp32",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    finally:
+        plt.close(fig)

@@ -1,0 +1,141 @@
+"""``focus bench model``: end-to-end prefill of a real model, stock ``sdpa`` attention
+against Focus top-k (the README's end-to-end table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..data import DEFAULT_CORPUS
+from ..models import DEFAULT_MODEL
+from ..utils.env import environment
+from .kernel import sparse_backend_name
+from .timing import median_seconds
+
+__all__ = ["MODEL_LENGTHS", "ModelBenchConfig", "model_table", "run_model_benchmark"]
+
+#: prefill lengths of the README's end-to-end table (tokens)
+MODEL_LENGTHS = (4096, 16384)
+
+
+@dataclass
+class ModelBenchConfig:
+    """Settings of the end-to-end benchmark (each field a ``focus bench model`` flag)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model to run"})
+    adapter: str | None = field(
+        default=None, metadata={"help": "trained Focus adapter directory (default: fresh routers)"}
+    )
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "text: its test split"})
+    lengths: tuple[int, ...] = field(
+        default=MODEL_LENGTHS, metadata={"help": "prefill lengths (tokens)"}
+    )
+    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
+    num_groups: int = field(default=8, metadata={"help": "K of fresh routers"})
+    window: int = field(default=128, metadata={"help": "window of fresh routers (tokens)"})
+    repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
+    warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bar"})
+
+
+def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
+    """The first tokens of the corpus' test split, repeated if shorter than the longest N."""
+    from ..data import load_corpus
+
+    text = "\n\n".join(load_corpus(config.corpus).texts("test"))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < max(config.lengths):
+        ids = ids.repeat(1, -(-max(config.lengths) // ids.shape[1]))
+    return ids
+
+
+def _attach(model: Any, config: ModelBenchConfig, top_k: int) -> Any:
+    """Focus on ``model`` in eval mode: the adapter, or fresh routers."""
+    from ..hf import FocusConfig, FocusModel, get_focus_model
+
+    if config.adapter:
+        runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
+    else:
+        cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
+        runner = get_focus_model(model, cfg)
+    return runner.eval()
+
+
+def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any]:
+    """End-to-end prefill of a real model: stock ``sdpa`` attention against Focus top-k.
+
+    Input: the first N tokens of the corpus's test split (real text). Each forward runs
+    under ``torch.inference_mode()`` with ``use_cache=False`` and ``logits_to_keep=1`` (so
+    the vocabulary projection does not dominate). Focus uses ``config.adapter`` if given,
+    else freshly initialised routers (speed depends on the group sizes, not on training).
+    Seconds are the median of ``repeats`` runs after one warm-up forward of
+    ``warmup_tokens`` tokens.
+
+    Returns:
+        ``{"benchmark": "model", "config", "environment", "rows"}``: seconds, tokens per
+        second and speedup against sdpa per ``(N, method, top_k)``.
+    """
+    from tqdm.auto import tqdm
+
+    from ..models import load_model
+
+    config = config or ModelBenchConfig()
+    model, tokenizer = load_model(config.model)
+    ids = _input_ids(config, tokenizer)
+    model.config._attn_implementation = "sdpa"
+
+    def prefill(m, n):
+        with torch.inference_mode():
+            return m(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
+
+    rows = []
+    methods = [("sdpa", None)] + [("focus", k) for k in config.top_k]
+    cells = [(n, m) for n in config.lengths for m in methods]
+    bar = tqdm(cells, desc="model", disable=not config.progress)
+    for n, (method, top_k) in bar:
+        bar.set_postfix(N=n, method=method, top_k=top_k)
+        runner = model if method == "sdpa" else _attach(model, config, top_k)
+        prefill(runner, config.warmup_tokens)
+        seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), config.repeats,
+                                       warmup=0)  # fmt: skip
+        if method == "focus":
+            model = runner.unload()
+            model.config._attn_implementation = "sdpa"
+        rows.append({"N": n, "method": method, "top_k": top_k, "seconds": seconds,
+                     "runs_s": runs, "tokens_per_second": n / seconds})  # fmt: skip
+    for row in rows:
+        ref = next(r for r in rows if r["N"] == row["N"] and r["method"] == "sdpa")
+        row["speedup_vs_sdpa"] = ref["seconds"] / row["seconds"]
+    record = {
+        "model": config.model,
+        "adapter": config.adapter,
+        "corpus": config.corpus,
+        "lengths": list(config.lengths),
+        "top_ks": list(config.top_k),
+        "num_groups": config.num_groups,
+        "window": config.window,
+        "repeats": config.repeats,
+        "warmup_tokens": config.warmup_tokens,
+        "dtype": "float32",
+        "forward": "inference_mode, use_cache=False, logits_to_keep=1",
+        "sparse_backend": sparse_backend_name("auto"),
+    }
+    return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
+
+
+def model_table(result: dict[str, Any]) -> str:
+    """Markdown table of an end-to-end model benchmark result."""
+    lines = [
+        "| N | attention | seconds | tokens/s | speedup vs sdpa |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        name = "sdpa (stock)" if r["method"] == "sdpa" else f"focus top_k={r['top_k']}"
+        lines.append(
+            f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
+            f"| {r['speedup_vs_sdpa']:.2f}x |"
+        )
+    return "\n".join(lines)

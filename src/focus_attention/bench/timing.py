@@ -1,0 +1,57 @@
+"""Timing and memory measurement shared by the benchmarks. Timings live in benchmarks and
+their JSON results, never in pass/fail tests."""
+
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["median_seconds", "peak_extra_bytes"]
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list]:
+    """Median wall-clock seconds of ``repeats`` calls after ``warmup`` calls, and every
+    timed call's seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def _status_kib(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or None."""
+    try:
+        with open("/proc/self/status") as fh:
+            match = re.search(rf"{key}:\s+(\d+)", fh.read())
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> int | None:
+    """Peak resident memory (bytes) that one call of ``fn`` adds above the memory held
+    before it, on Linux via ``/proc/self/clear_refs`` (resets the peak) and ``VmHWM``;
+    ``None`` where that is unavailable. Measures the whole process, whose allocator may
+    reuse memory freed earlier: call it in a fresh process
+    (:func:`focus_attention.bench.kernel.kernel_peak_memory`)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    result = fn()
+    peak = _status_kib("VmHWM")
+    del result
+    if before is None or peak is None:
+        return None
+    return max(0, peak - before) * 1024

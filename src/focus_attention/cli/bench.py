@@ -1,0 +1,79 @@
+"""``focus bench kernel|model``: speed benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..bench.kernel import KernelBenchConfig
+from ..bench.model import ModelBenchConfig
+from ..utils.io import write_json_atomic
+from .common import run_guarded
+from .flags import add_flags, flag_values
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _kernel(args: argparse.Namespace) -> int:
+    from ..bench.kernel import gate_lines, kernel_table, plot_kernel, run_kernel_benchmark
+
+    config = KernelBenchConfig(**flag_values(args, KernelBenchConfig))
+    _set_threads(config.threads)
+    result = run_kernel_benchmark(config)
+    print(kernel_table(result))
+    for line in gate_lines(result):
+        print(line)
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_kernel(result, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    from ..bench.model import model_table, run_model_benchmark
+
+    config = ModelBenchConfig(**flag_values(args, ModelBenchConfig))
+    _set_threads(config.threads)
+    result = run_model_benchmark(config)
+    print(model_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``focus bench`` and its sub-commands."""
+    bench = subparsers.add_parser("bench", help="speed benchmarks (write JSON results)")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    kernel = sub.add_parser(
+        "kernel",
+        help="sparse_attention against dense causal SDPA (SmolLM2-135M attention shape)",
+        description="Times dense torch SDPA (is_causal) against focus sparse_attention in "
+        "one process, fp32, B=1, and reports speedup, density, ideal speedup (1/density), "
+        "efficiency and peak memory.",
+    )
+    kernel.add_argument("--json", help="write results to this JSON file")
+    kernel.add_argument("--plot", help="PNG plot path (default: the JSON path with .png)")
+    add_flags(kernel, KernelBenchConfig)
+    kernel.set_defaults(func=run_guarded(_kernel))
+    model = sub.add_parser(
+        "model",
+        help="end-to-end prefill of a real model: stock sdpa against Focus top-k",
+        description="Times a prefill forward (logits for the last token only) of the model "
+        "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
+        "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
+    )
+    model.add_argument("--json", help="write results to this JSON file")
+    add_flags(model, ModelBenchConfig)
+    model.set_defaults(func=run_guarded(_model))

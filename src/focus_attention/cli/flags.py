@@ -1,0 +1,107 @@
+"""Command-line flags generated from a settings dataclass, so that each setting has one
+source: its dataclass field (name, default, help text in ``metadata["help"]``, optional
+``metadata["choices"]`` and ``metadata["type"]``, a parser of the flag's text).
+
+A field ``seq_len`` becomes ``--seq-len``; a ``bool`` field becomes ``--flag / --no-flag``;
+``int | None`` and the like parse as ``int``; ``tuple[int, ...]`` takes one or more ints
+(``--lengths 1024 4096``); ``metadata["required"]`` makes the flag required; a field
+without help text is not a flag.
+argparse does the parsing; this module only declares the flags and reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+#: the flag types inferred from annotations; any other type needs ``metadata["type"]``
+_SCALARS = (int, float, str)
+
+
+def flag_name(field_name: str) -> str:
+    """``seq_len`` -> ``--seq-len``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _scalar(annotation: Any) -> tuple[Any, bool]:
+    """``(type, several)``: ``int``, ``float``, ``str`` or ``bool`` from an annotation such
+    as ``int | None`` (``several`` False) or ``tuple[int, ...]`` (``several`` True); the
+    type is None for anything else."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return _scalar(rest[0]) if len(rest) == 1 else (None, False)
+    if typing.get_origin(annotation) in (tuple, list) and args and args[0] in _SCALARS:
+        return args[0], True
+    return (annotation if annotation in _SCALARS + (bool,) else None), False
+
+
+def flag_fields(cls: type, exclude: Iterable[str] = ()) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` that are flags: those with help text, minus
+    ``exclude``."""
+    skip = set(exclude)
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in skip]
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def add_flags(
+    parser: Any,
+    cls: type,
+    *,
+    exclude: Iterable[str] = (),
+) -> None:
+    """Add one flag per field of ``cls`` (see the module docstring), with the field's default.
+
+    Raises:
+        TypeError: a field whose type cannot be read from the command line and has no
+            ``metadata["type"]``.
+    """
+    hints = typing.get_type_hints(cls)
+    for field in flag_fields(cls, exclude):
+        meta = field.metadata
+        default = _default(field)
+        kwargs: dict[str, Any] = {"dest": field.name}
+        if meta.get("required"):
+            kwargs["required"] = True
+            kwargs["help"] = meta["help"]
+        else:
+            kwargs["default"] = default
+            shown = "" if default is None else " (default %(default)s)"
+            kwargs["help"] = meta["help"] + shown
+        parse, several = _scalar(hints[field.name])
+        parse = meta.get("type", parse)
+        if parse is None:
+            raise TypeError(f"{cls.__name__}.{field.name}: no flag type (set metadata['type'])")
+        if parse is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = parse
+            if several and "type" not in meta:
+                kwargs["nargs"] = "+"
+            for key in ("choices", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        parser.add_argument(flag_name(field.name), **kwargs)
+
+
+def flag_values(
+    args: argparse.Namespace, cls: type, *, exclude: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The values of ``cls``'s flags in parsed ``args``, by field name (lists given as
+    several values become tuples)."""
+    out = {}
+    for f in flag_fields(cls, exclude):
+        value = getattr(args, f.name)
+        out[f.name] = tuple(value) if isinstance(value, list) else value
+    return out

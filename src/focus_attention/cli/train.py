@@ -1,0 +1,51 @@
+"""``focus train``: centroid-only training (:func:`focus_attention.training.train`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..hf.config import FocusConfig
+from ..training.config import TrainConfig
+from .common import run_guarded
+from .flags import add_flags, flag_values
+
+#: FocusConfig fields that are not ``focus train`` flags: training routes softly, every
+#: full-attention layer gets Focus, and ``--seed`` seeds the routers too
+FOCUS_FIELDS_NOT_FLAGS = ("routing", "layers", "seed")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``focus train`` arguments."""
+    focus = FocusConfig(**flag_values(args, FocusConfig, exclude=FOCUS_FIELDS_NOT_FLAGS))
+    return TrainConfig(**flag_values(args, TrainConfig), focus=focus)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..training import train
+
+    result = train(config_from_args(args))
+    if result.extra.get("already_finished"):
+        return 0  # train() said "nothing to do"
+    last = result.validation[-1] if result.validation else {}
+    print(f"trained {result.steps} steps ({result.train_seconds:.0f} s in the loop, "
+          f"{result.seconds:.0f} s in all); final loss {result.final_loss}")  # fmt: skip
+    if last:
+        print(f"validation PPL at step {last['step']}: top-k {last['val_ppl_topk']:.3f}, "
+              f"soft {last['val_ppl_soft']:.3f} ({last['val_tokens']} tokens)")  # fmt: skip
+    print(f"adapter: {result.adapter}  log: {result.log}  plot: {result.plot}")
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``focus train``: flags from :class:`TrainConfig` and :class:`FocusConfig`."""
+    p = subparsers.add_parser(
+        "train",
+        help="train the Focus centroids of a frozen model (centroid-only)",
+        description="Centroid-only Focus training: base model frozen, only the routers "
+        "(W_g, centroids) train, with soft Sinkhorn routing. Writes the adapter, log.jsonl, "
+        "train.png and checkpoints into --out. Ctrl-C saves; --resume continues exactly.",
+    )
+    add_flags(p, TrainConfig)
+    add_flags(p.add_argument_group("Focus"), FocusConfig, exclude=FOCUS_FIELDS_NOT_FLAGS)
+    p.set_defaults(func=run_guarded(_run))

@@ -1,0 +1,576 @@
+"""``focus eval``: perplexity of a base model and of its Focus adapter on held-out text
+(docs/method.md §9).
+
+Window scheme: the split's documents are tokenised and joined with EOS (with
+``prepend_bos`` every window starts with BOS), the stream is capped at ``max_tokens`` and cut
+into non-overlapping ``seq_len`` windows (the remainder is dropped). Each window is scored
+independently, with no context from the previous window; every token of a window except its
+first is a target, so a run scores ``windows * (seq_len - 1)`` tokens. Perplexity is
+``exp(sum of NLL / scored tokens)`` over all windows (token-weighted), NLL in nats computed
+in float32 from the logits.
+
+Evaluated, on exactly the same windows:
+
+* ``base``: the pretrained model before the adapter is attached;
+* ``focus_soft``: soft Sinkhorn routing with the soft gate (the training-time model; its
+  Sinkhorn columns run over the whole window, so it is not causal, §2);
+* ``focus_topk[k]`` for every ``k`` asked for: hard top-k routing through exact sparse
+  attention, the adapter switched to ``top_k = k``.
+
+Routing is recorded on every window: ``pairs_retained[k]`` is the share of the causal
+(query, key) pairs that top-k routing keeps (local window and sinks included), pooled over
+every Focus layer and window; ``dominance`` is the share of tokens (top-k: of memberships)
+held by the largest group (mean and worst layer); ``group_shares`` lists the per-group
+shares layer by layer. The SHA-256 of every base-model tensor is taken before the adapter is
+attached and after the last evaluation; a difference raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..data import DEFAULT_CORPUS, SPLITS
+from ..hf.config import INFERENCE_ROUTINGS
+from ..hf.model import CONFIG_NAME
+from ..models import DEFAULT_MODEL
+from ..ops import pairs_retained
+from ..training.checkpoint import CONFIG_FILE as TRAIN_CONFIG_FILE
+from ..utils.checks import bad, check_int
+from ..utils.env import environment, library_versions, weights_sha256
+from ..utils.io import atomic_write_text, write_json_atomic
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_SEQ_LEN",
+    "EvalConfig",
+    "EvalResult",
+    "RoutingStats",
+    "evaluate",
+    "markdown_table",
+    "score_windows",
+]
+
+#: evaluation window length (tokens)
+DEFAULT_SEQ_LEN = 1024
+#: default cap on evaluated tokens: four 1024-token windows keep base + soft + top-k 1..8 of
+#: smollm2-135m within a few minutes on a 2-core CPU; ``None`` = the whole split
+DEFAULT_MAX_TOKENS = 4096
+#: how the windows are scored (recorded in every result)
+WINDOW_SCHEME = (
+    "non-overlapping seq_len windows scored independently; every token but the first of each "
+    "window is a target; token-weighted PPL"
+)
+
+
+def _max_tokens(text: str) -> int | None:
+    """The ``--max-tokens`` flag: a count, or ``all`` / ``none`` / ``0`` for no cap.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if text.strip().lower() in ("all", "none", "0"):
+        return None
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of tokens or 'all', got {text!r}"
+        ) from err
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    """The ``--top-k-values`` flag: comma-separated ints.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from err
+
+
+@dataclass
+class EvalConfig:
+    """Settings of one evaluation; every field is a ``focus eval`` flag (``seq_len`` ->
+    ``--seq-len``) with the help text below.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "base model: registered name, model directory or hub id"},
+    )
+    adapter: str = field(
+        default="runs/austen",
+        metadata={"help": "directory of a saved Focus adapter", "required": True},
+    )
+    corpus: str = field(
+        default=DEFAULT_CORPUS,
+        metadata={"help": "registered corpus or local text file / folder"},
+    )
+    split: str = field(default="test", metadata={"help": "split", "choices": SPLITS})
+    seq_len: int = field(default=DEFAULT_SEQ_LEN, metadata={"help": "window length in tokens"})
+    max_tokens: int | None = field(
+        default=DEFAULT_MAX_TOKENS,
+        metadata={
+            "help": "cap on evaluated tokens, 'all' for the whole split",
+            "type": _max_tokens,
+        },  # fmt: skip
+    )
+    top_k_values: tuple[int, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "comma-separated top_k values to evaluate (default: every one in 1..K)",
+            "type": _int_tuple,
+            "metavar": "K1,K2,...",
+        },  # fmt: skip
+    )
+    inference_routing: str | None = field(
+        default=None,
+        metadata={
+            "help": "override the adapter's inference routing",
+            "choices": INFERENCE_ROUTINGS,
+        },  # fmt: skip
+    )
+    sink_tokens: int | None = field(
+        default=None, metadata={"help": "override the adapter's sink_tokens"}
+    )
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
+    )
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
+    markdown: str | None = field(
+        default=None, metadata={"help": "also write the markdown table here"}
+    )
+    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
+
+    def __post_init__(self) -> None:
+        owner = "EvalConfig"
+        self.adapter = str(self.adapter)
+        if self.split not in SPLITS:
+            raise bad(owner, "split", self.split, f"one of {SPLITS}")
+        check_int(owner, "seq_len", self.seq_len, 2)
+        check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
+        check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        if self.top_k_values is not None:
+            ks = tuple(sorted({int(k) for k in self.top_k_values}))
+            if not ks:
+                raise bad(owner, "top_k_values", self.top_k_values, "None or some ints")
+            self.top_k_values = ks
+        if self.inference_routing is not None and self.inference_routing not in INFERENCE_ROUTINGS:
+            raise bad(owner, "inference_routing", self.inference_routing,
+                      f"None or one of {INFERENCE_ROUTINGS}")  # fmt: skip
+
+
+@dataclass
+class EvalResult:
+    """What :func:`evaluate` returns; :meth:`to_dict` is the JSON file's content.
+
+    Attributes:
+        ppl: ``{"base": float, "focus_soft": float, "focus_topk": {"k": float}}``.
+        pairs_retained: ``{"k": share}`` of the causal pairs kept by top-k routing.
+        tokens: scored tokens; windows: evaluated windows.
+        base_weights_sha256: ``{"before", "after", "equal"}``.
+        dominance: ``soft`` / ``soft_max`` and ``topk`` / ``topk_max`` ``{"k": ...}``: mean
+            over layers and worst layer.
+        group_shares: ``soft`` and ``topk`` ``{"k": {layer: [K shares]}}``.
+        pairs_retained_by_layer: ``{"k": {layer: share}}``.
+        routing_affected_share: share of scored tokens that have keys beyond the window.
+        config: what was evaluated (model, adapter, corpus, split, window scheme, the Focus
+            settings, the adapter's training settings when known...).
+        versions, environment: libraries and hardware (:mod:`focus_attention.utils.env`).
+        seconds: ``load``, ``base``, ``soft``, ``topk`` {"k"}, ``total``.
+    """
+
+    ppl: dict[str, Any]
+    pairs_retained: dict[str, float]
+    tokens: int
+    windows: int
+    base_weights_sha256: dict[str, Any]
+    dominance: dict[str, Any]
+    group_shares: dict[str, Any]
+    pairs_retained_by_layer: dict[str, Any]
+    routing_affected_share: float
+    config: dict[str, Any]
+    versions: dict[str, Any]
+    environment: dict[str, Any]
+    seconds: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field, in order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvalResult:
+        """Inverse of :meth:`to_dict` (for example a JSON result file read back)."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def score_windows(
+    model: Any,
+    blocks: torch.Tensor,
+    *,
+    recorder: Any | None = None,
+    on_window: Callable[[int, list[dict[str, Any]]], None] | None = None,
+    progress: Any | None = None,
+) -> tuple[float, int]:
+    """Next-token negative log-likelihood of independent windows (module docstring).
+
+    Args:
+        model: a causal LM (a ``FocusModel`` or a plain transformers model) called as
+            ``model(input_ids=..., use_cache=False)``; it is used as it is (train/eval mode
+            and routing are the caller's).
+        blocks: ``LongTensor [n_windows, seq_len]``; every row is scored on its own, one row
+            per forward.
+        recorder: a ``FocusModel`` whose ``record_routing()`` wraps every forward; the
+            records of window ``i`` are passed to ``on_window(i, records)`` and then dropped.
+        on_window: see ``recorder``.
+        progress: a tqdm bar advanced by one per window (or None).
+
+    Returns:
+        ``(nll_sum, n_tokens)``: the summed NLL in nats (float64 accumulation) and the number
+        of scored tokens, ``n_windows * (seq_len - 1)``.
+
+    Raises:
+        ValueError: ``blocks`` is not a 2-D tensor with ``seq_len >= 2``.
+    """
+    if blocks.ndim != 2 or blocks.shape[1] < 2:
+        raise ValueError(f"blocks: expected [n_windows, seq_len >= 2], got {tuple(blocks.shape)}")
+    total = 0.0
+    count = 0
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for i in range(blocks.shape[0]):
+            x = blocks[i : i + 1].to(device)
+            ctx = recorder.record_routing() if recorder is not None else contextlib.nullcontext([])
+            with ctx as records:
+                logits = model(input_ids=x, use_cache=False).logits
+            nll = F.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="sum")
+            total += float(nll.double())
+            count += x.shape[1] - 1
+            del logits
+            if on_window is not None:
+                on_window(i, records)
+            if progress is not None:
+                progress.update(1)
+    return total, count
+
+
+class RoutingStats:
+    """Routing statistics of one routing setting, accumulated over windows: pairs retained
+    (top-k), group shares and dominance per layer (docs/method.md §2, §9)."""
+
+    def __init__(self, window: int, num_groups: int) -> None:
+        self.window = window
+        self.num_groups = num_groups
+        self.kept = 0.0
+        self.pairs = 0.0
+        self.layer_mass: dict[int, Any] = {}
+        self.layer_pairs: dict[int, list[float]] = {}
+
+    def _add_pairs(self, layer: int, record: dict[str, Any]) -> None:
+        q = record["query_groups"]
+        n = q.shape[1]
+        causal = n * (n + 1) / 2 * q.shape[0]
+        frac = pairs_retained(q, record["key_groups"], self.window, record.get("key_padding"))
+        self.kept += frac * causal
+        self.pairs += causal
+        kept_pairs = self.layer_pairs.setdefault(layer, [0.0, 0.0])
+        kept_pairs[0] += frac * causal
+        kept_pairs[1] += causal
+
+    def add(self, index: int, records: list[dict[str, Any]]) -> None:
+        """Fold in the routing records of window ``index``.
+
+        Raises:
+            RuntimeError: no record (Focus is not attached or is disabled).
+        """
+        if not records:
+            raise RuntimeError("no routing was recorded: is Focus attached and enabled?")
+        for r in records:
+            layer = int(r["layer"])
+            if r["mode"] == "soft":
+                assign = F.one_hot(r["probs"].argmax(-1), self.num_groups).float()
+            else:
+                assign = r["query_groups"].float()
+                self._add_pairs(layer, r)
+            mass = assign.sum(dim=(0, 1)).double()
+            self.layer_mass[layer] = self.layer_mass.get(layer, 0) + mass
+
+    def summary(self) -> dict[str, Any]:
+        """``dominance``, ``dominance_max``, ``group_shares`` and, for top-k routing,
+        ``pairs_retained`` and ``pairs_retained_by_layer``."""
+        shares = {}
+        for layer in sorted(self.layer_mass):
+            m = self.layer_mass[layer]
+            shares[str(layer)] = [round(float(v), 6) for v in (m / m.sum()).tolist()]
+        doms = [max(v) for v in shares.values()]
+        out: dict[str, Any] = {
+            "dominance": sum(doms) / len(doms) if doms else None,
+            "dominance_max": max(doms) if doms else None,
+            "group_shares": shares,
+        }
+        if self.pairs:
+            out["pairs_retained"] = self.kept / self.pairs
+            out["pairs_retained_by_layer"] = {
+                str(k): v[0] / v[1] for k, v in sorted(self.layer_pairs.items())
+            }
+        return out
+
+
+def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
+    """The adapter's saved Focus settings and the ``top_k`` values to evaluate; checked
+    before the model loads (that takes a while).
+
+    Raises:
+        FileNotFoundError: no adapter config; ValueError: a ``top_k`` outside ``1..K``.
+    """
+    from ..hf.config import FocusConfig
+
+    adapter = Path(cfg.adapter)
+    if not (adapter / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{adapter / CONFIG_NAME} not found: not a Focus adapter")
+    saved = FocusConfig.from_json_file(adapter / CONFIG_NAME)
+    k_all = list(range(1, saved.num_groups + 1))
+    ks = k_all if cfg.top_k_values is None else list(cfg.top_k_values)
+    outside = [k for k in ks if k not in k_all]
+    if outside:
+        raise ValueError(f"top_k_values: {outside} outside 1..K={saved.num_groups}")
+    return saved, ks
+
+
+class _Scores:
+    """What the evaluation collects, setting by setting."""
+
+    def __init__(self) -> None:
+        self.ppl: dict[str, Any] = {"focus_topk": {}}
+        self.pairs: dict[str, float] = {}
+        self.pairs_by_layer: dict[str, Any] = {}
+        self.dominance: dict[str, Any] = {"topk": {}, "topk_max": {}}
+        self.shares: dict[str, Any] = {"topk": {}}
+        self.seconds: dict[str, Any] = {"topk": {}}
+
+    def add_soft(self, ppl: float, summary: dict[str, Any], seconds: float) -> None:
+        self.ppl["focus_soft"] = ppl
+        self.dominance["soft"] = summary["dominance"]
+        self.dominance["soft_max"] = summary["dominance_max"]
+        self.shares["soft"] = summary["group_shares"]
+        self.seconds["soft"] = seconds
+
+    def add_topk(self, k: int, ppl: float, summary: dict[str, Any], seconds: float) -> None:
+        key = str(k)
+        self.ppl["focus_topk"][key] = ppl
+        self.pairs[key] = summary["pairs_retained"]
+        self.pairs_by_layer[key] = summary["pairs_retained_by_layer"]
+        self.dominance["topk"][key] = summary["dominance"]
+        self.dominance["topk_max"][key] = summary["dominance_max"]
+        self.shares["topk"][key] = summary["group_shares"]
+        self.seconds["topk"][key] = seconds
+
+
+def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any) -> tuple[float, dict, float]:
+    """Perplexity, routing summary and seconds of the adapter in its current routing."""
+    t = time.monotonic()
+    cfg = fm.focus_config
+    stats = RoutingStats(cfg.window, cfg.num_groups)
+    nll, n = score_windows(fm, blocks, recorder=fm, on_window=stats.add, progress=bar)
+    return math.exp(nll / n), stats.summary(), time.monotonic() - t
+
+
+def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[int], scores: _Scores, bar: Any) -> tuple[dict, list[int]]:  # fmt: skip
+    """Attach the adapter (with the overrides) and score soft routing and every top-k;
+    returns the Focus settings used and the Focus layers."""
+    from ..hf import FocusModel
+
+    fm = FocusModel.from_pretrained(base, cfg.adapter)
+    overrides = {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens}
+    fm.focus_config = fm.focus_config.replace(
+        **{k: v for k, v in overrides.items() if v is not None}
+    )
+    settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
+    fm.eval()
+    bar.set_description("eval Focus soft")
+    fm.set_routing("soft")
+    scores.add_soft(*_score_routed(fm, blocks, bar))
+    fm.set_routing("topk")
+    for k in ks:
+        bar.set_description(f"eval Focus top-{k}")
+        fm.set_top_k(k)
+        scores.add_topk(k, *_score_routed(fm, blocks, bar))
+    fm.set_routing("auto")
+    return settings, fm.focus_layers
+
+
+def _train_config(adapter: Path) -> dict[str, Any] | None:
+    """The ``train_config.json`` beside the adapter, when there is a readable one."""
+    path = adapter / TRAIN_CONFIG_FILE
+    if path.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            return json.loads(path.read_text())
+    return None
+
+
+def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layers: list[int]) -> dict[str, Any]:  # fmt: skip
+    """The ``config`` block of the result."""
+    return {
+        "model": str(cfg.model),
+        "adapter": str(cfg.adapter),
+        "corpus": str(cfg.corpus),
+        "split": cfg.split,
+        "seq_len": cfg.seq_len,
+        "max_tokens": cfg.max_tokens,
+        "prepend_bos": bos,
+        "top_k_values": ks,
+        "trained_top_k": focus["top_k"],
+        "overrides": {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens},
+        "window_scheme": WINDOW_SCHEME,
+        "focus": focus,
+        "focus_layers": layers,
+        "train_config": _train_config(Path(cfg.adapter)),
+    }
+
+
+def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool]:
+    """Read the split, load the base model and cut the windows: ``(model, blocks, bos)``."""
+    from ..data import load_corpus, token_blocks
+    from ..models import auto_prepend_bos, load_model
+
+    quiet = not cfg.progress
+    texts = load_corpus(cfg.corpus, quiet=quiet).texts(cfg.split)
+    base, tokenizer = load_model(cfg.model, quiet=quiet)
+    bos = auto_prepend_bos(base) if cfg.prepend_bos is None else cfg.prepend_bos
+    blocks = token_blocks(tokenizer, texts, cfg.seq_len, max_tokens=cfg.max_tokens,
+                          prepend_bos=bos)  # fmt: skip
+    return base, blocks, bos
+
+
+def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult:
+    """Perplexity of the base model and of a Focus adapter (soft and every top-k) on one
+    split of a corpus (scheme in the module docstring; docs/method.md §9).
+
+    Args:
+        config: an :class:`EvalConfig`; or give its fields as keyword arguments
+            (``evaluate(adapter="runs/austen", max_tokens=2048)``), which also override the
+            fields of ``config``.
+
+    Returns:
+        an :class:`EvalResult`, also written to ``config.json`` (and the table to
+        ``config.markdown``) when set.
+
+    Raises:
+        ValueError: bad settings, a ``top_k`` outside ``1..K``, too little text, an adapter
+            saved for another base model.
+        FileNotFoundError: the adapter files are missing.
+        RuntimeError: the base weights changed during the evaluation.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = dataclasses.replace(config, **settings) if config is not None else EvalConfig(**settings)
+    t_all = time.monotonic()
+    _, ks = _adapter_top_k_values(cfg)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    scores = _Scores()
+    t = time.monotonic()
+    base, blocks, bos = _load(cfg)
+    sha_before = weights_sha256(base)
+    scores.seconds["load"] = time.monotonic() - t
+    n_win = int(blocks.shape[0])
+    bar = tqdm(total=n_win * (2 + len(ks)), disable=not cfg.progress, desc="eval",
+               dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+    try:
+        t = time.monotonic()
+        bar.set_description("eval base")
+        base.eval()
+        nll, n_tok = score_windows(base, blocks, progress=bar)
+        scores.ppl["base"] = math.exp(nll / n_tok)
+        scores.seconds["base"] = time.monotonic() - t
+        focus, layers = _score_adapter(base, cfg, blocks, ks, scores, bar)
+    finally:
+        bar.close()
+    sha_after = weights_sha256(base)
+    if sha_after != sha_before:
+        raise RuntimeError(
+            f"the base model's weights changed during evaluation (SHA-256 {sha_before} before, "
+            f"{sha_after} after)"
+        )
+    scores.seconds["total"] = time.monotonic() - t_all
+    result = EvalResult(
+        ppl=scores.ppl,
+        pairs_retained=scores.pairs,
+        tokens=n_tok,
+        windows=n_win,
+        base_weights_sha256={"before": sha_before, "after": sha_after, "equal": True},
+        dominance=scores.dominance,
+        group_shares=scores.shares,
+        pairs_retained_by_layer=scores.pairs_by_layer,
+        routing_affected_share=max(0, cfg.seq_len - focus["window"]) / (cfg.seq_len - 1),
+        config=_config_record(cfg, bos, ks, focus, layers),
+        versions=library_versions(),
+        environment=environment(),
+        seconds=scores.seconds,
+    )
+    _write(result, cfg)
+    return result
+
+
+def _write(result: EvalResult, cfg: EvalConfig) -> None:
+    """The result as JSON and its table as markdown, where ``cfg`` asks for them."""
+    if cfg.json is not None:
+        write_json_atomic(cfg.json, result.to_dict())
+    if cfg.markdown is not None:
+        path = Path(cfg.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, markdown_table(result) + "\n")
+
+
+def markdown_table(result: EvalResult | dict[str, Any]) -> str:
+    """The evaluation as a markdown table: one row for the base model, one for soft routing
+    and one per evaluated ``top_k`` (PPL, change against the base, pairs retained,
+    dominance), after a one-line description of what was measured. ``result`` may be an
+    :class:`EvalResult` or its dict (a JSON result file)."""
+    r = result.to_dict() if isinstance(result, EvalResult) else result
+    cfg, focus, base = r["config"], r["config"]["focus"], r["ppl"]["base"]
+
+    def rel(v: float) -> str:
+        return f"{100 * (v / base - 1):+.1f}%"
+
+    lines = [
+        f"{cfg['model']} + Focus adapter `{cfg['adapter']}` on {cfg['corpus']}/{cfg['split']}: "
+        f"{r['tokens']:,d} scored tokens in {r['windows']} windows of "
+        f"{cfg['seq_len']} (K={focus['num_groups']}, window={focus['window']}, "
+        f"gate={focus['gate']}, sink_tokens={focus['sink_tokens']}, "
+        f"inference_routing={focus['inference_routing']})",
+        "",
+        "| model | top_k | PPL | vs base | pairs retained | dominance |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| base (dense) | - | {base:.3f} | - | 100.0% | - |",
+    ]
+    soft = r["ppl"]["focus_soft"]
+    dsoft = r["dominance"].get("soft")
+    dsoft_s = f"{dsoft:.3f}" if dsoft is not None else "-"
+    lines.append(f"| Focus soft | - | {soft:.3f} | {rel(soft)} | (gated, dense) | {dsoft_s} |")
+    for k, v in r["ppl"]["focus_topk"].items():
+        pr = r["pairs_retained"][k]
+        d = r["dominance"]["topk"][k]
+        lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
+    return "\n".join(lines)

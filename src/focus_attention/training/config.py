@@ -1,0 +1,242 @@
+"""``TrainConfig``: the settings of a centroid-only training run (docs/method.md §6), each
+field the one source of its default and of its ``focus train`` flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..data import DEFAULT_CORPUS
+from ..hf.config import FocusConfig
+from ..models import DEFAULT_MODEL
+from ..utils.checks import bad, check_int, check_number
+
+__all__ = ["RESUME_FREE_FIELDS", "TrainConfig"]
+
+#: fields that may differ between a run and its ``--resume``: they do not change the trained
+#: parameters (validation runs in eval mode, without bias updates or randomness)
+RESUME_FREE_FIELDS = (
+    "resume",
+    "overwrite",
+    "threads",
+    "save_every",
+    "keep_checkpoints",
+    "progress",
+    "eval_every",
+    "eval_tokens",
+    "out",
+)
+#: why a locked field cannot change on ``--resume`` (added to the error message)
+RESUME_LOCKED_WHY = {
+    "steps": "steps sets the learning-rate schedule (warm-up and cosine decay to 0 at the "
+    "last step); to train longer start a new run with another --out",
+}
+
+
+def _betas(text: str) -> tuple[float, float]:
+    """``"0.9,0.99"`` -> ``(0.9, 0.99)`` (the ``--betas`` flag).
+
+    Raises:
+        argparse.ArgumentTypeError: not comma-separated numbers.
+    """
+    parts = [p for p in text.split(",") if p.strip()]
+    try:
+        return tuple(float(p) for p in parts)  # type: ignore[return-value]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected two numbers like 0.9,0.99, got {text!r}"
+        ) from err
+
+
+@dataclass
+class TrainConfig:
+    """Settings of a centroid-only training run (docs/method.md §6).
+
+    Defaults are sized so that training plus the README's evaluation finish within about
+    15 minutes on a 2-core CPU: 80 steps of one 512-token block (about 4-5 s per step with
+    2 threads for smollm2-135m), leaving ~4-5 minutes for ``focus eval``'s 4,096 tokens. The
+    learning rate 3e-2 was the best of 3e-3, 1e-2 and 3e-2 in 80-step runs scored on the
+    validation book (never on the test book).
+
+    Every field but ``focus`` is a ``focus train`` flag (``seq_len`` -> ``--seq-len``); the
+    Focus settings are the flags of :class:`~focus_attention.hf.FocusConfig` (``routing``,
+    ``layers`` and ``seed`` excepted: training routes softly, every full-attention layer gets
+    Focus, and the run's ``seed`` also seeds the routers).
+
+    Attributes:
+        focus: the Focus retrofit to train; its ``seed`` is set to the run's ``seed``
+            (by :meth:`validate`, which construction calls).
+        (the others: see each field's help text, ``focus train --help``)
+
+    Raises:
+        ValueError: on construction or :meth:`validate`, naming the first bad field.
+    """
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "registered model, local model directory or hub id"},
+    )
+    corpus: str = field(
+        default=DEFAULT_CORPUS,
+        metadata={"help": "registered corpus or local text file / folder"},
+    )
+    out: str | None = field(
+        default=None, metadata={"help": "output directory (default: runs/<corpus name>)"}
+    )
+    steps: int = field(
+        default=80, metadata={"help": "optimizer steps (0 saves the untrained adapter)"}
+    )
+    seq_len: int = field(default=512, metadata={"help": "tokens per training block"})
+    batch_size: int = field(default=1, metadata={"help": "blocks per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=3e-2, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(
+        default=8, metadata={"help": "linear warm-up steps from 0, then cosine decay to 0"}
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.99),
+        metadata={"help": "AdamW betas", "type": _betas, "metavar": "B1,B2"},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "gradient-norm clip (0 = no clipping)"}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "seed of Python, NumPy, torch, the data order and the routers"},
+    )
+    eval_every: int = field(
+        default=0,
+        metadata={
+            "help": "validate every N steps, also at step 0 and at the end "
+            "(0: only then; < 0: never)"
+        },
+    )
+    eval_tokens: int = field(
+        default=1024, metadata={"help": "validation tokens (whole seq_len windows)"}
+    )
+    save_every: int = field(
+        default=20, metadata={"help": "checkpoint every N steps and at the end (0: end only)"}
+    )
+    keep_checkpoints: int = field(default=2, metadata={"help": "newest checkpoints kept"})
+    max_train_tokens: int | None = field(
+        default=None, metadata={"help": "cap on training tokens (default: the whole split)"}
+    )
+    threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the newest checkpoint in --out"}
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "delete an earlier run in --out and start again"}
+    )
+    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start every block with BOS (default: automatic, on for Gemma)"},
+    )
+    focus: FocusConfig = field(default_factory=FocusConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)  # type: ignore[assignment]
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises ``ValueError`` naming the first bad one (the Focus
+        settings are checked by :class:`~focus_attention.hf.FocusConfig`)."""
+        owner = "TrainConfig"
+        check_int(owner, "steps", self.steps, 0)
+        check_int(owner, "seq_len", self.seq_len, 2)
+        for name in ("batch_size", "grad_accum", "keep_checkpoints"):
+            check_int(owner, name, getattr(self, name), 1)
+        check_number(owner, "lr", self.lr)
+        check_int(owner, "warmup_steps", self.warmup_steps, 0)
+        check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
+        # inf: no clipping, like 0
+        check_number(owner, "max_grad_norm", self.max_grad_norm, inclusive=True, finite=False)
+        betas = self.betas
+        if not isinstance(betas, tuple) or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise bad(owner, "betas", betas, "two numbers in [0, 1)")
+        check_int(owner, "seed", self.seed)
+        check_int(owner, "eval_every", self.eval_every)
+        check_int(owner, "eval_tokens", self.eval_tokens, 1)
+        check_int(owner, "save_every", self.save_every, 0)
+        check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        if self.resume and self.overwrite:
+            raise bad(owner, "resume", self.resume, "not both resume and overwrite")
+        self._validate_focus()
+
+    def _validate_focus(self) -> None:
+        owner = "TrainConfig"
+        if not isinstance(self.focus, FocusConfig):
+            raise bad(owner, "focus", self.focus, "a FocusConfig")
+        if self.focus.seed != self.seed:  # the run's seed also seeds the routers
+            self.focus = self.focus.replace(seed=self.seed)
+        if self.focus.routing == "topk":
+            raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
+        window = self.focus.window
+        if self.seq_len <= window:
+            raise bad(
+                owner,
+                "seq_len",
+                self.seq_len,
+                f"more than window ({window}): in blocks of {self.seq_len} tokens every "
+                "pair is inside the local window, so routing changes nothing and the centroids "
+                "get no gradient (use a longer --seq-len or a smaller --window)",
+            )
+
+    def focus_config(self) -> FocusConfig:
+        """The :class:`~focus_attention.hf.FocusConfig` of this run: ``focus`` with its
+        ``seed`` set to the run's ``seed``."""
+        return self.focus.replace(seed=self.seed)
+
+    def out_dir(self) -> Path:
+        """``out``, or ``runs/<corpus name>`` when ``out`` is None."""
+        if self.out is not None:
+            return Path(self.out)
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(self.corpus)).name).strip("-.")
+        return Path("runs") / (slug or "focus")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field; ``focus`` as :meth:`FocusConfig.to_dict` of
+        :meth:`focus_config`."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["betas"] = list(self.betas)
+        d["focus"] = self.focus_config().to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`. A flat dict whose Focus settings sit beside the run's
+        (the layout of earlier ``train_config.json`` files) is read too.
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        data = dict(data)
+        focus_keys = {f.name for f in dataclasses.fields(FocusConfig)} - {"seed"}
+        focus = dict(data.pop("focus", {}) or {})
+        for key in sorted(focus_keys & set(data)):
+            focus[key] = data.pop(key)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {unknown}")
+        return cls(**data, focus=FocusConfig.from_dict(focus))
+
+    def locked_differences(self, other: TrainConfig) -> dict[str, tuple[Any, Any]]:
+        """Fields (``focus`` as one) that differ between ``self`` and ``other``, except
+        :data:`RESUME_FREE_FIELDS`: ``{name: (self's, other's)}``."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {
+            name: (mine[name], theirs[name])
+            for name in mine
+            if name not in RESUME_FREE_FIELDS and mine[name] != theirs[name]
+        }

@@ -1,0 +1,614 @@
+"""``focus train``: centroid-only training of a frozen pretrained causal LM (docs/method.md §6).
+
+Only the Focus routers (``W_g`` and the centroids ``C`` of every Focus layer, §1) train;
+every base parameter is frozen (checked before the first step) and the base model runs in
+``eval()`` mode (no dropout). The model routes softly (Sinkhorn and the soft gate, §2-§3);
+each soft batch also updates the calibrated causal bias used by top-k inference (§4).
+
+The run, step by step (:func:`train`): check the settings and the output directory, resume
+from the newest checkpoint if asked, load the corpus and the model, attach Focus, then per
+optimizer step: ``grad_accum`` micro-batches of next-token cross-entropy, gradient clipping,
+AdamW, the learning-rate schedule (:mod:`.schedule`), a log record, validation when due
+(top-k and soft perplexity on the validation split) and a checkpoint when due
+(:mod:`.checkpoint`). Ctrl-C (SIGINT) between or during steps saves a checkpoint of the last
+completed step and the adapter, then re-raises; a SIGINT arriving during the optimizer update
+or a save waits until that finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..hf import FocusModel, get_focus_model
+from ..hf.model import WEIGHTS_NAME
+from ..ops import dominance
+from ..utils.env import environment, library_versions, weights_sha256
+from ..utils.io import write_json_atomic
+from .checkpoint import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    LOG_NAME,
+    PLOT_NAME,
+    RESULT_NAME,
+    latest_checkpoint,
+    load_state,
+    prepare_out,
+    read_log,
+    restore_rng_state,
+    save_checkpoint,
+    seed_everything,
+    truncate_log,
+)
+from .config import RESUME_LOCKED_WHY, TrainConfig
+from .plot import write_plot
+from .schedule import block_indices, lr_factor
+
+__all__ = ["TrainResult", "train"]
+
+Callback = Callable[[int, dict[str, Any]], None]
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        out: the output directory (final adapter, log, plot, checkpoints).
+        steps: optimizer steps completed in total (including those before a resume).
+        start_step: the step this call started from (0, or the resumed checkpoint's).
+        losses: training loss (mean next-token cross-entropy, nats/token) of every step run
+            by this call, in order.
+        validation: the validation records of this call: dicts with ``step``,
+            ``val_ppl_topk``, ``val_ppl_soft``, ``val_tokens`` (and ``val_ppl_base`` at step
+            0).
+        final_loss: loss of the last step (``None`` if no step ran).
+        seconds: wall-clock seconds of this call (loading included).
+        train_seconds: cumulative seconds spent in the training loop over all resumes.
+        trainable_parameters: number of trained (Focus) parameters.
+        adapter: directory of the final adapter (= ``out``).
+        checkpoint: directory of the last checkpoint written (or ``None``).
+        log: path of ``log.jsonl``; plot: path of ``train.png`` (``None`` if not written).
+        extra: ``interrupted``, ``train_blocks``, ``prepend_bos``, ``base_weights_sha256``
+            (``before``, ``after``, ``equal``); ``already_finished`` for a ``--resume`` of a
+            finished run.
+    """
+
+    out: Path
+    steps: int
+    start_step: int
+    losses: list[float]
+    validation: list[dict[str, Any]]
+    final_loss: float | None
+    seconds: float
+    train_seconds: float
+    trainable_parameters: int
+    adapter: Path
+    checkpoint: Path | None
+    log: Path
+    plot: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (paths as strings)."""
+        d = dataclasses.asdict(self)
+        for k in ("out", "adapter", "checkpoint", "log", "plot"):
+            d[k] = None if d[k] is None else str(d[k])
+        return d
+
+
+class SigintGuard:
+    """Turns SIGINT into ``KeyboardInterrupt`` at once, except inside :meth:`critical`
+    sections (optimizer update, saves), where it is deferred to the section's end. Installed
+    only in the main thread (elsewhere it is a no-op)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> SigintGuard:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.depth > 0:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        """A section that SIGINT does not cut: it raises ``KeyboardInterrupt`` at its end."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0 and self.pending:
+                self.pending = False
+                raise KeyboardInterrupt
+
+
+def trainable_parameters(model: FocusModel) -> list[torch.nn.Parameter]:
+    """The parameters that require grad, sorted by name, after checking that they are
+    exactly the Focus routers' parameters (the base model is frozen).
+
+    Raises:
+        RuntimeError: a base parameter requires grad, or not every Focus parameter does.
+    """
+    named = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    router_ids = {id(p) for p in model.routers.parameters()}
+    base = [n for n, p in named if id(p) not in router_ids]
+    if base:
+        raise RuntimeError(
+            f"centroid-only training: {len(base)} base parameters require grad ({base[:3]}...)"
+        )
+    if not named or len(named) != len(router_ids):
+        raise RuntimeError(
+            f"centroid-only training: {len(named)} of {len(router_ids)} Focus parameters "
+            "require grad (expected all of them)"
+        )
+    return [p for _, p in named]
+
+
+def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Dominance of the recorded routing (docs/method.md §2), over layers: ``dominance``
+    (mean) and ``dominance_max`` (worst layer) of the tokens' largest Sinkhorn weights, and
+    ``dominance_topk`` (mean) of the causal top-k memberships."""
+    soft, hard = [], []
+    for r in records:
+        probs = r.get("probs")
+        if probs is not None:
+            onehot = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).bool()
+            soft.append(dominance(onehot, r.get("key_padding")))
+        if r.get("query_groups") is not None:
+            pad = r.get("key_padding")
+            if pad is not None:
+                pad = pad[:, pad.shape[1] - r["query_groups"].shape[1] :]
+            hard.append(dominance(r["query_groups"], pad))
+    out: dict[str, float] = {}
+    if soft:
+        out["dominance"] = sum(soft) / len(soft)
+        out["dominance_max"] = max(soft)
+    if hard:
+        out["dominance_topk"] = sum(hard) / len(hard)
+    return out
+
+
+def validation_perplexity(
+    model: FocusModel, blocks: torch.Tensor, *, base: bool = False
+) -> dict[str, Any]:
+    """Validation perplexity of ``blocks`` with top-k and with soft routing (eval mode, no
+    bias update) and, with ``base``, of the base model (Focus disabled); the model is put
+    back into training mode (base model in eval mode)."""
+    from ..evaluation.perplexity import score_windows
+
+    model.eval()
+    extra = {}
+    try:
+        if base:
+            with model.disable_focus():
+                nll_base, n = score_windows(model, blocks)
+            extra["val_ppl_base"] = math.exp(nll_base / n)
+        model.set_routing("topk")
+        nll_topk, n = score_windows(model, blocks)
+        model.set_routing("soft")
+        nll_soft, _ = score_windows(model, blocks)
+    finally:
+        model.set_routing("auto")
+        model.train()
+        model.base_model.eval()
+    return {
+        "val_ppl_topk": math.exp(nll_topk / n),
+        "val_ppl_soft": math.exp(nll_soft / n),
+        "val_tokens": n,
+        **extra,
+    }
+
+
+#: what :attr:`TrainResult.validation` keeps of a validation record
+VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_tokens", "val_ppl_base")
+
+
+def _resume_state(cfg: TrainConfig, out: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """``(checkpoint, trainer state)`` to resume from, or ``(None, None)`` without resume.
+
+    Raises:
+        FileNotFoundError: ``resume`` without a checkpoint.
+        ValueError: the checkpoint's settings differ in a field that changes the result.
+    """
+    if not cfg.resume:
+        return None, None
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {out / CHECKPOINT_DIR}")
+    state = load_state(ckpt)
+    diff = TrainConfig.from_dict(state["config"]).locked_differences(cfg)
+    if diff:
+        why = "".join(f"; {RESUME_LOCKED_WHY[k]}" for k in diff if k in RESUME_LOCKED_WHY)
+        raise ValueError(
+            f"--resume: settings differ from the checkpoint {ckpt} "
+            f"(field: (checkpoint, now)): {diff}{why}"
+        )
+    return ckpt, state
+
+
+def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float) -> TrainResult:
+    """``--resume`` of a run whose newest checkpoint is its last step: say so and touch
+    nothing (the adapter, log, plot and ``train_result.json`` stay as they are)."""
+    from safetensors.torch import load_file
+
+    step = int(state["step"])
+    print(
+        f"focus train: nothing to do: run already finished at step {step} ({out}); "
+        "its files are left as they are",
+        file=sys.stderr,
+    )
+    tensors = load_file(str(ckpt / WEIGHTS_NAME))
+    n_trainable = sum(t.numel() for k, t in tensors.items() if k.endswith((".proj", ".centroids")))
+    png = out / PLOT_NAME
+    return TrainResult(
+        out=out,
+        steps=step,
+        start_step=step,
+        losses=[],
+        validation=[],
+        final_loss=None,
+        seconds=time.monotonic() - t_call,
+        train_seconds=float(state["elapsed"]),
+        trainable_parameters=n_trainable,
+        adapter=out,
+        checkpoint=ckpt,
+        log=out / LOG_NAME,
+        plot=png if png.is_file() else None,
+        extra={"already_finished": True},
+    )
+
+
+@dataclass
+class _Data:
+    """The model and token blocks of a run."""
+
+    model: Any
+    train_blocks: torch.Tensor
+    val_blocks: torch.Tensor | None
+    prepend_bos: bool
+
+
+def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
+    """Load the model, then cut the corpus' ``train`` (and ``validation``) split into blocks."""
+    from ..data import token_blocks
+    from ..models import auto_prepend_bos, load_model
+
+    quiet = not cfg.progress
+    model, tokenizer = load_model(cfg.model, quiet=quiet)
+    bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
+    train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
+                                max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+    val_blocks = None
+    if cfg.eval_every >= 0:
+        val_blocks = token_blocks(tokenizer, corpus.texts("validation"), cfg.seq_len,
+                                  max_tokens=cfg.eval_tokens, prepend_bos=bos)  # fmt: skip
+    return _Data(model, train_blocks, val_blocks, bos)
+
+
+class _Run:
+    """One training run in progress: the model, optimizer, schedule, counters and files.
+
+    The steps of :func:`train` are its methods, so that each one reads at once."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None) -> None:
+        self.cfg, self.out, self.data = cfg, out, data
+        if ckpt is not None:
+            self.model = FocusModel.from_pretrained(data.model, ckpt, is_trainable=True)
+        else:
+            self.model = get_focus_model(data.model, cfg.focus_config())
+        self.params = trainable_parameters(self.model)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, cfg.steps, cfg.warmup_steps)
+        )
+        self.step, self.elapsed = 0, 0.0
+        self.start_step = 0
+        self.losses: list[float] = []
+        self.validation: list[dict[str, Any]] = []
+        self.last_checkpoint: Path | None = ckpt
+        self.log_path = out / LOG_NAME
+        self.num_blocks = int(data.train_blocks.shape[0])
+        self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Continue from a trainer state (optimizer, schedule, RNG, step, seconds), dropping
+        the log records after its step; without one, start a fresh log."""
+        if state is None:
+            self.log_path.unlink(missing_ok=True)
+            return
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        restore_rng_state(state["rng"])
+        self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self.start_step = self.step
+        truncate_log(self.log_path, self.step)
+
+    def announce(self, corpus_name: str) -> None:
+        """What is about to train, on stderr."""
+        m, cfg = self.model, self.cfg
+        val = self.data.val_blocks
+        print(
+            f"focus train: {cfg.model} on {corpus_name} -> {self.out}\n"
+            f"  trainable (Focus) parameters: {self.num_trainable:,d} of "
+            f"{sum(p.numel() for p in m.parameters()):,d}; {len(m.focus_layers)} Focus layers\n"
+            f"  {self.num_blocks} training blocks of {cfg.seq_len} tokens; "
+            f"{self.tokens_per_step} tokens/step"
+            + (f"; validation {val.numel()} tokens" if val is not None else ""),
+            file=sys.stderr,
+        )
+
+    def emit(self, log: Any, rec: dict[str, Any], started: float) -> None:
+        """Add the time since ``started`` to the loop's seconds and log ``rec`` with it."""
+        self.elapsed += time.monotonic() - started
+        rec["seconds"] = round(self.elapsed, 3)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    def validate(self, rec: dict[str, Any], *, base: bool = False) -> None:
+        """Score the validation blocks into ``rec`` and keep them in ``validation``."""
+        rec.update(validation_perplexity(self.model, self.data.val_blocks, base=base))
+        self.validation.append({k: rec[k] for k in VALIDATION_KEYS if k in rec})
+
+    def validation_due(self) -> bool:
+        every = self.cfg.eval_every
+        if self.data.val_blocks is None or every < 0:
+            return False
+        return self.step == self.cfg.steps or (every > 0 and self.step % every == 0)
+
+    def save(self, guard: SigintGuard, log: Any, *, final: bool = False) -> None:
+        """A checkpoint of the current step; ``final`` (end of run, Ctrl-C): also the
+        adapter in ``out`` and the plot. SIGINT waits until it is written."""
+        state = {
+            "elapsed": self.elapsed,
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "config": self.cfg.to_dict(),
+        }
+        with guard.critical():
+            self.last_checkpoint = save_checkpoint(
+                self.model, state, self.step, self.out, self.cfg.keep_checkpoints
+            )
+            if final:
+                self.model.save_pretrained(self.out)
+                log.flush()
+                write_plot(self.log_path, self.out / PLOT_NAME)
+
+    def forward_backward(self) -> tuple[list[float], list[dict[str, float]]]:
+        """The micro-batches of one optimizer step: losses and routing dominance of each."""
+        cfg = self.cfg
+        losses, doms = [], []
+        for micro in range(cfg.grad_accum):
+            idx = block_indices(self.step, micro, batch_size=cfg.batch_size,
+                                grad_accum=cfg.grad_accum, num_blocks=self.num_blocks,
+                                seed=cfg.seed)  # fmt: skip
+            x = self.data.train_blocks[idx]
+            with self.model.record_routing() as records:
+                output = self.model(input_ids=x, labels=x, use_cache=False)
+            loss = output.loss
+            if not torch.isfinite(loss):
+                raise RuntimeError(
+                    f"non-finite training loss {float(loss)} at step {self.step + 1}"
+                )
+            (loss / cfg.grad_accum).backward()
+            losses.append(float(loss.detach()))
+            doms.append(routing_dominance(records))
+            del records, output, loss
+        return losses, doms
+
+    def optimizer_step(self, guard: SigintGuard) -> tuple[float, float]:
+        """Clip, update, advance the schedule and the step: ``(grad_norm, lr used)``."""
+        with guard.critical():
+            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            lr_now = float(self.opt.param_groups[0]["lr"])
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+        return grad_norm, lr_now
+
+    def train_step(self, guard: SigintGuard) -> dict[str, Any]:
+        """One optimizer step; returns its log record (before validation)."""
+        self.opt.zero_grad(set_to_none=True)
+        losses, doms = self.forward_backward()
+        grad_norm, lr_now = self.optimizer_step(guard)
+        rec = {"step": self.step, "loss": sum(losses) / len(losses), "lr": lr_now,
+               "grad_norm": grad_norm}  # fmt: skip
+        for key in ("dominance", "dominance_max", "dominance_topk"):
+            vals = [d[key] for d in doms if key in d]
+            if vals:
+                rec[key] = max(vals) if key.endswith("max") else sum(vals) / len(vals)
+        rec["tokens"] = self.step * self.tokens_per_step
+        self.losses.append(rec["loss"])
+        return rec
+
+    def loop(self, guard: SigintGuard, log: Any, pbar: Any, callback: Callback | None) -> None:
+        """Validate at step 0 (once per run), then step until ``steps``; checkpoints when
+        due and a final save."""
+        logged = {r.get("step") for r in read_log(self.log_path) if "val_ppl_topk" in r}
+        if self.data.val_blocks is not None and self.step == 0 and 0 not in logged:
+            t0 = time.monotonic()
+            rec: dict[str, Any] = {"step": 0}
+            self.validate(rec, base=True)
+            self.emit(log, rec, t0)
+            pbar.set_postfix(val_ppl=f"{rec['val_ppl_topk']:.2f}")
+        while self.step < self.cfg.steps:
+            t0 = time.monotonic()
+            rec = self.train_step(guard)
+            if self.validation_due():
+                self.validate(rec)
+            self.emit(log, rec, t0)
+            pbar.update(1)
+            pbar.set_postfix(_postfix(rec))
+            if callback is not None:
+                callback(self.step, rec)
+            every = self.cfg.save_every
+            if every and self.step % every == 0 and self.step < self.cfg.steps:
+                self.save(guard, log)
+        self.save(guard, log, final=True)
+
+    def run(self, callback: Callback | None) -> bool:
+        """Train to the end or until Ctrl-C (then save); returns whether interrupted."""
+        from tqdm.auto import tqdm
+
+        quiet = not self.cfg.progress
+        pbar = tqdm(total=self.cfg.steps, initial=self.step, disable=quiet, desc="train",
+                    dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+        with SigintGuard() as guard, open(self.log_path, "a") as log:
+            try:
+                self.loop(guard, log, pbar, callback)
+            except KeyboardInterrupt:
+                pbar.close()
+                self.save(guard, log, final=True)
+                print(
+                    f"\nfocus train: interrupted after step {self.step}; adapter saved in "
+                    f"{self.out}, checkpoint {self.last_checkpoint}; continue with --resume",
+                    file=sys.stderr,
+                )
+                return True
+            finally:
+                pbar.close()
+        return False
+
+
+def _postfix(rec: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's summary of a step record."""
+    post = {"loss": f"{rec['loss']:.3f}", "dom": f"{rec.get('dominance', 0):.2f}",
+            "lr": f"{rec['lr']:.1e}"}  # fmt: skip
+    if "val_ppl_topk" in rec:
+        post["val_ppl"] = f"{rec['val_ppl_topk']:.2f}"
+    return post
+
+
+def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> TrainResult:
+    """Check the base weights, write ``train_result.json`` and build the result.
+
+    Raises:
+        RuntimeError: the base model's weights changed.
+    """
+    sha_after = weights_sha256(run.model.base_model)
+    out = run.out
+    png = out / PLOT_NAME
+    result = TrainResult(
+        out=out,
+        steps=run.step,
+        start_step=run.start_step,
+        losses=run.losses,
+        validation=run.validation,
+        final_loss=run.losses[-1] if run.losses else None,
+        seconds=time.monotonic() - t_call,
+        train_seconds=run.elapsed,
+        trainable_parameters=run.num_trainable,
+        adapter=out,
+        checkpoint=run.last_checkpoint,
+        log=run.log_path,
+        plot=png if png.is_file() else None,
+        extra={
+            "interrupted": interrupted,
+            "train_blocks": run.num_blocks,
+            "prepend_bos": run.data.prepend_bos,
+            "base_weights_sha256": {
+                "before": sha_before,
+                "after": sha_after,
+                "equal": sha_before == sha_after,
+            },  # fmt: skip
+        },
+    )
+    doc = {**result.to_dict(), "config": run.cfg.to_dict(),
+           "focus_config": run.model.focus_config.to_dict(), "versions": library_versions(),
+           "environment": environment()}  # fmt: skip
+    write_json_atomic(out / RESULT_NAME, doc)
+    if sha_after != sha_before:
+        raise RuntimeError(
+            f"the base model's weights changed during training (SHA-256 {sha_before} before, "
+            f"{sha_after} after): only the Focus parameters may train"
+        )
+    return result
+
+
+def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResult:
+    """Train the Focus centroids of a frozen pretrained causal LM (docs/method.md §6).
+
+    Args:
+        config: the :class:`TrainConfig`.
+        callback: called as ``callback(step, record)`` after every optimizer step with the
+            1-based step count and its log record (after validation, before the periodic
+            checkpoint). An exception raised there stops training; ``KeyboardInterrupt``
+            is handled like Ctrl-C.
+
+    Returns:
+        a :class:`TrainResult`; the final adapter is in ``config.out_dir()``.
+
+    Raises:
+        ValueError: bad configuration, an ``out`` directory holding another run (without
+            ``resume``/``overwrite``), a ``resume`` whose settings differ from the
+            checkpoint's (other than :data:`~.config.RESUME_FREE_FIELDS`), too little text.
+        FileNotFoundError: ``resume`` without a checkpoint.
+        RuntimeError: base parameters that require grad, a non-finite loss, base weights
+            that changed (SHA-256 of every base tensor before and after training).
+        KeyboardInterrupt: after Ctrl-C, once the adapter (in ``out``) and a checkpoint of
+            the last completed step are saved.
+    """
+    from ..data import load_corpus
+
+    t_call = time.monotonic()
+    cfg = config
+    cfg.validate()
+    out = cfg.out_dir()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    ckpt, state = _resume_state(cfg, out)
+    if state is not None and int(state["step"]) >= cfg.steps:
+        return _finished_result(out, ckpt, state, t_call)
+    corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model loads
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
+    seed_everything(cfg.seed)
+    data = _load_data(cfg, corpus)
+    sha_before = weights_sha256(data.model)
+    run = _Run(cfg, out, data, ckpt)
+    run.restore(state)
+    run.model.train()
+    run.model.base_model.eval()
+    if cfg.progress:
+        run.announce(corpus.name)
+    interrupted = run.run(callback)
+    result = _finish(run, sha_before, interrupted, t_call)
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
