@@ -8,16 +8,24 @@ from typing import Any
 
 from ..evaluation.perplexity import EvalConfig
 from .common import run_guarded
-from .flags import add_flags, flag_values
+from .flags import add_config_flag, add_flags, flag_values, read_config_table
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation import evaluate, markdown_table
 
-    result = evaluate(EvalConfig(**flag_values(args, EvalConfig)))
+    settings = read_config_table(args.config, "eval")
+    settings.update(flag_values(args, EvalConfig))
+    if "adapter" not in settings:
+        raise ValueError("--adapter is required (or `adapter` in the [eval] table of --config)")
+    try:
+        config = EvalConfig.from_dict(settings)
+    except ValueError as err:
+        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
+    result = evaluate(config)
     print(markdown_table(result))
     print(f"\nbase weights SHA-256 unchanged: {result.base_weights_sha256['after']}")
-    print(f"{result.seconds['total']:.0f} s" + (f"; JSON: {args.json}" if args.json else ""))
+    print(f"{result.seconds['total']:.0f} s" + (f"; JSON: {config.json}" if config.json else ""))
     return 0
 
 
@@ -32,5 +40,6 @@ def register_cli(subparsers: Any) -> None:
         "pairs retained, dominance and group shares; checks that the base weights' SHA-256 "
         "is unchanged.",
     )
+    add_config_flag(p, "eval")
     add_flags(p, EvalConfig)
     p.set_defaults(func=run_guarded(_run))

@@ -2,10 +2,14 @@
 source: its dataclass field (name, default, help text in ``metadata["help"]``, optional
 ``metadata["choices"]`` and ``metadata["type"]``, a parser of the flag's text).
 
+Settings come from three layers, the later winning: the dataclass defaults, a TOML settings
+file (``--config FILE``, one table per command, for example ``[train]`` with a ``[train.focus]``
+sub-table), and the flags given on the command line. Flags have no argparse default for that
+reason: :func:`flag_values` returns only those given.
+
 A field ``seq_len`` becomes ``--seq-len``; a ``bool`` field becomes ``--flag / --no-flag``;
 ``int | None`` and the like parse as ``int``; ``tuple[int, ...]`` takes one or more ints
-(``--lengths 1024 4096``); ``metadata["required"]`` makes the flag required; a field
-without help text is not a flag.
+(``--lengths 1024 4096``); a field without help text is not a flag.
 argparse does the parsing; this module only declares the flags and reads them back.
 """
 
@@ -71,14 +75,9 @@ def add_flags(
     for field in flag_fields(cls, exclude):
         meta = field.metadata
         default = _default(field)
-        kwargs: dict[str, Any] = {"dest": field.name}
-        if meta.get("required"):
-            kwargs["required"] = True
-            kwargs["help"] = meta["help"]
-        else:
-            kwargs["default"] = default
-            shown = "" if default is None else " (default %(default)s)"
-            kwargs["help"] = meta["help"] + shown
+        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
+        shown = "" if default is None else f" (default {_shown(default)})"
+        kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse, several = _scalar(hints[field.name])
         parse = meta.get("type", parse)
         if parse is None:
@@ -95,13 +94,53 @@ def add_flags(
         parser.add_argument(flag_name(field.name), **kwargs)
 
 
+def _shown(value: Any) -> str:
+    """A default as the user would type it."""
+    if isinstance(value, (tuple, list)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
 def flag_values(
     args: argparse.Namespace, cls: type, *, exclude: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """The values of ``cls``'s flags in parsed ``args``, by field name (lists given as
-    several values become tuples)."""
+    """The values of the ``cls`` flags given on the command line, by field name (lists
+    given as several values become tuples)."""
     out = {}
     for f in flag_fields(cls, exclude):
-        value = getattr(args, f.name)
-        out[f.name] = tuple(value) if isinstance(value, list) else value
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            out[f.name] = tuple(value) if isinstance(value, list) else value
     return out
+
+
+def add_config_flag(parser: Any, table: str) -> None:
+    """Add ``--config FILE``: settings read from table ``[table]`` of a TOML file."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML settings file: its [{table}] table; flags given here override it",
+    )
+
+
+def read_config_table(path: str | None, table: str) -> dict[str, Any]:
+    """Table ``[table]`` of the TOML file ``path`` as a dict (``{}`` when ``path`` is None).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: invalid TOML, or no such table (the message names the file).
+    """
+    if path is None:
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not a valid TOML settings file ({err})") from err
+    if not isinstance(data.get(table), dict):
+        raise ValueError(f"{path}: no [{table}] table (tables: {sorted(data)})")
+    return dict(data[table])

@@ -8,7 +8,7 @@ from typing import Any
 from ..hf.config import FocusConfig
 from ..training.config import TrainConfig
 from .common import run_guarded
-from .flags import add_flags, flag_values
+from .flags import add_config_flag, add_flags, flag_values, read_config_table
 
 #: FocusConfig fields that are not ``focus train`` flags: training routes softly, every
 #: full-attention layer gets Focus, and ``--seed`` seeds the routers too
@@ -16,9 +16,20 @@ FOCUS_FIELDS_NOT_FLAGS = ("routing", "layers", "seed")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed ``focus train`` arguments."""
-    focus = FocusConfig(**flag_values(args, FocusConfig, exclude=FOCUS_FIELDS_NOT_FLAGS))
-    return TrainConfig(**flag_values(args, TrainConfig), focus=focus)
+    """The :class:`TrainConfig` of parsed ``focus train`` arguments: the defaults, then the
+    ``[train]`` table of ``--config`` (Focus settings in ``[train.focus]``), then the flags.
+
+    Raises:
+        ValueError: unknown or invalid settings (the message names the file).
+    """
+    settings = read_config_table(args.config, "train")
+    focus = dict(settings.pop("focus", {}))
+    focus.update(flag_values(args, FocusConfig, exclude=FOCUS_FIELDS_NOT_FLAGS))
+    settings.update(flag_values(args, TrainConfig))
+    try:
+        return TrainConfig.from_dict({**settings, "focus": focus})
+    except ValueError as err:
+        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -46,6 +57,7 @@ def register_cli(subparsers: Any) -> None:
         "(W_g, centroids) train, with soft Sinkhorn routing. Writes the adapter, log.jsonl, "
         "train.png and checkpoints into --out. Ctrl-C saves; --resume continues exactly.",
     )
+    add_config_flag(p, "train")
     add_flags(p, TrainConfig)
     add_flags(p.add_argument_group("Focus"), FocusConfig, exclude=FOCUS_FIELDS_NOT_FLAGS)
     p.set_defaults(func=run_guarded(_run))

@@ -118,7 +118,7 @@ class EvalConfig:
     )
     adapter: str = field(
         default="runs/austen",
-        metadata={"help": "directory of a saved Focus adapter", "required": True},
+        metadata={"help": "directory of a saved Focus adapter (required on the command line)"},
     )
     corpus: str = field(
         default=DEFAULT_CORPUS,
@@ -179,6 +179,19 @@ class EvalConfig:
         if self.inference_routing is not None and self.inference_routing not in INFERENCE_ROUTINGS:
             raise bad(owner, "inference_routing", self.inference_routing,
                       f"None or one of {INFERENCE_ROUTINGS}")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvalConfig:
+        """An :class:`EvalConfig` from a dict of its fields.
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"EvalConfig: unknown keys {unknown}")
+        return cls(**data)
 
 
 @dataclass
