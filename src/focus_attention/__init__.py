@@ -29,7 +29,7 @@ __all__ = [
     "topk_memberships",
 ]
 
-# Hugging Face adapter (issue 3): imported lazily so that `import focus_attention` does not
+# The Hugging Face adapter is imported lazily so that `import focus_attention` does not
 # pay for importing transformers.
 _HF_EXPORTS = ("FocusConfig", "FocusModel", "get_focus_model")
 __all__ += list(_HF_EXPORTS)
