@@ -43,7 +43,7 @@ def _evaluate(assets, adapter, **kw):
 
 
 def test_score_windows_matches_the_models_own_loss(assets):
-    from focus_attention.models import load_model
+    from focus_attention.assets.models import load_model
 
     model, _ = load_model(assets["model"], quiet=True)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def test_score_windows_matches_the_models_own_loss(assets):
 
 
 def test_weights_sha256_sees_every_tensor(assets):
-    from focus_attention.models import load_model
+    from focus_attention.assets.models import load_model
 
     model, _ = load_model(assets["model"], quiet=True)
     before = weights_sha256(model)
@@ -145,13 +145,13 @@ def test_argument_errors(assets, adapter, tmp_path):
 
 
 def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
-    import focus_attention.models
+    import focus_attention.assets.models
     from focus_attention.hf import FocusConfig
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(focus_attention.models, "load_model", no_loading)
+    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
     (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
     with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
         evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k_values=[9],

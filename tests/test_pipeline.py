@@ -166,7 +166,7 @@ def tiny_config(assets: dict, out: Path, **changes):
 def make_tiny_assets(root: Path) -> dict:
     """A tiny model directory and a local corpus prepared in the cache ``root/focus-home``
     (``FOCUS_HOME`` is set only while preparing: use it with :func:`use_tiny_assets`)."""
-    from focus_attention.data import prepare_corpus
+    from focus_attention.assets.corpora import prepare_corpus
 
     home = root / "focus-home"
     with pytest.MonkeyPatch.context() as mp:
@@ -231,8 +231,8 @@ def check_eval_schema(result: dict, num_groups: int) -> None:
 def test_pipeline_cli_train_load_eval(assets, tmp_path, capsys):
     from safetensors.torch import load_file
 
+    from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusModel
-    from focus_attention.models import load_model
 
     out = tmp_path / "run"
     argv = ["train", "--model", str(assets["model"]), "--corpus", str(assets["corpus"]),
@@ -299,12 +299,14 @@ def test_cli_errors_are_clear(assets, tmp_path, capsys):
 
 
 def _require_real() -> None:
-    from focus_attention.data import corpus_dir
-    from focus_attention.models import _read_manifest, focus_home, is_prepared
+    from focus_attention.assets.cache import read_manifest
+    from focus_attention.assets.corpora import corpus_dir
+    from focus_attention.assets.models import is_prepared
+    from focus_attention.utils.io import focus_home
 
     if not is_prepared("smollm2-135m"):
         pytest.skip(f"smollm2-135m is not prepared in {focus_home()}: run `focus setup`")
-    if _read_manifest(corpus_dir("austen")) is None:
+    if read_manifest(corpus_dir("austen")) is None:
         pytest.skip(f"corpus 'austen' is not prepared in {focus_home()}: run `focus setup`")
 
 

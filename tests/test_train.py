@@ -98,8 +98,8 @@ def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
         train(tiny_config(assets, out), callback=ctrl_c)
     # the adapter and a checkpoint of step 3 were saved and load
     assert latest_checkpoint(out).name == "step-0000003"
+    from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusModel
-    from focus_attention.models import load_model
 
     base, _ = load_model(assets["model"], quiet=True)
     fm = FocusModel.from_pretrained(base, out)
@@ -209,8 +209,8 @@ def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, m
 
 
 def test_only_focus_parameters_train(assets):
+    from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusConfig, get_focus_model
-    from focus_attention.models import load_model
 
     base, _ = load_model(assets["model"], quiet=True)
     fm = get_focus_model(base, FocusConfig(num_groups=4, top_k=2, window=8, group_dim=8))
@@ -334,12 +334,12 @@ def test_config_refuses_forced_top_k_routing():
 
 
 def test_missing_corpus_fails_before_the_model_loads(tmp_path, monkeypatch):
-    import focus_attention.models
+    import focus_attention.assets.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the corpus was checked")
 
-    monkeypatch.setattr(focus_attention.models, "load_model", no_loading)
+    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
     cfg = TrainConfig(
         corpus=str(tmp_path / "nonexistent"), out=str(tmp_path / "run"), progress=False
     )

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..data import DEFAULT_CORPUS
-from ..models import DEFAULT_MODEL
+from ..assets.corpora import DEFAULT_CORPUS
+from ..assets.models import DEFAULT_MODEL
 from ..utils.env import environment
 from .kernel import sparse_backend_name
 from .timing import median_seconds
@@ -43,7 +43,7 @@ class ModelBenchConfig:
 
 def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
     """The first tokens of the corpus' test split, repeated if shorter than the longest N."""
-    from ..data import load_corpus
+    from ..assets.corpora import load_corpus
 
     text = "\n\n".join(load_corpus(config.corpus).texts("test"))
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
@@ -80,7 +80,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     """
     from tqdm.auto import tqdm
 
-    from ..models import load_model
+    from ..assets.models import load_model
 
     config = config or ModelBenchConfig()
     model, tokenizer = load_model(config.model)

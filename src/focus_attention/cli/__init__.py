@@ -9,8 +9,9 @@ import sys
 
 #: modules that contribute sub-commands, in the order ``--help`` lists them
 COMMAND_MODULES = (
-    "focus_attention.data",
-    "focus_attention.models",
+    "focus_attention.cli.data",
+    "focus_attention.cli.setup",
+    "focus_attention.cli.models",
     "focus_attention.cli.train",
     "focus_attention.cli.eval",
     "focus_attention.cli.bench",

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data import DEFAULT_CORPUS, SPLITS
+from ..assets.corpora import DEFAULT_CORPUS, SPLITS
+from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.model import CONFIG_NAME
-from ..models import DEFAULT_MODEL
 from ..ops import pairs_retained
 from ..training.checkpoint import CONFIG_FILE as TRAIN_CONFIG_FILE
 from ..utils.checks import bad, check_int
@@ -464,8 +464,8 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
 
 def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool]:
     """Read the split, load the base model and cut the windows: ``(model, blocks, bos)``."""
-    from ..data import load_corpus, token_blocks
-    from ..models import auto_prepend_bos, load_model
+    from ..assets.corpora import load_corpus, token_blocks
+    from ..assets.models import auto_prepend_bos, load_model
 
     quiet = not cfg.progress
     texts = load_corpus(cfg.corpus, quiet=quiet).texts(cfg.split)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import DEFAULT_CORPUS
+from ..assets.corpora import DEFAULT_CORPUS
+from ..assets.models import DEFAULT_MODEL
 from ..hf.config import FocusConfig
-from ..models import DEFAULT_MODEL
 from ..utils.checks import bad, check_int, check_number
 
 __all__ = ["RESUME_FREE_FIELDS", "TrainConfig"]

@@ -298,8 +298,8 @@ class _Data:
 
 def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
     """Load the model, then cut the corpus' ``train`` (and ``validation``) split into blocks."""
-    from ..data import token_blocks
-    from ..models import auto_prepend_bos, load_model
+    from ..assets.corpora import token_blocks
+    from ..assets.models import auto_prepend_bos, load_model
 
     quiet = not cfg.progress
     model, tokenizer = load_model(cfg.model, quiet=quiet)
@@ -583,7 +583,7 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
         KeyboardInterrupt: after Ctrl-C, once the adapter (in ``out``) and a checkpoint of
             the last completed step are saved.
     """
-    from ..data import load_corpus
+    from ..assets.corpora import load_corpus
 
     t_call = time.monotonic()
     cfg = config

@@ -4,6 +4,7 @@ of the real prepared corpora (marked ``assets``)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import struct
 import zlib
@@ -13,10 +14,13 @@ import pytest
 import torch
 from tiny import word_tokenizer
 
-from focus_attention import data, models
-from focus_attention.data import (
+from focus_attention.assets import cache, corpora
+from focus_attention.assets.cache import MANIFEST_NAME, read_manifest, verify_entry
+from focus_attention.assets.corpora import (
     AUSTEN_BOOKS,
     AUSTEN_SPLIT,
+    CORPORA,
+    DEFAULT_CORPUS,
     SPLITS,
     Corpus,
     Document,
@@ -27,7 +31,15 @@ from focus_attention.data import (
     split_by_hash_rank,
     token_blocks,
 )
-from focus_attention.models import MANIFEST_NAME, focus_home, verify_entry
+from focus_attention.cli import data as data_cli
+from focus_attention.cli import models as models_cli
+from focus_attention.cli import setup as setup_cli
+from focus_attention.utils.io import focus_home
+
+requires_rdata = pytest.mark.skipif(
+    importlib.util.find_spec("rdata") is None,
+    reason="needs rdata, from the assets extra: pip install 'focus-attention[assets]'",
+)
 
 WORDS = [
     "the",
@@ -89,6 +101,11 @@ def _tokenizer():
 # --------------------------------------------------------------------------------------------
 # local corpora
 # --------------------------------------------------------------------------------------------
+
+
+def test_default_corpus_is_registered():
+    assert DEFAULT_CORPUS == "austen" and DEFAULT_CORPUS in CORPORA
+    assert [r["name"] for r in list_corpora() if r["default"]] == [DEFAULT_CORPUS]
 
 
 def test_focus_home_env(home):
@@ -194,24 +211,24 @@ def test_idempotent_and_rebuilt_on_change(home, folder):
 
 
 def test_failure_mid_prepare_leaves_no_half_entry(home, folder, monkeypatch):
-    real = data._write_documents
+    real = corpora._write_documents
 
     def broken(out, splits):
         real(out, {"train": splits["train"][:3]})  # some files written ...
         raise OSError("disk full (simulated)")  # ... then the run dies
 
-    monkeypatch.setattr(data, "_write_documents", broken)
+    monkeypatch.setattr(corpora, "_write_documents", broken)
     with pytest.raises(OSError, match="simulated"):
         prepare_corpus(folder, quiet=True)
     assert not any((home / "corpora").iterdir()) if (home / "corpora").exists() else True
     assert not any((home / ".staging").iterdir())
-    monkeypatch.setattr(data, "_write_documents", real)
+    monkeypatch.setattr(corpora, "_write_documents", real)
     path = prepare_corpus(folder, quiet=True)
     assert verify_entry(path) == []
 
 
 def test_killed_run_and_half_entry_are_repaired(home, folder):
-    name = data._resolve(folder)[0]
+    name = corpora._resolve(folder)[0]
     stale = home / ".staging" / f"corpus-{name}.abc123"
     (stale / "entry" / "train").mkdir(parents=True)  # a run killed with SIGKILL
     half = corpus_dir(name)
@@ -236,7 +253,7 @@ def _fake_janeaustenr(root: Path) -> dict[str, str]:
     def serialise(obj) -> bytes:
         return rdata.unparser.unparse_data(rdata.conversion.convert_python_to_r_data(obj))
 
-    d = root / data._AUSTEN_DATA
+    d = root / corpora._AUSTEN_DATA
     d.mkdir(parents=True)
     blob, variables, texts = b"", {}, {}
     for i, (key, (title, _)) in enumerate(AUSTEN_BOOKS.items()):
@@ -254,10 +271,11 @@ def _fake_janeaustenr(root: Path) -> dict[str, str]:
     return texts
 
 
+@requires_rdata
 def test_austen_builder_on_synthetic_r_data(home, tmp_path, monkeypatch):
     root = tmp_path / "deb-root"
     texts = _fake_janeaustenr(root)
-    monkeypatch.setattr(data, "_debian_tree", lambda *a, **k: (root, "fake.deb"))
+    monkeypatch.setattr(corpora, "debian_tree", lambda *a, **k: (root, "fake.deb"))
     corpus = load_corpus("austen", quiet=True)
     assert {s: tuple(d.name for d in corpus.splits[s]) for s in SPLITS} == AUSTEN_SPLIT
     for s in SPLITS:
@@ -270,12 +288,12 @@ def test_austen_builder_on_synthetic_r_data(home, tmp_path, monkeypatch):
 
 
 def test_missing_tools_and_modules_give_clear_errors(tmp_path, monkeypatch):
-    monkeypatch.setattr(data.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(cache.shutil, "which", lambda tool: None)
     with pytest.raises(RuntimeError, match=r"Debian package r-cran-janeaustenr.*apt-get"):
-        data._debian_tree("r-cran-janeaustenr", "no/such/path", tmp_path, quiet=True)
+        cache.debian_tree("r-cran-janeaustenr", "no/such/path", tmp_path, quiet=True)
     monkeypatch.setitem(__import__("sys").modules, "rdata", None)
-    with pytest.raises(RuntimeError, match=r"rdata.*pip install"):
-        data._r_lazyload_objects(tmp_path)
+    with pytest.raises(RuntimeError, match=r"rdata.*pip install 'focus-attention\[assets\]'"):
+        corpora._r_lazyload_objects(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,8 +352,8 @@ def test_token_blocks_long_document_no_warning(capfd):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="focus")
     sub = p.add_subparsers(dest="command")
-    data.register_cli(sub)
-    models.register_cli(sub)
+    for module in (data_cli, setup_cli, models_cli):
+        module.register_cli(sub)
     return p
 
 
@@ -366,7 +384,7 @@ def test_cli_data_and_setup(home, folder, tmp_path, capsys):
 
 
 def _require(name: str) -> None:
-    if models._read_manifest(corpus_dir(name)) is None:
+    if read_manifest(corpus_dir(name)) is None:
         pytest.skip(
             f"corpus {name!r} is not prepared in {focus_home()}: run `focus data prepare {name}`"
         )

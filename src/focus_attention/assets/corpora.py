@@ -2,12 +2,12 @@
 local text file or folder, a deterministic train/validation/test split by whole document, and
 tokenisation into fixed-length blocks.
 
-Registered corpora (product decision, see ``shared/docs/assets.md``):
+Registered corpora:
 
 * ``austen`` (default): Jane Austen's six novels from the Debian package
   ``r-cran-janeaustenr`` (Project Gutenberg texts with their original line breaks, like
-  PG-19). Split by whole book: **test = Persuasion** (the held-out book the project's
-  orientation numbers use), **validation = Northanger Abbey** (the other short, late novel),
+  PG-19). Split by whole book: **test = Persuasion** (the held-out book of the
+  README's results), **validation = Northanger Abbey** (the other short, late novel),
   **train = Sense and Sensibility, Pride and Prejudice, Mansfield Park, Emma**.
 * ``linux-docs``: the Linux kernel documentation reST sources from the Debian package
   ``linux-doc-6.1`` (``usr/share/doc/linux-doc-6.1/html/_sources/**/*.rst.txt``), one document
@@ -40,10 +40,7 @@ import gzip
 import hashlib
 import os
 import re
-import shutil
 import struct
-import subprocess
-import time
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
@@ -51,20 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .models import (
-    DEFAULT_MODEL,
-    _build_entry,
-    _dir_size,
-    _human,
-    _log,
-    _read_manifest,
-    _run_guarded,
-    focus_home,
-)
+from ..utils.io import focus_home
+from .cache import assets_hint, build_entry, debian_tree, dir_size, log, read_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
-    import argparse
-
     import torch
 
 __all__ = [
@@ -80,7 +67,6 @@ __all__ = [
     "list_corpora",
     "load_corpus",
     "prepare_corpus",
-    "register_cli",
     "split_by_hash_rank",
     "token_blocks",
 ]
@@ -91,8 +77,6 @@ DEFAULT_CORPUS = "austen"
 SPLITS = ("train", "validation", "test")
 #: fractions of documents (hash-rank rule) or characters (single-file rule) for test/validation
 HELD_OUT_FRACTION = 0.05
-
-_RDATA_HINT = "pip install 'focus-attention[assets]'  (installs rdata, gguf, accelerate)"
 
 
 @dataclass(frozen=True)
@@ -159,7 +143,8 @@ AUSTEN_BOOKS: dict[str, tuple[str, int]] = {
     "northangerabbey": ("Northanger Abbey", 1817),
     "persuasion": ("Persuasion", 1817),
 }
-#: product decision: whole-book split of the six novels
+#: whole-book split of the six novels: test = Persuasion, validation = Northanger Abbey (the
+#: other short, late novel), train = the other four
 AUSTEN_SPLIT: dict[str, tuple[str, ...]] = {
     "train": ("Sense and Sensibility", "Pride and Prejudice", "Mansfield Park", "Emma"),
     "validation": ("Northanger Abbey",),
@@ -175,23 +160,23 @@ _FILE_RULE = (
     "last 5% test; each cut moved forward to the next line break"
 )
 
-CORPORA: dict[str, CorpusSpec] = {
-    "austen": CorpusSpec(
-        name="austen",
-        description="Jane Austen's six novels (Project Gutenberg texts), 717k words",
-        package="r-cran-janeaustenr",
-        split_rule="by whole book: test = Persuasion, validation = Northanger Abbey, "
-        "train = Sense and Sensibility, Pride and Prejudice, Mansfield Park, Emma",
-        license="public domain texts (package: MIT)",
-    ),
-    "linux-docs": CorpusSpec(
-        name="linux-docs",
-        description="Linux 6.1 kernel documentation, reST sources (~3,180 documents, 3.1M words)",
-        package="linux-doc-6.1",
-        split_rule=_HASH_RULE,
-        license="GPL-2.0",
-    ),
-}
+_AUSTEN = CorpusSpec(
+    name="austen",
+    description="Jane Austen's six novels (Project Gutenberg texts), 717k words",
+    package="r-cran-janeaustenr",
+    split_rule="by whole book: test = Persuasion, validation = Northanger Abbey, "
+    "train = Sense and Sensibility, Pride and Prejudice, Mansfield Park, Emma",
+    license="public domain texts (package: MIT)",
+)
+_LINUX_DOCS = CorpusSpec(
+    name="linux-docs",
+    description="Linux 6.1 kernel documentation, reST sources (~3,180 documents, 3.1M words)",
+    package="linux-doc-6.1",
+    split_rule=_HASH_RULE,
+    license="GPL-2.0",
+)
+#: the registered corpora by name, in the order ``focus data list`` shows them
+CORPORA: dict[str, CorpusSpec] = {spec.name: spec for spec in (_AUSTEN, _LINUX_DOCS)}
 
 _LINUX_DOC_SOURCES = "usr/share/doc/linux-doc-6.1/html/_sources"
 _AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data"
@@ -252,69 +237,8 @@ def _split_text_contiguous(text: str, held_out_fraction: float = HELD_OUT_FRACTI
 
 
 # ---------------------------------------------------------------------------------------------
-# Debian packages
+# R data of the janeaustenr package
 # ---------------------------------------------------------------------------------------------
-
-
-def _debian_tree(package: str, needed: str, scratch: Path, *, quiet: bool) -> tuple[Path, str]:
-    """Root of a file tree holding ``needed`` (a path inside ``package``), and a description
-    of the source: the installed system files when present, else the .deb fetched with
-    ``apt-get download`` and unpacked with ``dpkg -x`` (no installation, no root needed unless
-    the package lists must be refreshed with ``apt-get update``)."""
-    if (Path("/") / needed).exists():
-        _log(f"using the installed Debian package {package} (/{needed})", quiet=quiet)
-        return Path("/"), f"installed {package}"
-    missing = [tool for tool in ("apt-get", "dpkg") if shutil.which(tool) is None]
-    if missing:
-        raise RuntimeError(
-            f"this corpus comes from the Debian package {package}, but {' and '.join(missing)} "
-            f"is not available here. On Debian/Ubuntu run `apt-get download {package}`; "
-            "elsewhere, use a local text file or folder as the corpus."
-        )
-    debs = scratch / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-    _log(f"downloading the Debian package {package} (apt-get download) ...", quiet=quiet)
-    t0 = time.monotonic()
-
-    def download() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["apt-get", "download", "-q", package], cwd=debs, capture_output=True, text=True
-        )
-
-    proc = download()
-    if proc.returncode != 0:
-        if hasattr(os, "geteuid") and os.geteuid() != 0:
-            raise RuntimeError(
-                f"`apt-get download {package}` failed: {_tail(proc.stderr)}\nIf the package "
-                "lists are missing or stale, run `sudo apt-get update` and try again."
-            )
-        _log("  download failed; refreshing the package lists (apt-get update) ...", quiet=quiet)
-        upd = subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True)
-        proc = download()
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"`apt-get download {package}` failed even after `apt-get update` "
-                f"(exit {upd.returncode}): {_tail(proc.stderr)}\nIs a Debian mirror reachable?"
-            )
-    found = sorted(debs.glob(f"{package}_*.deb"))
-    if not found:
-        raise RuntimeError(f"`apt-get download {package}` produced no .deb file")
-    deb = found[0]
-    _log(
-        f"  {deb.name}: {_human(deb.stat().st_size)} in {time.monotonic() - t0:.1f} s", quiet=quiet
-    )
-    root = scratch / "root"
-    proc = subprocess.run(["dpkg", "-x", str(deb), str(root)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`dpkg -x {deb.name}` failed: {_tail(proc.stderr)}")
-    if not (root / needed).exists():
-        raise RuntimeError(f"{deb.name} does not contain {needed}: unexpected package layout")
-    return root, deb.name
-
-
-def _tail(text: str, n: int = 4) -> str:
-    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return "\n".join(lines[-n:]) or "(no output)"
 
 
 def _r_lazyload_objects(data_dir: Path) -> dict[str, Any]:
@@ -329,7 +253,7 @@ def _r_lazyload_objects(data_dir: Path) -> dict[str, Any]:
         import rdata
     except ImportError as e:
         raise RuntimeError(
-            f"reading the austen corpus needs the Python package rdata: {_RDATA_HINT}"
+            f"reading the austen corpus needs the Python package rdata: {assets_hint(['rdata'])}"
         ) from e
     import bz2
     import lzma
@@ -378,6 +302,7 @@ def _write_documents(out: Path, splits: dict[str, list[Document]]) -> dict[str, 
 
 
 def _summary(splits: dict[str, list[Document]]) -> str:
+    """One line for the log: documents and words per split."""
     return ", ".join(
         f"{s} {len(splits[s])} docs / {sum(len(d.text.split()) for d in splits[s]) / 1e3:.0f}k words"
         for s in SPLITS
@@ -385,8 +310,9 @@ def _summary(splits: dict[str, list[Document]]) -> str:
 
 
 def _build_austen(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
-    spec = CORPORA["austen"]
-    root, origin = _debian_tree(spec.package, _AUSTEN_DATA + "/Rdata.rdb", scratch, quiet=quiet)
+    """Write the six novels, split by :data:`AUSTEN_SPLIT`; return manifest fields."""
+    spec = _AUSTEN
+    root, origin = debian_tree(spec.package, _AUSTEN_DATA + "/Rdata.rdb", scratch, quiet=quiet)
     objects = _r_lazyload_objects(root / _AUSTEN_DATA)
     missing = sorted(set(AUSTEN_BOOKS) - set(objects))
     if missing:
@@ -396,7 +322,7 @@ def _build_austen(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
         lines = ["" if not isinstance(x, str) else x.rstrip() for x in objects[key]]
         by_title[title] = "\n".join(lines).strip("\n") + "\n"
     splits = {s: [Document(t, by_title[t]) for t in AUSTEN_SPLIT[s]] for s in SPLITS}
-    _log(f"  {_summary(splits)}", quiet=quiet)
+    log(f"  {_summary(splits)}", quiet=quiet)
     return {
         "split_rule": spec.split_rule,
         "source": {"debian_package": spec.package, "origin": origin, "license": spec.license},
@@ -405,8 +331,10 @@ def _build_austen(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
 
 
 def _build_linux_docs(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any]:
-    spec = CORPORA["linux-docs"]
-    root, origin = _debian_tree(spec.package, _LINUX_DOC_SOURCES, scratch, quiet=quiet)
+    """Write the kernel documentation, one document per reST source, split by the hash-rank
+    rule; return manifest fields."""
+    spec = _LINUX_DOCS
+    root, origin = debian_tree(spec.package, _LINUX_DOC_SOURCES, scratch, quiet=quiet)
     base = root / _LINUX_DOC_SOURCES
     files = sorted(p for p in base.rglob("*.rst.txt") if p.is_file())
     docs = {}
@@ -418,12 +346,16 @@ def _build_linux_docs(out: Path, scratch: Path, *, quiet: bool) -> dict[str, Any
         raise RuntimeError(f"{spec.package}: only {len(docs)} documents under {_LINUX_DOC_SOURCES}")
     assignment = split_by_hash_rank(list(docs))
     splits = {s: [Document(n, docs[n]) for n in assignment[s]] for s in SPLITS}
-    _log(f"  {_summary(splits)}", quiet=quiet)
+    log(f"  {_summary(splits)}", quiet=quiet)
     return {
         "split_rule": spec.split_rule,
         "source": {"debian_package": spec.package, "origin": origin, "license": spec.license},
         "splits": _write_documents(out, splits),
     }
+
+
+#: registered corpus name -> builder ``(out, scratch, *, quiet) -> manifest fields``
+_BUILDERS = {_AUSTEN.name: _build_austen, _LINUX_DOCS.name: _build_linux_docs}
 
 
 def _read_text_file(path: Path) -> str | None:
@@ -439,6 +371,7 @@ def _read_text_file(path: Path) -> str | None:
 
 
 def _local_files(root: Path) -> list[Path]:
+    """The file ``root`` itself, or every non-hidden file below the folder ``root``, sorted."""
     if root.is_file():
         return [root]
     return sorted(
@@ -449,6 +382,7 @@ def _local_files(root: Path) -> list[Path]:
 
 
 def _local_stamp(root: Path) -> str:
+    """Hash of the names, sizes and modification times of a local corpus's files."""
     h = hashlib.sha256()
     for p in _local_files(root):
         st = p.stat()
@@ -458,6 +392,8 @@ def _local_stamp(root: Path) -> str:
 
 
 def _build_local(root: Path, out: Path, *, quiet: bool) -> dict[str, Any]:
+    """Write a local file or folder as a corpus (hash-rank rule from 3 documents, else the
+    single-file rule per document); return manifest fields."""
     docs: dict[str, str] = {}
     skipped = []
     for p in _local_files(root):
@@ -468,7 +404,7 @@ def _build_local(root: Path, out: Path, *, quiet: bool) -> dict[str, Any]:
         else:
             docs[rel] = text
     if skipped:
-        _log(
+        log(
             f"  skipped {len(skipped)} empty, binary or non-UTF-8 file(s): {skipped[:5]}",
             quiet=quiet,
         )
@@ -492,7 +428,7 @@ def _build_local(root: Path, out: Path, *, quiet: bool) -> dict[str, Any]:
             f"{root}: too little text to split ({total} characters): the {', '.join(empty)} "
             "split(s) would be empty. Use more text or a folder of at least 3 documents."
         )
-    _log(f"  {_summary(splits)}", quiet=quiet)
+    log(f"  {_summary(splits)}", quiet=quiet)
     return {
         "split_rule": rule,
         "source": {"local_path": str(root), "skipped": skipped},
@@ -501,6 +437,7 @@ def _build_local(root: Path, out: Path, *, quiet: bool) -> dict[str, Any]:
 
 
 def _local_name(root: Path) -> str:
+    """Cache name of a local corpus: ``local-<stem>-<first 10 hex of sha256(path)>``."""
     stem = (
         root.name[: -len("".join(root.suffixes))] if root.is_file() and root.suffixes else root.name
     )
@@ -514,6 +451,8 @@ def _local_name(root: Path) -> str:
 
 
 def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[str, Path | None]:
+    """``(cache name, None)`` for a registered corpus, ``(cache name, resolved path)`` for a
+    local one. Registered names win over same-named local paths."""
     text = os.fspath(name_or_path)
     if not isinstance(name_or_path, os.PathLike) and text in CORPORA:
         return text, None
@@ -556,28 +495,28 @@ def prepare_corpus(
     name, root = _resolve(name_or_path)
     final = corpus_dir(name)
     if root is None:
-        if not force and _read_manifest(final) is not None:
+        if not force and read_manifest(final) is not None:
             return final
-        builder = {"austen": _build_austen, "linux-docs": _build_linux_docs}[name]
-        _log(f"preparing corpus {name} into {final}", quiet=quiet)
+        builder = _BUILDERS[name]
+        log(f"preparing corpus {name} into {final}", quiet=quiet)
 
         def build(out: Path, scratch: Path) -> dict[str, Any]:
             return {"kind": "corpus", "name": name, **builder(out, scratch, quiet=quiet)}
 
-        return _build_entry(final, f"corpus-{name}", build, force=force, quiet=quiet)
+        return build_entry(final, f"corpus-{name}", build, force=force, quiet=quiet)
 
     stamp = _local_stamp(root)
-    manifest = _read_manifest(final)
+    manifest = read_manifest(final)
     if not force and manifest is not None and manifest.get("source", {}).get("stamp") == stamp:
         return final
-    _log(f"preparing local corpus {root} into {final}", quiet=quiet)
+    log(f"preparing local corpus {root} into {final}", quiet=quiet)
 
     def build_local(out: Path, scratch: Path) -> dict[str, Any]:
         fields = _build_local(root, out, quiet=quiet)
         fields["source"]["stamp"] = stamp
         return {"kind": "corpus", "name": name, **fields}
 
-    return _build_entry(final, f"corpus-{name}", build_local, force=True, quiet=quiet)
+    return build_entry(final, f"corpus-{name}", build_local, force=True, quiet=quiet)
 
 
 def load_corpus(
@@ -599,7 +538,7 @@ def load_corpus(
         damaged (a file listed in the manifest is missing).
     """
     path = prepare_corpus(name_or_path, quiet=quiet)
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     if manifest is None:  # pragma: no cover - prepare_corpus guarantees it
         raise RuntimeError(f"{path}: incomplete corpus entry")
     splits: dict[str, list[Document]] = {}
@@ -631,7 +570,7 @@ def list_corpora() -> list[dict[str, Any]]:
     rows = []
     for spec in CORPORA.values():
         path = corpus_dir(spec.name)
-        manifest = _read_manifest(path)
+        manifest = read_manifest(path)
         rows.append(
             {
                 "name": spec.name,
@@ -642,7 +581,7 @@ def list_corpora() -> list[dict[str, Any]]:
                 "default": spec.name == DEFAULT_CORPUS,
                 "prepared": manifest is not None,
                 "path": str(path),
-                "size_bytes": _dir_size(path) if manifest else 0,
+                "size_bytes": dir_size(path) if manifest else 0,
                 "documents": {s: len(v) for s, v in manifest["splits"].items()} if manifest else {},
             }
         )
@@ -676,7 +615,8 @@ def token_blocks(
         prepend_bos: start every block with ``tokenizer.bos_token_id`` followed by
             ``seq_len - 1`` stream tokens (``max_tokens`` then counts stream tokens). Models
             trained with a BOS at every sequence start (e.g. Gemma) need it for sane
-            perplexity; SmolLM2 does not use one.
+            perplexity; SmolLM2 does not use one
+            (:func:`focus_attention.assets.models.auto_prepend_bos` tells which).
 
     Returns:
         ``torch.LongTensor`` of shape ``[n_blocks, seq_len]``.
@@ -700,9 +640,29 @@ def token_blocks(
         raise ValueError("the tokenizer has no EOS token to separate documents: pass separator_id")
     if isinstance(texts, (str, Document)):
         texts = [texts]
+    stream = _token_stream(tokenizer, texts, int(sep), max_tokens)
+    n_blocks = stream.numel() // width
+    if n_blocks == 0:
+        raise ValueError(
+            f"only {stream.numel()} tokens: not enough for one block of seq_len={seq_len}"
+        )
+    blocks = stream[: n_blocks * width].reshape(n_blocks, width)
+    if prepend_bos:
+        blocks = torch.cat([torch.full((n_blocks, 1), int(bos), dtype=torch.long), blocks], 1)
+    return blocks.clone()
+
+
+def _token_stream(
+    tokenizer: Any, texts: Iterable[str | Document], sep: int, max_tokens: int | None
+) -> torch.Tensor:
+    """The non-empty texts tokenised one by one (no special tokens) and joined with ``sep``
+    between consecutive documents, cut to ``max_tokens``: a 1-D ``torch.long`` tensor.
+    Tokenising stops at the first document that reaches the cap."""
+    import torch
+
     pieces: list[torch.Tensor] = []
     total = 0
-    sep_t = torch.tensor([int(sep)], dtype=torch.long)
+    sep_t = torch.tensor([sep], dtype=torch.long)
     for item in texts:
         text = item.text if isinstance(item, Document) else item
         if not text:
@@ -722,90 +682,4 @@ def token_blocks(
     stream = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
     if max_tokens is not None:
         stream = stream[:max_tokens]
-    n_blocks = stream.numel() // width
-    if n_blocks == 0:
-        raise ValueError(
-            f"only {stream.numel()} tokens: not enough for one block of seq_len={seq_len}"
-        )
-    blocks = stream[: n_blocks * width].reshape(n_blocks, width)
-    if prepend_bos:
-        blocks = torch.cat([torch.full((n_blocks, 1), int(bos), dtype=torch.long), blocks], 1)
-    return blocks.clone()
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
-
-def _cmd_list(args: argparse.Namespace) -> int:
-    print(f"corpora cache: {focus_home() / 'corpora'}")
-    for row in list_corpora():
-        mark = "*" if row["default"] else " "
-        if row["prepared"]:
-            docs = "/".join(str(row["documents"].get(s, 0)) for s in SPLITS)
-            state = f"prepared, {_human(row['size_bytes'])}, docs {docs}"
-        else:
-            state = "not prepared"
-        print(f"{mark} {row['name']:<11} {state:<40} {row['description']}")
-        print(f"  {'':<11} from Debian: {row['package']}; split {row['split_rule']}")
-    print("(* default; docs = train/validation/test; any local text file or folder also works)")
-    return 0
-
-
-def _cmd_prepare(args: argparse.Namespace) -> int:
-    for name in args.names or [DEFAULT_CORPUS]:
-        t0 = time.monotonic()
-        path = prepare_corpus(name, force=args.force)
-        print(f"{name}: {path} ({_human(_dir_size(path))}, {time.monotonic() - t0:.1f} s)")
-    return 0
-
-
-def _cmd_setup(args: argparse.Namespace) -> int:
-    from .models import prepare_model
-
-    models = args.model or [DEFAULT_MODEL]
-    corpora = args.corpus or [DEFAULT_CORPUS]
-    print(f"focus setup: cache {focus_home()} (set FOCUS_HOME to change)", flush=True)
-    rows = []
-    for kind, names, prep in (
-        ("model", models, prepare_model),
-        ("corpus", corpora, prepare_corpus),
-    ):
-        for name in names:
-            t0 = time.monotonic()
-            path = prep(name, force=args.force)
-            dt = time.monotonic() - t0
-            rows.append((kind, name, path, _dir_size(path), dt))
-            print(f"  {kind} {name}: ready ({_human(rows[-1][3])}, {dt:.1f} s)", flush=True)
-    print("summary:")
-    for kind, name, path, size, dt in rows:
-        print(f"  {kind:<6} {name:<14} {_human(size):>10} {dt:7.1f} s  {path}")
-    return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add ``focus data list``, ``focus data prepare NAME...`` and ``focus setup``."""
-    p = subparsers.add_parser("data", help="list and prepare text corpora (offline cache)")
-    sub = p.add_subparsers(dest="data_command", metavar="ACTION")
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
-    ls = sub.add_parser("list", help="registered corpora and whether they are prepared")
-    ls.set_defaults(func=_run_guarded(_cmd_list))
-    pr = sub.add_parser("prepare", help="fetch and split corpora into the cache (idempotent)")
-    pr.add_argument("names", nargs="*", metavar="NAME",
-                    help=f"registered name or local text file/folder (default {DEFAULT_CORPUS})")  # fmt: skip
-    pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
-    pr.set_defaults(func=_run_guarded(_cmd_prepare))
-
-    s = subparsers.add_parser(
-        "setup",
-        help="prepare the default model and corpus (idempotent; run once, then work offline)",
-        description=f"Prepare models and corpora into the cache (FOCUS_HOME). Without options: "
-        f"model {DEFAULT_MODEL} and corpus {DEFAULT_CORPUS}.",
-    )
-    s.add_argument("--model", nargs="+", action="extend", metavar="M",
-                   help=f"model(s) to prepare (default {DEFAULT_MODEL})")  # fmt: skip
-    s.add_argument("--corpus", nargs="+", action="extend", metavar="C",
-                   help=f"corpus/corpora to prepare (default {DEFAULT_CORPUS})")  # fmt: skip
-    s.add_argument("--force", action="store_true", help="rebuild even if already prepared")
-    s.set_defaults(func=_run_guarded(_cmd_setup))
+    return stream

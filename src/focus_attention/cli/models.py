@@ -1,0 +1,58 @@
+"""``focus models list`` and ``focus models prepare NAME...``: the registered pretrained models
+and their offline cache (:mod:`focus_attention.assets.models`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ..assets.cache import dir_size, human_size, verify_entry
+from ..assets.models import DEFAULT_MODEL, list_models, prepare_model
+from ..utils.io import focus_home
+from .common import run_guarded
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    """Print the registered models, the default marked ``*``, with state and sources."""
+    print(f"models cache: {focus_home() / 'models'}")
+    for row in list_models():
+        mark = "*" if row["default"] else " "
+        state = f"prepared, {human_size(row['size_bytes'])}" if row["prepared"] else "not prepared"
+        print(f"{mark} {row['name']:<14} {state:<22} {row['description']}")
+        print(f"  {'':<14} from PyPI: {', '.join(row['packages'])}; licence: {row['license']}")
+    print("(* default; also accepted: a local model directory, a .gguf file or a hub id)")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    """Prepare each named model (default :data:`DEFAULT_MODEL`); print its path, size and
+    time. With ``--verify``, exit 1 listing the problems when a file's sha256 differs."""
+    for name in args.names or [DEFAULT_MODEL]:
+        t0 = time.monotonic()
+        path = prepare_model(name, force=args.force)
+        if args.verify:
+            problems = verify_entry(path, full=True)
+            if problems:
+                for p in problems:
+                    print(p, file=sys.stderr)
+                return 1
+        print(f"{name}: {path} ({human_size(dir_size(path))}, {time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``focus models list`` and ``focus models prepare NAME... [--force] [--verify]``;
+    a bare ``focus models`` prints its help and exits with status 2."""
+    p = subparsers.add_parser("models", help="list and prepare pretrained models (offline cache)")
+    sub = p.add_subparsers(dest="models_command", metavar="ACTION")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+    ls = sub.add_parser("list", help="registered models and whether they are prepared")
+    ls.set_defaults(func=run_guarded(_cmd_list))
+    pr = sub.add_parser("prepare", help="fetch and convert models into the cache (idempotent)")
+    pr.add_argument("names", nargs="*", metavar="NAME",
+                    help=f"registered name, model directory, .gguf or hub id (default {DEFAULT_MODEL})")  # fmt: skip
+    pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    pr.add_argument("--verify", action="store_true", help="recompute sha256 of every file")
+    pr.set_defaults(func=run_guarded(_cmd_prepare))
