@@ -90,6 +90,23 @@ def test_no_import_cycles_between_modules():
     assert _cycle(graph) is None
 
 
+def _subpackage(module: str) -> str | None:
+    """``focus_attention.ops.sparse.api`` -> ``ops``; None for the top-level package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_subpackages_depend_on_each_other_one_way():
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        src = _subpackage(name)
+        if src is None:
+            continue
+        deps = {_subpackage(d) for d in _imports(name, path)} - {None, src}
+        graph.setdefault(src, set()).update(deps)
+    assert _cycle(graph) is None
+
+
 def _import_alone(name: str) -> tuple[str, str]:
     proc = subprocess.run(
         [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=300

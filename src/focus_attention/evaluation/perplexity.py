@@ -47,10 +47,9 @@ from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.model import CONFIG_NAME
 from ..ops import pairs_retained
-from ..training.checkpoint import CONFIG_FILE as TRAIN_CONFIG_FILE
 from ..utils.checks import bad, check_int
 from ..utils.env import environment, library_versions, weights_sha256
-from ..utils.io import atomic_write_text, write_json_atomic
+from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -435,7 +434,7 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
 
 def _train_config(adapter: Path) -> dict[str, Any] | None:
     """The ``train_config.json`` beside the adapter, when there is a readable one."""
-    path = adapter / TRAIN_CONFIG_FILE
+    path = adapter / TRAIN_CONFIG_NAME
     if path.is_file():
         with contextlib.suppress(ValueError, OSError):
             return json.loads(path.read_text())

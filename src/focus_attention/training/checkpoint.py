@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
-from ..utils.io import atomic_write, atomic_write_text, staged_directory
+from ..utils.io import TRAIN_CONFIG_NAME, atomic_write, atomic_write_text, staged_directory
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -50,7 +50,7 @@ STATE_FORMAT = 1
 #: files of a run directory besides the adapter
 LOG_NAME = "log.jsonl"
 RESULT_NAME = "train_result.json"
-CONFIG_FILE = "train_config.json"
+CONFIG_FILE = TRAIN_CONFIG_NAME
 PLOT_NAME = "train.png"
 #: what ``--overwrite`` deletes (with the checkpoints)
 RUN_FILES = (LOG_NAME, CONFIG_NAME, WEIGHTS_NAME, RESULT_NAME, PLOT_NAME, CONFIG_FILE)

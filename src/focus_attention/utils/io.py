@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+#: the settings of the training run that wrote an adapter, saved beside it
+TRAIN_CONFIG_NAME = "train_config.json"
+
 
 def _umask() -> int:
     """The process umask (read from ``/proc`` where possible: setting it to read it back
