@@ -100,7 +100,7 @@ def test_subpackages_depend_on_each_other_one_way():
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
         src = _subpackage(name)
-        if src is None:
+        if src is None or name.endswith("__main__"):  # entry points sit on top of it all
             continue
         deps = {_subpackage(d) for d in _imports(name, path)} - {None, src}
         graph.setdefault(src, set()).update(deps)
