@@ -1,11 +1,11 @@
-"""C05 (decode equals prefill) and the KV-cache rules of issue 3 section 3, on every
+"""C05 (decode equals prefill) and the KV-cache rules (docs/method.md §5, §8), on every
 supported architecture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, focus, ids
+from tiny import ARCHS, focus, ids
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -30,7 +30,7 @@ def greedy(model, x, use_cache: bool, new: int = NEW, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c05_generate_with_cache_equals_without(arch):
+def test_generate_with_cache_equals_without(arch):
     _, fm = focus(arch, num_groups=4, top_k=1, window=32)
     x = ids(1, PROMPT, seed=11)
     cached, plain = greedy(fm, x, True), greedy(fm, x, False)
@@ -47,7 +47,7 @@ def test_c05_generate_with_cache_equals_without(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c05_chunked_prefill_equals_full_forward(arch):
+def test_chunked_prefill_equals_full_forward(arch):
     """Prefill 256, then 3 tokens at once, then 1 at a time: every chunk's logits equal the
     matching rows of a full forward, and so do the groups each chunk used."""
     _, fm = focus(arch, num_groups=4, top_k=2, window=32)
