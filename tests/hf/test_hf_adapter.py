@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 import torch
-from hf_models import ARCHS, build_model, focus, ids, left_pad
 from safetensors.torch import load_file, save_file
+from tiny import ARCHS, build_model, focus, ids, left_pad
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from focus_attention.hf import (
@@ -17,6 +17,7 @@ from focus_attention.hf import (
     FocusBaseMismatchWarning,
     FocusConfig,
     FocusModel,
+    FocusSlidingWindowWarning,
     get_focus_model,
 )
 
@@ -25,7 +26,7 @@ from focus_attention.hf import (
 # --------------------------------------------------------------------------------------------
 
 
-def test_c14_gpt2_124m_trainable_parameters_exactly_148224(capsys):
+def test_gpt2_124m_has_exactly_148224_trainable_parameters(capsys):
     with torch.device("meta"):
         base = GPT2LMHeadModel(GPT2Config())  # 12 layers, d_model 768: GPT-2 124M
     fm = get_focus_model(base, FocusConfig(num_groups=4, group_dim=16))
@@ -42,7 +43,7 @@ def test_c14_gpt2_124m_trainable_parameters_exactly_148224(capsys):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c14_trainable_parameters_match_the_formula(arch):
+def test_trainable_parameters_match_the_formula(arch):
     _, fm = focus(arch, num_groups=4, group_dim=8)
     d, n = fm.config.hidden_size, len(fm.focus_layers)
     assert fm.get_nb_trainable_parameters()[0] == n * (d * 8 + 4 * 8)
@@ -61,7 +62,7 @@ def train_step(fm, x, mask):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
-def test_c14_only_routers_change(arch, checkpointing):
+def test_training_changes_only_the_routers(arch, checkpointing):
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
     if checkpointing is not None:
         fm.activation_checkpointing_enable(
@@ -94,7 +95,7 @@ def trained(arch: str = "llama", **cfg):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c13_save_and_reload_bit_identical(tmp_path, arch):
+def test_save_and_reload_is_bit_identical(tmp_path, arch):
     fm = trained(arch)
     fm.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
@@ -112,6 +113,7 @@ def test_c13_save_and_reload_bit_identical(tmp_path, arch):
         want = fm(input_ids=x).logits
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same base: no mismatch warning
+        warnings.simplefilter("ignore", FocusSlidingWindowWarning)  # Mistral's default window
         again = FocusModel.from_pretrained(build_model(arch), tmp_path)
     for (n1, a), (n2, b) in zip(
         fm.routers.state_dict().items(), again.routers.state_dict().items(), strict=True
@@ -127,7 +129,7 @@ def test_c13_save_and_reload_bit_identical(tmp_path, arch):
     assert all(p.requires_grad for p in trainable.routers.parameters())
 
 
-def test_c13_save_overwrites_atomically(tmp_path):
+def test_save_overwrites_atomically(tmp_path):
     fm = trained()
     fm.save_pretrained(tmp_path)
     first = (tmp_path / WEIGHTS_NAME).read_bytes()
@@ -146,7 +148,7 @@ def test_c13_save_overwrites_atomically(tmp_path):
         (dict(hidden_size=96, intermediate_size=128), "hidden_size"),
     ],
 )
-def test_c13_structure_mismatch_is_an_error(tmp_path, overrides, match):
+def test_loading_onto_another_structure_is_an_error(tmp_path, overrides, match):
     trained().save_pretrained(tmp_path)
     other = build_model("llama", **overrides)
     with pytest.raises(ValueError, match=match):
@@ -154,19 +156,19 @@ def test_c13_structure_mismatch_is_an_error(tmp_path, overrides, match):
     assert other.config._attn_implementation != "focus"
 
 
-def test_c13_other_model_type_is_an_error(tmp_path):
+def test_loading_onto_another_model_type_is_an_error(tmp_path):
     trained().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type"):
         FocusModel.from_pretrained(build_model("mistral"), tmp_path)
 
 
-def test_c13_same_shapes_different_weights_warns(tmp_path):
+def test_loading_onto_other_weights_of_the_same_shapes_warns(tmp_path):
     trained().save_pretrained(tmp_path)
     with pytest.warns(FocusBaseMismatchWarning, match="same shapes but different weights"):
         FocusModel.from_pretrained(build_model("llama", seed=1), tmp_path)
 
 
-def test_c13_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
+def test_loading_onto_a_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
     trained().save_pretrained(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -174,7 +176,7 @@ def test_c13_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
 
 
 @pytest.mark.parametrize("change", ["missing", "extra", "shape"])
-def test_c13_bad_weight_files_are_errors(tmp_path, change):
+def test_bad_weight_files_are_errors(tmp_path, change):
     fm = trained()
     fm.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / WEIGHTS_NAME))

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, VOCAB, focus, ids
+from tiny import ARCHS, VOCAB, focus, ids
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import focus_attention.hf.attention as focus_attn
-from focus_attention.hf import FocusMask
+from focus_attention.hf import FocusMask, focus_attention_forward, focus_mask_interface
 
 N, CUT = 200, 150
 
@@ -38,13 +37,13 @@ def test_focus_is_registered_with_both_interfaces():
     from focus_attention.hf import register_focus_attention
 
     register_focus_attention()
-    assert ALL_ATTENTION_FUNCTIONS["focus"] is focus_attn.focus_attention_forward
-    assert ALL_MASK_ATTENTION_FUNCTIONS["focus"] is focus_attn.focus_mask_interface
+    assert ALL_ATTENTION_FUNCTIONS["focus"] is focus_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["focus"] is focus_mask_interface
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["mask=None", "mask=ones"])
-def test_c01_future_tokens_do_not_change_past_logits(arch, mode):
+def test_future_tokens_do_not_change_past_logits(arch, mode):
     _, fm = focus(arch, num_groups=4, top_k=1, window=16)
     a, b = two_sequences()
     la, lb = call(fm, a, mode), call(fm, b, mode)
@@ -53,7 +52,7 @@ def test_c01_future_tokens_do_not_change_past_logits(arch, mode):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c01_through_generate(arch):
+def test_generate_reproduces_the_full_forward_logits(arch):
     """generate() from the first 150 tokens produces, at its first step, the full forward's
     logits at position 149 of both 200-token sequences, and decodes consistently."""
     _, fm = focus(arch, num_groups=4, top_k=1, window=16)
@@ -78,7 +77,7 @@ def test_c01_through_generate(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["mask=None", "mask=ones", "generate"])
-def test_c02_dense_window_equals_base_in_every_call_mode(arch, mode):
+def test_dense_window_equals_base_in_every_call_mode(arch, mode):
     ref, fm = focus(arch, num_groups=4, top_k=1, window=64)
     x = ids(1, 60, seed=3)
     if mode == "generate":
@@ -98,10 +97,11 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.masks: list[object] = []
-        inner = focus_attn.focus_attention_forward
+        inner = focus_attention_forward
 
         def spy(module, query, key, value, attention_mask, *args, **kwargs):
-            if "_focus_handle" in module.__dict__:  # Focus layers only
+            handle = module.__dict__.get("_focus_handle")
+            if handle is not None and handle.router is not None:  # Focus layers only
                 self.masks.append((attention_mask, query.shape[2], key.shape[2]))
             return inner(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -109,7 +109,7 @@ class _Spy:
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma2"])
-def test_c02_what_arrives_in_the_attention_function(arch, monkeypatch):
+def test_a_causal_focus_mask_arrives_in_every_call_mode(arch, monkeypatch):
     """With the mask function registered a FocusMask arrives in every call mode: causal,
     with the 2-D padding (None when there is none) covering every key."""
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
@@ -164,12 +164,12 @@ def test_prepared_4d_mask_is_refused():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c01_no_information_leak_in_float64(arch):
+def test_past_logits_are_bit_identical_in_float64(arch):
     """In float64 the past logits are bit-identical: the ~1e-6 fp32 differences some
     architectures show are summation-order noise (the sparse kernel splits its calls
     according to all tokens' groups), not information from the future."""
     _, fm = focus(arch, dtype=torch.float64, num_groups=4, top_k=1, window=16)
-    fm.routers.double()
+    assert all(p.dtype == torch.float32 for p in fm.routers.parameters())  # always fp32
     a, b = two_sequences(seed=2)
     la, lb = call(fm, a, "mask=None"), call(fm, b, "mask=None")
     assert torch.equal(la[:, :CUT], lb[:, :CUT])
@@ -177,7 +177,7 @@ def test_c01_no_information_leak_in_float64(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_soft_and_sequence_routing_are_not_causal(arch):
-    """Documented non-causality (spec section 2): Sinkhorn columns run over the whole
+    """Documented non-causality (docs/method.md §2): Sinkhorn columns run over the whole
     sequence, so in soft routing (training) and with inference_routing="sequence" later
     tokens change earlier outputs. Causal top-k routing is the inference default."""
     _, fm = focus(arch, num_groups=4, top_k=1, window=16)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
-from hf_models import focus, ids
+from tiny import focus, ids
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""FocusConfig: defaults, JSON round trip and validation (issue 3 section 1)."""
+"""FocusConfig: defaults, JSON round trip and validation (docs/method.md §8)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import build_model, focus, ids
+from tiny import build_model, focus, ids
 
 from focus_attention.hf import FIXED_CONFIG_FIELDS, FocusConfig, FocusModel, get_focus_model
 

@@ -1,11 +1,11 @@
 """Exactness: where the Focus mask is dense causal attention, Focus top-k logits equal the
-unmodified model's (issue 3 section 4), and disable_focus() / unload() give the base model."""
+unmodified model's (docs/method.md §4), and disable_focus() / unload() give the base model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, build_model, focus, ids, left_pad, positions
+from tiny import ARCHS, build_model, focus, ids, left_pad, positions
 
 TOL = 1e-5
 N = 48

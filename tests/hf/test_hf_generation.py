@@ -1,11 +1,11 @@
-"""C05 (decode equals prefill) and the KV-cache rules of issue 3 section 3, on every
+"""C05 (decode equals prefill) and the KV-cache rules (docs/method.md §5, §8), on every
 supported architecture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, focus, ids
+from tiny import ARCHS, focus, ids
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -30,7 +30,7 @@ def greedy(model, x, use_cache: bool, new: int = NEW, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c05_generate_with_cache_equals_without(arch):
+def test_generate_with_cache_equals_without(arch):
     _, fm = focus(arch, num_groups=4, top_k=1, window=32)
     x = ids(1, PROMPT, seed=11)
     cached, plain = greedy(fm, x, True), greedy(fm, x, False)
@@ -47,7 +47,7 @@ def test_c05_generate_with_cache_equals_without(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_c05_chunked_prefill_equals_full_forward(arch):
+def test_chunked_prefill_equals_full_forward(arch):
     """Prefill 256, then 3 tokens at once, then 1 at a time: every chunk's logits equal the
     matching rows of a full forward, and so do the groups each chunk used."""
     _, fm = focus(arch, num_groups=4, top_k=2, window=32)
@@ -121,13 +121,42 @@ def test_left_padded_batch_generation_with_cache_equals_without():
 
 
 def test_beam_search_reorders_cached_groups():
+    """Beam search past the window: the generated tokens leave the 8-token window, so their
+    cached groups decide what later queries see, and beams reorder them at every step."""
     _, fm = focus("llama", num_groups=4, top_k=1, window=8)
     x = ids(1, 40, seed=16)
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=8, num_beams=3, do_sample=False)
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=30, num_beams=3, do_sample=False)
+    kw.update(output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         a = fm.generate(x, use_cache=True, **kw)
         b = fm.generate(x, use_cache=False, **kw)
-    assert torch.equal(a, b)
+    assert a.sequences.shape[1] - x.shape[1] > 3 * fm.focus_config.window
+    assert torch.equal(a.sequences, b.sequences)
+    for u, v in zip(a.scores, b.scores, strict=True):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["reorder_cache", "batch_select_indices", "repeat", "crop"])
+def test_cache_layer_keeps_groups_aligned_with_keys(op):
+    """Every cache edit applies to the cached groups exactly as to the cached keys."""
+    layer = FocusCacheLayer()
+    b, n, k = 3, 5, 4
+    keys = torch.arange(b * n, dtype=torch.float32).reshape(b, 1, n, 1)
+    layer.update(keys, keys.clone())
+    token_ids = keys[:, 0, :, 0].long()  # [B, N]: one id per cached token
+    groups = torch.nn.functional.one_hot(token_ids % k, k).bool()  # [B, N, K]
+    layer.append_groups(groups)
+    if op == "reorder_cache":
+        layer.reorder_cache(torch.tensor([2, 0, 0]))
+    elif op == "batch_select_indices":
+        layer.batch_select_indices(torch.tensor([2, 1]))
+    elif op == "repeat":
+        layer.batch_repeat_interleave(2)
+    else:
+        layer.crop(-2)  # drop the last 2 tokens
+    ids_now = layer.keys[:, 0, :, 0].long()
+    assert layer.groups.shape[:2] == ids_now.shape
+    assert torch.equal(layer.groups, torch.nn.functional.one_hot(ids_now % k, k).bool())
 
 
 def test_sequence_routing_refuses_a_kv_cache():

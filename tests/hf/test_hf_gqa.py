@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import GQA_ARCHS, build_tiny_llama, focus, ids
+from tiny import GQA_ARCHS, build_tiny_llama, focus, ids
 
 from focus_attention.hf import FocusConfig, get_focus_model
 
@@ -51,12 +51,12 @@ def check_heads(fm, x, num_heads: int, num_kv: int, kv_zero: int = 1) -> None:
                     assert out[:, :, h].abs().max() > 0, (routing, layer, h)
 
 
-def test_c12_tiny_llama_zeroed_kv_head(tiny_llama):
-    zero_kv_head(tiny_llama.base_model, 1, 16)
-    check_heads(tiny_llama, ids(2, 96, seed=50, vocab=1000), num_heads=8, num_kv=2)
+def test_zeroed_kv_head_zeroes_exactly_its_query_heads(reference_llama):
+    zero_kv_head(reference_llama.base_model, 1, 16)
+    check_heads(reference_llama, ids(2, 96, seed=50, vocab=1000), num_heads=8, num_kv=2)
 
 
-def test_c12_tiny_llama_one_group_equals_dense():
+def test_one_group_equals_dense_attention():
     base = build_tiny_llama()
     fm = get_focus_model(build_tiny_llama(), FocusConfig(num_groups=1, top_k=1, window=32))
     x = ids(2, 96, seed=51, vocab=1000)
@@ -67,7 +67,7 @@ def test_c12_tiny_llama_one_group_equals_dense():
 
 
 @pytest.mark.parametrize("arch", GQA_ARCHS)
-def test_c12_gqa_architectures(arch):
+def test_zeroed_kv_head_on_every_gqa_architecture(arch):
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
     zero_kv_head(fm.base_model, 1, 16)
     check_heads(fm, ids(1, 48, seed=52), num_heads=4, num_kv=2)

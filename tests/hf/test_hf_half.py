@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, focus, ids, left_pad, positions
+from tiny import ARCHS, focus, ids, left_pad, positions
 
 LENGTHS = (200, 131, 9)
 
@@ -28,7 +28,7 @@ def pin_groups(fm, records):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_c08_half_precision_forward_and_backward(arch, dtype):
+def test_half_precision_forward_and_backward(arch, dtype):
     x, mask, kw = batch()
     real = mask.bool()
     first = real.long().argmax(dim=-1)

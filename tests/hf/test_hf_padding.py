@@ -1,11 +1,11 @@
 """C07 (padding is invisible) in soft and top-k routing, left and right padding, on every
-supported architecture (issue 3 section 4)."""
+supported architecture (docs/method.md §4)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, focus, ids, left_pad, positions, right_pad
+from tiny import ARCHS, focus, ids, left_pad, positions, right_pad
 
 TOL = 1e-5
 LENGTHS = (5, 300)
@@ -23,7 +23,7 @@ def run(fm, x, mask):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("routing", ["topk", "soft", "topk-sequence"])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_c07_padded_batch_equals_single_sequences(arch, routing, side):
+def test_padded_batch_equals_single_sequences(arch, routing, side):
     inference = "sequence" if routing == "topk-sequence" else "causal"
     _, fm = focus(arch, num_groups=4, top_k=1, window=32, inference_routing=inference)
     routing = routing.split("-")[0]
@@ -56,7 +56,7 @@ def test_c07_padded_batch_equals_single_sequences(arch, routing, side):
     assert (again[real] - batch[real]).abs().max() <= TOL
 
 
-def test_c07_gpt2_left_padding_needs_position_ids():
+def test_gpt2_left_padding_needs_position_ids():
     """GPT-2 has absolute positions: with position ids that restart at the first real token
     a left-padded row equals its single run; the default positions (counting pads) do not,
     in Focus as in the base model (the base model's behaviour, not Focus's)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import ARCHS, build_model, focus, ids, left_pad
+from tiny import ARCHS, build_model, focus, ids, left_pad
 
 from focus_attention.hf import FocusConfig, FocusRouter, get_focus_model
 from focus_attention.ops import dominance, sinkhorn, topk_memberships

@@ -1,40 +1,53 @@
-"""Focus adapter for Hugging Face causal LMs (issue 3): config, routers, the ``"focus"``
-attention implementation and the PEFT-like ``FocusModel``."""
+"""Focus adapter for Hugging Face causal LMs (docs/method.md §8): config, routers, the
+``"focus"`` attention implementation and the PEFT-like ``FocusModel``."""
 
 from .architectures import SUPPORTED_MODEL_TYPES
 from .attention import (
-    ATTN_IMPLEMENTATION,
-    FocusCacheLayer,
-    FocusMask,
+    FocusAttentionDropoutWarning,
+    attention_probs,
     focus_attention_forward,
-    focus_mask_interface,
     register_focus_attention,
 )
+from .cache import FocusCacheLayer, check_dynamic_cache
 from .config import FocusConfig
-from .model import (
+from .files import (
     CONFIG_NAME,
-    FIXED_CONFIG_FIELDS,
+    STATE_CONFIG_KEY,
+    TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
     FocusBaseMismatchWarning,
-    FocusModel,
     base_model_fingerprint,
+)
+from .masks import FocusMask, focus_mask_interface
+from .model import (
+    FIXED_CONFIG_FIELDS,
+    FocusModel,
+    FocusSlidingWindowWarning,
     get_focus_model,
 )
-from .router import FocusRouter
+from .router import ROUTER_DTYPE, FocusRouter
+from .runtime import ATTN_IMPLEMENTATION
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_NAME",
     "FIXED_CONFIG_FIELDS",
+    "ROUTER_DTYPE",
+    "STATE_CONFIG_KEY",
     "SUPPORTED_MODEL_TYPES",
+    "TRAINER_WEIGHTS_NAME",
     "WEIGHTS_NAME",
+    "FocusAttentionDropoutWarning",
     "FocusBaseMismatchWarning",
     "FocusCacheLayer",
     "FocusConfig",
     "FocusMask",
     "FocusModel",
     "FocusRouter",
+    "FocusSlidingWindowWarning",
+    "attention_probs",
     "base_model_fingerprint",
+    "check_dynamic_cache",
     "focus_attention_forward",
     "focus_mask_interface",
     "get_focus_model",

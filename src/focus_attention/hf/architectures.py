@@ -1,4 +1,4 @@
-"""Per-model-type details of the supported Hugging Face causal LMs (issue 3 section 2).
+"""Per-model-type details of the supported Hugging Face causal LMs (docs/method.md §8).
 
 Every supported model computes its attention through transformers' ``AttentionInterface``,
 so Focus needs from each architecture only: which modules are the self-attention blocks,
@@ -91,7 +91,7 @@ def attention_modules(model: nn.Module, arch: Architecture) -> dict[int, nn.Modu
 def layer_types(config, num_layers: int) -> list[str]:
     """Per-layer attention type: ``config.layer_types`` where the model declares it (Gemma-2/3,
     Qwen-2), else ``"full_attention"`` for every layer. Mistral's model-wide
-    ``sliding_window`` is not a per-layer type: Focus layers replace it (product decision)."""
+    ``sliding_window`` is not a per-layer type: Focus layers replace it and warn (``FocusSlidingWindowWarning``)."""
     types = getattr(config, "layer_types", None)
     if types is None:
         return ["full_attention"] * num_layers

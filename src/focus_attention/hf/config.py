@@ -8,12 +8,23 @@ from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..ops import GATES
 from ..utils.checks import bad, check_int, check_number
 
-#: version of the on-disk ``focus_config.json`` layout (product decision).
+#: version of the on-disk config layout (``focus_config.json``).
 CONFIG_FORMAT_VERSION = 1
 
-GATES = ("paper", "log")
+__all__ = [
+    "CONFIG_FORMAT_VERSION",
+    "GATES",
+    "INFERENCE_ROUTINGS",
+    "ROUTINGS",
+    "SAVED_EXTRA_KEYS",
+    "FocusConfig",
+    "parse_config_document",
+    "read_config_file",
+]
+
 ROUTINGS = ("auto", "soft", "topk")
 INFERENCE_ROUTINGS = ("causal", "sequence")
 
@@ -26,7 +37,7 @@ _positive_float = functools.partial(check_number, "FocusConfig")
 
 @dataclass(frozen=True)
 class FocusConfig:
-    """Settings of a Focus retrofit (spec sections 1-4; issue 3 section 1).
+    """Settings of a Focus retrofit (docs/method.md §1-§4 and §8).
 
     Immutable (a frozen dataclass): assigning a field raises ``FrozenInstanceError`` (an
     ``AttributeError``). Change settings with :meth:`replace`, which returns a validated
@@ -37,18 +48,18 @@ class FocusConfig:
         num_groups: ``K``, the number of learned groups per layer (paper default 8).
         group_dim: ``d_g``, the width of the routing projection (paper: 16).
         window: local window in tokens; key ``j`` is local to query ``i`` when
-            ``0 <= i - j < window`` (the window counts the query itself; spec section 3).
+            ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
         top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``.
         temperature: ``tau`` of the routing scores (paper default 0.1).
         sinkhorn_iters: Sinkhorn iterations in soft routing (paper default 10).
         gate: soft training gate, ``"paper"`` (Eq. 2, multiplicative sigmoid) or ``"log"``
             (additive ``log(eps + g_i . g_j)``, whose hard limit is the inference mask).
-        gate_sharpness: ``lambda`` of the paper gate (not given in the paper; product default 10).
+        gate_sharpness: ``lambda`` of the paper gate (not given in the paper; default 10).
         sink_tokens: the first ``sink_tokens`` real tokens of every sequence are members of
-            every group (every query sees them), in soft and top-k routing alike. Product
-            default 4 (the usual attention-sink count); still to be measured on a real model.
+            every group (every query sees them), in soft and top-k routing alike
+            (docs/method.md §3; default 4, the usual attention-sink count).
         routing: ``"auto"`` (soft Sinkhorn routing in ``train()`` mode, hard top-k in
-            ``eval()`` mode), or ``"soft"`` / ``"topk"`` to force one (product decision).
+            ``eval()`` mode), or ``"soft"`` / ``"topk"`` to force one.
         inference_routing: how top-k groups are chosen: ``"causal"`` (default; top-k of the
             token's own scores plus a per-group bias calibrated during soft training, so a
             token's groups depend on that token only) or ``"sequence"`` (the paper's
@@ -60,7 +71,7 @@ class FocusConfig:
         seed: seed of the deterministic router initialisation.
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
-            an exponential moving average; product decision).
+            an exponential moving average; docs/method.md §4).
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names the
@@ -219,10 +230,25 @@ def read_config_file(path: str | Path) -> tuple[FocusConfig, dict[str, Any]]:
             settings; the message names the file and what is wrong.
     """
     path = Path(path)
-    what = f"{path}: not a valid Focus config file"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a valid Focus config file (invalid JSON: {err})") from err
+    return parse_config_document(text, f"{path}")
+
+
+def parse_config_document(text: str, where: str) -> tuple[FocusConfig, dict[str, Any]]:
+    """Parse the text of a saved config document: ``(config, extra)``, ``extra`` holding the
+    :data:`SAVED_EXTRA_KEYS` present.
+
+    Raises:
+        ValueError: invalid JSON, not a JSON object, or invalid settings; the message starts
+            with ``where`` (a file name or a state-dict key).
+    """
+    what = f"{where}: not a valid Focus config file"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
         raise ValueError(f"{what} (invalid JSON: {err})") from err
     if not isinstance(data, dict):
         raise ValueError(f"{what} (a JSON {type(data).__name__}, expected an object)")

@@ -1,12 +1,11 @@
-"""``get_focus_model`` / ``FocusModel``: the PEFT-like Focus adapter (issue 3 section 2)."""
+"""``get_focus_model`` / ``FocusModel``: the PEFT-like Focus adapter (docs/method.md §8)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,114 +13,64 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..utils.io import atomic_write
-from .architectures import (
-    attention_modules,
-    get_architecture,
-    hidden_size,
-    layer_types,
-)
-from .attention import (
-    ATTN_IMPLEMENTATION,
-    FocusRuntime,
-    LayerHandle,
-    check_dynamic_cache,
-    focus_pre_hook,
-    register_focus_attention,
-    register_runtime,
-    unregister_runtime,
-)
+from .architectures import attention_modules, get_architecture, hidden_size, layer_types
+from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
+from .cache import check_dynamic_cache
 from .config import ROUTINGS, FocusConfig, read_config_file
+from .files import (
+    CONFIG_NAME,
+    ROUTER_TENSORS,
+    STATE_CONFIG_KEY,
+    TRAINER_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    FocusBaseMismatchWarning,
+    adapter_layout,
+    base_model_fingerprint,
+    compare_fingerprints,
+    config_document,
+    document_to_tensor,
+    tensor_to_document,
+    to_file_tensors,
+)
 from .router import FocusRouter
+from .runtime import (
+    ATTN_IMPLEMENTATION,
+    RUNTIME_ATTR,
+    FocusRuntime,
+    model_pre_hook,
+    runtime_of,
+    switched_implementation_error,
+)
 
-CONFIG_NAME = "focus_config.json"
-WEIGHTS_NAME = "focus_model.safetensors"
-_ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
-#: elements sampled from each of a few base tensors for the weight fingerprint.
-_FINGERPRINT_SAMPLE = 4096
+__all__ = [
+    "CONFIG_NAME",
+    "FIXED_CONFIG_FIELDS",
+    "TRAINER_WEIGHTS_NAME",
+    "WEIGHTS_NAME",
+    "FocusBaseMismatchWarning",
+    "FocusModel",
+    "FocusSlidingWindowWarning",
+    "base_model_fingerprint",
+    "get_focus_model",
+]
+
 #: FocusConfig fields fixed once a FocusModel is built: they set the routers' parameter
 #: shapes (num_groups, group_dim), which layers have routers (layers), or only the routers'
 #: initialisation (seed).
 FIXED_CONFIG_FIELDS = ("num_groups", "group_dim", "layers", "seed")
 
 
-class FocusBaseMismatchWarning(UserWarning):
-    """The base model differs from the one a Focus adapter was saved with (same structure)."""
+class FocusSlidingWindowWarning(UserWarning):
+    """Focus layers replace a sliding-window attention of the base model (they keep every
+    earlier key they share a group with), so the base model's window is not applied there."""
 
 
 # --------------------------------------------------------------------------------------------
-# fingerprint
+# wrapping helpers
 # --------------------------------------------------------------------------------------------
-
-
-def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
-    """Identity of a base model, recorded next to saved Focus parameters (issue 3 section 2).
-
-    Returns:
-        JSON-able dict: ``model_type``, ``num_hidden_layers``, ``hidden_size``,
-        ``num_parameters``, ``parameter_shapes_sha256`` (names and shapes of every
-        parameter), ``weights_sha256`` (the first 4096 values of four parameters spread over
-        the model, rounded to bfloat16 so a bf16 copy of the same weights matches; None on the
-        meta device) and ``sampled_parameters`` (their names).
-    """
-    cfg = model.config
-    named = list(model.named_parameters())
-    shapes = hashlib.sha256()
-    for name, p in named:
-        shapes.update(f"{name}:{tuple(p.shape)}\n".encode())
-    picks = sorted({0, len(named) // 3, (2 * len(named)) // 3, len(named) - 1}) if named else []
-    sampled = [named[i][0] for i in picks]
-    weights: str | None = None
-    if all(named[i][1].device.type != "meta" for i in picks):
-        digest = hashlib.sha256()
-        for i in picks:
-            name, p = named[i]
-            vals = p.detach().reshape(-1)[:_FINGERPRINT_SAMPLE].to(torch.bfloat16).float().cpu()
-            digest.update(name.encode())
-            digest.update(vals.numpy().tobytes())
-        weights = digest.hexdigest()
-    return {
-        "model_type": cfg.model_type,
-        "num_hidden_layers": int(cfg.num_hidden_layers),
-        "hidden_size": hidden_size(cfg),
-        "num_parameters": int(sum(p.numel() for _, p in named)),
-        "parameter_shapes_sha256": shapes.hexdigest(),
-        "weights_sha256": weights,
-        "sampled_parameters": sampled,
-    }
-
-
-def _compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Raise on a structural mismatch, warn on same-structure differences (C13)."""
-    for key in ("model_type", "num_hidden_layers", "hidden_size"):
-        if saved.get(key) != current.get(key):
-            raise ValueError(
-                f"{where}: the Focus adapter was saved for a base model with {key}="
-                f"{saved.get(key)!r}, this base model has {key}={current.get(key)!r}"
-            )
-    if saved.get("parameter_shapes_sha256") != current.get("parameter_shapes_sha256"):
-        warnings.warn(
-            f"{where}: the base model's parameter names/shapes differ from those the adapter was "
-            f"saved with (parameter_shapes_sha256 {saved.get('parameter_shapes_sha256')} vs "
-            f"{current.get('parameter_shapes_sha256')}; num_parameters "
-            f"{saved.get('num_parameters')} vs {current.get('num_parameters')})",
-            FocusBaseMismatchWarning,
-            stacklevel=3,
-        )
-    elif (
-        saved.get("weights_sha256") is not None
-        and current.get("weights_sha256") is not None
-        and saved["weights_sha256"] != current["weights_sha256"]
-    ):
-        warnings.warn(
-            f"{where}: the base model has the same shapes but different weights than the one the "
-            f"adapter was saved with (weights_sha256 of sampled parameters "
-            f"{saved.get('sampled_parameters')}: saved {saved['weights_sha256']}, this base "
-            f"{current['weights_sha256']})",
-            FocusBaseMismatchWarning,
-            stacklevel=3,
-        )
 
 
 def _resolve_layers(
@@ -152,17 +101,60 @@ def _resolve_layers(
     return list(requested)
 
 
+def _warn_replaced_sliding_window(model_config: Any, layers: list[int], window: int) -> None:
+    """One :class:`FocusSlidingWindowWarning` when Focus layers replace sliding-window ones:
+    Mistral-style models (a model-wide ``sliding_window``, no ``layer_types``) or layers that
+    ``layer_types`` marks sliding and that ``FocusConfig.layers`` chose explicitly."""
+    sliding = getattr(model_config, "sliding_window", None)
+    types = getattr(model_config, "layer_types", None)
+    if types is None:
+        replaced = list(layers) if sliding is not None else []
+    else:
+        replaced = [i for i in layers if types[i] == "sliding_attention"]
+    if not replaced:
+        return
+    warnings.warn(
+        f"the base model attends within a sliding window of {sliding} tokens on layers "
+        f"{replaced}; Focus layers replace that window: they see every earlier token they share "
+        f"a group with, plus their own local window of {window} tokens, so their outputs differ "
+        "from the base model's for sequences longer than its sliding window, even with "
+        "top_k = num_groups (README, Known limits)",
+        FocusSlidingWindowWarning,
+        stacklevel=4,
+    )
+
+
+def _router_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    """Where the router of an attention module lives: its parameters' device, or for modules
+    whose parameters are offloaded (meta, with an accelerate hook) the hook's execution
+    device."""
+    param = next(module.parameters(), None)
+    if param is None:
+        return fallback
+    if param.device.type == "meta":
+        hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if hook_device is not None:
+            return torch.device(hook_device)
+    return param.device
+
+
+def _pretrained_parts(model: nn.Module) -> list[nn.Module]:
+    """The model and every ``PreTrainedModel`` inside it (each opens its own forward calls)."""
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) or m is model]
+
+
 # --------------------------------------------------------------------------------------------
 # the adapter
 # --------------------------------------------------------------------------------------------
 
 
 class FocusModel(nn.Module):
-    """A Hugging Face causal LM with Focus routers on its attention layers (issue 3).
+    """A Hugging Face causal LM with Focus routers on its attention layers (docs/method.md §8).
 
     Build it with :func:`get_focus_model`. Every base parameter is frozen; one
     :class:`FocusRouter` per Focus layer holds the only trainable parameters
-    (``d_model * d_g + K * d_g`` per layer). ``forward`` and ``generate`` are the wrapped
+    (``d_model * d_g + K * d_g`` per layer), always in float32 (casts of the model move them
+    but keep float32; see :class:`FocusRouter`). ``forward`` and ``generate`` are the wrapped
     model's; unknown attributes are looked up on the base model.
 
     Routing: ``train()`` uses soft Sinkhorn routing with the soft gate, ``eval()`` hard top-k
@@ -174,6 +166,12 @@ class FocusModel(nn.Module):
     :meth:`set_top_k`, to change settings from the next forward on. The fields in
     :data:`FIXED_CONFIG_FIELDS` cannot change.
 
+    Lifecycle: a ``copy.deepcopy`` or a pickled copy (``torch.save(model)``) is an independent
+    working FocusModel. :meth:`state_dict` holds only the Focus state (the routers and the
+    config), so ``transformers.Trainer`` checkpoints hold the adapter and
+    :meth:`from_pretrained` loads them. Switching the attention implementation away from
+    ``"focus"`` is refused (use :meth:`disable_focus`).
+
     Args:
         base_model: a supported transformers causal LM (``gpt2``, ``llama``, ``mistral``,
             ``qwen2``, ``gemma2``, ``gemma3_text``, ``olmo2``).
@@ -183,6 +181,9 @@ class FocusModel(nn.Module):
         ValueError: unsupported model type (the message lists the supported ones), a model
             that already has Focus, layer indices that do not exist, a model without any
             full-attention layer and no explicit ``layers``.
+
+    Warns:
+        FocusSlidingWindowWarning: Focus layers replace a sliding-window attention.
     """
 
     def __init__(self, base_model: nn.Module, config: FocusConfig | None = None) -> None:
@@ -193,22 +194,36 @@ class FocusModel(nn.Module):
         arch = get_architecture(base_model)
         model_config = base_model.config
         base_impl = model_config._attn_implementation or "eager"
-        if base_impl == ATTN_IMPLEMENTATION:
-            raise ValueError("this model already uses the 'focus' attention implementation")
+        if base_impl == ATTN_IMPLEMENTATION or runtime_of(base_model) is not None:
+            raise ValueError(
+                "this model already has Focus attached (call unload() on its FocusModel first)"
+            )
         modules = attention_modules(base_model, arch)
         layers = _resolve_layers(model_config, modules, config.layers)
-        self.architecture = arch
+        _warn_replaced_sliding_window(model_config, layers, config.window)
         runtime = FocusRuntime(config.replace(layers=layers), base_impl, routing=config.routing)
-        register_runtime(model_config, runtime)
-
+        runtime.focus_layers, runtime.num_layers = tuple(layers), len(modules)
         object.__setattr__(self, "_runtime", runtime)
+        self.architecture = arch
         self.base_model = base_model
-        ref = next(base_model.parameters(), None)
-        device = ref.device if ref is not None else torch.device("cpu")
-        d_model = hidden_size(model_config)
-        routers = {}
-        for i in layers:
-            router = FocusRouter(
+        self.routers = nn.ModuleDict(self._build_routers(config, layers, modules))
+        runtime.routers = {int(i): r for i, r in self.routers.items()}
+        self._requires_grad = {n: p.requires_grad for n, p in base_model.named_parameters()}
+        for p in base_model.parameters():
+            p.requires_grad_(False)
+        self._modules_by_layer = modules
+        self._handles = self._attach(runtime, modules)
+        register_focus_attention()
+        model_config._attn_implementation = ATTN_IMPLEMENTATION
+        self._unloaded = False
+        self.train(base_model.training)
+
+    def _build_routers(self, config: FocusConfig, layers: list[int], modules: dict) -> dict:
+        ref = next(self.base_model.parameters(), None)
+        fallback = ref.device if ref is not None else torch.device("cpu")
+        d_model = hidden_size(self.base_model.config)
+        return {
+            str(i): FocusRouter(
                 d_model,
                 config.num_groups,
                 config.group_dim,
@@ -216,24 +231,31 @@ class FocusModel(nn.Module):
                 layer_idx=i,
                 seed=config.seed,
                 bias_momentum=config.bias_momentum,
+                device=_router_device(modules[i], fallback),
             )
-            routers[str(i)] = router.to(device)
-        self.routers = nn.ModuleDict(routers)
-        self._requires_grad = {n: p.requires_grad for n, p in base_model.named_parameters()}
-        for p in base_model.parameters():
-            p.requires_grad_(False)
-        self._handles: dict[int, LayerHandle] = {}
-        for i in layers:
-            module = modules[i]
-            handle = LayerHandle(i, self.routers[str(i)], runtime)
-            handle.hook = module.register_forward_pre_hook(focus_pre_hook, with_kwargs=True)
-            module.__dict__["_focus_handle"] = handle
-            self._handles[i] = handle
-        self._modules_by_layer = modules
-        register_focus_attention()
-        model_config._attn_implementation = ATTN_IMPLEMENTATION
-        self._unloaded = False
-        self.train(base_model.training)
+            for i in layers
+        }
+
+    def _attach(self, runtime: FocusRuntime, modules: dict) -> dict[int, LayerHandle]:
+        """Hand every attention module its handle (a pre-hook on the Focus ones) and every
+        PreTrainedModel part the runtime and the call hook; returns the Focus layers'
+        handles."""
+        handles = {}
+        routers = dict(self.routers.items())
+        for i, module in modules.items():
+            router = routers.get(str(i))
+            handle = LayerHandle(i, router, runtime)
+            if router is not None:
+                handle.hook = module.register_forward_pre_hook(focus_pre_hook, with_kwargs=True)
+                handles[i] = handle
+            module.__dict__[HANDLE_ATTR] = handle
+        self._model_hooks = []
+        for part in _pretrained_parts(self.base_model):
+            part.__dict__[RUNTIME_ATTR] = runtime
+            self._model_hooks.append(
+                part.register_forward_pre_hook(model_pre_hook, with_kwargs=True)
+            )
+        return handles
 
     # --- delegation ----------------------------------------------------------------------
 
@@ -311,8 +333,12 @@ class FocusModel(nn.Module):
         return self._runtime.mode(next(iter(self.routers.values())))
 
     def _check_live(self) -> None:
+        """Raise ``ValueError`` on an unloaded model or a switched attention implementation."""
         if self._unloaded:
             raise ValueError("this FocusModel was unloaded; wrap the base model again")
+        current = self.base_model.config._attn_implementation
+        if self._runtime.enabled and current != ATTN_IMPLEMENTATION:
+            raise switched_implementation_error(current)
 
     def _sequence_topk(self) -> bool:
         return (
@@ -343,19 +369,77 @@ class FocusModel(nn.Module):
             kwargs["use_cache"] = False
         return kwargs
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The base model's forward (same arguments and outputs). With
-        ``inference_routing="sequence"`` in top-k mode, ``use_cache`` defaults to False."""
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The base model's forward (same outputs). The named arguments are those
+        ``transformers.Trainer`` reads from the signature to keep a dataset's columns; any
+        other keyword goes to the base model as it is. With ``inference_routing="sequence"``
+        in top-k mode, ``use_cache`` defaults to False.
+
+        Raises:
+            ValueError: an unloaded model, a switched attention implementation, or a KV
+                cache Focus cannot use.
+        """
         self._check_live()
-        return self.base_model(*args, **self._cache_defaults(kwargs))
+        named = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "inputs_embeds": inputs_embeds,
+            "labels": labels,
+            "use_cache": use_cache,
+        }
+        kwargs.update({k: v for k, v in named.items() if v is not None})
+        return self.base_model(**self._cache_defaults(kwargs))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The base model's ``generate``. KV-cache decoding needs top-k routing with
-        ``inference_routing="causal"``; with ``"sequence"`` it runs without a cache
-        (``use_cache=True`` raises ``ValueError``). Only the dynamic cache (the default) works:
-        a static, quantized or other ``cache_implementation`` raises ``ValueError``."""
+        """The base model's ``generate``, always with top-k routing: generation is inference,
+        so under ``routing="auto"`` it routes top-k even while the model is in ``train()``
+        mode (no routing-bias update). KV-cache decoding needs ``inference_routing="causal"``;
+        with ``"sequence"`` it runs without a cache (``use_cache=True`` raises ``ValueError``).
+        Only the dynamic cache (the default) works: a static, quantized or other
+        ``cache_implementation`` raises ``ValueError``.
+
+        Raises:
+            ValueError: the above, ``set_routing("soft")`` (soft routing cannot decode), an
+                unloaded model or a switched attention implementation.
+        """
         self._check_live()
-        return self.base_model.generate(*args, **self._cache_defaults(kwargs, args, generate=True))
+        runtime = self._runtime
+        if runtime.enabled and runtime.routing == "soft":
+            raise ValueError(
+                "generate() with set_routing('soft'): soft (Sinkhorn) routing is not causal and "
+                "cannot decode with a KV cache; use set_routing('auto') or 'topk'"
+            )
+        previous = runtime.routing
+        runtime.routing = "topk" if previous == "auto" else previous
+        try:
+            kwargs = self._cache_defaults(kwargs, args, generate=True)
+            return self.base_model.generate(*args, **kwargs)
+        finally:
+            runtime.routing = previous
+
+    def set_attn_implementation(self, attn_implementation: Any, **kwargs: Any) -> None:
+        """Refuse to switch a Focus model to another attention implementation (its Focus
+        layers would silently run dense attention while :attr:`focus_config` says Focus).
+
+        Raises:
+            ValueError: any implementation other than ``"focus"``; the message names
+                :meth:`disable_focus` and :meth:`unload`.
+        """
+        self._check_live()
+        if attn_implementation != ATTN_IMPLEMENTATION:
+            raise switched_implementation_error(attn_implementation)
 
     # --- modes ---------------------------------------------------------------------------
 
@@ -368,6 +452,12 @@ class FocusModel(nn.Module):
         if mode not in ROUTINGS:
             raise ValueError(f"set_routing: received {mode!r}, expected one of {ROUTINGS}")
         self._runtime.routing = mode
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> FocusModel:
+        """Set ``requires_grad`` of the routers' parameters only: the base model stays frozen
+        (unfreeze it explicitly with ``model.base_model.requires_grad_(True)``)."""
+        self.routers.requires_grad_(requires_grad)
         return self
 
     @contextlib.contextmanager
@@ -419,7 +509,7 @@ class FocusModel(nn.Module):
             for name, m in self.named_modules():
                 m.training = was[name]
 
-    # --- parameters ----------------------------------------------------------------------
+    # --- parameters and state ------------------------------------------------------------
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """``(trainable parameters, all parameters)`` counted over base model and routers."""
@@ -435,15 +525,63 @@ class FocusModel(nn.Module):
             f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {pct:.4f}"
         )
 
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The Focus state only: ``routers.{i}.proj`` / ``.centroids`` / ``.routing_bias`` /
+        ``.bias_updates`` and ``focus_config`` (the config document of
+        :data:`CONFIG_NAME`, base-model fingerprint included, as a 1-D uint8 tensor).
+
+        The base model is frozen and saved with the base (``model.base_model.state_dict()``).
+        This is what ``transformers.Trainer`` writes to ``model.safetensors`` for a model
+        that is not a ``PreTrainedModel``: its checkpoints and ``save_model`` output are Focus
+        adapters that :meth:`from_pretrained` loads and ``resume_from_checkpoint`` restores.
+        """
+        if args:
+            raise TypeError("FocusModel.state_dict takes keyword arguments only")
+        if destination is None:
+            destination = OrderedDict()
+        self.routers.state_dict(
+            destination=destination, prefix=prefix + "routers.", keep_vars=keep_vars
+        )
+        text = config_document(self.focus_config, base_model_fingerprint(self.base_model))
+        destination[prefix + STATE_CONFIG_KEY] = document_to_tensor(text)
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a :meth:`state_dict` (router tensors and, when present, the config, whose
+        settings then take effect as if assigned to :attr:`focus_config`).
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict`` does.
+
+        Raises:
+            ValueError: with ``strict``, missing or unexpected keys (named); a config that
+                differs in ``num_groups``, ``group_dim`` or ``layers``; shape mismatches.
+        """
+        self._check_live()
+        routers = {k[8:]: v for k, v in state_dict.items() if k.startswith("routers.")}
+        unexpected = [k for k in state_dict if not k.startswith("routers.")]
+        unexpected = [k for k in unexpected if k != STATE_CONFIG_KEY]
+        config = None
+        if STATE_CONFIG_KEY in state_dict:
+            config, _ = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
+            config = config.replace(seed=self.focus_config.seed)
+        expected = set(self.routers.state_dict())
+        missing = sorted("routers." + k for k in expected - set(routers))
+        unexpected += sorted("routers." + k for k in set(routers) - expected)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"Error(s) in loading the Focus state dict: missing keys {missing}, unexpected "
+                f"keys {unexpected}"
+            )
+        if config is not None:
+            self.focus_config = config
+        result = self.routers.load_state_dict(routers, strict=False, assign=assign)
+        return type(result)(missing, unexpected)
+
     def focus_state_dict(self) -> dict[str, torch.Tensor]:
-        """Only the Focus tensors: ``layer.{i}.proj``, ``.centroids``, ``.routing_bias``,
-        ``.bias_updates`` (detached, CPU, contiguous)."""
-        out = {}
-        for i, router in self.routers.items():
-            for name in _ROUTER_TENSORS:
-                t = getattr(router, name).detach().cpu().contiguous()
-                out[f"layer.{i}.{name}"] = t.reshape(1) if t.ndim == 0 else t
-        return out
+        """Only the Focus tensors in the adapter file's layout: ``layer.{i}.proj``,
+        ``.centroids``, ``.routing_bias``, ``.bias_updates`` (detached, CPU, contiguous)."""
+        return to_file_tensors(self.routers.state_dict(prefix="routers."))
 
     @torch.no_grad()
     def load_focus_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -452,7 +590,7 @@ class FocusModel(nn.Module):
         Raises:
             ValueError: missing or unexpected keys, or a shape mismatch (names them).
         """
-        expected = {f"layer.{i}.{n}" for i in self.routers for n in _ROUTER_TENSORS}
+        expected = {f"layer.{i}.{n}" for i in self.routers for n in ROUTER_TENSORS}
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or extra:
             raise ValueError(
@@ -460,7 +598,7 @@ class FocusModel(nn.Module):
                 f"unexpected keys {extra}"
             )
         for i, router in self.routers.items():
-            for name in _ROUTER_TENSORS:
+            for name in ROUTER_TENSORS:
                 dst = getattr(router, name)
                 src = tensors[f"layer.{i}.{name}"]
                 if src.numel() != dst.numel() or (
@@ -470,26 +608,61 @@ class FocusModel(nn.Module):
                         f"Focus weights: layer.{i}.{name} has shape {tuple(src.shape)}, "
                         f"this adapter expects {tuple(dst.shape)}"
                     )
+                if dst.device.type == "meta":
+                    raise ValueError(
+                        f"the Focus router of layer {i} is on the meta device: materialise the "
+                        "model first (to_empty(device=...)) or load with load_state_dict(..., "
+                        "assign=True)"
+                    )
                 dst.copy_(src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
+            router.mark_loaded()
 
     # --- files ---------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``focus_config.json`` and ``focus_model.safetensors`` into
-        ``save_directory`` (created if needed), each atomically (temporary file, fsync,
-        rename; the config last). They hold only the Focus tensors, the config and a
-        fingerprint of the base model (:func:`base_model_fingerprint`)."""
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        safe_serialization: bool = True,
+        is_main_process: bool = True,
+    ) -> None:
+        """Write :data:`CONFIG_NAME` and :data:`WEIGHTS_NAME` into ``save_directory``
+        (created if needed), each atomically (temporary file, fsync, rename; the config
+        last). They hold only the Focus tensors (float32), the config and a fingerprint of
+        the base model (:func:`base_model_fingerprint`).
+
+        Args:
+            save_directory: the folder.
+            state_dict: a :meth:`state_dict` to write instead of the model's own (as
+                ``PreTrainedModel.save_pretrained`` takes one).
+            safe_serialization: must be True (safetensors is the only format).
+            is_main_process: False writes nothing (the other ranks of a distributed run).
+
+        Raises:
+            ValueError: ``safe_serialization=False``; a ``state_dict`` without the config.
+        """
         self._check_live()
+        if not safe_serialization:
+            raise ValueError(
+                "FocusModel.save_pretrained: safe_serialization=False is not supported; Focus "
+                "adapters are saved as safetensors"
+            )
+        if not is_main_process:
+            return
+        if state_dict is None:
+            state_dict = self.state_dict()
+        if STATE_CONFIG_KEY not in state_dict:
+            raise ValueError(
+                f"FocusModel.save_pretrained: the state_dict has no {STATE_CONFIG_KEY!r} entry "
+                "(pass the output of FocusModel.state_dict())"
+            )
+        config, extra = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
+        tensors = to_file_tensors(state_dict)
+        text = config_document(config, extra.get("base_model_fingerprint") or {})
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
-        fingerprint = base_model_fingerprint(self.base_model)
-        tensors = self.focus_state_dict()
-        meta = {"format": "pt", "focus_config": self.focus_config.to_json_string()}
+        meta = {"format": "pt", "focus_config": config.to_json_string()}
         atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
-        doc = self.focus_config.to_dict()
-        doc["base_model_fingerprint"] = fingerprint
-        doc["library"] = "focus_attention"
-        text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
         atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
 
     @classmethod
@@ -502,55 +675,68 @@ class FocusModel(nn.Module):
         """Attach saved Focus routers to ``base_model``.
 
         Args:
-            base_model: the base model (any dtype/device).
-            directory: a folder written by :meth:`save_pretrained`.
+            base_model: the base model (any dtype/device; the routers are float32 on the
+                devices of their layers).
+            directory: a folder written by :meth:`save_pretrained`, or the output /
+                checkpoint folder of a ``transformers.Trainer`` that trained a FocusModel
+                (``model.safetensors``).
             is_trainable: False (default): routers frozen (``requires_grad`` False) and the
                 model in ``eval()`` (top-k) mode; True: routers trainable.
 
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: a corrupt or invalid ``focus_config.json`` (the message names it); a
-                base model with another type, layer count or hidden size; missing or extra
-                tensors; shape mismatches.
+            ValueError: a corrupt or invalid config (the message names it); a base model with
+                another type, layer count or hidden size; missing or extra tensors; shape
+                mismatches.
 
         Warns:
             FocusBaseMismatchWarning: same structure but different parameter shapes or
                 weights than the base the adapter was saved with.
         """
         directory = Path(directory)
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(f"{directory / name} not found")
-        config, extra = read_config_file(directory / CONFIG_NAME)
+        if adapter_layout(directory) == "adapter":
+            config, extra = read_config_file(directory / CONFIG_NAME)
+            tensors = None
+        else:
+            tensors = load_file(str(directory / TRAINER_WEIGHTS_NAME))
+            where = f"{directory / TRAINER_WEIGHTS_NAME}[{STATE_CONFIG_KEY!r}]"
+            config, extra = tensor_to_document(tensors[STATE_CONFIG_KEY], where)
         saved_fp = extra.get("base_model_fingerprint") or {}
-        _compare_fingerprints(
+        compare_fingerprints(
             saved_fp, base_model_fingerprint(base_model), "FocusModel.from_pretrained"
         )
         model = cls(base_model, config)
         try:
-            model.load_focus_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+            if tensors is None:
+                model.load_focus_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+            else:
+                model.load_state_dict(tensors)
         except Exception:
             model.unload()
             raise
         if not is_trainable:
-            for p in model.routers.parameters():
-                p.requires_grad_(False)
+            model.requires_grad_(False)
             model.eval()
         return model
 
     # --- teardown ------------------------------------------------------------------------
 
     def unload(self) -> nn.Module:
-        """Remove Focus completely and return the base model as it was: hooks removed,
-        attention implementation and ``requires_grad`` flags restored. This FocusModel is
-        unusable afterwards."""
-        self._check_live()
+        """Remove Focus completely and return the base model as it was: hooks and handles
+        removed, attention implementation and ``requires_grad`` flags restored. This
+        FocusModel is unusable afterwards; the base model can be wrapped again."""
+        if self._unloaded:
+            raise ValueError("this FocusModel was unloaded; wrap the base model again")
         base = self.base_model
-        for i, handle in self._handles.items():
+        for handle in self._handles.values():
             handle.hook.remove()
-            self._modules_by_layer[i].__dict__.pop("_focus_handle", None)
+        for module in self._modules_by_layer.values():
+            module.__dict__.pop(HANDLE_ATTR, None)
+        for hook in self._model_hooks:
+            hook.remove()
+        for part in _pretrained_parts(base):
+            part.__dict__.pop(RUNTIME_ATTR, None)
         base.config._attn_implementation = self._runtime.base_impl
-        unregister_runtime(base.config)
         for name, p in base.named_parameters():
             p.requires_grad_(self._requires_grad.get(name, p.requires_grad))
         self._handles = {}
@@ -559,11 +745,12 @@ class FocusModel(nn.Module):
 
 
 def get_focus_model(model: nn.Module, config: FocusConfig | None = None) -> FocusModel:
-    """Retrofit Focus onto a Hugging Face causal LM (issue 3 section 2).
+    """Retrofit Focus onto a Hugging Face causal LM (docs/method.md §8).
 
-    Adds one router (``proj [d_model, d_g]``, ``centroids [K, d_g]``) per chosen layer,
-    freezes every base parameter, routes from the hidden state entering each attention
-    module, and registers the ``"focus"`` attention and mask functions with transformers.
+    Adds one router (``proj [d_model, d_g]``, ``centroids [K, d_g]``, float32) per chosen
+    layer, freezes every base parameter, routes from the hidden state entering each
+    attention module, and registers the ``"focus"`` attention and mask functions with
+    transformers.
 
     Args:
         model: a supported transformers model (see :data:`SUPPORTED_MODEL_TYPES`), modified
@@ -575,5 +762,8 @@ def get_focus_model(model: nn.Module, config: FocusConfig | None = None) -> Focu
 
     Raises:
         ValueError: see :class:`FocusModel`.
+
+    Warns:
+        FocusSlidingWindowWarning: Focus layers replace a sliding-window attention.
     """
     return FocusModel(model, config)

@@ -7,6 +7,10 @@ from torch import nn
 
 from ..ops import group_scores, sinkhorn, topk_memberships
 
+#: dtype of every router parameter and buffer, whatever the model's dtype (docs/method.md §1:
+#: scores are computed in fp32); casts of the model leave the routers in it.
+ROUTER_DTYPE = torch.float32
+
 
 def _init_generator(seed: int, layer_idx: int) -> torch.Generator:
     # one independent stream per (seed, layer): a layer's initialisation does not depend on
@@ -20,15 +24,38 @@ def _orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))[None, :]
 
 
+def _preserves_values(fn, device: torch.device) -> bool:
+    """Whether ``fn`` (an ``nn.Module._apply`` function) keeps a tensor's values: False for
+    ``to_empty`` (fresh memory) and for moves to the ``meta`` device."""
+    if device.type == "meta":
+        return True  # nothing to preserve; the caller handles leaving meta
+    probe = torch.full((1,), 1.5, dtype=ROUTER_DTYPE, device=device)
+    out = fn(probe)
+    return out.device.type != "meta" and float(out.float().cpu()[0]) == 1.5
+
+
 class FocusRouter(nn.Module):
-    """Routing of one attention layer (spec sections 1, 2 and 4).
+    """Routing of one attention layer (docs/method.md §1, §2 and §4).
 
     Parameters (trainable): ``proj`` ``W_g`` ``[d_model, d_g]`` and ``centroids`` ``C``
     ``[K, d_g]``, so ``d_model * d_g + K * d_g`` per layer. Buffers (saved, not trained):
     ``routing_bias`` ``[K]`` float32, the running mean of the Sinkhorn column bias, and
     ``bias_updates`` (how many soft-training batches fed it).
 
-    Initialisation (product decision, deterministic from ``seed`` and ``layer_idx``):
+    Precision and placement: the parameters and float buffers are float32 always
+    (:data:`ROUTER_DTYPE`). ``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.double()`` and
+    ``.float()`` move a router to the requested device but keep it float32 (the cast of the
+    values is never applied, so no precision is lost and routing does not depend on whether a
+    model was cast before or after wrapping), as PEFT keeps adapter weights in float32.
+
+    Values: a router created on the ``meta`` device holds none; when it is later materialised
+    (``to_empty``) it is initialised as below, to the values it would have had on a real
+    device. A router that held values (trained or loaded) and lost them (moved to ``meta``, or
+    ``to_empty``) reports :attr:`holds_values` False, and a Focus layer refuses to run with it
+    until values are loaded (:meth:`FocusModel.load_state_dict`, ``FocusModel.from_pretrained``)
+    or :meth:`reset_parameters` is called.
+
+    Initialisation (docs/method.md §1, deterministic from ``seed`` and ``layer_idx``):
     ``proj`` has orthonormal columns (a random semi-orthogonal matrix, so an isotropic
     hidden state projects to an isotropic ``d_g``-vector); the centroids are ``K``
     orthonormal directions (rows of a random orthogonal matrix) when ``K <= d_g``, else ``K``
@@ -45,6 +72,7 @@ class FocusRouter(nn.Module):
         num_groups: ``K``; group_dim: ``d_g``; temperature: ``tau > 0``.
         layer_idx: the layer this router serves; seed: initialisation seed.
         bias_momentum: see :class:`FocusConfig`.
+        device: where the tensors are created (default: the current default device).
     """
 
     def __init__(
@@ -57,38 +85,89 @@ class FocusRouter(nn.Module):
         layer_idx: int,
         seed: int = 0,
         bias_momentum: float = 0.01,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.d_model, self.num_groups, self.group_dim = d_model, num_groups, group_dim
         self.temperature = float(temperature)
         self.layer_idx = layer_idx
+        self.seed = int(seed)
         self.bias_momentum = float(bias_momentum)
-        self.proj = nn.Parameter(torch.empty(d_model, group_dim))
-        self.centroids = nn.Parameter(torch.empty(num_groups, group_dim))
-        self.register_buffer("routing_bias", torch.zeros(num_groups))
-        self.register_buffer("bias_updates", torch.zeros((), dtype=torch.long))
-        self.reset_parameters(seed)
+        kw = {"device": device, "dtype": ROUTER_DTYPE}
+        self.proj = nn.Parameter(torch.empty(d_model, group_dim, **kw))
+        self.centroids = nn.Parameter(torch.empty(num_groups, group_dim, **kw))
+        self.register_buffer("routing_bias", torch.zeros(num_groups, **kw))
+        self.register_buffer("bias_updates", torch.zeros((), dtype=torch.long, device=device))
+        #: False while the tensors hold no values (meta, or emptied by ``to_empty``).
+        self.holds_values = False
+        #: True until the router first holds values (its initialisation was deferred).
+        self._never_initialised = True
+        self.reset_parameters(self.seed)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        """Deterministic initialisation described in the class docstring (buffers zeroed)."""
-        gen = _init_generator(seed, self.layer_idx)
-        k, d = self.num_groups, self.group_dim
-        proj = _orthonormal_columns(torch.randn(self.d_model, d, generator=gen))
-        if k <= d:
-            cents = _orthonormal_columns(torch.randn(d, k, generator=gen)).t()  # [K, d_g]
-        else:
-            cents = torch.randn(k, d, generator=gen)
-            cents = cents / cents.norm(dim=-1, keepdim=True)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Deterministic initialisation described in the class docstring (buffers zeroed).
+
+        ``seed`` defaults to the seed the router was built with. On the ``meta`` device
+        nothing is written (the initialisation runs when the router is materialised)."""
+        if seed is not None:
+            self.seed = int(seed)
         if self.proj.device.type == "meta":
             return
+        gen = _init_generator(self.seed, self.layer_idx)
+        k, d = self.num_groups, self.group_dim
+        cpu = torch.device("cpu")
+        proj = _orthonormal_columns(torch.randn(self.d_model, d, generator=gen, device=cpu))
+        if k <= d:
+            cents = _orthonormal_columns(torch.randn(d, k, generator=gen, device=cpu)).t()
+        else:
+            cents = torch.randn(k, d, generator=gen, device=cpu)
+            cents = cents / cents.norm(dim=-1, keepdim=True)
         self.proj.copy_(proj)
         self.centroids.copy_(cents)
         self.routing_bias.zero_()
         self.bias_updates.zero_()
+        self.mark_loaded()
+
+    def mark_loaded(self) -> None:
+        """Record that the tensors now hold real values (after an initialisation or a load)."""
+        self.holds_values = self.proj.device.type != "meta"
+        self._never_initialised = self._never_initialised and not self.holds_values
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (behind ``.to``, ``.half``, ``.cuda``, ``to_empty``...) with
+        the float32 rule and the value tracking described in the class docstring."""
+        before = self.proj.device
+        preserves = _preserves_values(fn, before)
+
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if t.is_floating_point() and out.dtype != t.dtype:
+                out = t.to(device=out.device)  # the move without the cast
+            return out
+
+        super()._apply(keep_fp32, recurse)
+        after = self.proj.device
+        if after.type == "meta" or not preserves or before.type == "meta":
+            self.holds_values = False
+            if after.type != "meta" and self._never_initialised:
+                self.reset_parameters()  # deferred initialisation: same values as on a device
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        names = ("proj", "centroids", "routing_bias", "bias_updates")
+        if all(prefix + n in state_dict for n in names):
+            with torch.no_grad():  # ``assign=True`` may bring another dtype: back to fp32
+                for name in ("proj", "centroids", "routing_bias"):
+                    t = getattr(self, name)
+                    if t.dtype != ROUTER_DTYPE:
+                        t.data = t.data.to(ROUTER_DTYPE)
+            self.mark_loaded()
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Routing scores ``[B, N, K]`` float32 of ``hidden`` ``[B, N, d_model]`` (spec section 1)."""
+        """Routing scores ``[B, N, K]`` float32 of ``hidden`` ``[B, N, d_model]``
+        (docs/method.md §1)."""
         return group_scores(hidden, self.proj, self.centroids, self.temperature)
 
     def soft(
@@ -96,15 +175,15 @@ class FocusRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sinkhorn rows ``[B, N, K]`` float32 and column bias ``[B, K]`` of ``scores``
         ``[B, N, K]``; padding (``real`` bool ``[B, N]``, True = real, or None) is excluded
-        from the column sums and its rows are zero (spec section 2)."""
+        from the column sums and its rows are zero (docs/method.md §2)."""
         probs, bias = sinkhorn(scores, n_iter, real, return_column_bias=True)
         return probs, bias
 
     def causal_groups(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
         """Causal top-k memberships bool ``[B, N, K]``: top-k of ``scores + routing_bias``.
 
-        A token's groups depend on that token only (product decision, spec section 4). Ties
-        go to the lowest group index.
+        A token's groups depend on that token only (docs/method.md §4). Ties go to the
+        lowest group index.
         """
         return topk_memberships(scores + self.routing_bias.float(), top_k)
 
@@ -114,9 +193,9 @@ class FocusRouter(nn.Module):
 
         Sequences without a real token are skipped. The batch mean enters with weight
         ``max(bias_momentum, 1 / (updates + 1))``: a cumulative mean at first, an EMA later
-        (product decision, spec section 4). Called by every soft-routing forward in training
-        mode; with activation checkpointing the recomputed forward folds the same batch in a
-        second time.
+        (docs/method.md §4). The Focus layer calls it once per soft-routing forward of the
+        model in training mode (the recomputed forward of activation checkpointing does not
+        fold the batch in again).
         """
         if real is not None:
             column_bias = column_bias[real.any(dim=-1)]
@@ -126,6 +205,23 @@ class FocusRouter(nn.Module):
         weight = torch.clamp(1.0 / (self.bias_updates.float() + 1.0), min=self.bias_momentum)
         self.routing_bias.mul_(1.0 - weight).add_(weight * batch)
         self.bias_updates.add_(1)
+
+    def check_ready(self, hidden: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless the router holds values on ``hidden``'s device."""
+        if not self.holds_values:
+            where = "on the meta device" if self.proj.device.type == "meta" else "emptied"
+            raise ValueError(
+                f"the Focus router of layer {self.layer_idx} holds no values ({where}: it was "
+                "moved to the meta device or materialised with to_empty after it held values); "
+                "load an adapter (FocusModel.from_pretrained / load_state_dict) or call "
+                "reset_parameters() on it"
+            )
+        if self.proj.device != hidden.device:
+            raise ValueError(
+                f"the Focus router of layer {self.layer_idx} is on {self.proj.device} but the "
+                f"hidden state entering the layer is on {hidden.device}: move the FocusModel "
+                "(focus_model.to(device)), not only its base model"
+            )
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,188 @@
+"""On-disk layouts of a Focus adapter and the base-model fingerprint (docs/method.md §8).
+
+Two layouts hold the same adapter:
+
+- the adapter folder written by ``FocusModel.save_pretrained``: :data:`CONFIG_NAME` (the
+  :class:`FocusConfig`, a fingerprint of the base model, the library name) and
+  :data:`WEIGHTS_NAME` (the router tensors as ``layer.{i}.{name}``);
+- a ``transformers.Trainer`` output or checkpoint folder, :data:`TRAINER_WEIGHTS_NAME`:
+  ``FocusModel.state_dict()`` as the Trainer writes it for a model that is not a
+  ``PreTrainedModel`` (``routers.{i}.{name}`` plus :data:`STATE_CONFIG_KEY`, the same JSON
+  document as :data:`CONFIG_NAME`, as a uint8 tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .architectures import hidden_size
+from .config import FocusConfig, parse_config_document
+
+CONFIG_NAME = "focus_config.json"
+WEIGHTS_NAME = "focus_model.safetensors"
+#: the weights file ``transformers.Trainer`` writes (``model.state_dict()``)
+TRAINER_WEIGHTS_NAME = "model.safetensors"
+#: key of the config document in ``FocusModel.state_dict()``
+STATE_CONFIG_KEY = "focus_config"
+#: the tensors of one router, in file order
+ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
+#: elements sampled from each of a few base tensors for the weight fingerprint.
+FINGERPRINT_SAMPLE = 4096
+
+
+class FocusBaseMismatchWarning(UserWarning):
+    """The base model differs from the one a Focus adapter was saved with (same structure)."""
+
+
+def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Identity of a base model, recorded next to saved Focus parameters (docs/method.md §8).
+
+    Returns:
+        JSON-able dict: ``model_type``, ``num_hidden_layers``, ``hidden_size``,
+        ``num_parameters``, ``parameter_shapes_sha256`` (names and shapes of every
+        parameter), ``weights_sha256`` (the first 4096 values of four parameters spread over
+        the model, rounded to bfloat16 so a bf16 copy of the same weights matches; None on the
+        meta device) and ``sampled_parameters`` (their names).
+    """
+    cfg = model.config
+    named = list(model.named_parameters())
+    shapes = hashlib.sha256()
+    for name, p in named:
+        shapes.update(f"{name}:{tuple(p.shape)}\n".encode())
+    picks = sorted({0, len(named) // 3, (2 * len(named)) // 3, len(named) - 1}) if named else []
+    sampled = [named[i][0] for i in picks]
+    weights: str | None = None
+    if all(named[i][1].device.type != "meta" for i in picks):
+        digest = hashlib.sha256()
+        for i in picks:
+            name, p = named[i]
+            vals = p.detach().reshape(-1)[:FINGERPRINT_SAMPLE].to(torch.bfloat16).float().cpu()
+            digest.update(name.encode())
+            digest.update(vals.numpy().tobytes())
+        weights = digest.hexdigest()
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "hidden_size": hidden_size(cfg),
+        "num_parameters": int(sum(p.numel() for _, p in named)),
+        "parameter_shapes_sha256": shapes.hexdigest(),
+        "weights_sha256": weights,
+        "sampled_parameters": sampled,
+    }
+
+
+def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Raise on a structural mismatch, warn on same-structure differences.
+
+    Raises:
+        ValueError: another ``model_type``, layer count or hidden size.
+
+    Warns:
+        FocusBaseMismatchWarning: other parameter names/shapes, or other sampled weights.
+    """
+    for key in ("model_type", "num_hidden_layers", "hidden_size"):
+        if saved.get(key) != current.get(key):
+            raise ValueError(
+                f"{where}: the Focus adapter was saved for a base model with {key}="
+                f"{saved.get(key)!r}, this base model has {key}={current.get(key)!r}"
+            )
+    if saved.get("parameter_shapes_sha256") != current.get("parameter_shapes_sha256"):
+        warnings.warn(
+            f"{where}: the base model's parameter names/shapes differ from those the adapter was "
+            f"saved with (parameter_shapes_sha256 {saved.get('parameter_shapes_sha256')} vs "
+            f"{current.get('parameter_shapes_sha256')}; num_parameters "
+            f"{saved.get('num_parameters')} vs {current.get('num_parameters')})",
+            FocusBaseMismatchWarning,
+            stacklevel=4,
+        )
+    elif (
+        saved.get("weights_sha256") is not None
+        and current.get("weights_sha256") is not None
+        and saved["weights_sha256"] != current["weights_sha256"]
+    ):
+        warnings.warn(
+            f"{where}: the base model has the same shapes but different weights than the one the "
+            f"adapter was saved with (weights_sha256 of sampled parameters "
+            f"{saved.get('sampled_parameters')}: saved {saved['weights_sha256']}, this base "
+            f"{current['weights_sha256']})",
+            FocusBaseMismatchWarning,
+            stacklevel=4,
+        )
+
+
+def config_document(config: FocusConfig, fingerprint: dict[str, Any]) -> str:
+    """The JSON text of :data:`CONFIG_NAME`: the config, the fingerprint, the library."""
+    doc = config.to_dict()
+    doc["base_model_fingerprint"] = fingerprint
+    doc["library"] = "focus_attention"
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def document_to_tensor(text: str) -> torch.Tensor:
+    """A JSON document as a uint8 tensor (how it travels inside a state dict)."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def tensor_to_document(tensor: torch.Tensor, where: str) -> tuple[FocusConfig, dict[str, Any]]:
+    """Inverse of :func:`document_to_tensor` followed by parsing: ``(config, extra)``.
+
+    Raises:
+        ValueError: not a uint8 tensor of a valid config document (the message names ``where``).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.ndim != 1:
+        raise ValueError(
+            f"{where}: {STATE_CONFIG_KEY!r} must be a 1-D uint8 tensor (the config document), "
+            f"received {type(tensor).__name__}"
+        )
+    try:
+        text = bytes(tensor.cpu().tolist()).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not a valid Focus config (invalid UTF-8: {err})") from err
+    return parse_config_document(text, where)
+
+
+def adapter_layout(directory: Path) -> str:
+    """``"adapter"`` or ``"trainer"``: which layout ``directory`` holds.
+
+    Raises:
+        FileNotFoundError: neither the adapter files nor a Trainer weights file holding a
+            Focus state dict.
+    """
+    if (directory / CONFIG_NAME).is_file() or (directory / WEIGHTS_NAME).is_file():
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory / name} not found")
+        return "adapter"
+    trainer = directory / TRAINER_WEIGHTS_NAME
+    if trainer.is_file():
+        with safe_open(str(trainer), framework="pt") as f:
+            if STATE_CONFIG_KEY in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return "trainer"
+        raise FileNotFoundError(
+            f"{trainer} holds no Focus state ({STATE_CONFIG_KEY!r} is missing): not written by a "
+            "Trainer from a FocusModel"
+        )
+    raise FileNotFoundError(
+        f"{directory / CONFIG_NAME} not found (a Focus adapter folder holds {CONFIG_NAME} and "
+        f"{WEIGHTS_NAME}; a Trainer output folder holds {TRAINER_WEIGHTS_NAME})"
+    )
+
+
+def to_file_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``routers.{i}.{name}`` state-dict tensors as the adapter file's ``layer.{i}.{name}``
+    (detached, CPU, contiguous, 0-d tensors as shape ``[1]``)."""
+    out = {}
+    for key, t in state.items():
+        if not key.startswith("routers."):
+            continue
+        t = t.detach().cpu().contiguous()
+        out["layer." + key[len("routers.") :]] = t.reshape(1) if t.ndim == 0 else t
+    return out

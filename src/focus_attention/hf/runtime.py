@@ -1,0 +1,117 @@
+"""State shared by the Focus layers of one wrapped model, and the hook that opens every call.
+
+Everything a Focus layer needs is reachable from the modules it runs in (no global registry):
+each attention module of a wrapped model carries a handle in ``module._focus_handle`` and each
+``PreTrainedModel`` of it carries the shared :class:`FocusRuntime` in ``module._focus_runtime``.
+Copies (``copy.deepcopy``, pickling) therefore carry their own, independent Focus state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ATTN_IMPLEMENTATION = "focus"
+#: attribute (in ``module.__dict__``) holding the runtime on the hooked PreTrainedModels
+RUNTIME_ATTR = "_focus_runtime"
+
+
+@dataclass(eq=False)
+class FocusRuntime:
+    """State shared by the Focus layers of one wrapped model (docs/method.md §8).
+
+    Attributes:
+        focus_config: the :class:`FocusConfig` in use, read by every Focus-layer call (replaced
+            as a whole when ``FocusModel.focus_config`` is assigned).
+        base_impl: the model's attention implementation before Focus (``"sdpa"``, ``"eager"``...).
+        enabled: False inside ``disable_focus()``.
+        routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`).
+        recorder: list receiving one record per Focus-layer call while recording, else None.
+        calls: number of model calls so far (the routing bias is updated once per call).
+        want_attentions: whether the current call asked for attention maps.
+        focus_layers: indices of the Focus layers; num_layers: attention layers of the model.
+        routers: the routers of the Focus layers, keyed by layer index.
+        warned: warnings already given for this model (each is given once).
+    """
+
+    focus_config: Any
+    base_impl: str
+    enabled: bool = True
+    routing: str = "auto"
+    recorder: list | None = None
+    calls: int = 0
+    want_attentions: bool = False
+    focus_layers: tuple[int, ...] = ()
+    num_layers: int = 0
+    routers: dict = field(default_factory=dict)
+    warned: set = field(default_factory=set)
+
+    def mode(self, router: torch.nn.Module) -> str:
+        """``"soft"`` or ``"topk"`` for ``router`` under the current settings."""
+        if self.routing == "auto":
+            return "soft" if router.training else "topk"
+        return self.routing
+
+
+def runtime_of(module: torch.nn.Module) -> FocusRuntime | None:
+    """The :class:`FocusRuntime` attached to a wrapped model (or one of its PreTrainedModel
+    parts), or None."""
+    return module.__dict__.get(RUNTIME_ATTR)
+
+
+def switched_implementation_error(current: Any) -> ValueError:
+    """The error for a model whose attention implementation was switched away from Focus."""
+    return ValueError(
+        f"this model has Focus attached but its attention implementation was switched to "
+        f"{current!r} (set_attn_implementation or config._attn_implementation): Focus layers "
+        "would silently run dense attention. Use `with focus_model.disable_focus():` to run the "
+        "base model, or focus_model.unload() to remove Focus"
+    )
+
+
+def attention_maps_error(runtime: FocusRuntime) -> ValueError | None:
+    """Why this call cannot return one attention map per layer, or None when it can."""
+    soft = [i for i, r in runtime.routers.items() if runtime.mode(r) == "soft"]
+    if soft:
+        return ValueError(
+            "output_attentions=True: soft-routed (training-mode) Focus layers compute a gated "
+            f"dense attention whose maps are not exposed (layers {soft}); call the model in "
+            "eval() or with set_routing('topk') to get the top-k layers' maps"
+        )
+    if runtime.base_impl != "eager" and len(runtime.focus_layers) < runtime.num_layers:
+        others = sorted(set(range(runtime.num_layers)) - set(runtime.focus_layers))
+        return ValueError(
+            f"output_attentions=True: layers {others} run the base implementation "
+            f"{runtime.base_impl!r}, which returns no attention maps, so the maps would not "
+            "line up with the layers; load the base model with attn_implementation='eager'"
+        )
+    return None
+
+
+@torch.compiler.disable
+def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on every ``PreTrainedModel`` of a wrapped model: counts calls, notes
+    whether attention maps are asked for, and refuses a model whose attention implementation
+    was switched away from Focus while Focus is on.
+
+    Raises:
+        ValueError: a switched implementation (the message names ``disable_focus()``), or
+            attention maps that cannot be returned one per layer.
+    """
+    runtime = runtime_of(module)
+    if runtime is None or not runtime.enabled:
+        return
+    current = module.config._attn_implementation
+    if current != ATTN_IMPLEMENTATION:
+        raise switched_implementation_error(current)
+    runtime.calls += 1
+    want = kwargs.get("output_attentions")
+    if want is None:
+        want = getattr(module.config, "output_attentions", False)
+    runtime.want_attentions = bool(want)
+    if runtime.want_attentions:
+        err = attention_maps_error(runtime)
+        if err is not None:
+            raise err
