@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from focus_attention.hf import (
     ROUTER_DTYPE,
+    FocusBaseMismatchWarning,
     FocusConfig,
     FocusModel,
     FocusSlidingWindowWarning,
@@ -120,7 +121,9 @@ def test_routing_does_not_depend_on_the_order_of_wrap_and_cast(tmp_path, dtype):
     fm.save_pretrained(tmp_path)
     x = ids(4, 256, seed=4)
     wrap_then_cast = fm.to(dtype)
-    cast_then_wrap = FocusModel.from_pretrained(build_model("llama", dtype=dtype), tmp_path)
+    with warnings.catch_warnings():  # a cast copy of the same base is the same base
+        warnings.simplefilter("error", FocusBaseMismatchWarning)
+        cast_then_wrap = FocusModel.from_pretrained(build_model("llama", dtype=dtype), tmp_path)
     with wrap_then_cast.record_routing() as a:
         la = logits(wrap_then_cast, x)
     with cast_then_wrap.record_routing() as b:
@@ -301,3 +304,71 @@ def test_a_switch_behind_focus_is_refused_at_the_next_call(how):
     for call in calls:
         with pytest.raises(ValueError, match="disable_focus"):
             call()
+
+
+# --- what wrapping changes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "layers", "warns"),
+    [
+        ("mistral", {"sliding_window": 16}, None, True),
+        ("mistral", {"sliding_window": None}, None, False),
+        ("llama", {}, None, False),
+        ("gemma2", {}, None, False),  # Focus takes the full-attention layers only
+        ("gemma2", {}, (0, 1), True),  # ... unless a sliding layer is chosen explicitly
+    ],
+)
+def test_replacing_a_sliding_window_warns_once(arch, overrides, layers, warns):
+    base = build_model(arch, **overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_focus_model(base, FocusConfig(**{**FOCUS_DEFAULTS, "layers": layers}))
+    found = [w for w in caught if issubclass(w.category, FocusSlidingWindowWarning)]
+    assert len(found) == (1 if warns else 0)
+    if warns:
+        assert "sliding window" in str(found[0].message) and "README" in str(found[0].message)
+
+
+def test_the_replaced_sliding_window_is_why_outputs_differ_from_the_base():
+    """With every group kept (top_k = num_groups) a Focus layer is dense causal attention: it
+    equals the base model without a sliding window, not the base model with one."""
+    x = ids(1, 48, seed=14)
+    windowed = build_model("mistral", sliding_window=16)
+    full = build_model("mistral", sliding_window=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FocusSlidingWindowWarning)
+        fm = get_focus_model(
+            build_model("mistral", sliding_window=16), FocusConfig(**{**FOCUS_DEFAULTS, "top_k": 4})
+        ).eval()
+    got = logits(fm, x)
+    torch.testing.assert_close(got, logits(full, x), rtol=1e-4, atol=1e-4)
+    assert (got - logits(windowed, x)).abs().max() > 1e-2
+
+
+# --- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_autocast_runs_and_routes_as_without_it(arch, mode):
+    """Inside ``torch.autocast`` (mixed-precision training) a Focus layer receives float32
+    queries beside bfloat16 values; it attends in the autocast dtype and routes in float32,
+    so the first layer (whose input autocast leaves alone) routes exactly as the float32
+    model, and gradients reach the routers."""
+    _, fm = focus(arch)
+    getattr(fm, mode)()
+    x = ids(2, 40, seed=15)
+    with fm.record_routing() as plain:
+        fm(input_ids=x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fm.record_routing() as mixed:
+        out = fm(input_ids=x, labels=x)
+    assert torch.isfinite(out.loss)
+    key = "probs" if mode == "train" else "query_groups"
+    assert len(plain) == len(mixed) == len(fm.focus_layers)
+    if fm.focus_layers[0] == 0:  # gemma2's layer 0 is a sliding (base) layer
+        assert torch.equal(plain[0][key], mixed[0][key])
+    assert all(r[key].dtype == plain[0][key].dtype for r in mixed)
+    if mode == "train":
+        out.loss.backward()
+        assert all(p.grad is not None for p in fm.routers.parameters() if p.ndim == 2)

@@ -3,31 +3,19 @@ prepared by `focus setup` (marked ``assets``; skipped when they are absent)."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from focus_attention.assets.models import is_prepared, load_model
 from focus_attention.hf import FocusConfig, get_focus_model
 
 NAME = "smollm2-135m"
 
 
 def load_prepared():
-    try:
-        models = importlib.import_module("focus_attention.models")
-    except ImportError as err:
-        pytest.skip(f"focus_attention.models is not available ({err})")
-    load_model = getattr(models, "load_model", None)
-    if load_model is None:
-        pytest.skip("focus_attention.models.load_model does not exist yet")
-    is_prepared = getattr(models, "is_prepared", None)
-    if is_prepared is not None and not is_prepared(NAME):
+    if not is_prepared(NAME):
         pytest.skip(f"{NAME} is not prepared (run `focus setup` to download the assets)")
-    try:
-        return load_model(NAME)
-    except (RuntimeError, ValueError, OSError) as err:
-        pytest.skip(f"{NAME} could not be loaded offline: {err}")
+    return load_model(NAME)
 
 
 @pytest.mark.assets

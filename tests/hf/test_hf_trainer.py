@@ -99,3 +99,12 @@ def test_trainer_evaluation_reports_a_loss(tmp_path):
     run = trainer(fm, tmp_path)
     metrics = run.evaluate(eval_dataset=rows(4))
     assert metrics["eval_loss"] > 0 and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_trainer_with_bf16_mixed_precision_keeps_the_routers_float32(tmp_path):
+    fm = tied_focus_model()
+    before = routers(fm)
+    trainer(fm, tmp_path, bf16=True, max_steps=2).train()
+    after = routers(fm)
+    assert all(v.dtype == before[k].dtype for k, v in after.items())
+    assert not torch.equal(after["0.centroids"], before["0.centroids"])

@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from ..ops import focus_mask, gated_attention, sparse_attention, topk_memberships
 from .cache import FocusCacheLayer, focus_cache_layer
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
-from .router import FocusRouter
+from .router import FocusRouter, autocast_dtype
 from .runtime import ATTN_IMPLEMENTATION, FocusRuntime
 
 #: attribute (in ``module.__dict__``) holding a :class:`LayerHandle` on attention modules
@@ -256,8 +256,20 @@ def _key_masks(attention_mask: Any, nk: int, bsz: int, sink_tokens: int, device)
     return real, sinks
 
 
+def _autocast_inputs(query, key, value) -> tuple[torch.Tensor, ...]:
+    """Under ``torch.autocast`` the projections arrive in mixed dtypes (a rotary embedding
+    returns float32 queries and keys beside a bfloat16 value): attention then runs in the
+    autocast dtype, as the base implementations' matmuls do. Outside autocast the tensors
+    are returned as they are (mismatched dtypes are an error of the op)."""
+    dtype = autocast_dtype(query.device.type)
+    if dtype is None:
+        return query, key, value
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs) -> LayerCall:
     """Gather and check everything one Focus-layer call needs."""
+    query, key, value = _autocast_inputs(query, key, value)
     hidden = _take_hidden(handle, query)
     cache_layer, has_cache = handle.cache_layer, handle.has_cache
     handle.cache_layer, handle.has_cache = None, False

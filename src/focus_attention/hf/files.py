@@ -36,6 +36,9 @@ STATE_CONFIG_KEY = "focus_config"
 ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
 #: elements sampled from each of a few base tensors for the weight fingerprint.
 FINGERPRINT_SAMPLE = 4096
+#: values of each sampled tensor kept in the fingerprint, compared with a tolerance that
+#: admits any float16 / bfloat16 copy of the same weights (relative 2e-2 + absolute 1e-4)
+FINGERPRINT_VALUES = 16
 
 
 class FocusBaseMismatchWarning(UserWarning):
@@ -50,7 +53,9 @@ def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
         ``num_parameters``, ``parameter_shapes_sha256`` (names and shapes of every
         parameter), ``weights_sha256`` (the first 4096 values of four parameters spread over
         the model, rounded to bfloat16 so a bf16 copy of the same weights matches; None on the
-        meta device) and ``sampled_parameters`` (their names).
+        meta device), ``weights_sample`` (:data:`FINGERPRINT_VALUES` values of each, spread
+        over the first 4096, for a comparison that tolerates casts to float16 or bfloat16;
+        None on the meta device) and ``sampled_parameters`` (their names).
     """
     cfg = model.config
     named = list(model.named_parameters())
@@ -60,13 +65,16 @@ def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
     picks = sorted({0, len(named) // 3, (2 * len(named)) // 3, len(named) - 1}) if named else []
     sampled = [named[i][0] for i in picks]
     weights: str | None = None
+    sample: list[list[float]] | None = None
     if all(named[i][1].device.type != "meta" for i in picks):
-        digest = hashlib.sha256()
+        digest, sample = hashlib.sha256(), []
         for i in picks:
             name, p = named[i]
             vals = p.detach().reshape(-1)[:FINGERPRINT_SAMPLE].to(torch.bfloat16).float().cpu()
             digest.update(name.encode())
             digest.update(vals.numpy().tobytes())
+            step = max(1, vals.numel() // FINGERPRINT_VALUES)
+            sample.append([float(f"{v:.4g}") for v in vals[::step][:FINGERPRINT_VALUES].tolist()])
         weights = digest.hexdigest()
     return {
         "model_type": cfg.model_type,
@@ -75,8 +83,23 @@ def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
         "num_parameters": int(sum(p.numel() for _, p in named)),
         "parameter_shapes_sha256": shapes.hexdigest(),
         "weights_sha256": weights,
+        "weights_sample": sample,
         "sampled_parameters": sampled,
     }
+
+
+def _same_weights(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two fingerprints' sampled weights agree: by ``weights_sample`` with the
+    tolerance of :data:`FINGERPRINT_VALUES` when both have one, else by ``weights_sha256``;
+    True when either side has none (meta device)."""
+    a, b = saved.get("weights_sample"), current.get("weights_sample")
+    if a is not None and b is not None:
+        if [len(r) for r in a] != [len(r) for r in b]:
+            return False
+        x, y = torch.tensor(sum(a, []), dtype=torch.float64), torch.tensor(sum(b, []))
+        return bool(torch.isclose(x, y.double(), rtol=2e-2, atol=1e-4).all())
+    a, b = saved.get("weights_sha256"), current.get("weights_sha256")
+    return a is None or b is None or a == b
 
 
 def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
@@ -103,11 +126,7 @@ def compare_fingerprints(saved: dict[str, Any], current: dict[str, Any], where: 
             FocusBaseMismatchWarning,
             stacklevel=4,
         )
-    elif (
-        saved.get("weights_sha256") is not None
-        and current.get("weights_sha256") is not None
-        and saved["weights_sha256"] != current["weights_sha256"]
-    ):
+    elif not _same_weights(saved, current):
         warnings.warn(
             f"{where}: the base model has the same shapes but different weights than the one the "
             f"adapter was saved with (weights_sha256 of sampled parameters "

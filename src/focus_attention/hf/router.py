@@ -34,6 +34,17 @@ def _preserves_values(fn, device: torch.device) -> bool:
     return out.device.type != "meta" and float(out.float().cpu()[0]) == 1.5
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype of an active ``torch.autocast`` region on ``device_type``, or None (also
+    for device types autocast does not know, such as ``meta``)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 class FocusRouter(nn.Module):
     """Routing of one attention layer (docs/method.md §1, §2 and §4).
 
@@ -167,8 +178,12 @@ class FocusRouter(nn.Module):
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Routing scores ``[B, N, K]`` float32 of ``hidden`` ``[B, N, d_model]``
-        (docs/method.md §1)."""
-        return group_scores(hidden, self.proj, self.centroids, self.temperature)
+        (docs/method.md §1), in float32 also inside ``torch.autocast`` (mixed-precision
+        training), so routing does not depend on the autocast setting."""
+        if autocast_dtype(hidden.device.type) is None:
+            return group_scores(hidden, self.proj, self.centroids, self.temperature)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return group_scores(hidden, self.proj, self.centroids, self.temperature)
 
     def soft(
         self, scores: torch.Tensor, n_iter: int, real: torch.Tensor | None
