@@ -1,4 +1,4 @@
-"""C13 (adapter files) and C14 (only centroids train), and the PEFT-like API."""
+"""Adapter files, only the centroids train, and the PEFT-like API."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from focus_attention.hf import (
 )
 
 # --------------------------------------------------------------------------------------------
-# C14: trainable parameters
+# trainable parameters
 # --------------------------------------------------------------------------------------------
 
 
@@ -83,7 +83,7 @@ def test_training_changes_only_the_routers(arch, checkpointing):
 
 
 # --------------------------------------------------------------------------------------------
-# C13: adapter files
+# adapter files
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""C01 (future tokens never change the past) and C02 (registration keeps the causal mask),
+"""Future tokens never change the past, and registration keeps the causal mask,
 on every supported architecture."""
 
 from __future__ import annotations

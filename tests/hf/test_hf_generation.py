@@ -1,4 +1,4 @@
-"""C05 (decode equals prefill) and the KV-cache rules (docs/method.md §5, §8), on every
+"""Decoding equals prefill, and the KV-cache rules (docs/method.md §5, §8), on every
 supported architecture."""
 
 from __future__ import annotations

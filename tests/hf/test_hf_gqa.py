@@ -1,4 +1,4 @@
-"""C12 (grouped-query heads): on tiny-llama and every GQA architecture, zeroing the values of
+"""Grouped-query heads: on tiny-llama and every GQA architecture, zeroing the values of
 KV head 1 zeroes exactly the query heads that share it, in soft and top-k routing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""C08 (half precision): fp16 and bf16, a left-padded batch [3, 200] combining window, group
+"""Half precision: fp16 and bf16, a left-padded batch [3, 200] combining window, group
 and padding masks, forward (top-k and soft) and backward (soft), on every architecture."""
 
 from __future__ import annotations

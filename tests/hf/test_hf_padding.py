@@ -1,4 +1,4 @@
-"""C07 (padding is invisible) in soft and top-k routing, left and right padding, on every
+"""Padding is invisible in soft and top-k routing, left and right padding, on every
 supported architecture (docs/method.md §4)."""
 
 from __future__ import annotations
