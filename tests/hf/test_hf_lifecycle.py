@@ -372,3 +372,89 @@ def test_autocast_runs_and_routes_as_without_it(arch, mode):
     if mode == "train":
         out.loss.backward()
         assert all(p.grad is not None for p in fm.routers.parameters() if p.ndim == 2)
+
+
+# --- wrappers, threads, counts, configs ------------------------------------------------------
+
+
+class _Parent(torch.nn.Module):
+    def __init__(self, child):
+        super().__init__()
+        self.module = child
+
+
+@pytest.mark.parametrize("wrapper", ["parent", "compile", "averaged"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_wrapped_focus_model_loads_its_state_with_the_config(wrapper, strict):
+    """Inside torch.compile, an EMA copy or any parent module, ``load_state_dict`` of the
+    wrapper restores the routers and the config (also with ``strict=False``) and does not
+    expect the base weights, which the Focus state does not hold."""
+    wrap = {
+        "parent": _Parent,
+        "compile": torch.compile,
+        "averaged": torch.optim.swa_utils.AveragedModel,
+    }[wrapper]
+    _, saved = focus("llama", top_k=2, window=4)
+    trained_like(saved)
+    state = wrap(saved).state_dict()
+    _, fresh = focus("llama")
+    wrapped = wrap(fresh)
+    fresh = getattr(wrapped, "module", fresh)  # AveragedModel holds a copy
+    result = wrapped.load_state_dict(state, strict=strict)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    assert fresh.focus_config == saved.focus_config
+    x = ids(1, 40, seed=16)
+    assert torch.equal(logits(fresh, x), logits(saved, x))
+
+
+def test_threads_sharing_one_model_get_their_own_results():
+    """Two threads calling one model at once (a threaded server): each gets exactly the
+    logits and generations it gets alone."""
+    import threading
+
+    _, fm = focus("llama")
+    xs = [ids(2, 48, seed=s) for s in (1, 2)]
+    want = [logits(fm, x) for x in xs]
+    gen = [fm.generate(x, max_new_tokens=12, do_sample=False) for x in xs]
+    failures: list[str] = []
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            try:
+                if not torch.equal(logits(fm, xs[i]), want[i]):
+                    failures.append(f"thread {i}: other logits")
+                with torch.no_grad():
+                    out = fm.generate(xs[i], max_new_tokens=12, do_sample=False)
+                if not torch.equal(out, gen[i]):
+                    failures.append(f"thread {i}: other generation")
+            except Exception as err:  # noqa: BLE001 - reported below
+                failures.append(f"thread {i}: {type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_parameter_counts_include_the_routers():
+    _, fm = focus("llama")
+    routers = sum(p.numel() for p in fm.routers.parameters())
+    base = fm.base_model.num_parameters()
+    assert fm.num_parameters() == base + routers
+    assert fm.num_parameters(only_trainable=True) == routers == fm.get_nb_trainable_parameters()[0]
+    fm.requires_grad_(False)
+    assert fm.num_parameters(only_trainable=True) == 0
+    router_bytes = sum(t.numel() * t.element_size() for t in fm.routers.state_dict().values())
+    assert fm.get_memory_footprint() == fm.base_model.get_memory_footprint() + router_bytes
+
+
+def test_a_model_built_from_a_focus_models_config_says_how_to_get_a_plain_one():
+    _, fm = focus("llama")
+    config = copy.deepcopy(fm.config)  # from_config shares the config object it is given
+    with pytest.raises(ValueError, match=r"from_config\(copy.deepcopy"):
+        AutoModelForCausalLM.from_config(config)(ids(1, 8))
+    plain = AutoModelForCausalLM.from_config(copy.deepcopy(fm.config), attn_implementation="sdpa")
+    assert plain(ids(1, 8)).logits.shape == (1, 8, 256)
+    assert fm.config._attn_implementation == "focus"  # the Focus model is left as it was

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,17 +47,16 @@ class LayerHandle:
     """Per-attention-layer state kept on the attention module as ``module._focus_handle``.
 
     Every attention module of a wrapped model has one; ``router`` is None on the layers
-    without Focus. ``hidden`` / ``cache_layer`` / ``has_cache`` are set by the pre-hook for the
-    one attention call that follows and consumed by :func:`focus_attention_forward`;
+    without Focus. ``pending`` maps a thread to the :class:`Captured` inputs the pre-hook
+    took for the one attention call of that thread that follows (consumed by
+    :func:`focus_attention_forward`), so threads sharing a model do not see each other's;
     ``bias_call`` is the model call whose batch last updated the routing bias.
     """
 
     layer_idx: int
     router: FocusRouter | None
     runtime: FocusRuntime
-    hidden: torch.Tensor | None = None
-    cache_layer: FocusCacheLayer | None = None
-    has_cache: bool = False
+    pending: dict = field(default_factory=dict, repr=False)
     bias_call: int = -1
     hook: Any = field(default=None, repr=False)
 
@@ -64,6 +64,17 @@ class LayerHandle:
         # an unpickled model in a fresh process needs "focus" registered with transformers
         self.__dict__.update(state)
         register_focus_attention()
+
+
+@dataclass
+class Captured:
+    """What the pre-hook captured for one Focus-layer call: the hidden state entering the
+    attention module ``[B, N, d_model]``, the layer's cache layer (or None) and whether the
+    call has a KV cache at all."""
+
+    hidden: torch.Tensor
+    cache_layer: FocusCacheLayer | None
+    has_cache: bool
 
 
 def handle_of(module: torch.nn.Module) -> LayerHandle | None:
@@ -87,10 +98,8 @@ def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             f"Focus could not find the hidden state entering {type(module).__name__} "
             "(expected the first positional argument or `hidden_states=`)"
         )
-    handle.hidden = hidden
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    handle.has_cache = cache is not None
-    handle.cache_layer = None
+    cache_layer = None
     if cache is not None:
         cfg = handle.runtime.focus_config
         topk = handle.runtime.mode(handle.router) == "topk"
@@ -100,7 +109,8 @@ def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 "a token's groups depend on later tokens, so it cannot use a KV cache. Call the "
                 "model with use_cache=False, or use inference_routing='causal'."
             )
-        handle.cache_layer = focus_cache_layer(cache, handle.layer_idx)
+        cache_layer = focus_cache_layer(cache, handle.layer_idx)
+    handle.pending[threading.get_ident()] = Captured(hidden, cache_layer, cache is not None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,7 +138,10 @@ def _gpt2_upcast_attention(module, query, key, value, mask, dropout=0.0, scaling
 def _no_adapter_error() -> ValueError:
     return ValueError(
         f"attn_implementation {ATTN_IMPLEMENTATION!r} is set on a model that has no Focus "
-        "adapter attached: wrap the model with focus_attention.get_focus_model(model, config)"
+        "adapter attached: wrap the model with focus_attention.get_focus_model(model, config). "
+        "A model built from a Focus model's config (from_config(focus_model.config)) inherits "
+        "it and shares the config object: for a plain model pass a copy, "
+        "from_config(copy.deepcopy(focus_model.config), attn_implementation='sdpa')"
     )
 
 
@@ -225,10 +238,10 @@ class LayerCall:
     past: torch.Tensor | None
 
 
-def _take_hidden(handle: LayerHandle, query: torch.Tensor) -> torch.Tensor:
-    """The hidden state the pre-hook captured for this call (the handle is cleared)."""
-    hidden = handle.hidden
-    handle.hidden = None
+def _take_captured(handle: LayerHandle, query: torch.Tensor) -> Captured:
+    """What the pre-hook captured for this call of this thread (removed from the handle)."""
+    captured = handle.pending.pop(threading.get_ident(), None)
+    hidden = None if captured is None else captured.hidden
     bsz, _, nq, _ = query.shape
     if hidden is None or tuple(hidden.shape[:2]) != (bsz, nq):
         got = None if hidden is None else tuple(hidden.shape)
@@ -236,7 +249,7 @@ def _take_hidden(handle: LayerHandle, query: torch.Tensor) -> torch.Tensor:
             f"Focus layer {handle.layer_idx}: captured hidden state {got} does not match the "
             f"query [B={bsz}, N={nq}] (was the attention module called without its pre-hook?)"
         )
-    return hidden
+    return captured
 
 
 def _key_masks(attention_mask: Any, nk: int, bsz: int, sink_tokens: int, device) -> tuple:
@@ -270,9 +283,8 @@ def _autocast_inputs(query, key, value) -> tuple[torch.Tensor, ...]:
 def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs) -> LayerCall:
     """Gather and check everything one Focus-layer call needs."""
     query, key, value = _autocast_inputs(query, key, value)
-    hidden = _take_hidden(handle, query)
-    cache_layer, has_cache = handle.cache_layer, handle.has_cache
-    handle.cache_layer, handle.has_cache = None, False
+    captured = _take_captured(handle, query)
+    hidden, cache_layer, has_cache = captured.hidden, captured.cache_layer, captured.has_cache
     handle.router.check_ready(hidden)
     bsz, _, nq, head_dim = query.shape
     nk = key.shape[2]
@@ -386,7 +398,7 @@ def _topk_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
         scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
     )  # fmt: skip
     maps = None
-    if handle.runtime.want_attentions:
+    if handle.runtime.wants_attentions():
         mask = focus_mask(q_groups, k_groups, cfg.window, call.real)
         maps = attention_probs(call.query, call.key, mask, call.scale, call.softcap)
     return out, q_groups, k_groups, maps

@@ -216,6 +216,7 @@ class FocusModel(nn.Module):
         register_focus_attention()
         model_config._attn_implementation = ATTN_IMPLEMENTATION
         self._unloaded = False
+        self.register_load_state_dict_post_hook(_base_keys_not_expected)
         self.train(base_model.training)
 
     def _build_routers(self, config: FocusConfig, layers: list[int], modules: dict) -> dict:
@@ -517,6 +518,23 @@ class FocusModel(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         return trainable, total
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """``PreTrainedModel.num_parameters`` of the base model plus the routers' parameters
+        (those with ``requires_grad`` when ``only_trainable``)."""
+        base = self.base_model.num_parameters(
+            only_trainable=only_trainable, exclude_embeddings=exclude_embeddings
+        )
+        routers = self.routers.parameters()
+        return base + sum(p.numel() for p in routers if p.requires_grad or not only_trainable)
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes of the base model's parameters (and buffers) plus the routers'."""
+        tensors = list(self.routers.parameters())
+        if return_buffers:
+            tensors += list(self.routers.buffers())
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return self.base_model.get_memory_footprint(return_buffers=return_buffers) + own
+
     def print_trainable_parameters(self) -> None:
         """Print ``trainable params: N || all params: M || trainable%: P`` (PEFT's format)."""
         trainable, total = self.get_nb_trainable_parameters()
@@ -545,6 +563,24 @@ class FocusModel(nn.Module):
         text = config_document(self.focus_config, base_model_fingerprint(self.base_model))
         destination[prefix + STATE_CONFIG_KEY] = document_to_tensor(text)
         return destination
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """How a FocusModel inside another module (``torch.compile``, DDP, an EMA copy, a
+        parent ``nn.Module``) loads its :meth:`state_dict`: the config entry takes effect as
+        in :meth:`load_state_dict` (never dropped, also with ``strict=False``) and the base
+        model's weights, which the state does not hold, are not reported missing."""
+        key = prefix + STATE_CONFIG_KEY
+        if key in state_dict:
+            config, _ = tensor_to_document(state_dict[key], key)
+            self.focus_config = config.replace(seed=self.focus_config.seed)
+        self.__dict__["_load_prefix"] = prefix
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a :meth:`state_dict` (router tensors and, when present, the config, whose
@@ -742,6 +778,14 @@ class FocusModel(nn.Module):
         self._handles = {}
         self._unloaded = True
         return base
+
+
+def _base_keys_not_expected(model: FocusModel, incompatible_keys: Any) -> None:
+    """Load-state-dict post-hook: the base model's weights are not part of a FocusModel's
+    state, so their absence is not a missing key (see ``FocusModel._load_from_state_dict``)."""
+    prefix = model.__dict__.pop("_load_prefix", "") + "base_model."
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if not k.startswith(prefix)]
 
 
 def get_focus_model(model: nn.Module, config: FocusConfig | None = None) -> FocusModel:

@@ -8,6 +8,7 @@ Copies (``copy.deepcopy``, pickling) therefore carry their own, independent Focu
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,8 @@ class FocusRuntime:
         routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`).
         recorder: list receiving one record per Focus-layer call while recording, else None.
         calls: number of model calls so far (the routing bias is updated once per call).
-        want_attentions: whether the current call asked for attention maps.
+        want_attentions: per thread, whether its current call asked for attention maps
+            (read it with :meth:`wants_attentions`).
         focus_layers: indices of the Focus layers; num_layers: attention layers of the model.
         routers: the routers of the Focus layers, keyed by layer index.
         warned: warnings already given for this model (each is given once).
@@ -42,11 +44,15 @@ class FocusRuntime:
     routing: str = "auto"
     recorder: list | None = None
     calls: int = 0
-    want_attentions: bool = False
+    want_attentions: dict = field(default_factory=dict)
     focus_layers: tuple[int, ...] = ()
     num_layers: int = 0
     routers: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
+
+    def wants_attentions(self) -> bool:
+        """Whether the current call of this thread asked for attention maps."""
+        return self.want_attentions.get(threading.get_ident(), False)
 
     def mode(self, router: torch.nn.Module) -> str:
         """``"soft"`` or ``"topk"`` for ``router`` under the current settings."""
@@ -110,8 +116,8 @@ def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(module.config, "output_attentions", False)
-    runtime.want_attentions = bool(want)
-    if runtime.want_attentions:
+    runtime.want_attentions[threading.get_ident()] = bool(want)
+    if want:
         err = attention_maps_error(runtime)
         if err is not None:
             raise err
