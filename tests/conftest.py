@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -25,3 +27,24 @@ def inductor():
     assert torch.equal(out, torch.full((3,), 3.0))
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def fused_kernel() -> bool:
+    """Build (or load) the ``cpu_fused`` C++ kernel once per session, so its first build
+    (about a minute) shows as this fixture's setup instead of inside whichever test runs
+    first. Skips the requesting test when the kernel cannot be built here or
+    ``FOCUS_NO_EXTENSION`` is set."""
+    if os.environ.get("FOCUS_NO_EXTENSION", "") not in ("", "0"):
+        pytest.skip("FOCUS_NO_EXTENSION set: the cpu_fused kernel is disabled")
+    import warnings
+
+    from focus_attention.ops import fused_kernel_available
+    from focus_attention.ops.sparse import extension
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        available = fused_kernel_available()
+    if not available:
+        pytest.skip(f"the cpu_fused kernel is unavailable: {extension.unavailable_reason()}")
+    return True
