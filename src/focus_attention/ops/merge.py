@@ -28,9 +28,10 @@ def merge_partials(
 
     Every exponent is at most 0, so the merge stays exact however far apart the two parts
     are (using the log-sum-exp of one part only overflows float32 once the other exceeds it
-    by about 88). A part with no key has ``lse = -inf`` and contributes nothing, whatever
-    its output holds; when both parts are empty the output is 0 and the log-sum-exp
-    ``-inf`` (never NaN). NaN in a non-empty part propagates. Differentiable (the maximum
+    by about 88). A part with no key has ``lse = -inf`` and contributes nothing (its weight
+    is exactly 0, so its output must be finite: zeros, as every backend gives); when both
+    parts are empty the output is 0 and the log-sum-exp ``-inf`` (never NaN). NaN in a
+    non-empty part propagates. Differentiable (the maximum
     ``m`` cancels out of the result and is taken without gradient).
 
     Args:
@@ -49,17 +50,16 @@ def merge_partials(
     _check_part("b", out_b, lse_b, out_a)
     ct = torch.promote_types(lse_a.dtype, lse_b.dtype)
     lse_a, lse_b = lse_a.to(ct), lse_b.to(ct)
-    has_a, has_b = lse_a != -math.inf, lse_b != -math.inf  # True for NaN: it propagates
     peak = torch.maximum(lse_a, lse_b).detach()
     # both empty: any finite peak gives weights exp(-inf) = 0 (a NaN peak stays NaN)
     peak = torch.where(peak == -math.inf, torch.zeros_like(peak), peak)
-    w_a, w_b = torch.exp(lse_a - peak), torch.exp(lse_b - peak)
-    num = torch.where(has_a[..., None], w_a[..., None] * out_a.to(ct), 0.0)
-    num = num + torch.where(has_b[..., None], w_b[..., None] * out_b.to(ct), 0.0)
-    empty = ~(has_a | has_b)
-    den = torch.where(empty, torch.ones_like(w_a), w_a + w_b)
+    w_a, w_b = torch.exp(lse_a - peak), torch.exp(lse_b - peak)  # in [0, 1], one of them 1
+    den = w_a + w_b
+    empty = den == 0  # both parts empty (False for NaN)
+    den = torch.where(empty, torch.ones_like(den), den)
     lse = torch.where(empty, torch.full_like(peak, -math.inf), peak + torch.log(den))
-    return num / den[..., None], lse
+    out = (w_a / den)[..., None] * out_a.to(ct) + (w_b / den)[..., None] * out_b.to(ct)
+    return out, lse
 
 
 def _check_part(name: str, out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor) -> None:

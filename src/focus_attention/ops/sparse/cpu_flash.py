@@ -47,27 +47,30 @@ def attend_cpu_flash(q, k, v, mask, causal, scale: float):
 
 class InPlaceMerge:
     """Accumulator of ``cpu_flash``: every piece is merged at once into token-major float32
-    buffers ``out [Nq, H, D]`` and ``lse [Nq, H]`` (overwritten: zeros and ``-inf``), so the
-    op needs the memory of one float32 output. Token-major rows make the gathers and
-    scatters contiguous copies."""
+    buffers ``out [Nq, H, D]`` and ``lse [Nq, H]`` (overwritten), so the op needs the memory
+    of one float32 output. Token-major rows make the gathers and scatters contiguous
+    copies. Rows no piece has reached yet hold output 0 and log-sum-exp ``-inf``; a piece
+    for such rows only is copied (the merge with an empty part is that copy)."""
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         self.out = out.zero_()
         self.lse = lse.fill_(-math.inf)
+        self.touched = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
 
     def add(self, part, block, rows, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge ``out [H, n, D]``, ``lse [H, n]`` into query ``rows`` (a slice or indices)."""
         out, lse = out.transpose(0, 1), lse.transpose(0, 1)  # [n, H, D], [n, H] views
         if isinstance(rows, slice):
-            self.out[rows], self.lse[rows] = merge_partials(
-                self.out[rows], self.lse[rows], out, lse
-            )
-            return
-        new_out, new_lse = merge_partials(
-            self.out.index_select(0, rows), self.lse.index_select(0, rows), out, lse
-        )
-        self.out.index_copy_(0, rows, new_out)
-        self.lse.index_copy_(0, rows, new_lse)
+            if bool(self.touched[rows].any()):
+                out, lse = merge_partials(self.out[rows], self.lse[rows], out, lse)
+            self.out[rows], self.lse[rows] = out, lse
+        else:
+            if bool(self.touched[rows].any()):
+                old_out, old_lse = self.out.index_select(0, rows), self.lse.index_select(0, rows)
+                out, lse = merge_partials(old_out, old_lse, out, lse)
+            self.out.index_copy_(0, rows, out.to(self.out.dtype))
+            self.lse.index_copy_(0, rows, lse)
+        self.touched[rows] = True
 
 
 def run_cpu_flash(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
