@@ -30,21 +30,29 @@ def inductor():
 
 
 @pytest.fixture(scope="session")
-def fused_kernel() -> bool:
+def kernel_built() -> bool:
     """Build (or load) the ``cpu_fused`` C++ kernel once per session, so its first build
     (about a minute) shows as this fixture's setup instead of inside whichever test runs
-    first. Skips the requesting test when the kernel cannot be built here or
-    ``FOCUS_NO_EXTENSION`` is set."""
+    first; whether it is available. Tests that call the op with ``backend="auto"`` on CPU
+    use it (``auto`` builds the kernel on first use)."""
     if os.environ.get("FOCUS_NO_EXTENSION", "") not in ("", "0"):
-        pytest.skip("FOCUS_NO_EXTENSION set: the cpu_fused kernel is disabled")
+        return False
     import warnings
 
     from focus_attention.ops import fused_kernel_available
-    from focus_attention.ops.sparse import extension
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        available = fused_kernel_available()
-    if not available:
-        pytest.skip(f"the cpu_fused kernel is unavailable: {extension.unavailable_reason()}")
+        return fused_kernel_available()
+
+
+@pytest.fixture(scope="session")
+def fused_kernel(kernel_built: bool) -> bool:
+    """:func:`kernel_built` for tests that need the kernel itself: skips them when it
+    cannot be built here or ``FOCUS_NO_EXTENSION`` is set."""
+    if not kernel_built:
+        from focus_attention.ops.sparse import extension
+
+        reason = extension.unavailable_reason() or "FOCUS_NO_EXTENSION set"
+        pytest.skip(f"the cpu_fused kernel is unavailable: {reason}")
     return True

@@ -20,8 +20,7 @@ def backend(request) -> str:
 @pytest.fixture(scope="session", params=("auto", *BACKENDS))
 def any_backend(request) -> str:
     """``"auto"`` and each explicit sparse backend."""
-    if request.param in ("auto", "cpu_fused"):
-        request.getfixturevalue("fused_kernel")
+    request.getfixturevalue("fused_kernel" if request.param == "cpu_fused" else "kernel_built")
     return request.param
 
 

@@ -27,7 +27,7 @@ def _case():
 
 @pytest.mark.parametrize("backend", ["auto", "cpu_flash", "math"])
 @pytest.mark.parametrize("with_padding", [False, True], ids=["no-pad", "pad"])
-def test_the_custom_op_passes_opcheck(backend, with_padding):
+def test_the_custom_op_passes_opcheck(backend, with_padding, kernel_built):
     """Schema, fake (meta) implementation and AOT dispatch agree with the eager op."""
     case = _case()
     kpm = case.kpm if with_padding else None

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_kernel_builds_here():
+def test_the_kernel_builds_here(kernel_built):
     """CI machines have a compiler: a silent fall back to cpu_flash would hide a broken build."""
-    assert fused_kernel_available(), extension.unavailable_reason()
+    assert kernel_built and fused_kernel_available(), extension.unavailable_reason()
 
 
 def test_the_kernel_source_ships_with_the_package():

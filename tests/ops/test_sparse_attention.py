@@ -145,7 +145,7 @@ def test_scale_argument_is_used(backend):
     torch.testing.assert_close(dflt, explicit, atol=1e-6, rtol=0)
 
 
-def test_softcap_math_backend_equals_oracle():
+def test_softcap_math_backend_equals_oracle(kernel_built):
     case = make_case(nk=120, nq=40, heads=4, kv_heads=2, top_k=2, padding="right", seed=5)
     case.q = case.q * 4  # large logits so the cap matters
     out = case.sparse("math", softcap=2.0)
@@ -317,7 +317,7 @@ def test_auto_backend_is_differentiable():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "math"])
-def test_long_sequence_matches_blockwise_oracle(backend):
+def test_long_sequence_matches_blockwise_oracle(backend, kernel_built):
     n, window = 8192, 64
     g = torch.Generator().manual_seed(8192)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
@@ -546,7 +546,7 @@ def test_window_counts_the_query_itself(n, membership, window, mode, backend):
     assert err <= 1e-5 * max(1, n), f"window {window}: output is not the window mean ({err})"
 
 
-def test_window_counts_the_query_itself_with_auto():
+def test_window_counts_the_query_itself_with_auto(kernel_built):
     for mode, window in (("prefill", 4), ("decode", 7), ("chunk", 1)):
         nq = {"prefill": 16, "decode": 1, "chunk": 5}[mode]
         out = _window_case(16, window, nq, "none", torch.float32).sparse("auto")

@@ -100,7 +100,7 @@ def test_unknown_backend_names_the_registered_ones():
         resolve_backend("flex", _request())
 
 
-def test_a_new_backend_is_registered_by_one_call(monkeypatch):
+def test_a_new_backend_is_registered_by_one_call(monkeypatch, kernel_built):
     """A new backend (here: CPU float64 only, ahead of the built-in ones) is picked by
     "auto" where it can run and skipped, with its reason, where it cannot; names are
     unique."""

@@ -153,7 +153,7 @@ def test_sparse_attention_rejects(over, names, received):
     _expect(lambda: _call_sparse(**over), names, received)
 
 
-def test_good_inputs_are_accepted():
+def test_good_inputs_are_accepted(kernel_built):
     """The baseline every rejection case perturbs is itself valid."""
     out = _call_sparse()
     assert out.shape == (B, H, NQ, D)
