@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -25,3 +27,32 @@ def inductor():
     assert torch.equal(out, torch.full((3,), 3.0))
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def kernel_built() -> bool:
+    """Build (or load) the ``cpu_fused`` C++ kernel once per session, so its first build
+    (about a minute) shows as this fixture's setup instead of inside whichever test runs
+    first; whether it is available. Tests that call the op with ``backend="auto"`` on CPU
+    use it (``auto`` builds the kernel on first use)."""
+    if os.environ.get("FOCUS_NO_EXTENSION", "") not in ("", "0"):
+        return False
+    import warnings
+
+    from focus_attention.ops import fused_kernel_available
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fused_kernel_available()
+
+
+@pytest.fixture(scope="session")
+def fused_kernel(kernel_built: bool) -> bool:
+    """:func:`kernel_built` for tests that need the kernel itself: skips them when it
+    cannot be built here or ``FOCUS_NO_EXTENSION`` is set."""
+    if not kernel_built:
+        from focus_attention.ops.sparse import extension
+
+        reason = extension.unavailable_reason() or "FOCUS_NO_EXTENSION set"
+        pytest.skip(f"the cpu_fused kernel is unavailable: {reason}")
+    return True

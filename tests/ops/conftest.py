@@ -1,22 +1,42 @@
-"""Fixtures for the op-level exactness tests (helpers live in ``helpers.py``)."""
+"""Fixtures for the op-level tests (builders and oracles live in ``helpers.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .helpers import BACKENDS, HALF_DTYPES
+from .helpers import BACKENDS, HALF_DTYPES, TINY_BLOCKS, block_modules
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(scope="session", params=BACKENDS)
 def backend(request) -> str:
-    """Each explicit sparse backend: PyTorch's CPU flash kernel and the blocked math path."""
+    """Each explicit sparse backend (``cpu_fused`` after the session's kernel build;
+    session scope, so hypothesis tests may use it too)."""
+    if request.param == "cpu_fused":
+        request.getfixturevalue("fused_kernel")
+    return request.param
+
+
+@pytest.fixture(scope="session", params=("auto", *BACKENDS))
+def any_backend(request) -> str:
+    """``"auto"`` and each explicit sparse backend."""
+    request.getfixturevalue("fused_kernel" if request.param == "cpu_fused" else "kernel_built")
     return request.param
 
 
 @pytest.fixture(params=HALF_DTYPES, ids=["bf16", "fp16"])
 def half_dtype(request) -> torch.dtype:
     return request.param
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Every block constant of the sparse backends shrunk (see ``helpers.TINY_BLOCKS``)."""
+    modules = block_modules()
+    for name, value in TINY_BLOCKS.items():
+        owners = [m for m in modules if hasattr(m, name)]
+        assert len(owners) == 1, name  # a renamed or duplicated constant must fail loudly
+        monkeypatch.setattr(owners[0], name, value)
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from focus_attention.ops import _extension, fused_kernel_available
+from focus_attention.ops import fused_kernel_available
+from focus_attention.ops.sparse import extension
 from focus_attention.utils.io import file_lock
 
 from .helpers import assert_matches_oracle, make_case
@@ -19,13 +20,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_kernel_builds_here():
+def test_the_kernel_builds_here(kernel_built):
     """CI machines have a compiler: a silent fall back to cpu_flash would hide a broken build."""
-    assert fused_kernel_available(), _extension.unavailable_reason()
+    assert kernel_built and fused_kernel_available(), extension.unavailable_reason()
+
+
+def test_the_kernel_source_ships_with_the_package():
+    """pyproject's package-data must name the source's place in the package."""
+    assert extension.SOURCE.is_file()
+    assert extension.SOURCE.parent.parent.name == "sparse"
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_threads_give_identical_results(top_k):
+def test_threads_give_identical_results(top_k, fused_kernel):
     """Work items are pulled by every thread in any order; each writes its own rows, so
     the result is bitwise the same with 1 or 2 threads (and equals the oracle)."""
     case = make_case(
@@ -53,10 +60,9 @@ def test_threads_give_identical_results(top_k):
 
 
 @pytest.mark.slow
-def test_a_stale_build_lock_does_not_hang():
+def test_a_stale_build_lock_does_not_hang(fused_kernel):
     """An interrupted build leaves torch's "lock" file behind; loading must not wait on it."""
-    assert fused_kernel_available()
-    build = _extension.build_directory()
+    build = extension.build_directory()
     lock = build / "lock"
     with file_lock(build / ".focus-build.lock"):  # never while another process builds
         lock.write_text("")

@@ -14,7 +14,7 @@ from .helpers import HYP, brute_mask, case_params, gen, make_case, naive_attenti
 
 
 def _loop_mask(qg, kg, window, kpm=None) -> torch.Tensor:
-    """The contract's rule evaluated pair by pair in plain Python."""
+    """The rule of docs/method.md §4 evaluated pair by pair in plain Python."""
     batch, nq, k = qg.shape
     nk = kg.shape[1]
     out = torch.zeros(batch, nq, nk, dtype=torch.bool)

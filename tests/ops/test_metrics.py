@@ -1,4 +1,4 @@
-"""Routing and sparsity metrics against brute-force counts (spec sections 2 and 4)."""
+"""Routing and sparsity metrics against brute-force counts (docs/method.md §2 and §4)."""
 
 from __future__ import annotations
 

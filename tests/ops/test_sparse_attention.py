@@ -1,4 +1,7 @@
-"""Exactness of ``sparse_attention`` against the dense oracle (issue 2, section 2)."""
+"""Exactness of ``sparse_attention`` against the dense oracle on every backend: grids and
+properties over the input space, lengths and windows, grouped-query heads, causality,
+gradients, block edges (docs/method.md §4-§5). Numerics are in test_sparse_numerics.py,
+backend choice in test_sparse_backends.py."""
 
 from __future__ import annotations
 
@@ -13,13 +16,16 @@ from focus_attention.ops import dense_attention, focus_mask, sparse_attention
 
 from .helpers import (
     BACKENDS,
-    FP32_ATOL,
     HYP,
     HYP_SMALL,
+    TINY_BLOCKS,
+    Case,
     assert_matches_oracle,
     block_lengths,
+    block_modules,
     brute_mask,
     case_params,
+    gen,
     make_case,
     naive_attention,
 )
@@ -77,7 +83,6 @@ def _grid() -> list:
 GRID = _grid()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params", GRID)
 def test_grid_fp32_equals_oracle(params, backend):
     case = make_case(**params)
@@ -95,7 +100,6 @@ HALF_GRID = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params", HALF_GRID)
 def test_grid_half_within_twice_dense_error(params, backend, half_dtype):
     case = make_case(**params, dtype=half_dtype)
@@ -103,7 +107,6 @@ def test_grid_half_within_twice_dense_error(params, backend, half_dtype):
     assert_matches_oracle(case, out, lse)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @given(params=case_params())
 @HYP
 def test_property_fp32_equals_oracle(backend, params):
@@ -112,7 +115,6 @@ def test_property_fp32_equals_oracle(backend, params):
     assert_matches_oracle(case, out, lse)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @given(params=case_params(max_nk=48, long_nk=160), dtype=st.sampled_from(["bf16", "fp16"]))
 @HYP
 def test_property_half_within_twice_dense_error(backend, params, dtype):
@@ -121,7 +123,7 @@ def test_property_half_within_twice_dense_error(backend, params, dtype):
     assert_matches_oracle(case, out, lse)
 
 
-def test_auto_backend_matches_explicit_backends():
+def test_auto_backend_matches_explicit_backends(fused_kernel):
     case = make_case(nk=200, nq=50, batch=2, heads=4, kv_heads=2, top_k=2, padding="left")
     auto = case.sparse("auto")
     for backend in BACKENDS:
@@ -143,7 +145,7 @@ def test_scale_argument_is_used(backend):
     torch.testing.assert_close(dflt, explicit, atol=1e-6, rtol=0)
 
 
-def test_softcap_math_backend_equals_oracle():
+def test_softcap_math_backend_equals_oracle(kernel_built):
     case = make_case(nk=120, nq=40, heads=4, kv_heads=2, top_k=2, padding="right", seed=5)
     case.q = case.q * 4  # large logits so the cap matters
     out = case.sparse("math", softcap=2.0)
@@ -156,7 +158,7 @@ def test_softcap_math_backend_equals_oracle():
 
 
 def test_oracle_helpers_agree_with_package_oracle():
-    """The contract's oracle (dense_attention + focus_mask) and the naive float64 one
+    """The oracle (dense_attention + focus_mask) and the naive float64 one
     written here agree, so the exactness tests rest on two independent references."""
     case = make_case(nk=80, nq=30, batch=2, heads=4, kv_heads=2, top_k=2, padding="random")
     mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
@@ -200,7 +202,6 @@ def _perturb_future(case, cut: int, seed: int, memberships: bool):
     return type(case)(case.q, k, v, qg, kg, case.window, kpm)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("memberships", [False, True], ids=["kv", "kv+groups+padding"])
 @given(params=case_params(max_nk=64, long_nk=160), cut_frac=st.floats(0.0, 1.0))
 @HYP_SMALL
@@ -316,7 +317,7 @@ def test_auto_backend_is_differentiable():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "math"])
-def test_long_sequence_matches_blockwise_oracle(backend):
+def test_long_sequence_matches_blockwise_oracle(backend, kernel_built):
     n, window = 8192, 64
     g = torch.Generator().manual_seed(8192)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
@@ -339,7 +340,6 @@ def test_long_sequence_matches_blockwise_oracle(backend):
     assert math.isfinite(worst)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["prefill", "chunk", "decode"])
 def test_non_contiguous_inputs(mode, backend):
     """Model code hands over transposed views ([B, N, H, D] storage) and sliced masks."""
@@ -359,26 +359,6 @@ def test_non_contiguous_inputs(mode, backend):
     assert_matches_oracle(case, out)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scale", [5.0, 20.0])
-def test_large_logits_are_merged_stably(scale, backend):
-    """Logits in the tens to hundreds: every part and the log-sum-exp merge must stay finite and as
-    accurate as fp32 dense attention (a merge without max-subtraction overflows). fp32
-    itself cannot resolve such logits to 1e-5, so the bar is twice dense fp32's own error
-    against float64, plus 1e-6."""
-    case = make_case(nk=200, nq=60, batch=2, heads=4, kv_heads=2, top_k=2, window=6, seed=4)
-    out, lse = case.sparse(backend, scale=scale, return_lse=True)
-    exact, exact_lse = naive_attention(case.q, case.k, case.v, case.mask(), scale=scale)
-    dense, dense_lse = dense_attention(case.q, case.k, case.v, case.mask(), scale=scale)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    err = (out.double() - exact).abs().max().item()
-    dense_err = (dense.double() - exact).abs().max().item()
-    assert err <= 2 * dense_err + 1e-6, (err, dense_err)
-    lse_err = (lse.double() - exact_lse).abs().max().item()
-    dense_lse_err = (dense_lse.double() - exact_lse).abs().max().item()
-    assert lse_err <= 2 * dense_lse_err + 1e-4, (lse_err, dense_lse_err)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["auto", "math"])
@@ -395,20 +375,11 @@ def test_cuda_inputs_equal_oracle(dtype, backend):
     assert_matches_oracle(case, out.cpu(), lse.cpu())
 
 
-#: every block constant of the sparse op shrunk, so that short inputs cross many query
-#: blocks, key chunks, strips and band calls (the production sizes are only crossed by
-#: inputs of thousands of tokens).
-TINY_BLOCKS = dict(
-    QUERY_BLOCK=8,
-    STRIP=4,
-    KEY_CHUNK=16,
-    BAND_BLOCK=4,
-    BAND_ELEMENTS=64,
-    MATH_BLOCK=8,
-    FUSED_ROWS=6,
-    FUSED_KEYS=5,
-    FUSED_BAND=3,
-)
+# --------------------------------------------------------------------------------------
+# block edges: every block constant shrunk
+# --------------------------------------------------------------------------------------
+
+
 TINY_GRID = [
     p
     for p in GRID
@@ -417,16 +388,6 @@ TINY_GRID = [
 ]
 
 
-@pytest.fixture
-def tiny_blocks(monkeypatch):
-    import focus_attention.ops.sparse as sparse_mod
-
-    for name, value in TINY_BLOCKS.items():
-        assert hasattr(sparse_mod, name), name  # a renamed constant must fail loudly
-        monkeypatch.setattr(sparse_mod, name, value)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("params", TINY_GRID)
 def test_grid_with_tiny_blocks_equals_oracle(params, backend, tiny_blocks):
     case = make_case(**params)
@@ -435,169 +396,32 @@ def test_grid_with_tiny_blocks_equals_oracle(params, backend, tiny_blocks):
 
 
 @pytest.mark.parametrize("max_classes", [1, 3])
-def test_few_classes_fallback_with_tiny_blocks(max_classes, tiny_blocks, monkeypatch):
+def test_few_classes_fallback_with_tiny_blocks(max_classes, backend, tiny_blocks, monkeypatch):
     """The per-group fallback (more classes than MAX_CLASSES) across many blocks/chunks."""
-    import focus_attention.ops.sparse as sparse_mod
+    from focus_attention.ops.sparse import decomposition
 
-    monkeypatch.setattr(sparse_mod, "MAX_CLASSES", max_classes)
-    for backend in BACKENDS:
-        case = make_case(nk=90, nq=70, groups=5, top_k=2, window=6, padding="random", seed=5)
-        out, lse = case.sparse(backend, return_lse=True)
-        assert_matches_oracle(case, out, lse)
+    monkeypatch.setattr(decomposition, "MAX_CLASSES", max_classes)
+    case = make_case(nk=90, nq=70, groups=5, top_k=2, window=6, padding="random", seed=5)
+    out, lse = case.sparse(backend, return_lse=True)
+    assert_matches_oracle(case, out, lse)
 
 
 @given(params=case_params(max_nk=60, long_nk=120))
 @HYP_SMALL
-def test_property_with_tiny_blocks_equals_oracle(params):
-    import focus_attention.ops.sparse as sparse_mod
-
-    saved = {name: getattr(sparse_mod, name) for name in TINY_BLOCKS}
+def test_property_with_tiny_blocks_equals_oracle(params, backend):
+    owners = {name: m for m in block_modules() for name in TINY_BLOCKS if hasattr(m, name)}
+    saved = {name: getattr(owners[name], name) for name in TINY_BLOCKS}
     try:
         for name, value in TINY_BLOCKS.items():
-            setattr(sparse_mod, name, value)
+            setattr(owners[name], name, value)
         case = make_case(**params)
-        for backend in BACKENDS:
-            out, lse = case.sparse(backend, return_lse=True)
-            assert_matches_oracle(case, out, lse)
+        out, lse = case.sparse(backend, return_lse=True)
+        assert_matches_oracle(case, out, lse)
     finally:
         for name, value in saved.items():
-            setattr(sparse_mod, name, value)
+            setattr(owners[name], name, value)
 
 
-@pytest.mark.slow
-def test_compiled_call_matches_eager(inductor):
-    """Inductor once changed the op's output by ~2 (reviewer finding): it must run eagerly."""
-    import torch._inductor.config
-
-    case = make_case(nk=40, heads=4, kv_heads=2, dim=8, window=8, top_k=1, seed=40)
-    case.kg[:, :2] = True  # two tokens in every group: several membership classes
-    case.qg[:, :2] = True
-    eager = case.sparse("auto")
-
-    def user_code(q, k, v, qg, kg):  # a model calling the op inside a compiled graph
-        return sparse_attention(q * 1.0, k, v, qg, kg, case.window) + 0.0
-
-    args = (case.q, case.k, case.v, case.qg, case.kg)
-    with torch._inductor.config.patch(compile_threads=1), torch.no_grad():
-        wrapped = torch.compile(user_code)(*args)
-        direct = torch.compile(sparse_attention)(*args, case.window)
-    torch.testing.assert_close(wrapped, eager, rtol=0, atol=1e-6)
-    torch.testing.assert_close(direct, eager, rtol=0, atol=1e-6)
-
-
-# --------------------------------------------------------------------------------------
-# cpu_fused: when "auto" uses it, its fallback, and running without it
-# --------------------------------------------------------------------------------------
-
-
-def _spy_fused(monkeypatch) -> list[bool]:
-    """Record each call of the fused kernel."""
-    import focus_attention.ops.sparse as sparse_mod
-
-    calls: list[bool] = []
-    real = sparse_mod._fused
-
-    def spy(*args, **kwargs):
-        calls.append(True)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sparse_mod, "_fused", spy)
-    return calls
-
-
-def test_auto_uses_the_fused_kernel_on_cpu(monkeypatch):
-    calls = _spy_fused(monkeypatch)
-    case = make_case(nk=80, top_k=2, groups=4, padding="random", seed=8)
-    out, lse = case.sparse("auto", return_lse=True)
-    assert calls == [True]
-    assert_matches_oracle(case, out, lse)
-
-
-def test_many_small_classes_still_use_the_fused_kernel(monkeypatch):
-    """Every query in a class of its own (K = 16, top_k = 4 on 60 tokens): "auto" keeps
-    cpu_fused (it was measured 1.4-16x faster than cpu_flash even then) and stays exact."""
-    calls = _spy_fused(monkeypatch)
-    case = make_case(nk=70, nq=60, groups=16, top_k=4, window=5, padding="random", seed=9)
-    out, lse = case.sparse("auto", return_lse=True)
-    assert len(calls) == 1
-    assert_matches_oracle(case, out, lse)
-
-
-def test_more_than_64_groups(monkeypatch):
-    """The kernel's membership codes hold 64 groups: more is refused explicitly and "auto"
-    uses cpu_flash (exact)."""
-    calls = _spy_fused(monkeypatch)
-    case = make_case(nk=40, groups=70, top_k=3, seed=10)
-    with pytest.raises(ValueError, match="K <= 64"):
-        case.sparse("cpu_fused")
-    out, lse = case.sparse("auto", return_lse=True)
-    assert calls == []
-    assert_matches_oracle(case, out, lse)
-
-
-@pytest.mark.slow
-def test_without_the_extension_auto_falls_back_and_cpu_fused_refuses(tmp_path):
-    """FOCUS_NO_EXTENSION=1 (or a failed build): one RuntimeWarning, exact results from
-    cpu_flash, and a RuntimeError that names the reason for an explicit cpu_fused."""
-    import os
-    import subprocess
-    import sys
-
-    script = """
-import warnings, torch
-from focus_attention.ops import sparse_attention, dense_attention, focus_mask
-g = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(1, 2, 30, 8, generator=g) for _ in range(3))
-groups = torch.rand(1, 30, 3, generator=g) > 0.5
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = sparse_attention(q, k, v, groups, groups, 4)
-    sparse_attention(q, k, v, groups, groups, 4)
-assert [w.category for w in caught] == [RuntimeWarning], caught
-assert "FOCUS_NO_EXTENSION" in str(caught[0].message)
-ref, _ = dense_attention(q, k, v, focus_mask(groups, groups, 4))
-assert (out - ref).abs().max() < 1e-5
-try:
-    sparse_attention(q, k, v, groups, groups, 4, backend="cpu_fused")
-except RuntimeError as err:
-    assert "FOCUS_NO_EXTENSION" in str(err), err
-else:
-    raise AssertionError("cpu_fused ran without the extension")
-print("ok")
-"""
-    env = dict(os.environ, FOCUS_NO_EXTENSION="1")
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("where", ["query", "key"])
-def test_nan_inputs_are_propagated_not_hidden(backend, where):
-    """A NaN in a query or a visible key makes the outputs that depend on it NaN, as in
-    dense attention (a kernel must not drop it from the softmax). cpu_fused and math make
-    exactly those NaN; cpu_flash may also spread a key's NaN to rows of the same stock
-    kernel call that do not see it (NaN logits plus a -inf float mask stay NaN), as dense
-    SDPA with a float mask does: never fewer NaN than the oracle."""
-    case = make_case(nk=90, heads=2, kv_heads=1, groups=4, top_k=2, window=6, seed=12)
-    if where == "query":
-        case.q[0, 0, 40] = math.nan
-    else:
-        case.k[0, 0, 40] = math.nan
-    out = case.sparse(backend)
-    ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
-    nan = torch.isnan(ref)
-    assert nan.any() and not nan.all()
-    got = torch.isnan(out)
-    assert not (nan & ~got).any(), "a NaN input vanished from an output that depends on it"
-    if backend != "cpu_flash":
-        assert torch.equal(got, nan)
-    keep = ~got
-    torch.testing.assert_close(out[keep], ref[keep].to(out.dtype), atol=FP32_ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_a_huge_window_means_every_causal_pair_is_local(backend):
     """A window beyond Nk (up to 2**63, past int64 arithmetic) equals window = Nk."""
     case = make_case(nk=50, nq=30, groups=4, top_k=1, padding="random", seed=13)
@@ -620,33 +444,205 @@ def test_a_huge_window_means_every_causal_pair_is_local(backend):
     assert torch.equal(mask, focus_mask(case.qg, case.kg, 50, case.kpm))
 
 
-def test_tensors_on_another_device_are_refused():
-    case = make_case(nk=20, seed=14)
-    meta = {"query_groups": case.qg.to("meta"), "key_groups": case.kg.to("meta")}
-    for name, tensor in meta.items():
-        args = dict(query_groups=case.qg, key_groups=case.kg) | {name: tensor}
-        with pytest.raises(ValueError, match=name):
-            sparse_attention(case.q, case.k, case.v, window=4, **args)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        sparse_attention(
-            case.q,
-            case.k,
-            case.v,
-            case.qg,
-            case.kg,
-            4,
-            key_padding_mask=torch.ones(1, 20, dtype=torch.bool, device="meta"),
+# --------------------------------------------------------------------------------------
+# lengths and windows (shapes of a small Llama: 8 query heads, 2 KV heads, head_dim 16,
+# window 32, K = 4, top_k = 1)
+# --------------------------------------------------------------------------------------
+
+TINY = dict(heads=8, kv_heads=2, dim=16, groups=4, top_k=1, window=32)
+ODD_LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 129, 1000, 1025]
+
+
+def _causal_sdpa(case: Case) -> torch.Tensor:
+    """Dense causal attention in float64 (GQA expanded): the result when nothing is cut."""
+    rep = case.q.shape[1] // case.k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        case.q.double(),
+        case.k.double().repeat_interleave(rep, 1),
+        case.v.double().repeat_interleave(rep, 1),
+        is_causal=True,
+    )
+
+
+def _math_grads(case: Case, cot: torch.Tensor):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (case.q, case.k, case.v)]
+    out = sparse_attention(
+        *leaves, case.qg, case.kg, case.window, key_padding_mask=case.kpm, backend="math"
+    )
+    (out.float() * cot).sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+def _oracle_grads(case: Case, cot: torch.Tensor):
+    """Autograd through the oracle (dense_attention under focus_mask) in fp32."""
+    leaves = [t.detach().float().requires_grad_(True) for t in (case.q, case.k, case.v)]
+    mask = focus_mask(case.qg, case.kg, case.window, case.kpm)
+    out, _ = dense_attention(*leaves, mask)
+    (out * cot).sum().backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("n", ODD_LENGTHS)
+def test_short_and_odd_lengths_equal_oracle(n, batch, backend):
+    case = make_case(nk=n, batch=batch, seed=n, **TINY)
+    out, lse = case.sparse(backend, return_lse=True)
+    assert_matches_oracle(case, out, lse)
+    if n <= case.window:  # nothing is distant: exactly dense causal attention
+        assert (out.double() - _causal_sdpa(case)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "n,batch", [(1, 1), (1, 2), (2, 2), (31, 1), (33, 2), (128, 1), (129, 2), (1025, 1)]
+)
+def test_short_and_odd_lengths_gradients_equal_oracle(n, batch):
+    case = make_case(nk=n, batch=batch, seed=n + 1, **TINY)
+    cot = torch.randn(case.q.shape, generator=gen(n))
+    out, grads = _math_grads(case, cot)
+    assert_matches_oracle(case, out.detach())
+    for name, got, want in zip("qkv", grads, _oracle_grads(case, cot), strict=True):
+        assert torch.isfinite(got).all(), f"d{name} not finite at n={n}"
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-5, f"d{name} off by {err:.3g} at n={n}"
+
+
+@pytest.mark.parametrize("n", [5, 129, 300])
+def test_window_at_least_the_length_is_dense_causal(n, backend):
+    case = make_case(nk=n, batch=2, seed=n, **{**TINY, "window": n, "top_k": 1})
+    out = case.sparse(backend)
+    assert (out.double() - _causal_sdpa(case)).abs().max() <= 1e-5
+
+
+def _window_case(n: int, window: int, nq: int, membership: str, dtype) -> Case:
+    """q = k = 0 makes the weights uniform and v_j = j, so output_i is the mean of the
+    visible positions. "none": nobody has a group (the local part only); "distinct": token
+    i alone in group i, so it shares a group with itself only."""
+    q = torch.zeros(1, 2, nq, 4, dtype=dtype)
+    k = torch.zeros(1, 1, n, 4, dtype=dtype)
+    v = torch.arange(n, dtype=dtype).view(1, 1, n, 1).expand(1, 1, n, 4).contiguous()
+    if membership == "none":
+        kg = torch.zeros(1, n, 3, dtype=torch.bool)
+    else:
+        kg = torch.eye(n, dtype=torch.bool)[None]
+    return Case(q, k, v, kg[:, n - nq :].clone(), kg, window)
+
+
+WINDOW_SHAPES = [
+    (n, m) for n in (1, 16, 300) for m in ("none", "distinct") if m == "none" or n <= 16
+]
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "chunk"])
+@pytest.mark.parametrize("window", [1, 2, 4, 7, 16, 40])
+@pytest.mark.parametrize("n,membership", WINDOW_SHAPES)
+def test_window_counts_the_query_itself(n, membership, window, mode, backend):
+    """Output i is the mean of positions max(0, i - window + 1) .. i."""
+    nq = {"prefill": n, "decode": 1, "chunk": max(1, n // 3)}[mode]
+    case = _window_case(n, window, nq, membership, torch.float32)
+    out = case.sparse(backend)
+    i = torch.arange(n - nq, n, dtype=torch.float64)
+    want = (i + (i - window + 1).clamp(min=0)) / 2
+    err = (out.double() - want[None, None, :, None]).abs().max().item()
+    assert err <= 1e-5 * max(1, n), f"window {window}: output is not the window mean ({err})"
+
+
+def test_window_counts_the_query_itself_with_auto(kernel_built):
+    for mode, window in (("prefill", 4), ("decode", 7), ("chunk", 1)):
+        nq = {"prefill": 16, "decode": 1, "chunk": 5}[mode]
+        out = _window_case(16, window, nq, "none", torch.float32).sparse("auto")
+        i = torch.arange(16 - nq, 16, dtype=torch.float64)
+        want = (i + (i - window + 1).clamp(min=0)) / 2
+        assert (out.double() - want[None, None, :, None]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [1, 4, 20])
+def test_window_means_are_exact_in_half_precision_and_decode_equals_prefill(dtype, window, backend):
+    n = 16  # every j and every mean is exact in bf16 and fp16
+    full = _window_case(n, window, n, "none", dtype).sparse(backend)
+    for i in range(n):
+        lo = max(0, i - window + 1)
+        assert torch.all(full[0, :, i] == (lo + i) / 2)
+        dec = _window_case(i + 1, window, 1, "none", dtype).sparse(backend)
+        assert torch.equal(dec[0, :, 0], full[0, :, i])
+
+
+# --------------------------------------------------------------------------------------
+# groups and heads
+# --------------------------------------------------------------------------------------
+
+
+def test_every_token_in_one_group_equals_dense_causal(backend):
+    """Routing that sends every token to group 0 (15 of 16 groups empty) gives dense causal
+    attention."""
+    groups = torch.zeros(2, 60, 16, dtype=torch.bool)
+    groups[..., 0] = True
+    g = gen(12)
+    q = torch.randn(2, 4, 60, 16, generator=g)
+    k, v = torch.randn(2, 2, 60, 16, generator=g), torch.randn(2, 2, 60, 16, generator=g)
+    case = Case(q, k, v, groups, groups, 8)
+    out, lse = case.sparse(backend, return_lse=True)
+    assert_matches_oracle(case, out, lse)
+    assert (out.double() - _causal_sdpa(case)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_a_single_group_equals_dense_causal(kv_heads, backend):
+    case = make_case(nk=200, batch=2, seed=12, **{**TINY, "kv_heads": kv_heads, "groups": 1})
+    out = case.sparse(backend)
+    assert (out.double() - _causal_sdpa(case)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+def test_a_zeroed_kv_head_zeroes_only_its_query_heads(kv_heads, mode, backend):
+    heads = 8
+    rep = heads // kv_heads
+    nq = 100 if mode == "prefill" else 1
+    for zeroed in range(kv_heads):
+        case = make_case(
+            nk=100, nq=nq, batch=2, padding="left", seed=zeroed, **{**TINY, "kv_heads": kv_heads}
         )
-    with pytest.raises(ValueError, match="key"):
-        sparse_attention(case.q, case.k.to("meta"), case.v, case.qg, case.kg, 4)
+        case.v[:, zeroed] = 0
+        out = case.sparse(backend)
+        real_rows = case.mask().any(-1)  # [B, Nq]: queries that see at least one key
+        for h in range(heads):
+            head = out[:, h][real_rows]
+            if h // rep == zeroed:
+                assert (head == 0).all(), f"head {h} should be zero (kv head {zeroed})"
+            else:
+                assert (head.abs().sum(-1) > 0).all(), f"head {h} zeroed by kv head {zeroed}"
+        if zeroed == 0:
+            assert_matches_oracle(case, out)
 
 
-def test_zero_head_dim_and_float64_fused_are_refused():
-    case = make_case(nk=20, seed=15)
-    with pytest.raises(ValueError, match="D >= 1"):
-        sparse_attention(case.q[..., :0], case.k[..., :0], case.v[..., :0], case.qg, case.kg, 4)
-    q, k, v = (t.double() for t in (case.q, case.k, case.v))
-    with pytest.raises(ValueError, match="float64"):
-        sparse_attention(q, k, v, case.qg, case.kg, 4, backend="cpu_fused")
-    out = sparse_attention(q, k, v, case.qg, case.kg, 4)  # auto: math, in float64
-    assert out.dtype == torch.float64
+# --------------------------------------------------------------------------------------
+# nothing is kept between calls
+# --------------------------------------------------------------------------------------
+
+
+def test_calls_of_other_lengths_in_between_change_nothing(backend):
+    """Run at 1025, then 200 (and then a tour of other lengths): each result equals a fresh
+    run of that length and the oracle."""
+    lengths = [1025, 200, 1, 33, 257, 200, 1025, 129]
+    cases = {n: make_case(nk=n, seed=n, **TINY) for n in set(lengths)}
+    fresh = {}
+    for n in sorted(set(lengths)):  # a different order from the tour below
+        fresh[n] = cases[n].sparse(backend)
+    for n in lengths:
+        again = cases[n].sparse(backend)
+        assert torch.equal(again, fresh[n]), f"length {n} changed after other lengths"
+    for n in (1025, 200):
+        assert_matches_oracle(cases[n], fresh[n])
+
+
+def test_same_shapes_with_new_memberships_give_new_results(backend):
+    a = make_case(nk=200, seed=1, **TINY)
+    b = make_case(nk=200, seed=2, **TINY)
+    b.q, b.k, b.v = a.q, a.k, a.v  # same tensors, only the routing differs
+    assert not torch.equal(a.kg, b.kg)
+    out_a = a.sparse(backend)
+    out_b = b.sparse(backend)
+    assert_matches_oracle(a, out_a)
+    assert_matches_oracle(b, out_b)
+    assert (out_a - out_b).abs().max() > 1e-3

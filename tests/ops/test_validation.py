@@ -1,5 +1,5 @@
-"""Bad input raises ValueError naming the argument, what was received and what was expected
-(issue 2, section 2)."""
+"""Bad input raises ValueError naming the argument, what was received and what was
+expected."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from focus_attention.ops import (
     sparse_attention,
     topk_memberships,
 )
+
+from .helpers import make_case
 
 B, H, HKV, NQ, NK, D, K = 2, 4, 2, 5, 7, 8, 3
 
@@ -151,7 +153,7 @@ def test_sparse_attention_rejects(over, names, received):
     _expect(lambda: _call_sparse(**over), names, received)
 
 
-def test_good_inputs_are_accepted():
+def test_good_inputs_are_accepted(kernel_built):
     """The baseline every rejection case perturbs is itself valid."""
     out = _call_sparse()
     assert out.shape == (B, H, NQ, D)
@@ -314,3 +316,30 @@ def test_scale_and_softcap_must_be_positive_finite(name, bad):
         sparse_attention(q, k, v, g, g, 2, **{name: bad})
     with pytest.raises(ValueError, match=name):
         gated_attention(q, k, v, g.float(), g.float(), 2, **{name: bad})
+
+
+def test_tensors_on_another_device_are_refused():
+    case = make_case(nk=20, seed=14)
+    meta = {"query_groups": case.qg.to("meta"), "key_groups": case.kg.to("meta")}
+    for name, tensor in meta.items():
+        args = dict(query_groups=case.qg, key_groups=case.kg) | {name: tensor}
+        with pytest.raises(ValueError, match=name):
+            sparse_attention(case.q, case.k, case.v, window=4, **args)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        sparse_attention(
+            case.q,
+            case.k,
+            case.v,
+            case.qg,
+            case.kg,
+            4,
+            key_padding_mask=torch.ones(1, 20, dtype=torch.bool, device="meta"),
+        )
+    with pytest.raises(ValueError, match="key"):
+        sparse_attention(case.q, case.k.to("meta"), case.v, case.qg, case.kg, 4)
+
+
+def test_a_zero_head_dim_is_refused():
+    case = make_case(nk=20, seed=15)
+    with pytest.raises(ValueError, match="D >= 1"):
+        sparse_attention(case.q[..., :0], case.k[..., :0], case.v[..., :0], case.qg, case.kg, 4)

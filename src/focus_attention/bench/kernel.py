@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from ..ops import BACKENDS, gated_attention, pairs_retained, sinkhorn, sparse_attention
+from ..ops import (
+    BACKENDS,
+    SparseRequest,
+    gated_attention,
+    pairs_retained,
+    resolve_backend,
+    sinkhorn,
+    sparse_attention,
+)
 from ..ops.reference import expand_kv_heads
 from ..utils.env import environment
 from ..utils.io import atomic_write
@@ -134,13 +142,12 @@ def kernel_peak_memory(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
-def sparse_backend_name(backend: str) -> str:
-    """The backend "auto" picks for the benchmark's inputs (CPU fp32, K = 8, no grad)."""
-    from ..ops import fused_kernel_available
-
-    if backend != "auto":
-        return backend
-    return "cpu_fused" if fused_kernel_available() else "cpu_flash"
+def sparse_backend_name(backend: str, num_groups: int = 8) -> str:
+    """The backend that runs the benchmark's sparse calls (CPU float32, ``num_groups``
+    groups, no grad) when ``backend`` is asked, by the op's own resolver
+    (:func:`focus_attention.ops.resolve_backend`). Raises ``ValueError`` as the op would."""
+    request = SparseRequest(torch.device("cpu"), torch.float32, False, num_groups)
+    return resolve_backend(backend, request).name
 
 
 def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConfig) -> dict:
@@ -211,7 +218,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "warmup": 1,
         "seed": config.seed,
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
-        "sparse_backend": sparse_backend_name(config.backend),
+        "sparse_backend": sparse_backend_name(config.backend, config.num_groups),
         "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
         "memory": "peak extra resident bytes of one call in a fresh process (VmHWM after "
         "clear_refs; MALLOC_MMAP_THRESHOLD_=65536)"

@@ -1,15 +1,29 @@
-"""Focus ops: routing, Sinkhorn, masks, the dense oracle, soft gates and exact sparse attention."""
+"""Focus ops: routing, Sinkhorn, masks, the dense oracle, soft gates, the log-sum-exp merge
+and exact sparse attention."""
 
 from .gates import GATES, gated_attention
 from .masks import focus_mask
+from .merge import merge_partials
 from .metrics import dominance, group_shares, pairs_retained
 from .reference import dense_attention, expand_kv_heads
 from .routing import group_scores, sinkhorn, topk_memberships
-from .sparse import BACKENDS, fused_kernel_available, sparse_attention
+from .sparse import (
+    BACKENDS,
+    SparseBackend,
+    SparseRequest,
+    backend_names,
+    fused_kernel_available,
+    register_backend,
+    resolve_backend,
+    sparse_attention,
+)
 
 __all__ = [
     "BACKENDS",
     "GATES",
+    "SparseBackend",
+    "SparseRequest",
+    "backend_names",
     "dense_attention",
     "dominance",
     "expand_kv_heads",
@@ -18,7 +32,10 @@ __all__ = [
     "gated_attention",
     "group_scores",
     "group_shares",
+    "merge_partials",
     "pairs_retained",
+    "register_backend",
+    "resolve_backend",
     "sinkhorn",
     "sparse_attention",
     "topk_memberships",

@@ -1,4 +1,4 @@
-"""Soft-gated dense attention for training with Sinkhorn routing (spec section 3).
+"""Soft-gated dense attention for training with Sinkhorn routing (docs/method.md §3).
 
 Both gates cost one extra ``[B, Nq, Nk]`` affinity matrix shared by all heads on top of eager
 dense attention: ``O(N^2)``, as the paper says (no training speed-up is claimed).
@@ -11,31 +11,12 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_device, check_positive, check_shape, check_tensor, fail
+from .checks import check_device, check_positive, check_qkv, check_shape, check_tensor, fail
 from .masks import check_groups, effective_window
 from .reference import expand_kv_heads
 
 Gate = Literal["paper", "log"]
 GATES = ("paper", "log")
-
-
-def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    check_tensor("query", query, 4, floating=True)
-    check_tensor("key", key, 4, floating=True)
-    check_tensor("value", value, 4, floating=True)
-    b, h, _, d = query.shape
-    if key.shape[0] != b or key.shape[-1] != d:
-        fail("key", f"shape {tuple(key.shape)}", f"[B={b}, H_kv, Nk, D={d}]")
-    if value.shape != key.shape:
-        fail("value", f"shape {tuple(value.shape)}", f"the key's shape {tuple(key.shape)}")
-    if key.shape[1] < 1 or h % key.shape[1] != 0:
-        fail("key", f"H_kv = {key.shape[1]} for H = {h} query heads", "H % H_kv == 0")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        fail("key/value", f"dtypes {key.dtype}/{value.dtype}", f"the query's dtype {query.dtype}")
-    if d < 1:
-        fail("query", f"head_dim D = {d}", "D >= 1")
-    check_device("key", key, query.device, "query")
-    check_device("value", value, query.device, "query")
 
 
 def gated_attention(
@@ -62,8 +43,8 @@ def gated_attention(
     - ``gate="paper"`` (paper Eq. 2): ``s_ij = (q_i . k_j) * scale * m_ij`` with
       ``m_ij = 1`` if local else ``sigmoid(sharpness * a_ij)``. Never below 0.5 for
       ``a_ij >= 0``: it tempers distant logits, it does not prune them.
-    - ``gate="log"`` (product decision): ``s_ij = (q_i . k_j) * scale + log(eps + a_ij)`` on
-      distant pairs. With one-hot rows this is exactly the hard top-k mask, so the soft and
+    - ``gate="log"`` (this package's choice, docs/method.md §3):
+      ``s_ij = (q_i . k_j) * scale + log(eps + a_ij)`` on distant pairs. With one-hot rows this is exactly the hard top-k mask, so the soft and
       the inference paths share their limit.
 
     Causality (``j <= i``, queries bottom-right aligned) and padding are applied as boolean
@@ -76,25 +57,55 @@ def gated_attention(
         key_probs: ``[B, Nk, K]`` float routing rows of the keys.
         window: local window in tokens, ``>= 1``.
         gate: ``"paper"`` or ``"log"``.
-        sharpness: ``lambda`` of the paper gate (not given in the paper; product default 10).
+        sharpness: ``lambda`` of the paper gate (not given in the paper; default 10).
         eps: floor inside the log gate.
         scale: logit scale, default ``D ** -0.5``; softcap: optional Gemma-2 soft-capping,
             applied before the gate.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         always_visible: optional bool ``[B, Nk]``: keys every later query sees ungated
-            (attention-sink tokens, product decision).
+            (attention-sink tokens, docs/method.md §3).
 
     Returns:
-        ``[B, H, Nq, D]`` in the query's dtype.
+        ``[B, H, Nq, D]`` in the query's dtype (logits, gate and softmax in float32, float64
+        for float64 inputs). Any zero-size dimension (``B``, ``H``, ``Nq``, ``Nk``) gives an
+        empty or all-zero result of that shape.
 
     Raises:
         ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
-            ``softcap`` not a finite number > 0.
+            ``softcap`` not a finite number > 0, tensors on different devices.
     """
-    _check_qkv(query, key, value)
+    _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)
+    if always_visible is not None:
+        check_shape("always_visible", always_visible, (query.shape[0], key.shape[2]), "[B, Nk]")
+    scale = check_positive("scale", scale)
+    softcap = check_positive("softcap", softcap)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    local, visible = _visibility(query, key, window, key_padding_mask, always_visible)
+    # fp32 (fp64 for float64 inputs, e.g. gradcheck)
+    ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
+    affinity = query_probs.to(ct) @ key_probs.to(ct).transpose(1, 2)  # [B, Nq, Nk]
+    # A row with no visible key (padding) is computed as if every key were visible and its
+    # output zeroed afterwards, so softmax never sees an all -inf row (no NaN gradient).
+    row_any = visible.any(dim=-1, keepdim=True)  # [B, Nq, 1]
+    visible = visible | ~row_any
+    k = expand_kv_heads(key, query.shape[1])
+    v = expand_kv_heads(value, query.shape[1])
+    qk = (query @ k.transpose(-1, -2)).to(ct)  # [B, H, Nq, Nk], product in the input dtype
+    if softcap is not None:
+        qk, scale = softcap * torch.tanh(qk * (scale / softcap)), 1.0
+    logits = _gated_logits(qk, affinity, local, visible, gate, sharpness, eps, scale)
+    probs = torch.softmax(logits, dim=-1).to(query.dtype)
+    out = probs @ v
+    return out * row_any[:, None].to(out.dtype)
+
+
+def _check_gated(query, key, value, query_probs, key_probs, window, gate, padding) -> None:
+    """Validate :func:`gated_attention`'s tensors, window, gate and padding mask
+    (``ValueError``)."""
+    check_qkv(query, key, value)
     if gate not in GATES:
         fail("gate", repr(gate), f"one of {GATES}")
-    b, h, nq, d = query.shape
+    b, _, nq, _ = query.shape
     nk = key.shape[2]
     check_tensor("query_probs", query_probs, 3, floating=True)
     check_tensor("key_probs", key_probs, 3, floating=True)
@@ -104,51 +115,39 @@ def gated_attention(
     check_groups(
         torch.zeros(b, nq, 1, dtype=torch.bool, device=query.device),
         torch.zeros(b, nk, 1, dtype=torch.bool, device=query.device),
-        key_padding_mask,
+        padding,
         window,
+        owner="gated_attention",
     )
     check_device("query_probs", query_probs, query.device, "query")
     check_device("key_probs", key_probs, query.device, "query")
-    scale = check_positive("scale", scale)
-    softcap = check_positive("softcap", softcap)
-    scale = d**-0.5 if scale is None else scale
-    device = query.device
+
+
+def _visibility(query, key, window, key_padding_mask, always_visible):
+    """``(local, visible)``: bool ``[B or 1, Nq, Nk]`` masks of the local pairs (window and
+    always-visible keys) and of the causal, real pairs."""
+    nq, nk, device = query.shape[2], key.shape[2], query.device
     qpos = torch.arange(nk - nq, nk, device=device)[:, None]
     kpos = torch.arange(nk, device=device)[None, :]
     causal = (kpos <= qpos)[None]  # [1, Nq, Nk]
     local = ((qpos - kpos) < effective_window(window, nk))[None]
     if always_visible is not None:
-        check_shape("always_visible", always_visible, (b, nk), "[B, Nk] bool")
         local = local | always_visible[:, None, :]
     visible = causal if key_padding_mask is None else causal & key_padding_mask[:, None, :]
-    # fp32 (fp64 for float64 inputs, e.g. gradcheck)
-    ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
-    affinity = query_probs.to(ct) @ key_probs.to(ct).transpose(1, 2)  # [B, Nq, Nk]
+    return local, visible
 
-    k = expand_kv_heads(key, h)
-    v = expand_kv_heads(value, h)
-    # Everything that does not depend on the head is folded into one [B, 1, Nq, Nk] tensor,
-    # so the per-head logits take a single extra pass (as eager attention's scale + mask).
-    # A row with no visible key (padding) is computed as if every key were visible and its
-    # output zeroed afterwards, so softmax never sees an all -inf row (no NaN gradient).
-    row_any = visible.any(dim=-1, keepdim=True)  # [B, Nq, 1]
-    visible = visible | ~row_any
-    neg_inf = torch.full((), -math.inf, device=device)
-    qk = query @ k.transpose(-1, -2)  # [B, H, Nq, Nk] in the input dtype
-    qk = qk.to(ct)
-    if softcap is not None:
-        qk = softcap * torch.tanh(qk * (scale / softcap))
-        scale_factor = 1.0
-    else:
-        scale_factor = scale
+
+def _gated_logits(qk, affinity, local, visible, gate, sharpness, eps, scale):
+    """Gated, masked logits ``[B, H, Nq, Nk]`` from the raw products ``qk``.
+
+    Everything that does not depend on the head is folded into one ``[B, 1, Nq, Nk]``
+    tensor, so the per-head logits take a single extra pass (as eager attention's scale and
+    mask do)."""
+    neg_inf = torch.full((), -math.inf, device=qk.device)
     if gate == "paper":
         factor = torch.where(local, torch.ones_like(affinity), torch.sigmoid(sharpness * affinity))
         mask_bias = torch.where(visible, torch.zeros_like(affinity), neg_inf)
-        logits = torch.addcmul(mask_bias[:, None], qk, (factor * scale_factor)[:, None])
-    else:
-        bias = torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
-        bias = torch.where(visible, bias, neg_inf)
-        logits = torch.add(bias[:, None], qk, alpha=scale_factor)
-    probs = torch.softmax(logits, dim=-1).to(query.dtype)
-    out = probs @ v
-    return out * row_any[:, None].to(out.dtype)
+        return torch.addcmul(mask_bias[:, None], qk, (factor * scale)[:, None])
+    bias = torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
+    bias = torch.where(visible, bias, neg_inf)
+    return torch.add(bias[:, None], qk, alpha=scale)

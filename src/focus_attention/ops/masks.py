@@ -1,10 +1,11 @@
-"""The dense boolean Focus mask: the oracle for tests and small inputs (spec section 4)."""
+"""The dense boolean Focus mask: the oracle for tests and small inputs (docs/method.md §4)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_bool, check_device, check_int, check_shape, check_tensor, fail
+from ..utils.checks import check_int
+from .checks import check_bool, check_device, check_shape, check_tensor, fail
 
 
 def check_groups(
@@ -12,8 +13,18 @@ def check_groups(
     key_groups: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     window: int,
+    *,
+    owner: str = "focus_mask",
 ) -> tuple[int, int, int, int]:
-    """Validate group memberships; returns ``(B, Nq, Nk, K)``. Raises ``ValueError``."""
+    """Validate group memberships (``owner``: the op named in an error about ``window``).
+
+    Returns:
+        ``(B, Nq, Nk, K)``.
+
+    Raises:
+        ValueError: non-boolean or wrongly shaped memberships or padding, ``K < 1``,
+            ``Nq > Nk``, ``window`` not an int >= 1, tensors on different devices.
+    """
     check_tensor("query_groups", query_groups, 3)
     check_tensor("key_groups", key_groups, 3)
     check_bool("query_groups", query_groups)
@@ -30,7 +41,7 @@ def check_groups(
     nk = key_groups.shape[1]
     if nq > nk:
         fail("query_groups", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
-    check_int("window", window, 1)
+    check_int(owner, "window", window, 1)
     check_device("key_groups", key_groups, query_groups.device, "query_groups")
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, 2)
@@ -57,7 +68,7 @@ def focus_mask(
     Queries are bottom-right aligned: query ``t`` sits at absolute position ``Nk - Nq + t``.
     Query ``i`` may attend key ``j`` iff ``j <= i``, key ``j`` is real, and either
     ``i - j < window`` (the window counts the query itself) or the two tokens share at least
-    one group (spec sections 3-4; the window convention is a product decision).
+    one group (docs/method.md §3-§4; the window convention is this package's choice, §3).
 
     Args:
         query_groups: bool ``[B, Nq, K]`` group memberships of the queries.

@@ -1,10 +1,11 @@
-"""Routing and sparsity metrics (spec sections 2 and 4)."""
+"""Routing and sparsity metrics (docs/method.md §2, §4 and §9)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_int, check_shape, check_tensor
+from ..utils.checks import check_int
+from .checks import check_shape, check_tensor
 from .masks import check_groups, focus_mask
 
 
@@ -19,6 +20,9 @@ def group_shares(
 
     Returns:
         float32 ``[K]`` summing to 1 (all zeros if there is no real token).
+
+    Raises:
+        ValueError: ``assignments`` not of rank 3, ``padding_mask`` not ``[B, N]``.
     """
     check_tensor("assignments", assignments, 3)
     x = assignments.float()
@@ -31,7 +35,7 @@ def group_shares(
 
 
 def dominance(assignments: torch.Tensor, padding_mask: torch.Tensor | None = None) -> float:
-    """Share of tokens in the largest group (spec section 2): ``1/K`` is perfectly balanced,
+    """Share of tokens in the largest group (docs/method.md §2): ``1/K`` is perfectly balanced,
     1.0 is total collapse. Same arguments as :func:`group_shares`."""
     return float(group_shares(assignments, padding_mask).max())
 
@@ -51,9 +55,12 @@ def pairs_retained(
 
     Returns:
         a float in ``[0, 1]`` (1.0 for dense causal attention; 0.0 if there is no pair).
+
+    Raises:
+        ValueError: as :func:`focus_mask`; ``block_size`` not an int >= 1.
     """
-    check_groups(query_groups, key_groups, key_padding_mask, window)
-    check_int("block_size", block_size, 1)
+    check_groups(query_groups, key_groups, key_padding_mask, window, owner="pairs_retained")
+    check_int("pairs_retained", "block_size", block_size, 1)
     nq, nk = query_groups.shape[1], key_groups.shape[1]
     kept = 0
     total = 0

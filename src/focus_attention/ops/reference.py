@@ -28,8 +28,8 @@ def dense_attention(
     """Softmax attention under an explicit boolean mask: logits in the inputs' dtype,
     softmax in fp32 (float64 for float64 inputs), as eager attention does.
 
-    A query row with no visible key outputs zeros and log-sum-exp ``-inf`` (product
-    decision: never NaN). ``O(Nq * Nk)`` memory: an oracle, not a fast path.
+    A query row with no visible key outputs zeros and log-sum-exp ``-inf``, never NaN
+    (docs/method.md §3). ``O(Nq * Nk)`` memory: an oracle, not a fast path.
 
     Args:
         query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, Nk, D]`` with ``H % H_kv == 0``.

@@ -1,10 +1,12 @@
-"""Routing: group scores, Sinkhorn balancing and hard top-k memberships (spec sections 1, 2, 4)."""
+"""Routing: group scores, Sinkhorn balancing and hard top-k memberships (docs/method.md §1,
+§2 and §4)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite, check_int, check_shape, check_tensor, fail
+from ..utils.checks import check_int
+from .checks import check_count, check_finite, check_shape, check_tensor, fail
 
 
 def group_scores(
@@ -18,8 +20,8 @@ def group_scores(
     """Routing scores of every token against every centroid.
 
     ``S = normalize(hidden @ proj) @ normalize(centroids).T / temperature`` computed in fp32
-    (spec section 1, Focus paper Sec. 3.1). With ``normalize=True`` (default, product
-    decision) both the projected hidden state and the centroids are L2-normalised, so the
+    (docs/method.md §1, Focus paper Sec. 3.1). With ``normalize=True`` (the default, a
+    choice of this package, docs/method.md §1) both the projected hidden state and the centroids are L2-normalised, so the
     scores are cosine similarities in ``[-1/temperature, 1/temperature]``: the hidden states
     of pretrained LMs carry a few huge outlier features that otherwise swamp the routing.
     ``normalize=False`` gives the paper's plain dot product.
@@ -61,7 +63,7 @@ def sinkhorn(
     *,
     return_column_bias: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sinkhorn balancing of routing scores, in log space and fp32 (spec section 2).
+    """Sinkhorn balancing of routing scores, in log space and fp32 (docs/method.md §2).
 
     Starting from ``Q = exp(log_scores)`` each of ``n_iter`` iterations divides every group
     column by its sum over the real tokens (equal mass per group), then every token row by its
@@ -70,7 +72,7 @@ def sinkhorn(
     The result equals ``softmax(log_scores + c, dim=-1)`` row by row, where ``c`` ``[B, K]`` is
     minus the accumulated column log-normalisers: a per-group bias. With
     ``return_column_bias=True`` it is returned (centred to zero mean over groups) so a causal
-    router can calibrate a bias from it (product decision, spec section 4).
+    router can calibrate a bias from it (docs/method.md §4).
 
     Args:
         log_scores: ``[B, N, K]`` float scores (any float dtype; computed in fp32).
@@ -86,7 +88,7 @@ def sinkhorn(
         ValueError: rank not 3, ``n_iter < 1``, NaN scores, malformed ``padding_mask``.
     """
     check_tensor("log_scores", log_scores, 3, floating=True)
-    check_int("n_iter", n_iter, 1)
+    check_int("sinkhorn", "n_iter", n_iter, 1)
     check_finite("log_scores", log_scores)
     bsz, n, k = log_scores.shape
     ct = torch.promote_types(log_scores.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
@@ -119,7 +121,7 @@ def sinkhorn(
 
 
 def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Hard routing: each token joins its ``top_k`` highest-scoring groups (spec section 4).
+    """Hard routing: each token joins its ``top_k`` highest-scoring groups (docs/method.md §4).
 
     Ties go to the lowest group index (a stable descending sort), so the result is
     deterministic on every run and device.
@@ -136,7 +138,7 @@ def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """
     check_tensor("scores", scores, 3, floating=True)
     k = scores.shape[-1]
-    check_int("top_k", top_k, 1, k)
+    check_count("topk_memberships", "top_k", top_k, 1, k)
     check_finite("scores", scores)
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)

@@ -1,11 +1,11 @@
-"""Just-in-time build of the fused CPU kernel (``csrc/focus_cpu.cpp``).
+"""Just-in-time build and loading of the ``cpu_fused`` kernel (``csrc/focus_cpu.cpp``).
 
 The kernel is compiled once per install (source path and text), torch version and CPU into
 ``focus_home()/extensions/`` with ``torch.utils.cpp_extension`` (needs a C++ compiler, the
 Python headers and ninja) and loaded from there afterwards (~1 minute the first time, then
 instant). Where it cannot be built or loaded, :func:`load` returns None, says why once (a
-``RuntimeWarning``), and the op uses calls of PyTorch's CPU flash kernel instead: slower,
-equally exact. ``FOCUS_NO_EXTENSION=1`` skips the build. Product decision.
+``RuntimeWarning``), and ``"auto"`` uses calls of PyTorch's CPU flash kernel instead: slower,
+equally exact. ``FOCUS_NO_EXTENSION=1`` skips the build (docs/method.md §5, "Backends").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from ..utils.io import file_lock, focus_home
+from ...utils.io import file_lock, focus_home
 
 SOURCE = Path(__file__).with_name("csrc") / "focus_cpu.cpp"
 #: compiler flags: the kernel is built on the machine that runs it, so -march=native is safe
@@ -63,7 +63,7 @@ def build_directory() -> Path:
 def _stacklevel() -> int:
     """Stack level of the first caller outside this package and torch (the frames of
     ``torch.compiler.disable`` sit between the user and this module)."""
-    ours = str(Path(__file__).resolve().parents[1])
+    ours = str(Path(__file__).resolve().parents[2])  # the focus_attention package
     theirs = str(Path(torch.__file__).resolve().parent)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith((ours, theirs)):

@@ -1,0 +1,39 @@
+"""Exact sparse attention for hard top-k routing (docs/method.md §5).
+
+- :mod:`.api`: :func:`sparse_attention`, its argument checks and the dispatch call;
+- :mod:`.dispatch`: the backend registry (:func:`register_backend`,
+  :func:`resolve_backend`, :func:`backend_names`) and the custom operator;
+- :mod:`.decomposition`: the disjoint group / local decomposition of the Python backends;
+- :mod:`.cpu_fused` (with :mod:`.extension`, the build of ``csrc/focus_cpu.cpp``),
+  :mod:`.cpu_flash`, :mod:`.math`: the built-in backends, registered on import in
+  ``"auto"``'s order.
+"""
+
+from . import cpu_flash, cpu_fused, math  # noqa: F401  (each registers its backend)
+from .api import Backend, sparse_attention
+from .cpu_fused import fused_kernel_available
+from .dispatch import (
+    SparseBackend,
+    SparseInputs,
+    SparseRequest,
+    backend_names,
+    register_backend,
+    resolve_backend,
+)
+
+#: ``backend=`` values of the built-in backends, ``"auto"`` first, then ``"auto"``'s order
+#: (:func:`backend_names` also lists backends registered later).
+BACKENDS = ("auto", *backend_names())
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "SparseBackend",
+    "SparseInputs",
+    "SparseRequest",
+    "backend_names",
+    "fused_kernel_available",
+    "register_backend",
+    "resolve_backend",
+    "sparse_attention",
+]

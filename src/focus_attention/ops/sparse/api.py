@@ -1,0 +1,119 @@
+"""``sparse_attention``: exact attention under the Focus hard-routing mask, without
+materialising it (docs/method.md §4-§5): argument checks, then one call of the custom
+operator of :mod:`.dispatch`, which resolves and runs a backend."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..checks import check_device, check_positive, check_qkv, fail
+from ..masks import check_groups, effective_window
+from .dispatch import SparseInputs, backend_names, run_differentiable, sparse_attention_op
+
+__all__ = ["Backend", "sparse_attention"]
+
+Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    window: int,
+    *,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: Backend | str = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention under the Focus hard-routing mask, without materialising it.
+
+    Query ``t`` sits at absolute position ``Nk - Nq + t`` (bottom-right aligned: prefill,
+    decode with ``Nq = 1`` and chunked prefill). Query ``i`` attends key ``j`` iff ``j <= i``,
+    key ``j`` is real, and (``i - j < window`` or the two tokens share at least one group).
+    The result equals dense softmax attention under :func:`focus_mask` (docs/method.md
+    §4-§5). A query with no visible key (possible only for padding) outputs zeros.
+
+    Args:
+        query: ``[B, H, Nq, D]`` floating point (the CPU kernels take float32, bfloat16
+            and float16). key, value: ``[B, H_kv, Nk, D]``, ``H % H_kv == 0`` (GQA/MQA).
+        query_groups: bool ``[B, Nq, K]`` group memberships (any number per token).
+        key_groups: bool ``[B, Nk, K]``.
+        window: local window in tokens, an int ``>= 1`` (counts the query itself).
+        scale: logit scale, default ``D ** -0.5``.
+        key_padding_mask: optional bool ``[B, Nk]``, True = real token.
+        softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
+        backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first, in
+            the order ``cpu_fused``, ``cpu_flash``, ``math``, that can run the call:
+
+            - ``"cpu_fused"``: this package's C++ kernel, built on first use; CPU, float32,
+              bfloat16 or float16 (computed in float32), at most 64 groups, no softcap,
+              inference only.
+            - ``"cpu_flash"``: calls of PyTorch's CPU flash kernel merged in float32; CPU,
+              same dtypes, no softcap, inference only.
+            - ``"math"``: blocked PyTorch code; differentiable, any device and floating
+              dtype, applies ``softcap``.
+
+            Inputs that require grad (with grad mode on) need a differentiable backend.
+        return_lse: also return the log-sum-exp of the visible logits.
+
+    Returns:
+        ``out [B, H, Nq, D]`` in the query's dtype, and with ``return_lse`` also
+        ``lse [B, H, Nq]`` (natural log; float32, float64 for float64 inputs; ``-inf``
+        for a query with no visible key). Both are transposed views of token-major
+        ``[B, Nq, H, D]`` / ``[B, Nq, H]`` buffers, so ``out.transpose(1, 2)``, the layout
+        transformers expects, is contiguous. A zero-size ``B``, ``H``, ``Nq`` or ``Nk`` gives
+        an empty result of that shape on every backend (gradients included).
+        Under ``torch.compile`` a call without gradients is one opaque custom operator
+        (``torch.ops.focus_attention.sparse_attention``) that runs eagerly, so a compiled
+        caller gets exactly the eager result; a call that needs gradients runs eagerly
+        behind a graph break.
+
+    Raises:
+        ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
+            non-boolean group masks, ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale``
+            or ``softcap`` not a finite number > 0, tensors on different devices, ``D < 1``,
+            an unknown backend, a backend that cannot run the call (the message names it
+            and gives the reason: inputs that require grad, a device, dtype or softcap it
+            does not take, more groups than it takes, a kernel that could not be built),
+            or ``"auto"`` when no backend can (every backend's reason).
+    """
+    window, scale, softcap = _checked(
+        query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap
+    )
+    _check_backend(backend)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
+    if needs_grad:
+        out, lse = run_differentiable(backend, SparseInputs(*args, softcap, needs_grad=True))
+    else:
+        out, lse = sparse_attention_op(*args, softcap, backend)
+    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _checked(query, key, value, query_groups, key_groups, window, scale, padding, softcap):
+    """Validate the arguments of :func:`sparse_attention`; returns the effective
+    ``(window, scale, softcap)`` (the window capped at ``max(1, Nk)``, the default scale)."""
+    check_qkv(query, key, value)
+    owner = "sparse_attention"
+    bsz, nq, nk, _ = check_groups(query_groups, key_groups, padding, window, owner=owner)
+    b, _, q_len, d = query.shape
+    if b != bsz or q_len != nq:
+        fail("query_groups", f"shape {tuple(query_groups.shape)}", f"[B={b}, Nq={q_len}, K]")
+    if key.shape[2] != nk:
+        fail("key_groups", f"shape {tuple(key_groups.shape)}", f"[B={b}, Nk={key.shape[2]}, K]")
+    check_device("query_groups", query_groups, query.device, "query")
+    scale = check_positive("scale", scale)
+    softcap = check_positive("softcap", softcap)
+    return effective_window(window, nk), d**-0.5 if scale is None else scale, softcap
+
+
+def _check_backend(backend: object) -> None:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in backend_names()):
+        fail("backend", repr(backend), f"one of {('auto', *backend_names())}")

@@ -1,0 +1,106 @@
+"""The ``cpu_fused`` backend: this package's C++ kernel (``csrc/focus_cpu.cpp``, built on
+first use by :mod:`.extension`), the decomposition of docs/method.md §5 in one call.
+
+Tiles of query rows of one membership class (the query heads sharing a key head times the
+class's queries) gather their keys in blocks into float32 buffers and run an online
+softmax with MKL's sgemm; the local tiles merge into the same rows by log-sum-exp (the
+maximum of both parts). No intermediate result returns to Python. Inference only, CPU, at
+most 64 groups (membership codes are at most 64-bit integers); the fastest CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from . import extension
+from .dispatch import CPU_DTYPES, SparseBackend, SparseInputs, SparseRequest, register_backend
+
+__all__ = [
+    "FUSED_BAND",
+    "FUSED_KEYS",
+    "FUSED_MAX_GROUPS",
+    "FUSED_ROWS",
+    "fused_kernel_available",
+    "launch_kernel",
+    "run_cpu_fused",
+]
+
+#: query rows (query heads sharing a key head x queries) per group tile and keys per block,
+#: tuned on CPU at 16-32K tokens in interleaved runs (384 x 128 was as fast as 384 x 256/512
+#: and keeps each thread's tile buffers near 0.4 MiB, so the op's peak memory stays at
+#: dense SDPA's).
+FUSED_ROWS = 384
+FUSED_KEYS = 128
+#: queries per local tile.
+FUSED_BAND = 32
+#: most groups the kernel takes (its membership codes are at most 64-bit integers).
+FUSED_MAX_GROUPS = 64
+
+
+def fused_kernel_available() -> bool:
+    """Whether the ``cpu_fused`` backend can run here.
+
+    Builds the kernel on first call (about a minute, once per install, torch version and
+    CPU). Returns False, with one ``RuntimeWarning`` that says why, when it cannot be built
+    or loaded or ``FOCUS_NO_EXTENSION=1`` is set.
+    """
+    return extension.load() is not None
+
+
+def launch_kernel(kernel, inputs: SparseInputs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Run the loaded kernel module on contiguous ``inputs`` into the token-major float32
+    buffers ``out [B, Nq, H, D]`` and ``lse [B, Nq, H]``."""
+    rep = inputs.query.shape[1] // inputs.key.shape[1]
+    kpm = inputs.key_padding_mask
+    real = torch.empty(0, dtype=torch.bool) if kpm is None else kpm.contiguous()
+    kernel.focus_forward(
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.query_groups.contiguous(),
+        inputs.key_groups.contiguous(),
+        real,
+        inputs.window,
+        inputs.scale,
+        out,
+        lse,
+        max(1, FUSED_ROWS // rep),
+        FUSED_KEYS,
+        FUSED_BAND,
+    )
+
+
+def run_cpu_fused(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``cpu_fused`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse
+    [B, Nq, H] float32)``, token-major. Inputs are converted to float32 row by row."""
+    kernel = extension.load()
+    assert kernel is not None  # why_not() refused the call otherwise
+    # one copy into [B, H, N, D] rows (transformers hands over transposed views)
+    q, k, v = (t.contiguous() for t in (inputs.query, inputs.key, inputs.value))
+    b, h, nq, d = q.shape
+    out = torch.empty(b, nq, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, nq, h, dtype=torch.float32, device=q.device)
+    launch_kernel(kernel, replace(inputs, query=q, key=k, value=v), out, lse)
+    return out.to(q.dtype), lse
+
+
+def _kernel_reason(request: SparseRequest) -> str | None:
+    """Why the kernel cannot run here (it could not be built or loaded), or None."""
+    if extension.load() is not None:
+        return None
+    return f"is unavailable: {extension.unavailable_reason()}"
+
+
+BACKEND = SparseBackend(
+    name="cpu_fused",
+    run=run_cpu_fused,
+    priority=10,
+    devices=("cpu",),
+    dtypes=CPU_DTYPES,
+    max_groups=FUSED_MAX_GROUPS,
+    check=_kernel_reason,
+    summary="this package's C++ kernel (built on first use); inference only",
+)
+register_backend(BACKEND)

@@ -1,0 +1,261 @@
+"""The backends of :func:`~focus_attention.ops.sparse_attention` and how one is chosen
+(docs/method.md §5, "Backends").
+
+A backend is a :class:`SparseBackend`: a name, a function that runs the op, and what it
+declares it can do (devices, dtypes, gradients, soft-capping, at most how many groups, and
+an optional check of its own, e.g. whether a kernel could be built). From these
+:meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
+:func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
+backend that can run the call in increasing ``priority``: ``cpu_fused`` (10),
+``cpu_flash`` (20), ``math`` (100).
+
+The op itself is the custom operator ``torch.ops.focus_attention.sparse_attention``
+(``torch.library.custom_op``): ``torch.compile`` sees one opaque call with a fake
+implementation for shapes, and runs it eagerly, so compiled callers get bitwise the eager
+result. Inductor once compiled the op's Python body wrongly (errors ~2 on a 40-token input
+with several membership classes); as an opaque op it is never traced. Tested: ``opcheck``
+passes and ``torch.compile(fn, fullgraph=True)`` equals eager bitwise on every backend
+(tests/ops/test_compile.py). The operator does not check its arguments
+(:func:`~focus_attention.ops.sparse_attention` does), and on ``meta`` tensors the fake
+implementation answers without running a backend.
+
+Calls that need gradients do not go through the operator: a custom operator's
+implementation runs below autograd, so a backend's autograd graph cannot be built inside it
+(``torch.autograd.grad`` there fails: "element 0 of tensors does not require grad"), and a
+hand-written backward would duplicate the decomposition. They run the backend in Python
+under ``torch.compiler.disable`` (:func:`run_differentiable`): compiled callers graph-break
+there and get the eager result and gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import fail
+
+__all__ = [
+    "CPU_DTYPES",
+    "SparseBackend",
+    "SparseInputs",
+    "SparseRequest",
+    "backend_names",
+    "register_backend",
+    "resolve_backend",
+    "run_backend",
+    "run_differentiable",
+    "sparse_attention_op",
+]
+
+#: input dtypes of the built-in CPU kernels.
+CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SparseRequest:
+    """What a backend is told about a call to decide whether it can run it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    needs_grad: bool
+    num_groups: int
+    softcap: bool = False
+
+
+@dataclass(frozen=True)
+class SparseInputs:
+    """One validated call (docs/method.md §5): ``query [B, H, Nq, D]``, ``key``/``value``
+    ``[B, H_kv, Nk, D]``, bool ``query_groups [B, Nq, K]``, ``key_groups [B, Nk, K]``,
+    ``key_padding_mask [B, Nk]`` or None, ``1 <= window <= max(1, Nk)``, the logit
+    ``scale``, the ``softcap`` or None, and whether gradients are wanted."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_groups: torch.Tensor
+    key_groups: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+    window: int
+    scale: float
+    softcap: float | None
+    needs_grad: bool
+
+    @property
+    def request(self) -> SparseRequest:
+        q = self.query
+        k = self.query_groups.shape[-1]
+        return SparseRequest(q.device, q.dtype, self.needs_grad, k, self.softcap is not None)
+
+
+#: ``run(inputs) -> (out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``: token-major
+#: and contiguous; ``lse`` float32 (float64 for float64 inputs), ``-inf`` where no key is
+#: visible. Called with no zero-size dimension.
+Run = Callable[[SparseInputs], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class SparseBackend:
+    """A backend and what it declares it can run.
+
+    Attributes:
+        name: the ``backend=`` argument that selects it.
+        run: the implementation (see ``Run`` in this module).
+        priority: ``"auto"`` tries backends in increasing priority.
+        devices: device types it runs on (``"cpu"``, ``"cuda"``, ...), None for any.
+        dtypes: input dtypes it takes, None for any floating dtype.
+        differentiable: whether its output supports autograd.
+        softcap: whether it applies logit soft-capping.
+        max_groups: most groups ``K`` it takes, None for any.
+        check: an extra test of its own, ``check(request) -> reason or None`` (e.g. a kernel
+            that could not be built); run last, only when the declarations allow the call.
+        summary: one line for messages and documentation.
+    """
+
+    name: str
+    run: Run
+    priority: int
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    differentiable: bool = False
+    softcap: bool = False
+    max_groups: int | None = None
+    check: Callable[[SparseRequest], str | None] | None = None
+    summary: str = ""
+
+    def why_not(self, request: SparseRequest) -> str | None:
+        """Why this backend cannot run ``request`` (one sentence), or None if it can."""
+        if self.devices is not None and request.device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)} tensors only, received {request.device}"
+        if self.dtypes is not None and request.dtype not in self.dtypes:
+            names = ", ".join(str(t).removeprefix("torch.") for t in self.dtypes)
+            return f"takes {names} inputs, received {request.dtype}"
+        if request.needs_grad and not self.differentiable:
+            return "inference only, and the inputs require grad ('math' or 'auto' for gradients)"
+        if request.softcap and not self.softcap:
+            return "does not apply softcap ('math' does)"
+        if self.max_groups is not None and request.num_groups > self.max_groups:
+            limit = self.max_groups
+            return f"takes K <= {limit} groups, received K = {request.num_groups}"
+        return None if self.check is None else self.check(request)
+
+
+_REGISTRY: dict[str, SparseBackend] = {}
+
+
+def register_backend(backend: SparseBackend) -> None:
+    """Make ``backend`` selectable by name and by ``"auto"`` (by its priority).
+
+    Raises:
+        ValueError: the name is ``"auto"`` or already registered.
+    """
+    if backend.name == "auto" or backend.name in _REGISTRY:
+        fail("backend.name", repr(backend.name), "a name not yet registered (nor 'auto')")
+    _REGISTRY[backend.name] = backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends in ``"auto"``'s order (increasing priority)."""
+    return tuple(b.name for b in sorted(_REGISTRY.values(), key=lambda b: b.priority))
+
+
+def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
+    """The backend that runs ``request`` when ``backend=name`` is asked.
+
+    ``"auto"``: the first registered backend, in increasing priority, whose
+    :meth:`SparseBackend.why_not` is None. Any other name: that backend, if it can run the
+    call.
+
+    Raises:
+        ValueError: an unknown name; a named backend that cannot run the call (the message
+            names it and gives its reason); ``"auto"`` when no backend can (the message
+            gives every backend's reason).
+    """
+    if name != "auto":
+        backend = _REGISTRY.get(name)
+        if backend is None:
+            fail("backend", repr(name), f"one of {('auto', *backend_names())}")
+        assert backend is not None
+        reason = backend.why_not(request)
+        if reason is not None:
+            fail("backend", f"{name!r}, which cannot run this call: it {reason}", _hint(name))
+        return backend
+    reasons = []
+    for candidate in backend_names():
+        reason = _REGISTRY[candidate].why_not(request)
+        if reason is None:
+            return _REGISTRY[candidate]
+        reasons.append(f"{candidate!r} {reason}")
+    fail("backend", "'auto', but no backend can run this call: " + "; ".join(reasons), _hint(""))
+    raise AssertionError  # unreachable: fail() raised
+
+
+def _hint(name: str) -> str:
+    others = [n for n in backend_names() if n != name]
+    return f"a backend that can run it (registered: {', '.join(others) or 'none'}, or 'auto')"
+
+
+def _empty_result(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of a call with a zero-size dimension: token-major zeros and ``-inf``."""
+    b, h, nq, d = inputs.query.shape
+    q = inputs.query
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(b, nq, h, d, dtype=q.dtype, device=q.device)
+    return out, torch.full((b, nq, h), -math.inf, dtype=lse_dtype, device=q.device)
+
+
+def run_backend(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Resolve ``name`` for ``inputs`` and run it (a zero-size call returns its empty
+    result on every backend): ``(out [B, Nq, H, D], lse [B, Nq, H])``, token-major."""
+    backend = resolve_backend(name, inputs.request)
+    if inputs.query.numel() == 0:
+        return _empty_result(inputs)
+    return backend.run(inputs)
+
+
+# --------------------------------------------------------------------------------------
+# the custom operator
+# --------------------------------------------------------------------------------------
+
+_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor query_groups, Tensor key_groups, "
+    "Tensor? key_padding_mask, int window, float scale, float? softcap, str backend) "
+    "-> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op(
+    "focus_attention::sparse_attention",
+    mutates_args=(),
+    schema=_SCHEMA,
+)
+def sparse_attention_op(
+    query, key, value, query_groups, key_groups, key_padding_mask, window, scale, softcap,
+    backend,
+):  # fmt: skip
+    """``run_backend(backend, ...)`` without gradients, as an opaque operator: token-major
+    ``(out [B, Nq, H, D], lse [B, Nq, H])``, contiguous as the fake implementation says."""
+    args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
+    out, lse = run_backend(backend, SparseInputs(*args, softcap, needs_grad=False))
+    return out.contiguous(), lse.contiguous()
+
+
+@sparse_attention_op.register_fake
+def _sparse_attention_fake(query, key, *rest):
+    b, h, nq, d = query.shape
+    lse_dtype = torch.promote_types(query.dtype, torch.float32)
+    return query.new_empty(b, nq, h, d), query.new_empty(b, nq, h, dtype=lse_dtype)
+
+
+@torch.compiler.disable
+def run_differentiable(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`run_backend` for calls that need gradients, eagerly (a graph break under
+    ``torch.compile``; see the module docstring). A zero-size call's empty result is still
+    connected to ``query``, ``key`` and ``value``, so backward gives them zero gradients."""
+    out, lse = run_backend(name, inputs)
+    if inputs.query.numel() == 0:
+        tie = sum(t.sum() for t in (inputs.query, inputs.key, inputs.value)) * 0
+        out = out + tie.to(out.dtype)
+    return out, lse
