@@ -182,11 +182,9 @@ def focus_attention_forward(
             ``inference_routing="sequence"`` with a KV cache.
 
     Under ``torch.compile`` a Focus layer's routing and attention (and the pre-hook) run
-    eagerly (``torch.compiler.disable``: dynamo breaks the graph around them):
-    ``sparse_attention`` compiled by inductor gives wrong numbers (measured: max |diff| ~2
-    on a 40-token call; ``aot_eager`` is exact, so the op's in-place merges are the suspect,
-    not pinned down), and the routing state passes through Python objects. The rest of the
-    model compiles as usual.
+    eagerly (``torch.compiler.disable``: dynamo breaks the graph around them): the routing
+    state (handles, the runtime, the KV cache's groups) passes through Python objects. The
+    rest of the model compiles as usual.
     """
     handle = handle_of(module)
     if handle is None:
