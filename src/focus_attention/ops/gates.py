@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from ..utils.precision import without_autocast
 from .checks import check_device, check_positive, check_qkv, check_shape, check_tensor, fail
 from .masks import check_groups, effective_window
 from .reference import expand_kv_heads
@@ -19,6 +20,7 @@ Gate = Literal["paper", "log"]
 GATES = ("paper", "log")
 
 
+@without_autocast
 def gated_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -73,6 +75,8 @@ def gated_attention(
     Raises:
         ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
             ``softcap`` not a finite number > 0, tensors on different devices.
+
+    Inside ``torch.autocast`` it still computes as described (autocast does not apply).
     """
     _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)
     if always_visible is not None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from ...utils.precision import without_autocast
 from ..checks import check_device, check_positive, check_qkv, fail
 from ..masks import check_groups, effective_window
 from .dispatch import SparseInputs, backend_names, run_differentiable, sparse_attention_op
@@ -17,6 +18,7 @@ __all__ = ["Backend", "sparse_attention"]
 Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
 
 
+@without_autocast
 def sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -69,6 +71,8 @@ def sparse_attention(
         ``[B, Nq, H, D]`` / ``[B, Nq, H]`` buffers, so ``out.transpose(1, 2)``, the layout
         transformers expects, is contiguous. A zero-size ``B``, ``H``, ``Nq`` or ``Nk`` gives
         an empty result of that shape on every backend (gradients included).
+        Inside ``torch.autocast`` the op still computes in its inputs' dtype (cast them to
+        the autocast dtype first for mixed precision).
         Under ``torch.compile`` a call without gradients is one opaque custom operator
         (``torch.ops.focus_attention.sparse_attention``) that runs eagerly, so a compiled
         caller gets exactly the eager result; a call that needs gradients runs eagerly

@@ -1,0 +1,48 @@
+"""``torch.autocast`` helpers: which dtype an autocast region computes in, and a context that
+switches autocast off where an op must compute in its inputs' dtype."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype of an active ``torch.autocast`` region on ``device_type``, or None (also
+    for device types autocast does not know, such as ``meta``)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+@contextlib.contextmanager
+def autocast_disabled(device_type: str) -> Iterator[None]:
+    """Run the body with autocast off on ``device_type`` (nothing to do when it is off)."""
+    if autocast_dtype(device_type) is None:
+        yield
+        return
+    with torch.autocast(device_type, enabled=False):
+        yield
+
+
+def without_autocast(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate an op whose first argument (or ``query=``) is a tensor so that it computes in
+    its inputs' dtype also when called inside ``torch.autocast``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        first = args[0] if args else kwargs.get("query")
+        device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
+        with autocast_disabled(device):
+            return fn(*args, **kwargs)
+
+    return wrapper
