@@ -75,7 +75,6 @@ def gated_attention(
     Raises:
         ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
             ``softcap`` not a finite number > 0, tensors on different devices.
-
     Inside ``torch.autocast`` it still computes as described (autocast does not apply).
     """
     _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)

@@ -71,8 +71,7 @@ def sparse_attention(
         ``[B, Nq, H, D]`` / ``[B, Nq, H]`` buffers, so ``out.transpose(1, 2)``, the layout
         transformers expects, is contiguous. A zero-size ``B``, ``H``, ``Nq`` or ``Nk`` gives
         an empty result of that shape on every backend (gradients included).
-        Inside ``torch.autocast`` the op still computes in its inputs' dtype (cast them to
-        the autocast dtype first for mixed precision).
+        Inside ``torch.autocast`` the op computes in its inputs' dtype (autocast does not apply).
         Under ``torch.compile`` a call without gradients is one opaque custom operator
         (``torch.ops.focus_attention.sparse_attention``) that runs eagerly, so a compiled
         caller gets exactly the eager result; a call that needs gradients runs eagerly
