@@ -156,3 +156,39 @@ def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
         evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k_values=[9],
                  progress=False)  # fmt: skip
+
+
+def test_perplexity_by_position_pools_back_to_the_total(assets, adapter):
+    """Position buckets partition the scored tokens: their token counts add up, the bucket
+    perplexities pool back to the overall one, and inside the local window (positions below
+    ``window``) every top_k scores exactly as the dense model."""
+    res = _evaluate(assets, adapter, position_buckets=(0, 4, 8, 32, 1000))
+    by = res["ppl_by_position"]
+    assert by["buckets"] == [[0, 4], [4, 8], [8, 32], [32, 64]]  # the last ends at seq_len
+    assert by["tokens"] == [3 * 3, 3 * 4, 3 * 24, 3 * 32]
+    assert sum(by["tokens"]) == res["tokens"]
+    for name, total, values in [
+        ("base", res["ppl"]["base"], by["base"]),
+        ("soft", res["ppl"]["focus_soft"], by["focus_soft"]),
+        *[(k, res["ppl"]["focus_topk"][k], v) for k, v in by["focus_topk"].items()],
+    ]:
+        nll = sum(n * math.log(p) for n, p in zip(by["tokens"], values, strict=True))
+        assert math.exp(nll / res["tokens"]) == pytest.approx(total, rel=1e-6), name
+    for values in by["focus_topk"].values():  # window 8: positions 0-7 see every earlier key
+        assert values[:2] == pytest.approx(by["base"][:2], rel=1e-5)
+    table = markdown_table(res)
+    assert "Perplexity by token position" in table and "| 32-63 |" in table
+
+
+def test_position_buckets_are_checked():
+    from focus_attention.evaluation import EvalConfig, PositionNLL, bucket_bounds
+
+    assert bucket_bounds((0, 128, 512), 300) == [(0, 128), (128, 300)]
+    for bad in [(), (5, 5), (10, 0), (-1, 4)]:
+        with pytest.raises(ValueError, match="position buckets"):
+            bucket_bounds(bad, 64)
+    with pytest.raises(ValueError, match="position buckets"):
+        EvalConfig(position_buckets=(0, 0))
+    acc = PositionNLL(5)
+    with pytest.raises(ValueError, match=r"expected \[4\]"):
+        acc.add(torch.zeros(5))

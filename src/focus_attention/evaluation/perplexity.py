@@ -45,11 +45,12 @@ import torch.nn.functional as F
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS
 from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
-from ..hf.model import CONFIG_NAME
+from ..hf.files import CONFIG_NAME
 from ..ops import pairs_retained
 from ..utils.checks import bad, check_int
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
+from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -154,6 +155,14 @@ class EvalConfig:
         default=None,
         metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
     )
+    position_buckets: tuple[int, ...] = field(
+        default=POSITION_BUCKETS,
+        metadata={
+            "help": "starts of the position buckets of the perplexity-by-position table",
+            "type": _int_tuple,
+            "metavar": "P0,P1,...",
+        },  # fmt: skip
+    )
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
     json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
     markdown: str | None = field(
@@ -175,6 +184,8 @@ class EvalConfig:
             if not ks:
                 raise bad(owner, "top_k_values", self.top_k_values, "None or some ints")
             self.top_k_values = ks
+        self.position_buckets = tuple(int(p) for p in self.position_buckets)
+        bucket_bounds(self.position_buckets, self.seq_len)  # raises on bad starts
         if self.inference_routing is not None and self.inference_routing not in INFERENCE_ROUTINGS:
             raise bad(owner, "inference_routing", self.inference_routing,
                       f"None or one of {INFERENCE_ROUTINGS}")  # fmt: skip
@@ -211,6 +222,9 @@ class EvalResult:
             settings, the adapter's training settings when known...).
         versions, environment: libraries and hardware (:mod:`focus_attention.utils.env`).
         seconds: ``load``, ``base``, ``soft``, ``topk`` {"k"}, ``total``.
+        ppl_by_position: ``buckets`` (``[start, end)`` token positions in the window),
+            ``tokens`` per bucket, and per bucket the perplexity of ``base``, ``focus_soft``
+            and ``focus_topk`` ``{"k": [...]}`` (None in results written before it existed).
     """
 
     ppl: dict[str, Any]
@@ -226,6 +240,7 @@ class EvalResult:
     versions: dict[str, Any]
     environment: dict[str, Any]
     seconds: dict[str, Any]
+    ppl_by_position: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field, in order."""
@@ -234,7 +249,9 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvalResult:
         """Inverse of :meth:`to_dict` (for example a JSON result file read back)."""
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        return cls(**{f.name: data[f.name] for f in fields if f.name in data or f.name in required})
 
 
 def score_windows(
@@ -244,6 +261,7 @@ def score_windows(
     recorder: Any | None = None,
     on_window: Callable[[int, list[dict[str, Any]]], None] | None = None,
     progress: Any | None = None,
+    positions: PositionNLL | None = None,
 ) -> tuple[float, int]:
     """Next-token negative log-likelihood of independent windows (module docstring).
 
@@ -257,6 +275,7 @@ def score_windows(
             records of window ``i`` are passed to ``on_window(i, records)`` and then dropped.
         on_window: see ``recorder``.
         progress: a tqdm bar advanced by one per window (or None).
+        positions: a :class:`PositionNLL` that also receives every window's per-token NLL.
 
     Returns:
         ``(nll_sum, n_tokens)``: the summed NLL in nats (float64 accumulation) and the number
@@ -278,6 +297,8 @@ def score_windows(
                 logits = model(input_ids=x, use_cache=False).logits
             nll = F.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="sum")
             total += float(nll.double())
+            if positions is not None:
+                positions.add(F.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="none"))
             count += x.shape[1] - 1
             del logits
             if on_window is not None:
@@ -380,17 +401,20 @@ class _Scores:
         self.dominance: dict[str, Any] = {"topk": {}, "topk_max": {}}
         self.shares: dict[str, Any] = {"topk": {}}
         self.seconds: dict[str, Any] = {"topk": {}}
+        self.by_position: dict[str, Any] = {"focus_topk": {}}
 
-    def add_soft(self, ppl: float, summary: dict[str, Any], seconds: float) -> None:
+    def add_soft(self, ppl: float, summary: dict[str, Any], seconds: float, by_position: list) -> None:  # fmt: skip
         self.ppl["focus_soft"] = ppl
+        self.by_position["focus_soft"] = by_position
         self.dominance["soft"] = summary["dominance"]
         self.dominance["soft_max"] = summary["dominance_max"]
         self.shares["soft"] = summary["group_shares"]
         self.seconds["soft"] = seconds
 
-    def add_topk(self, k: int, ppl: float, summary: dict[str, Any], seconds: float) -> None:
+    def add_topk(self, k: int, ppl: float, summary: dict[str, Any], seconds: float, by_position: list) -> None:  # fmt: skip
         key = str(k)
         self.ppl["focus_topk"][key] = ppl
+        self.by_position["focus_topk"][key] = by_position
         self.pairs[key] = summary["pairs_retained"]
         self.pairs_by_layer[key] = summary["pairs_retained_by_layer"]
         self.dominance["topk"][key] = summary["dominance"]
@@ -399,13 +423,17 @@ class _Scores:
         self.seconds["topk"][key] = seconds
 
 
-def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any) -> tuple[float, dict, float]:
-    """Perplexity, routing summary and seconds of the adapter in its current routing."""
+def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any, bounds: list) -> tuple:
+    """Perplexity, routing summary, seconds and perplexity per position bucket (``bounds``)
+    of the adapter in its current routing."""
     t = time.monotonic()
     cfg = fm.focus_config
     stats = RoutingStats(cfg.window, cfg.num_groups)
-    nll, n = score_windows(fm, blocks, recorder=fm, on_window=stats.add, progress=bar)
-    return math.exp(nll / n), stats.summary(), time.monotonic() - t
+    positions = PositionNLL(blocks.shape[1])
+    nll, n = score_windows(
+        fm, blocks, recorder=fm, on_window=stats.add, progress=bar, positions=positions
+    )
+    return math.exp(nll / n), stats.summary(), time.monotonic() - t, positions.perplexities(bounds)
 
 
 def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[int], scores: _Scores, bar: Any) -> tuple[dict, list[int]]:  # fmt: skip
@@ -422,12 +450,13 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     fm.eval()
     bar.set_description("eval Focus soft")
     fm.set_routing("soft")
-    scores.add_soft(*_score_routed(fm, blocks, bar))
+    bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
+    scores.add_soft(*_score_routed(fm, blocks, bar, bounds))
     fm.set_routing("topk")
     for k in ks:
         bar.set_description(f"eval Focus top-{k}")
         fm.set_top_k(k)
-        scores.add_topk(k, *_score_routed(fm, blocks, bar))
+        scores.add_topk(k, *_score_routed(fm, blocks, bar, bounds))
     fm.set_routing("auto")
     return settings, fm.focus_layers
 
@@ -513,8 +542,15 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         t = time.monotonic()
         bar.set_description("eval base")
         base.eval()
-        nll, n_tok = score_windows(base, blocks, progress=bar)
+        positions = PositionNLL(blocks.shape[1])
+        nll, n_tok = score_windows(base, blocks, progress=bar, positions=positions)
         scores.ppl["base"] = math.exp(nll / n_tok)
+        bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
+        scores.by_position.update(
+            buckets=[list(b) for b in bounds],
+            tokens=positions.tokens(bounds),
+            base=positions.perplexities(bounds),
+        )
         scores.seconds["base"] = time.monotonic() - t
         focus, layers = _score_adapter(base, cfg, blocks, ks, scores, bar)
     finally:
@@ -540,6 +576,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         versions=library_versions(),
         environment=environment(),
         seconds=scores.seconds,
+        ppl_by_position=scores.by_position,
     )
     _write(result, cfg)
     return result
@@ -585,4 +622,6 @@ def markdown_table(result: EvalResult | dict[str, Any]) -> str:
         pr = r["pairs_retained"][k]
         d = r["dominance"]["topk"][k]
         lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
+    if r.get("ppl_by_position"):
+        lines += position_table(r["ppl_by_position"])
     return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Perplexity by position in the window (docs/method.md §9): where in a window the cost of
+sparsity arises. Inside the local window a Focus layer is dense, so early positions match the
+dense model; only tokens beyond the window can lose keys."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+#: default bucket starts, in tokens from the start of the window
+POSITION_BUCKETS = (0, 128, 512, 2048, 8192)
+
+
+def bucket_bounds(starts: tuple[int, ...], seq_len: int) -> list[tuple[int, int]]:
+    """``[start, end)`` token positions of each bucket that holds a scored token of a
+    ``seq_len``-token window (positions ``1 .. seq_len - 1``: the first token is never a
+    target). ``starts`` are sorted bucket starts; the last bucket ends at ``seq_len``.
+
+    Raises:
+        ValueError: ``starts`` empty, negative or not strictly increasing.
+    """
+    if not starts or any(s < 0 for s in starts) or list(starts) != sorted(set(starts)):
+        raise ValueError(
+            f"position buckets: received {starts!r}, expected increasing starts >= 0 "
+            "(for example 0,128,512,2048)"
+        )
+    ends = [*starts[1:], seq_len]
+    return [(a, min(b, seq_len)) for a, b in zip(starts, ends, strict=True) if a < seq_len]
+
+
+class PositionNLL:
+    """Next-token negative log-likelihood summed per target position over windows.
+
+    ``add(nll)`` takes the per-token NLL of one window, ``[seq_len - 1]`` (the target at
+    position ``p`` is token ``p + 1``, so entry ``i`` belongs to position ``i + 1``).
+    """
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.nll = torch.zeros(seq_len, dtype=torch.float64)
+        self.count = torch.zeros(seq_len, dtype=torch.long)
+
+    def add(self, nll: torch.Tensor) -> None:
+        """Add one window's per-token NLL ``[seq_len - 1]`` (nats)."""
+        if nll.shape != (self.seq_len - 1,):
+            raise ValueError(
+                f"PositionNLL.add: received shape {tuple(nll.shape)}, expected [{self.seq_len - 1}]"
+            )
+        self.nll[1:] += nll.detach().double().cpu()
+        self.count[1:] += 1
+
+    def perplexities(self, bounds: list[tuple[int, int]]) -> list[float | None]:
+        """Perplexity of the scored tokens in each ``[start, end)`` bucket (None if none)."""
+        out: list[float | None] = []
+        for a, b in bounds:
+            n = int(self.count[a:b].sum())
+            out.append(math.exp(float(self.nll[a:b].sum()) / n) if n else None)
+        return out
+
+    def tokens(self, bounds: list[tuple[int, int]]) -> list[int]:
+        """Scored tokens in each bucket."""
+        return [int(self.count[a:b].sum()) for a, b in bounds]
+
+
+def position_table(by_position: dict[str, Any]) -> list[str]:
+    """Markdown lines of the perplexity-by-position table of an evaluation result
+    (``EvalResult.ppl_by_position``): one column per bucket, one row per model."""
+    bounds = by_position["buckets"]
+    head = " | ".join(f"{a}-{b - 1}" for a, b in bounds)
+    lines = [
+        "",
+        "Perplexity by token position in the window:",
+        "",
+        f"| model | {head} |",
+        "|---|" + "---:|" * len(bounds),
+        "| tokens | " + " | ".join(f"{n:,d}" for n in by_position["tokens"]) + " |",
+    ]
+
+    def row(name: str, values: list[float | None]) -> str:
+        return f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |"
+
+    lines.append(row("base (dense)", by_position["base"]))
+    lines.append(row("Focus soft", by_position["focus_soft"]))
+    for k, values in by_position["focus_topk"].items():
+        lines.append(row(f"Focus top-{k}", values))
+    return lines
