@@ -1,4 +1,4 @@
-"""``focus bench kernel|model``: speed benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|needle``: speed benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from ..bench.kernel import KernelBenchConfig
 from ..bench.model import ModelBenchConfig
+from ..bench.needle import NeedleBenchConfig
 from ..utils.io import write_json_atomic
 from .common import run_guarded
 from .flags import add_flags, flag_values
@@ -52,6 +53,22 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _needle(args: argparse.Namespace) -> int:
+    from ..bench.needle import needle_table, plot_needle, run_needle_benchmark
+
+    config = NeedleBenchConfig(**flag_values(args, NeedleBenchConfig))
+    result = run_needle_benchmark(config)
+    print(needle_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_needle(result, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
 def register_cli(subparsers: Any) -> None:
     """Add ``focus bench`` and its sub-commands."""
     bench = subparsers.add_parser("bench", help="speed benchmarks (write JSON results)")
@@ -77,3 +94,15 @@ def register_cli(subparsers: Any) -> None:
     model.add_argument("--json", help="write results to this JSON file")
     add_flags(model, ModelBenchConfig)
     model.set_defaults(func=run_guarded(_model))
+    needle = sub.add_parser(
+        "needle",
+        help="retrieval of a number hidden in a long prompt: dense against Focus top-k",
+        description="Hides a 5-digit number at each depth of prompts of each length (a "
+        "repeated filler paragraph, or held-out book text), asks for it at the end, and "
+        "scores the greedy answer exactly, for the dense model and Focus at every top_k. "
+        "Needs the prepared assets (focus setup) and a trained adapter.",
+    )
+    needle.add_argument("--json", help="write results to this JSON file")
+    needle.add_argument("--plot", help="PNG heatmaps (default: the JSON path with .png)")
+    add_flags(needle, NeedleBenchConfig)
+    needle.set_defaults(func=run_guarded(_needle))

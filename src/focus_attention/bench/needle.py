@@ -1,0 +1,343 @@
+"""``focus bench needle``: retrieval from long prompts, dense attention against Focus top-k
+(docs/method.md §9).
+
+A number (the needle) is hidden at a chosen depth of a long prompt (the haystack) and asked
+for at its end; the model answers greedily and the answer counts when its first number is the
+needle's, exactly. Two haystacks: ``passkey`` (a short filler paragraph repeated, the
+synthetic pass-key test) and ``book`` (held-out prose of a corpus, a different stretch per
+trial). Every (haystack, length, depth, trial) prompt is answered by the dense model (Focus
+disabled) and by Focus at every ``top_k``, so the modes see the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..assets.corpora import DEFAULT_CORPUS, SPLITS
+from ..assets.models import DEFAULT_MODEL
+from ..utils.checks import bad, check_int
+from ..utils.env import environment, library_versions
+
+__all__ = [
+    "HAYSTACKS",
+    "NEEDLE_DEPTHS",
+    "NEEDLE_LENGTHS",
+    "NeedleBenchConfig",
+    "NeedleCase",
+    "answer_of",
+    "build_case",
+    "needle_table",
+    "plot_needle",
+    "run_needle_benchmark",
+]
+
+#: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
+NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
+NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+HAYSTACKS = ("passkey", "book")
+
+#: the synthetic haystack: one paragraph, repeated
+FILLER = (
+    "The river runs past the old mill. The baker opens his shop at dawn. Children walk "
+    "to school along the lane. Rain falls on the hills and the fields turn green. "
+)
+#: needle and question of each haystack; ``{n}`` is the number
+PROMPTS = {
+    "passkey": (
+        "\nThe pass key is {n}. Remember it. {n} is the pass key.\n",
+        "\nWhat is the pass key? The pass key is",
+    ),
+    "book": (
+        "\nThe magic number mentioned in this book is {n}.\n",
+        "\n\nQuestion: what is the magic number mentioned in this book?\nAnswer: The magic "
+        "number mentioned in this book is",
+    ),
+}
+
+
+@dataclass
+class NeedleBenchConfig:
+    """Settings of the retrieval benchmark (each field a ``focus bench needle`` flag)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model"})
+    adapter: str = field(default="runs/austen", metadata={"help": "Focus adapter directory"})
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the book haystack"})
+    split: str = field(default="test", metadata={"help": "its split", "choices": SPLITS})
+    haystacks: tuple[str, ...] = field(
+        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
+    )
+    lengths: tuple[int, ...] = field(
+        default=NEEDLE_LENGTHS, metadata={"help": "prompt lengths in tokens"}
+    )
+    depths: tuple[float, ...] = field(
+        default=NEEDLE_DEPTHS, metadata={"help": "needle depths, 0 (start) to 1 (end)"}
+    )
+    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
+    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "Focus top_k values"})
+    max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
+    seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "one line per prompt"})
+
+    def __post_init__(self) -> None:
+        owner = "NeedleBenchConfig"
+        for name in ("trials", "max_new_tokens"):
+            check_int(owner, name, getattr(self, name), 1)
+        for n in self.lengths:
+            check_int(owner, "lengths", n, 64)
+        for k in self.top_k:
+            check_int(owner, "top_k", k, 1)
+        if not self.haystacks or any(h not in HAYSTACKS for h in self.haystacks):
+            raise bad(owner, "haystacks", self.haystacks, f"some of {HAYSTACKS}")
+        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
+            raise bad(owner, "depths", self.depths, "fractions in [0, 1]")
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    """One prompt: ``input_ids`` ``[1, length]`` long, the needle's number ``answer`` and the
+    token index where the needle starts."""
+
+    haystack: str
+    length: int
+    depth: float
+    trial: int
+    input_ids: torch.Tensor
+    answer: str
+    needle_start: int
+
+
+def answer_of(text: str) -> str | None:
+    """The first run of digits in ``text`` (the model's answer), or None."""
+    match = re.search(r"\d+", text)
+    return None if match is None else match.group(0)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def build_case(
+    tokenizer: Any,
+    haystack_ids: list[int],
+    kind: str,
+    length: int,
+    depth: float,
+    trial: int,
+    rng: random.Random,
+    *,
+    bos_id: int | None = None,
+) -> NeedleCase:
+    """Assemble one prompt of exactly ``length`` tokens: ``[bos] filler[:a] needle
+    filler[a:] question``, where ``filler`` is the stretch of ``haystack_ids`` that fills the
+    length (from a random offset) and ``a = round(depth * len(filler))``; the offset and the
+    5-digit number are drawn from ``rng``.
+
+    Raises:
+        ValueError: ``haystack_ids`` too short, or ``length`` too short for the needle and
+            the question.
+    """
+    number = str(rng.randrange(10_000, 100_000))
+    needle_text, question_text = PROMPTS[kind]
+    needle, question = _ids(tokenizer, needle_text.format(n=number)), _ids(tokenizer, question_text)
+    head = [] if bos_id is None else [bos_id]
+    room = length - len(head) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"needle prompt: length {length} leaves no room for the haystack")
+    if len(haystack_ids) < room:
+        raise ValueError(
+            f"needle prompt: the {kind} haystack has {len(haystack_ids)} tokens, {room} needed"
+        )
+    start = rng.randrange(0, len(haystack_ids) - room + 1)
+    filler = haystack_ids[start : start + room]
+    cut = round(depth * room)
+    ids = head + filler[:cut] + needle + filler[cut:] + question
+    return NeedleCase(
+        kind, length, float(depth), trial, torch.tensor([ids]), number, len(head) + cut
+    )
+
+
+def _haystack_ids(config: NeedleBenchConfig, tokenizer: Any, kind: str) -> list[int]:
+    """Token ids the haystack of ``kind`` is cut from (long enough for the longest prompt)."""
+    need = max(config.lengths)
+    if kind == "passkey":
+        ids = _ids(tokenizer, FILLER)
+        return ids * (need // len(ids) + 2)
+    from ..assets.corpora import load_corpus
+
+    text = "\n\n".join(load_corpus(config.corpus, quiet=True).texts(config.split))
+    return _ids(tokenizer, text)
+
+
+def _cases(config: NeedleBenchConfig, tokenizer: Any, bos_id: int | None) -> list[NeedleCase]:
+    """Every prompt of the benchmark, deterministic in ``config.seed``."""
+    rng = random.Random(config.seed)
+    cases = []
+    for kind in config.haystacks:
+        source = _haystack_ids(config, tokenizer, kind)
+        for length in config.lengths:
+            for depth in config.depths:
+                for trial in range(config.trials):
+                    cases.append(
+                        build_case(
+                            tokenizer, source, kind, length, depth, trial, rng, bos_id=bos_id
+                        )  # fmt: skip
+                    )
+    return cases
+
+
+def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -> tuple[str, float]:  # fmt: skip
+    """Greedy answer of ``model`` to ``case`` and the seconds it took (prefill + decode)."""
+    t = time.monotonic()
+    ids = case.input_ids.to(next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return text, time.monotonic() - t
+
+
+def _modes(fm: Any, top_k: tuple[int, ...]) -> list[tuple[str, Any]]:
+    """``(name, enter)`` per mode: ``enter()`` sets the model up and returns a context."""
+    import contextlib
+
+    def topk(k: int):
+        def enter():
+            fm.set_top_k(k)
+            return contextlib.nullcontext()
+
+        return enter
+
+    return [("dense", fm.disable_focus), *[(f"top-{k}", topk(k)) for k in top_k]]
+
+
+def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
+    """Run every prompt in every mode (module docstring).
+
+    Returns:
+        JSON-able dict: ``config``, ``cells`` (one per prompt and mode: haystack, length,
+        depth, trial, mode, answer, generated text, correct, seconds), ``accuracy``
+        ``{haystack: {mode: {length: {depth: share}}}}``, ``versions`` and ``environment``.
+
+    Raises:
+        ValueError: a length above the model's ``max_position_embeddings``, a haystack too
+            short, or the errors of loading the model or adapter.
+    """
+    from ..assets.models import auto_prepend_bos, load_model
+    from ..hf import FocusModel
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    base, tokenizer = load_model(config.model, quiet=not config.progress)
+    limit = getattr(base.config, "max_position_embeddings", None)
+    if limit is not None and max(config.lengths) > limit:
+        raise bad("NeedleBenchConfig", "lengths", config.lengths, f"at most {limit} tokens")
+    fm = FocusModel.from_pretrained(base, config.adapter).eval()
+    bos_id = tokenizer.bos_token_id if auto_prepend_bos(base) else None
+    cells = []
+    for case in _cases(config, tokenizer, bos_id):
+        for mode, enter in _modes(fm, config.top_k):
+            with enter():
+                text, seconds = _answer(fm, tokenizer, case, config.max_new_tokens)
+            cells.append(_cell(case, mode, text, seconds))
+            if config.progress:
+                c = cells[-1]
+                print(f"[needle] {c['haystack']} {c['length']} tokens depth {c['depth']:.2f} "
+                      f"trial {c['trial']} {mode}: {'ok ' if c['correct'] else 'miss'} "
+                      f"{c['seconds']:.1f} s", file=sys.stderr)  # fmt: skip
+    return {
+        "config": asdict(config),
+        "cells": cells,
+        "accuracy": _accuracy(cells),
+        "versions": library_versions(),
+        "environment": environment(),
+    }
+
+
+def _cell(case: NeedleCase, mode: str, text: str, seconds: float) -> dict[str, Any]:
+    return {
+        "haystack": case.haystack,
+        "length": case.length,
+        "depth": case.depth,
+        "trial": case.trial,
+        "mode": mode,
+        "answer": case.answer,
+        "generated": text,
+        "correct": answer_of(text) == case.answer,
+        "seconds": seconds,
+    }
+
+
+def _accuracy(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Share of correct answers per haystack, mode, length and depth (string keys)."""
+    groups: dict[tuple, list[bool]] = {}
+    for c in cells:
+        key = (c["haystack"], c["mode"], str(c["length"]), f"{c['depth']:g}")
+        groups.setdefault(key, []).append(bool(c["correct"]))
+    out: dict[str, Any] = {}
+    for (hay, mode, length, depth), hits in groups.items():
+        row = out.setdefault(hay, {}).setdefault(mode, {}).setdefault(length, {})
+        row[depth] = sum(hits) / len(hits)
+    return out
+
+
+def needle_table(result: dict[str, Any]) -> str:
+    """Markdown tables of the accuracy: one per haystack, a row per mode and length, a
+    column per depth and the row's mean."""
+    lines = []
+    for hay, modes in result["accuracy"].items():
+        depths = list(next(iter(next(iter(modes.values())).values())))
+        lines += [
+            f"{hay} haystack: share of needles retrieved (greedy answer, exact number)",
+            "",
+            "| mode | tokens | " + " | ".join(f"depth {d}" for d in depths) + " | mean |",
+            "|---|---:|" + "---:|" * (len(depths) + 1),
+        ]
+        for mode, lengths in modes.items():
+            for length, row in lengths.items():
+                vals = [row[d] for d in depths]
+                cells = " | ".join(f"{v:.2f}" for v in vals)
+                lines.append(f"| {mode} | {length} | {cells} | {sum(vals) / len(vals):.2f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def plot_needle(result: dict[str, Any], path: str) -> None:
+    """One heatmap per (haystack, mode): lengths (rows) by depths (columns), the share
+    retrieved in each cell; written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = result["accuracy"]
+    panels = [(hay, mode, grid) for hay, modes in acc.items() for mode, grid in modes.items()]
+    ncols = max(len(m) for m in acc.values())
+    fig, axes = plt.subplots(len(acc), ncols, figsize=(3.2 * ncols, 2.8 * len(acc)),
+                             squeeze=False)  # fmt: skip
+    for i, (hay, mode, grid) in enumerate(panels):
+        ax = axes[i // ncols][i % ncols]
+        lengths, depths = list(grid), list(next(iter(grid.values())))
+        values = [[grid[n][d] for d in depths] for n in lengths]
+        ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
+               yticklabels=lengths, xlabel="needle depth", ylabel="tokens",
+               title=f"{hay}: {mode}")  # fmt: skip
+        for r, row in enumerate(values):
+            for c, v in enumerate(row):
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""``focus bench needle``: prompt assembly, exact scoring, accuracy tables and plots, on the
+tiny offline assets (the real-model numbers are a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+
+from focus_attention import cli
+from focus_attention.bench import needle
+from focus_attention.bench.needle import NeedleBenchConfig, answer_of, build_case
+
+
+class _Digits:
+    """A tokenizer stand-in: one token per character (so lengths are easy to check)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": [ord(c) for c in text]})()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("bos", [None, 1])
+def test_a_prompt_has_the_exact_length_and_the_needle_at_its_depth(depth, bos):
+    tok = _Digits()
+    hay = [ord("x")] * 5000
+    case = build_case(tok, hay, "passkey", 400, depth, 0, random.Random(3), bos_id=bos)
+    ids = case.input_ids[0].tolist()
+    assert case.input_ids.shape == (1, 400)
+    text = "".join(chr(i) for i in ids[(bos is not None) :])
+    needle_text = needle.PROMPTS["passkey"][0].format(n=case.answer)
+    question = needle.PROMPTS["passkey"][1]
+    assert text.endswith(question) and text.count(needle_text) == 1
+    filler = 400 - (bos is not None) - len(needle_text) - len(question)
+    assert case.needle_start == (bos is not None) + round(depth * filler)
+    assert text.index(needle_text) == round(depth * filler)
+    assert len(case.answer) == 5 and case.answer.isdigit()
+
+
+def test_prompts_that_cannot_fit_are_errors():
+    tok = _Digits()
+    with pytest.raises(ValueError, match="no room"):
+        build_case(tok, [1] * 100, "book", 20, 0.5, 0, random.Random(0))
+    with pytest.raises(ValueError, match="haystack has 100 tokens"):
+        build_case(tok, [1] * 100, "book", 400, 0.5, 0, random.Random(0))
+
+
+def test_answers_are_scored_exactly():
+    assert answer_of(" 57291. Remember") == "57291"
+    assert answer_of(" five seven") is None
+    assert answer_of(" 572910") == "572910"  # a longer number is not the needle
+
+
+@pytest.mark.parametrize(
+    "change", [{"trials": 0}, {"depths": (1.5,)}, {"haystacks": ("web",)}, {"lengths": (8,)}]
+)
+def test_bad_settings_are_errors(change):
+    with pytest.raises(ValueError):
+        NeedleBenchConfig(**change)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from focus_attention.training import train
+
+    assets = make_tiny_assets(tmp_path_factory.mktemp("needle"))
+    with pytest.MonkeyPatch.context() as mp:
+        use_tiny_assets(assets, mp)
+        out = tmp_path_factory.mktemp("adapter") / "run"
+        train(tiny_config(assets, out, steps=2, eval_every=-1, save_every=0))
+    return assets, out
+
+
+def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch, tmp_path):
+    """A stand-in generation that answers right only in dense mode: dense retrieves every
+    needle, the Focus modes none; the cells, accuracy, table, JSON and plot agree."""
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    seen = []
+
+    def fake_answer(model, tokenizer, case, max_new_tokens):
+        dense = not model._runtime.enabled
+        seen.append((case.input_ids.shape[1], dense, model.focus_config.top_k))
+        return (f" {case.answer}." if dense else " 12345."), 0.01
+
+    monkeypatch.setattr(needle, "_answer", fake_answer)
+    out = tmp_path / "needle.json"
+    rc = cli.main(["bench", "needle", "--model", str(assets["model"]), "--adapter", str(adapter),
+                   "--corpus", str(assets["corpus"]), "--lengths", "64", "96", "--depths", "0",
+                   "1", "--trials", "2", "--top-k", "1", "2", "--json", str(out),
+                   "--no-progress"])  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert (
+        len(result["cells"]) == 2 * 2 * 2 * 2 * 3
+    )  # haystacks x lengths x depths x trials x modes
+    assert {n for n, _, _ in seen} == {64, 96}
+    assert {k for _, dense, k in seen if not dense} == {1, 2}
+    for hay in ("passkey", "book"):
+        acc = result["accuracy"][hay]
+        assert acc["dense"] == {"64": {"0": 1.0, "1": 1.0}, "96": {"0": 1.0, "1": 1.0}}
+        assert all(v == 0.0 for row in acc["top-1"].values() for v in row.values())
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
+    """Without stand-ins: the tiny model answers every prompt (wrongly, it is random) and
+    dense answers equal the base model's own greedy generation."""
+    from focus_attention.assets.models import load_model
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), lengths=(64,), depths=(0.5,),
+                               trials=1, top_k=(1,), max_new_tokens=4, progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(config)
+    dense = [c for c in result["cells"] if c["mode"] == "dense"]
+    assert len(result["cells"]) == 4 and len(dense) == 2
+    base, tok = load_model(str(assets["model"]), quiet=True)
+    cases = needle._cases(config, tok, tok.bos_token_id if needle_bos(base) else None)
+    for case, cell in zip(cases, dense, strict=True):
+        with torch.no_grad():
+            out = base.generate(case.input_ids, attention_mask=torch.ones_like(case.input_ids),
+                                max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)  # fmt: skip
+        assert tok.decode(out[0, 64:], skip_special_tokens=True) == cell["generated"]
+
+
+def needle_bos(model) -> bool:
+    from focus_attention.assets.models import auto_prepend_bos
+
+    return auto_prepend_bos(model)
