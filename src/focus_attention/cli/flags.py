@@ -76,7 +76,8 @@ def add_flags(
         meta = field.metadata
         default = _default(field)
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
-        shown = "" if default is None else f" (default {_shown(default)})"
+        joiner = "," if "type" in meta else " "  # a custom type parses one comma-separated value
+        shown = "" if default is None else f" (default {_shown(default, joiner)})"
         kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse, several = _scalar(hints[field.name])
         parse = meta.get("type", parse)
@@ -94,10 +95,10 @@ def add_flags(
         parser.add_argument(flag_name(field.name), **kwargs)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: Any, joiner: str = " ") -> str:
     """A default as the user would type it."""
     if isinstance(value, (tuple, list)):
-        return " ".join(str(v) for v in value)
+        return joiner.join(str(v) for v in value)
     return str(value)
 
 
