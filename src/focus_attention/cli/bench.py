@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,20 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _write(result: dict, args: argparse.Namespace, plot_fn: Callable | None = None) -> None:
+    """The result to ``--json`` and, with ``plot_fn``, a plot to ``--plot`` (default: the
+    JSON path with ``.png``)."""
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    if plot_fn is None:
+        return
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_fn(result, plot)
+        print(f"wrote {plot}")
+
+
 def _kernel(args: argparse.Namespace) -> int:
     from ..bench.kernel import gate_lines, kernel_table, plot_kernel, run_kernel_benchmark
 
@@ -30,13 +45,7 @@ def _kernel(args: argparse.Namespace) -> int:
     print(kernel_table(result))
     for line in gate_lines(result):
         print(line)
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
-        plot_kernel(result, plot)
-        print(f"wrote {plot}")
+    _write(result, args, plot_kernel)
     return 0
 
 
@@ -47,9 +56,7 @@ def _model(args: argparse.Namespace) -> int:
     _set_threads(config.threads)
     result = run_model_benchmark(config)
     print(model_table(result))
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
+    _write(result, args)
     return 0
 
 
@@ -59,13 +66,7 @@ def _needle(args: argparse.Namespace) -> int:
     config = NeedleBenchConfig(**flag_values(args, NeedleBenchConfig))
     result = run_needle_benchmark(config)
     print(needle_table(result))
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
-        plot_needle(result, plot)
-        print(f"wrote {plot}")
+    _write(result, args, plot_needle)
     return 0
 
 
