@@ -65,12 +65,8 @@ def topk_perplexities(fm: FocusModel, windows: torch.Tensor, ks: list[int]) -> d
 
 def recalibrate(fm: FocusModel, calib: torch.Tensor) -> None:
     """Forget the trained bias and collect it again from ``calib`` (one block per call)."""
-    with torch.no_grad():
-        for router in fm.routers.values():
-            router.routing_bias.zero_()
-            router.bias_updates.zero_()
-        for block in calib:
-            fm.calibrate(block[None])
+    for i, block in enumerate(calib):
+        fm.calibrate(block[None], reset=i == 0)
 
 
 def main() -> None:

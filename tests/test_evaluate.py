@@ -192,3 +192,17 @@ def test_position_buckets_are_checked():
     acc = PositionNLL(5)
     with pytest.raises(ValueError, match=r"expected \[4\]"):
         acc.add(torch.zeros(5))
+
+
+def test_calibrating_the_bias_on_validation_blocks(assets, adapter):
+    """``calibrate_blocks`` re-collects the causal routing bias from validation blocks before
+    scoring: the dense and soft scores stay, the top-k scores use the new bias, the result
+    records it, and asking for more blocks than the split has is an error."""
+    plain = _evaluate(assets, adapter, top_k_values=[1])
+    calibrated = _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=2)
+    assert calibrated["config"]["calibrate_blocks"] == 2
+    assert calibrated["ppl"]["base"] == plain["ppl"]["base"]
+    assert calibrated["ppl"]["focus_soft"] == plain["ppl"]["focus_soft"]
+    assert calibrated["ppl"]["focus_topk"]["1"] != plain["ppl"]["focus_topk"]["1"]
+    with pytest.raises(ValueError, match="calibrate_blocks=9999"):
+        _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=9999)

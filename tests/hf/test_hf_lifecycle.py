@@ -458,3 +458,21 @@ def test_a_model_built_from_a_focus_models_config_says_how_to_get_a_plain_one():
     plain = AutoModelForCausalLM.from_config(copy.deepcopy(fm.config), attn_implementation="sdpa")
     assert plain(ids(1, 8)).logits.shape == (1, 8, 256)
     assert fm.config._attn_implementation == "focus"  # the Focus model is left as it was
+
+
+def test_calibrate_with_reset_sets_the_bias_from_that_batch_alone():
+    _, fm = focus("llama")
+    trained_like(fm)  # centroids and a bias collected elsewhere
+    fresh = copy.deepcopy(fm)
+    with torch.no_grad():
+        for router in fresh.routers.values():  # what a router that never saw a batch holds
+            router.routing_bias.zero_()
+            router.bias_updates.zero_()
+    x = ids(2, 64, seed=17)
+    fm.calibrate(x, reset=True)
+    fresh.calibrate(x)
+    for i, router in fm.routers.items():
+        assert int(router.bias_updates) == 1
+        assert torch.equal(router.routing_bias, fresh.routers[i].routing_bias)
+    fm.calibrate(x)  # without reset it averages in
+    assert all(int(r.bias_updates) == 2 for r in fm.routers.values())

@@ -155,6 +155,13 @@ class EvalConfig:
         default=None,
         metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
     )
+    calibrate_blocks: int = field(
+        default=0,
+        metadata={
+            "help": "collect the causal routing bias afresh from this many validation-split "
+            "blocks of seq_len tokens before scoring (0: the bias as trained)"
+        },
+    )
     position_buckets: tuple[int, ...] = field(
         default=POSITION_BUCKETS,
         metadata={
@@ -179,6 +186,7 @@ class EvalConfig:
         check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
         check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
         check_int(owner, "threads", self.threads, 1, optional=True)
+        check_int(owner, "calibrate_blocks", self.calibrate_blocks, 0)
         if self.top_k_values is not None:
             ks = tuple(sorted({int(k) for k in self.top_k_values}))
             if not ks:
@@ -436,9 +444,10 @@ def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any, bounds: list) -> tupl
     return math.exp(nll / n), stats.summary(), time.monotonic() - t, positions.perplexities(bounds)
 
 
-def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[int], scores: _Scores, bar: Any) -> tuple[dict, list[int]]:  # fmt: skip
-    """Attach the adapter (with the overrides) and score soft routing and every top-k;
-    returns the Focus settings used and the Focus layers."""
+def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[int], scores: _Scores, bar: Any, calib: torch.Tensor | None) -> tuple[dict, list[int]]:  # fmt: skip
+    """Attach the adapter (with the overrides, and the routing bias collected from
+    ``calib`` when given) and score soft routing and every top-k; returns the Focus
+    settings used and the Focus layers."""
     from ..hf import FocusModel
 
     fm = FocusModel.from_pretrained(base, cfg.adapter)
@@ -447,6 +456,8 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
         **{k: v for k, v in overrides.items() if v is not None}
     )
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
+    for i, block in enumerate(calib if calib is not None else []):
+        fm.calibrate(block[None], reset=i == 0)
     fm.eval()
     bar.set_description("eval Focus soft")
     fm.set_routing("soft")
@@ -483,6 +494,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "top_k_values": ks,
         "trained_top_k": focus["top_k"],
         "overrides": {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens},
+        "calibrate_blocks": cfg.calibrate_blocks,
         "window_scheme": WINDOW_SCHEME,
         "focus": focus,
         "focus_layers": layers,
@@ -490,8 +502,13 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
     }
 
 
-def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool]:
-    """Read the split, load the base model and cut the windows: ``(model, blocks, bos)``."""
+def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool, torch.Tensor | None]:
+    """Read the split, load the base model and cut the windows: ``(model, blocks, bos,
+    calibration blocks or None)``.
+
+    Raises:
+        ValueError: the validation split has fewer than ``calibrate_blocks`` blocks.
+    """
     from ..assets.corpora import load_corpus, token_blocks
     from ..assets.models import auto_prepend_bos, load_model
 
@@ -501,7 +518,17 @@ def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool]:
     bos = auto_prepend_bos(base) if cfg.prepend_bos is None else cfg.prepend_bos
     blocks = token_blocks(tokenizer, texts, cfg.seq_len, max_tokens=cfg.max_tokens,
                           prepend_bos=bos)  # fmt: skip
-    return base, blocks, bos
+    calib = None
+    if cfg.calibrate_blocks:
+        n = cfg.calibrate_blocks
+        calib = token_blocks(tokenizer, load_corpus(cfg.corpus, quiet=quiet).texts("validation"),
+                             cfg.seq_len, max_tokens=n * cfg.seq_len, prepend_bos=bos)  # fmt: skip
+        if calib.shape[0] < n:
+            raise ValueError(
+                f"calibrate_blocks={n}: the validation split has {calib.shape[0]} blocks of "
+                f"{cfg.seq_len} tokens"
+            )
+    return base, blocks, bos, calib
 
 
 def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult:
@@ -532,7 +559,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         torch.set_num_threads(cfg.threads)
     scores = _Scores()
     t = time.monotonic()
-    base, blocks, bos = _load(cfg)
+    base, blocks, bos, calib = _load(cfg)
     sha_before = weights_sha256(base)
     scores.seconds["load"] = time.monotonic() - t
     n_win = int(blocks.shape[0])
@@ -552,7 +579,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
             base=positions.perplexities(bounds),
         )
         scores.seconds["base"] = time.monotonic() - t
-        focus, layers = _score_adapter(base, cfg, blocks, ks, scores, bar)
+        focus, layers = _score_adapter(base, cfg, blocks, ks, scores, bar, calib)
     finally:
         bar.close()
     sha_after = weights_sha256(base)

@@ -493,11 +493,22 @@ class FocusModel(nn.Module):
 
     @torch.no_grad()
     def calibrate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        reset: bool = False,
     ) -> None:
         """Feed one batch through soft routing to update every router's ``routing_bias``
-        (the causal top-k bias) without training; base model and modes are restored."""
+        (the causal top-k bias, docs/method.md §4) without training; base model and modes
+        are restored. ``reset=True`` first forgets the bias collected so far (zero bias, no
+        updates), so the batch alone sets it; later calls average in as in training."""
         self._check_live()
+        if reset:
+            with torch.no_grad():
+                for router in self.routers.values():
+                    router.routing_bias.zero_()
+                    router.bias_updates.zero_()
         was = {name: m.training for name, m in self.named_modules()}
         routing = self._runtime.routing
         try:
