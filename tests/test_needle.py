@@ -109,7 +109,7 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
 def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
     """Without stand-ins: the tiny model answers every prompt (wrongly, it is random) and
     dense answers equal the base model's own greedy generation."""
-    from focus_attention.assets.models import load_model
+    from focus_attention.assets.models import auto_prepend_bos, load_model
 
     assets, adapter = tiny
     use_tiny_assets(assets, monkeypatch)
@@ -120,15 +120,9 @@ def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
     dense = [c for c in result["cells"] if c["mode"] == "dense"]
     assert len(result["cells"]) == 4 and len(dense) == 2
     base, tok = load_model(str(assets["model"]), quiet=True)
-    cases = needle._cases(config, tok, tok.bos_token_id if needle_bos(base) else None)
+    cases = needle._cases(config, tok, tok.bos_token_id if auto_prepend_bos(base) else None)
     for case, cell in zip(cases, dense, strict=True):
         with torch.no_grad():
             out = base.generate(case.input_ids, attention_mask=torch.ones_like(case.input_ids),
                                 max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)  # fmt: skip
         assert tok.decode(out[0, 64:], skip_special_tokens=True) == cell["generated"]
-
-
-def needle_bos(model) -> bool:
-    from focus_attention.assets.models import auto_prepend_bos
-
-    return auto_prepend_bos(model)

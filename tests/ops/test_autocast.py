@@ -1,12 +1,13 @@
-"""Inside ``torch.autocast`` the ops compute in their inputs' dtype: the result equals the
-call outside autocast bitwise, on every backend, with and without gradients."""
+"""Inside ``torch.autocast`` the ops compute as written (in their inputs' dtype, or the one
+they cast to): the result equals the call outside autocast bitwise, on every backend, with
+and without gradients."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from focus_attention.ops import gated_attention, sparse_attention
+from focus_attention.ops import gated_attention, group_scores, sparse_attention
 
 from .helpers import make_case
 
@@ -43,3 +44,12 @@ def test_gated_attention_ignores_autocast(gate):
     (grad_mixed,) = torch.autograd.grad(mixed.sum(), q)
     assert mixed.dtype == torch.float32 and torch.equal(plain, mixed)
     assert torch.equal(grad_plain, grad_mixed)
+
+
+def test_group_scores_ignore_autocast():
+    g = torch.Generator().manual_seed(4)
+    hidden, proj, cents = (torch.randn(*s, generator=g) for s in ((2, 30, 64), (64, 16), (8, 16)))
+    plain = group_scores(hidden, proj, cents, 0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = group_scores(hidden, proj, cents, 0.1)
+    assert mixed.dtype == torch.float32 and torch.equal(plain, mixed)

@@ -70,40 +70,42 @@ def _needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_benchmark(sub: Any, name: str, config: type, run: Callable, plot: str | None, **text: str) -> None:  # fmt: skip
+    """One ``focus bench NAME`` sub-command: ``--json``, ``--plot`` (when the benchmark
+    plots; ``plot`` is its help) and the flags of ``config``."""
+    parser = sub.add_parser(name, **text)
+    parser.add_argument("--json", help="write results to this JSON file")
+    if plot is not None:
+        parser.add_argument("--plot", help=plot)
+    add_flags(parser, config)
+    parser.set_defaults(func=run_guarded(run))
+
+
 def register_cli(subparsers: Any) -> None:
     """Add ``focus bench`` and its sub-commands."""
     bench = subparsers.add_parser("bench", help="speed benchmarks (write JSON results)")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    kernel = sub.add_parser(
-        "kernel",
+    _add_benchmark(
+        sub, "kernel", KernelBenchConfig, _kernel,
+        "PNG plot path (default: the JSON path with .png)",
         help="sparse_attention against dense causal SDPA (SmolLM2-135M attention shape)",
         description="Times dense torch SDPA (is_causal) against focus sparse_attention in "
         "one process, fp32, B=1, and reports speedup, density, ideal speedup (1/density), "
         "efficiency and peak memory.",
-    )
-    kernel.add_argument("--json", help="write results to this JSON file")
-    kernel.add_argument("--plot", help="PNG plot path (default: the JSON path with .png)")
-    add_flags(kernel, KernelBenchConfig)
-    kernel.set_defaults(func=run_guarded(_kernel))
-    model = sub.add_parser(
-        "model",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "model", ModelBenchConfig, _model, None,
         help="end-to-end prefill of a real model: stock sdpa against Focus top-k",
         description="Times a prefill forward (logits for the last token only) of the model "
         "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
         "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
-    )
-    model.add_argument("--json", help="write results to this JSON file")
-    add_flags(model, ModelBenchConfig)
-    model.set_defaults(func=run_guarded(_model))
-    needle = sub.add_parser(
-        "needle",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "needle", NeedleBenchConfig, _needle,
+        "PNG heatmaps (default: the JSON path with .png)",
         help="retrieval of a number hidden in a long prompt: dense against Focus top-k",
         description="Hides a 5-digit number at each depth of prompts of each length (a "
         "repeated filler paragraph, or held-out book text), asks for it at the end, and "
         "scores the greedy answer exactly, for the dense model and Focus at every top_k. "
         "Needs the prepared assets (focus setup) and a trained adapter.",
-    )
-    needle.add_argument("--json", help="write results to this JSON file")
-    needle.add_argument("--plot", help="PNG heatmaps (default: the JSON path with .png)")
-    add_flags(needle, NeedleBenchConfig)
-    needle.set_defaults(func=run_guarded(_needle))
+    )  # fmt: skip

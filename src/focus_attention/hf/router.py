@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from ..ops import group_scores, sinkhorn, topk_memberships
-from ..utils.precision import autocast_disabled
 
 #: dtype of every router parameter and buffer, whatever the model's dtype (docs/method.md §1:
 #: scores are computed in fp32); casts of the model leave the routers in it.
@@ -168,10 +167,8 @@ class FocusRouter(nn.Module):
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Routing scores ``[B, N, K]`` float32 of ``hidden`` ``[B, N, d_model]``
-        (docs/method.md §1), in float32 also inside ``torch.autocast`` (mixed-precision
-        training), so routing does not depend on the autocast setting."""
-        with autocast_disabled(hidden.device.type):
-            return group_scores(hidden, self.proj, self.centroids, self.temperature)
+        (docs/method.md §1), also inside ``torch.autocast`` (see :func:`group_scores`)."""
+        return group_scores(hidden, self.proj, self.centroids, self.temperature)
 
     def soft(
         self, scores: torch.Tensor, n_iter: int, real: torch.Tensor | None

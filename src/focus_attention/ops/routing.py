@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from ..utils.checks import check_int
+from ..utils.precision import without_autocast
 from .checks import check_count, check_finite, check_shape, check_tensor, fail
 
 
+@without_autocast
 def group_scores(
     hidden: torch.Tensor,
     proj: torch.Tensor,
@@ -34,7 +36,7 @@ def group_scores(
         temperature: ``tau > 0`` (paper default 0.1).
 
     Returns:
-        ``[B, N, K]`` float32 scores.
+        ``[B, N, K]`` float32 scores, computed in float32 also inside ``torch.autocast``.
 
     Raises:
         ValueError: wrong ranks, mismatched ``d_model`` or ``d_g``, non-positive temperature.

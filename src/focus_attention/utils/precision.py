@@ -35,13 +35,15 @@ def autocast_disabled(device_type: str) -> Iterator[None]:
 
 
 def without_autocast(fn: Callable[..., T]) -> Callable[..., T]:
-    """Decorate an op whose first argument (or ``query=``) is a tensor so that it computes in
-    its inputs' dtype also when called inside ``torch.autocast``."""
+    """Decorate an op taking tensors so that it computes as written (in its inputs' dtype,
+    or the dtype it casts to) also when called inside ``torch.autocast``; autocast is
+    switched off on the device of the first tensor argument."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
-        first = args[0] if args else kwargs.get("query")
-        device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        first = next(tensors, None)
+        device = first.device.type if first is not None else "cpu"
         with autocast_disabled(device):
             return fn(*args, **kwargs)
 
