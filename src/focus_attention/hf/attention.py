@@ -191,13 +191,21 @@ def focus_attention_forward(
     if handle is None:
         raise _no_adapter_error()
     runtime = handle.runtime
-    if handle.router is None or not runtime.enabled:
-        impl = runtime.base_impl
-        mask = attention_mask
-        if isinstance(mask, FocusMask):
-            mask = mask.base_mask(impl)
-        fn = _base_attention(impl, module)
-        return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if handle.router is not None and runtime.enabled and runtime.dense_recorder is not None:
+        _record_dense(handle, module, query, key, attention_mask, scaling, kwargs)
+    elif handle.router is not None and runtime.enabled:
+        return _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
+    impl = runtime.base_impl
+    mask = attention_mask
+    if isinstance(mask, FocusMask):
+        mask = mask.base_mask(impl)
+    fn = _base_attention(impl, module)
+    return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """A Focus layer's call: ``(out [B, Nq, H, D], maps or None)``."""
+    runtime = handle.runtime
     if dropout and "dropout" not in runtime.warned:
         runtime.warned.add("dropout")
         warnings.warn(
@@ -209,6 +217,32 @@ def focus_attention_forward(
         )
     out, maps = _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwargs)
     return out.transpose(1, 2).contiguous(), maps
+
+
+@torch.compiler.disable
+def _record_dense(handle, module, query, key, attention_mask, scaling, kwargs) -> None:
+    """Append the inputs of this layer's dense attention to the runtime's dense recorder
+    (see ``FocusModel.record_dense_attention``); the caller then runs the base attention."""
+    captured = handle.pending.get(threading.get_ident())
+    if captured is not None and captured.has_cache:
+        handle.pending.pop(threading.get_ident(), None)
+        raise ValueError(
+            "record_dense_attention() records whole sequences: call the model with "
+            "use_cache=False inside it"
+        )
+    call = _resolve_call(handle, module, query, key, key, attention_mask, scaling, kwargs)
+    handle.runtime.dense_recorder.append(
+        {
+            "layer": handle.layer_idx,
+            "hidden": call.hidden.detach(),
+            "query": call.query.detach(),
+            "key": call.key.detach(),
+            "scale": call.scale,
+            "softcap": call.softcap,
+            "key_padding": call.real,
+            "sinks": call.sinks,
+        }
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -491,6 +491,28 @@ class FocusModel(nn.Module):
         finally:
             self._runtime.recorder = previous
 
+    @contextlib.contextmanager
+    def record_dense_attention(self) -> Iterator[list[dict[str, Any]]]:
+        """Context in which the model computes exactly the base model (every layer runs the
+        base attention implementation) while each Focus layer records the inputs of its
+        dense attention: ``layer``, ``hidden`` ``[B, N, d_model]`` (the hidden state its
+        router reads), ``query`` ``[B, H, N, D]`` and ``key`` ``[B, H_kv, N, D]`` (after the
+        rotary embedding), ``scale``, ``softcap``, ``key_padding`` bool ``[B, N]`` or None and
+        ``sinks`` bool ``[B, N]`` or None, all detached. The dense teacher of the coverage
+        objective (docs/method.md §6).
+
+        Raises:
+            ValueError: (on a call inside) a KV cache is used; call with ``use_cache=False``.
+        """
+        self._check_live()
+        records: list[dict[str, Any]] = []
+        previous = self._runtime.dense_recorder
+        self._runtime.dense_recorder = records
+        try:
+            yield records
+        finally:
+            self._runtime.dense_recorder = previous
+
     @torch.no_grad()
     def calibrate(
         self,

@@ -30,6 +30,9 @@ class FocusRuntime:
         enabled: False inside ``disable_focus()``.
         routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`).
         recorder: list receiving one record per Focus-layer call while recording, else None.
+        dense_recorder: list receiving, per Focus-layer call, the dense attention's inputs
+            while ``FocusModel.record_dense_attention()`` is active (Focus layers then run
+            the base implementation), else None.
         calls: number of model calls so far (the routing bias is updated once per call).
         want_attentions: per thread, whether its current call asked for attention maps
             (read it with :meth:`wants_attentions`).
@@ -43,6 +46,7 @@ class FocusRuntime:
     enabled: bool = True
     routing: str = "auto"
     recorder: list | None = None
+    dense_recorder: list | None = None
     calls: int = 0
     want_attentions: dict = field(default_factory=dict)
     focus_layers: tuple[int, ...] = ()

@@ -15,7 +15,10 @@ from ..assets.models import DEFAULT_MODEL
 from ..hf.config import FocusConfig
 from ..utils.checks import bad, check_int, check_number
 
-__all__ = ["RESUME_FREE_FIELDS", "TrainConfig"]
+__all__ = ["OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
+
+#: training losses (docs/method.md §6, "Objectives")
+OBJECTIVES = ("lm", "distill", "mix", "coverage")
 
 #: fields that may differ between a run and its ``--resume``: they do not change the trained
 #: parameters (validation runs in eval mode, without bias updates or randomness)
@@ -136,6 +139,26 @@ class TrainConfig:
         default=False, metadata={"help": "delete an earlier run in --out and start again"}
     )
     progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
+    objective: str = field(
+        default="lm",
+        metadata={
+            "help": "training loss (docs/method.md §6): lm = next-token cross-entropy; "
+            "distill = KL divergence from the frozen model's own dense output; mix = lm + "
+            "distill_weight * distill; coverage = share of the dense model's attention beyond "
+            "the window that the soft groups drop",
+            "choices": OBJECTIVES,
+        },
+    )
+    distill_weight: float = field(
+        default=1.0, metadata={"help": "weight of the distillation term in --objective mix"}
+    )
+    coverage_queries: int = field(
+        default=512,
+        metadata={
+            "help": "queries per layer and block sampled for --objective coverage "
+            "(0: every query; the cost of the dense attention rows grows with it)"
+        },
+    )
     prepend_bos: bool | None = field(
         default=None,
         metadata={"help": "start every block with BOS (default: automatic, on for Gemma)"},
@@ -169,6 +192,10 @@ class TrainConfig:
         check_int(owner, "save_every", self.save_every, 0)
         check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
         check_int(owner, "threads", self.threads, 1, optional=True)
+        if self.objective not in OBJECTIVES:
+            raise bad(owner, "objective", self.objective, f"one of {OBJECTIVES}")
+        check_number(owner, "distill_weight", self.distill_weight, inclusive=True)
+        check_int(owner, "coverage_queries", self.coverage_queries, 0)
         if self.resume and self.overwrite:
             raise bad(owner, "resume", self.resume, "not both resume and overwrite")
         self._validate_focus()

@@ -53,6 +53,7 @@ from .checkpoint import (
     truncate_log,
 )
 from .config import RESUME_LOCKED_WHY, TrainConfig
+from .objectives import objective_loss
 from .plot import write_plot
 from .schedule import block_indices, lr_factor
 
@@ -407,27 +408,28 @@ class _Run:
                 log.flush()
                 write_plot(self.log_path, self.out / PLOT_NAME)
 
-    def forward_backward(self) -> tuple[list[float], list[dict[str, float]]]:
-        """The micro-batches of one optimizer step: losses and routing dominance of each."""
+    def forward_backward(self) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+        """The micro-batches of one optimizer step: the objective's metrics (``loss`` and
+        the objective's own) and the routing dominance of each."""
         cfg = self.cfg
-        losses, doms = [], []
+        metrics, doms = [], []
         for micro in range(cfg.grad_accum):
             idx = block_indices(self.step, micro, batch_size=cfg.batch_size,
                                 grad_accum=cfg.grad_accum, num_blocks=self.num_blocks,
                                 seed=cfg.seed)  # fmt: skip
             x = self.data.train_blocks[idx]
-            with self.model.record_routing() as records:
-                output = self.model(input_ids=x, labels=x, use_cache=False)
-            loss = output.loss
-            if not torch.isfinite(loss):
-                raise RuntimeError(
-                    f"non-finite training loss {float(loss)} at step {self.step + 1}"
-                )
-            (loss / cfg.grad_accum).backward()
-            losses.append(float(loss.detach()))
-            doms.append(routing_dominance(records))
-            del records, output, loss
-        return losses, doms
+            gen = torch.Generator().manual_seed(
+                (cfg.seed * 1_000_003 + self.step * cfg.grad_accum + micro) % (2**63 - 1)
+            )
+            try:
+                step = objective_loss(self.model, x, cfg, gen)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err} at step {self.step + 1}") from err
+            (step.loss / cfg.grad_accum).backward()
+            metrics.append(step.metrics)
+            doms.append(routing_dominance(step.records))
+            del step
+        return metrics, doms
 
     def optimizer_step(self, guard: SigintGuard) -> tuple[float, float]:
         """Clip, update, advance the schedule and the step: ``(grad_norm, lr used)``."""
@@ -444,10 +446,12 @@ class _Run:
     def train_step(self, guard: SigintGuard) -> dict[str, Any]:
         """One optimizer step; returns its log record (before validation)."""
         self.opt.zero_grad(set_to_none=True)
-        losses, doms = self.forward_backward()
+        metrics, doms = self.forward_backward()
         grad_norm, lr_now = self.optimizer_step(guard)
-        rec = {"step": self.step, "loss": sum(losses) / len(losses), "lr": lr_now,
-               "grad_norm": grad_norm}  # fmt: skip
+        rec: dict[str, Any] = {"step": self.step}
+        for key in metrics[0]:
+            rec[key] = sum(m[key] for m in metrics) / len(metrics)
+        rec.update(lr=lr_now, grad_norm=grad_norm)
         for key in ("dominance", "dominance_max", "dominance_topk"):
             vals = [d[key] for d in doms if key in d]
             if vals:

@@ -1,0 +1,185 @@
+"""Attention coverage: how much of a dense model's attention beyond the local window a
+routing keeps (docs/method.md §6, "Objectives").
+
+Top-k routing drops every distant pair ``(i, j)`` (outside the window, not a sink) whose query
+and key share no group. What that costs the model depends on how much attention the dense
+model put on those pairs. :func:`distant_attention` gives the dense model's attention
+probabilities on distant pairs (averaged over the query heads, as all heads of a layer share
+one routing); :func:`soft_coverage` and :func:`hard_coverage` weigh them by the soft
+co-membership ``g_i . g_j`` of the Sinkhorn rows or by the hard top-k mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..utils.precision import without_autocast
+from .checks import check_bool, check_positive, check_qkv, check_shape, check_tensor, fail
+from .masks import effective_window
+from .reference import expand_kv_heads
+
+__all__ = ["distant_attention", "hard_coverage", "soft_coverage"]
+
+
+def _check_rows(rows: torch.Tensor | None, nq: int, device: torch.device) -> torch.Tensor:
+    """The query rows as int64 ``[R]`` (all ``Nq`` rows when None)."""
+    if rows is None:
+        return torch.arange(nq, device=device)
+    check_tensor("rows", rows, 1)
+    if rows.dtype != torch.long:
+        fail("rows", f"dtype {rows.dtype}", "torch.int64 query indices")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= nq):
+        fail("rows", f"indices in [{int(rows.min())}, {int(rows.max())}]", f"indices in [0, {nq})")
+    return rows.to(device)
+
+
+@torch.no_grad()
+@without_autocast
+def distant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    window: int,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    always_visible: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """Dense causal attention probabilities of the distant pairs, averaged over heads.
+
+    ``A_ij = mean_h softmax_j(scale * q_hi . k_hj)`` over the causal, real keys (queries
+    bottom-right aligned, GQA keys shared as in the attention ops), then kept only where
+    ``i - j >= window`` and key ``j`` is not always visible (a sink); zero elsewhere. Row sums
+    are the share of the dense model's attention that top-k routing can drop.
+
+    Args:
+        query: ``[B, H, Nq, D]``; key: ``[B, H_kv, Nk, D]``, ``H % H_kv == 0``.
+        window: local window in tokens (``>= 1``), as in the Focus mask (docs/method.md §3).
+        scale: logit scale, default ``D ** -0.5``; softcap: optional Gemma-2 soft-capping.
+        key_padding_mask: optional bool ``[B, Nk]``, True = real key.
+        always_visible: optional bool ``[B, Nk]``: sink keys every query sees (never distant).
+        rows: optional int64 ``[R]`` query indices to compute (default all ``Nq``), e.g. a
+            random sample of queries to bound the cost.
+        chunk_size: query rows per chunk (memory ``O(B * H * chunk_size * Nk)``).
+
+    Returns:
+        float32 ``[B, R, Nk]`` (float64 for float64 inputs), without gradient.
+
+    Raises:
+        ValueError: malformed shapes or dtypes, ``window < 1``, bad ``rows``, ``scale`` or
+            ``softcap`` not a finite number > 0, ``chunk_size < 1``.
+    """
+    check_qkv(query, key, key)
+    bsz, heads, nq, head_dim = query.shape
+    nk = key.shape[2]
+    if nq > nk:
+        fail("query", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
+    if not isinstance(window, int) or window < 1:
+        fail("window", repr(window), "an int >= 1")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        fail("chunk_size", repr(chunk_size), "an int >= 1")
+    for name, mask in (("key_padding_mask", key_padding_mask), ("always_visible", always_visible)):
+        if mask is not None:
+            check_bool(name, mask)
+            check_shape(name, mask, (bsz, nk), "[B, Nk]")
+    scale = check_positive("scale", scale)
+    softcap = check_positive("softcap", softcap)
+    scale = head_dim**-0.5 if scale is None else scale
+    rows = _check_rows(rows, nq, query.device)
+    ct = torch.promote_types(query.dtype, torch.float32)
+    k = expand_kv_heads(key, heads).to(ct)
+    win = effective_window(window, nk)
+    kpos = torch.arange(nk, device=query.device)
+    out = []
+    for start in range(0, rows.numel(), chunk_size):
+        idx = rows[start : start + chunk_size]
+        qpos = (nk - nq + idx)[:, None]  # [R, 1] absolute positions
+        logits = (query[:, :, idx].to(ct) @ k.transpose(-1, -2)) * scale  # [B, H, R, Nk]
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        visible = (kpos[None] <= qpos)[None]  # [1, R, Nk]
+        if key_padding_mask is not None:
+            visible = visible & key_padding_mask[:, None, :]
+        logits = logits.masked_fill(~visible[:, None], -math.inf)
+        probs = torch.softmax(logits.masked_fill(~visible.any(-1)[:, None, :, None], 0.0), -1)
+        probs = probs.masked_fill(~visible[:, None], 0.0).mean(dim=1)  # [B, R, Nk]
+        distant = (qpos - kpos[None]) >= win
+        if always_visible is not None:
+            distant = distant & ~always_visible[:, None, :]
+        out.append(probs * distant)
+    if not out:
+        return torch.zeros(bsz, 0, nk, dtype=ct, device=query.device)
+    return torch.cat(out, dim=1)
+
+
+def _check_coverage(distant: torch.Tensor, rows: torch.Tensor | None, nq: int) -> torch.Tensor:
+    check_tensor("distant", distant, 3, floating=True)
+    rows = _check_rows(rows, nq, distant.device)
+    if distant.shape[1] != rows.numel():
+        fail("distant", f"{distant.shape[1]} rows", f"one per query index in rows ({rows.numel()})")
+    return rows
+
+
+def soft_coverage(
+    distant: torch.Tensor,
+    query_probs: torch.Tensor,
+    key_probs: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distant attention mass kept by soft routing: ``sum_ij A_ij (g_i . g_j)``.
+
+    Args:
+        distant: ``[B, R, Nk]`` from :func:`distant_attention` (no gradient needed).
+        query_probs: ``[B, Nq, K]`` Sinkhorn rows of the queries (gradients flow here).
+        key_probs: ``[B, Nk, K]`` Sinkhorn rows of the keys (gradients flow here).
+        rows: the query indices ``distant`` was computed for (default all ``Nq``).
+
+    Returns:
+        ``(kept, total)`` float32 scalars: the kept mass and the whole distant mass
+        ``sum_ij A_ij``; ``1 - kept / total`` is the share a soft routing drops. Rows of
+        Sinkhorn output sum to 1, so ``g_i . g_j <= 1`` and ``kept <= total``.
+
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    check_tensor("query_probs", query_probs, 3, floating=True)
+    check_tensor("key_probs", key_probs, 3, floating=True)
+    rows = _check_coverage(distant, rows, query_probs.shape[1])
+    bsz, _, nk = distant.shape
+    check_shape("key_probs", key_probs, (bsz, nk, query_probs.shape[-1]), "[B, Nk, K]")
+    pulled = distant.to(key_probs.dtype) @ key_probs  # [B, R, K]
+    kept = (query_probs[:, rows] * pulled).sum()
+    return kept, distant.sum()
+
+
+@torch.no_grad()
+def hard_coverage(
+    distant: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distant attention mass kept by top-k routing: ``sum_ij A_ij [i and j share a group]``.
+
+    Args:
+        distant: ``[B, R, Nk]`` from :func:`distant_attention`.
+        query_groups: bool ``[B, Nq, K]``; key_groups: bool ``[B, Nk, K]`` (docs/method.md §4).
+        rows: the query indices ``distant`` was computed for (default all ``Nq``).
+
+    Returns:
+        ``(kept, total)`` float32 scalars, as in :func:`soft_coverage`.
+
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    check_bool("query_groups", query_groups)
+    check_bool("key_groups", key_groups)
+    rows = _check_coverage(distant, rows, query_groups.shape[1])
+    bsz, _, nk = distant.shape
+    check_shape("key_groups", key_groups, (bsz, nk, query_groups.shape[-1]), "[B, Nk, K]")
+    shared = (query_groups[:, rows].float() @ key_groups.float().transpose(1, 2)) > 0
+    return (distant * shared).sum(), distant.sum()

@@ -1,0 +1,154 @@
+"""The training losses of ``focus train --objective`` (docs/method.md §6, "Objectives").
+
+Each objective takes one block batch ``x`` (int64 ``[B, N]`` token ids) and returns a
+:class:`StepLoss`: the scalar to back-propagate into the routers, the numbers to log and the
+routing records for the dominance statistics. Only the routers receive gradients; the base
+model stays frozen in every objective.
+
+- ``lm``: next-token cross-entropy of the soft-routed Focus model (the paper's objective).
+- ``distill``: ``KL(p_dense || p_focus)`` per token, averaged: the frozen model with Focus
+  disabled is the teacher (no extra weights), the soft-routed Focus model the student.
+- ``mix``: ``lm + distill_weight * distill``.
+- ``coverage``: the share of the dense model's attention beyond the window that the soft
+  groups drop, averaged over layers (:mod:`focus_attention.ops.coverage`). The dense model
+  runs once without gradients; each router then sees the hidden state the dense model gives
+  its layer, so no soft attention is computed and the cost is one dense forward plus the
+  attention rows of the sampled queries.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
+
+__all__ = ["StepLoss", "coverage_rows", "objective_loss"]
+
+
+@dataclass
+class StepLoss:
+    """One micro-batch of an objective: ``loss`` (scalar, with gradient to the routers),
+    ``metrics`` (floats to log, ``loss`` included) and ``records`` (routing records as
+    ``FocusModel.record_routing`` gives them)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _check_finite(loss: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite training {what} {float(loss)}")
+
+
+def lm_step(model: Any, x: torch.Tensor) -> StepLoss:
+    """Next-token cross-entropy (nats/token) of the soft-routed model on ``x``."""
+    with model.record_routing() as records:
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+    _check_finite(loss, "loss")
+    return StepLoss(loss, {"loss": float(loss.detach())}, records)
+
+
+def distill_step(model: Any, x: torch.Tensor, weight_lm: float, weight_kl: float) -> StepLoss:
+    """``weight_lm * cross-entropy + weight_kl * KL(dense || Focus)`` on ``x``; the KL is
+    per token (nats), averaged over every position of the batch."""
+    with torch.no_grad(), model.disable_focus():
+        teacher = model(input_ids=x, use_cache=False).logits.float()
+    with model.record_routing() as records:
+        out = model(input_ids=x, labels=x, use_cache=False)
+    log_student = torch.log_softmax(out.logits.float(), dim=-1)
+    log_teacher = torch.log_softmax(teacher, dim=-1)
+    kl = (log_teacher.exp() * (log_teacher - log_student)).sum(-1).mean()
+    loss = weight_kl * kl if weight_lm == 0 else out.loss * weight_lm + weight_kl * kl
+    _check_finite(loss, "loss")
+    metrics = {"loss": float(loss.detach()), "lm_loss": float(out.loss.detach()),
+               "distill_kl": float(kl.detach())}  # fmt: skip
+    return StepLoss(loss, metrics, records)
+
+
+def coverage_rows(num_queries: int, window: int, count: int, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """Query indices sampled for the coverage objective: ``count`` distinct queries (all
+    when ``count`` is 0 or too large) among those with keys beyond the window (positions
+    ``>= window``), sorted; int64 ``[R]``."""
+    candidates = torch.arange(min(window, num_queries), num_queries)
+    if count == 0 or count >= candidates.numel():
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:count]
+    return candidates[pick.sort().values]
+
+
+def _dense_records(model: Any, x: torch.Tensor) -> list[dict[str, Any]]:
+    """One gradient-free dense forward recording every Focus layer's attention inputs."""
+    kwargs: dict[str, Any] = {"input_ids": x, "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.base_model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # the logits are not needed
+    with torch.no_grad(), model.record_dense_attention() as records:
+        model(**kwargs)
+    return records
+
+
+def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tuple:
+    """``(soft share kept with gradient, top-k share kept, routing record)`` of one layer."""
+    cfg = model.focus_config
+    router = model.routers[str(rec["layer"])]
+    real = rec["key_padding"]
+    scores = router.scores(rec["hidden"])
+    probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, real)
+    router.update_bias(column_bias.detach(), real)
+    distant = distant_attention(
+        rec["query"], rec["key"], cfg.window, scale=rec["scale"], softcap=rec["softcap"],
+        key_padding_mask=real, always_visible=rec["sinks"], rows=rows,
+    )  # fmt: skip
+    kept, total = soft_coverage(distant, probs, probs, rows)
+    q_groups = router.causal_groups(scores.detach(), cfg.top_k)
+    if real is not None:
+        q_groups = q_groups & real[..., None]
+    k_groups = q_groups if rec["sinks"] is None else q_groups | rec["sinks"][..., None]
+    hard_kept, _ = hard_coverage(distant, q_groups, k_groups, rows)
+    total = total.clamp_min(torch.finfo(total.dtype).tiny)
+    record = {"probs": probs.detach(), "query_groups": q_groups, "key_padding": real}
+    return kept / total, float(hard_kept / total), float(total) / max(1, distant.shape[0] * rows.numel()), record  # fmt: skip
+
+
+def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator) -> StepLoss:  # fmt: skip
+    """Mean over Focus layers of the distant dense attention share that soft routing drops
+    (``1 - kept / total``), on ``queries`` sampled queries per layer; also folds each
+    layer's Sinkhorn column bias into its routing bias, as soft training does."""
+    records = _dense_records(model, x)
+    if not records:
+        raise RuntimeError("the coverage objective found no Focus layer call to record")
+    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator)
+    shares, hard, mass, routing = [], [], [], []
+    for rec in records:
+        kept_share, hard_share, distant_mass, record = _layer_coverage(model, rec, rows)
+        shares.append(kept_share)
+        hard.append(hard_share)
+        mass.append(distant_mass)
+        routing.append(record)
+        del rec["query"], rec["key"]
+    loss = 1.0 - torch.stack(shares).mean()
+    _check_finite(loss, "coverage loss")
+    metrics = {"loss": float(loss.detach()), "coverage_soft": 1.0 - float(loss.detach()),
+               "coverage_topk": sum(hard) / len(hard),
+               "distant_mass": sum(mass) / len(mass)}  # fmt: skip
+    return StepLoss(loss, metrics, routing)
+
+
+def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Generator) -> StepLoss:  # fmt: skip
+    """The loss of ``cfg.objective`` (a :class:`~.config.TrainConfig`) on ``x`` int64
+    ``[B, N]``.
+
+    Raises:
+        RuntimeError: a non-finite loss.
+    """
+    if cfg.objective == "lm":
+        return lm_step(model, x)
+    if cfg.objective == "distill":
+        return distill_step(model, x, 0.0, 1.0)
+    if cfg.objective == "mix":
+        return distill_step(model, x, 1.0, cfg.distill_weight)
+    return coverage_step(model, x, cfg.coverage_queries, generator)
