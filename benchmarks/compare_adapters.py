@@ -23,6 +23,7 @@ import torch
 
 from focus_attention.assets.corpora import load_corpus, token_blocks
 from focus_attention.assets.models import auto_prepend_bos, load_model
+from focus_attention.evaluation.coverage import topk_coverage
 from focus_attention.evaluation.perplexity import score_windows
 from focus_attention.hf import FocusModel
 from focus_attention.utils.env import environment, library_versions
@@ -40,6 +41,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--top-k", default="1,2", help="comma-separated top_k values")
     p.add_argument("--calibrate-blocks", type=int, default=0,
                    help="training-split blocks that re-collect the routing bias (0: as trained)")  # fmt: skip
+    p.add_argument("--coverage-queries", type=int, default=0,
+                   help="also measure the distant dense attention kept by top-k on this many "
+                   "queries per window (0: skip)")  # fmt: skip
+    p.add_argument("--window", type=int, default=None, help="override the adapters' window")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args()
@@ -70,6 +75,8 @@ def main() -> int:
     ks = [int(k) for k in a.top_k.split(",")]
     for path in a.adapters:
         fm = FocusModel.from_pretrained(base, path)
+        if a.window:
+            fm.focus_config = fm.focus_config.replace(window=a.window)
         for i, block in enumerate(calib if calib is not None else []):
             fm.calibrate(block[None], reset=i == 0)
         fm.eval()
@@ -79,6 +86,11 @@ def main() -> int:
             row[str(k)] = _ppl(fm, blocks)
             rel = 100 * (row[str(k)] / result["base"] - 1)
             print(f"{path} top-{k} {row[str(k)]:.3f} ({rel:+.2f}%)", file=sys.stderr)
+        if a.coverage_queries:
+            rows = torch.linspace(fm.focus_config.window, a.seq_len - 1, a.coverage_queries)
+            cov = topk_coverage(fm, blocks, ks, rows=rows.long().unique())
+            row["coverage"] = cov["topk"]
+            print(f"{path} coverage {cov['topk']}", file=sys.stderr)
         result["adapters"][str(path)] = row
         fm.unload()
     result.update(config=vars(a) | {"json": str(a.json), "tokens": int(blocks.numel())},

@@ -102,6 +102,20 @@ def test_top_k_subset_and_overrides(assets, adapter):
         _evaluate(assets, adapter, top_k_values=[5])
 
 
+def test_window_override_trades_sparsity_for_quality(assets, adapter):
+    """A window as long as the evaluation window makes every pair local: top-1 is then
+    exactly the dense model; a shorter window keeps fewer pairs."""
+    full = _evaluate(assets, adapter, top_k_values=[1], window=64, max_tokens=128)
+    assert full["config"]["focus"]["window"] == 64
+    assert full["config"]["overrides"]["window"] == 64
+    assert full["pairs_retained"]["1"] == pytest.approx(1.0)
+    assert full["ppl"]["focus_topk"]["1"] == pytest.approx(full["ppl"]["base"], rel=1e-5)
+    narrow = _evaluate(assets, adapter, top_k_values=[1], window=4, max_tokens=128)
+    assert narrow["pairs_retained"]["1"] < full["pairs_retained"]["1"]
+    with pytest.raises(ValueError, match="window"):
+        _evaluate(assets, adapter, window=0)
+
+
 @pytest.mark.filterwarnings("ignore::focus_attention.hf.FocusBaseMismatchWarning")
 def test_base_weights_changed_during_eval_fail_loudly(assets, adapter, monkeypatch):
     import focus_attention.evaluation.perplexity as ev
@@ -206,3 +220,19 @@ def test_calibrating_the_bias_on_validation_blocks(assets, adapter):
     assert calibrated["ppl"]["focus_topk"]["1"] != plain["ppl"]["focus_topk"]["1"]
     with pytest.raises(ValueError, match="calibrate_blocks=9999"):
         _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=9999)
+
+
+def test_coverage_of_top_k_routing(assets, adapter):
+    """``coverage_queries`` adds the share of distant dense attention each top_k keeps: it
+    grows with top_k and is everything at top_k = K (every pair is kept); the markdown says
+    it; skipped by default."""
+    assert _evaluate(assets, adapter, top_k_values=[1])["coverage"] is None
+    r = _evaluate(assets, adapter, top_k_values=[1, 2, 4], coverage_queries=16)
+    cov = r["coverage"]
+    assert 0 < cov["distant_share"] < 1
+    assert 0 < cov["topk"]["1"] <= cov["topk"]["2"] <= cov["topk"]["4"]
+    assert cov["topk"]["4"] == pytest.approx(1.0)
+    assert set(cov["by_layer"]["1"]) == {"0", "1"}
+    assert "kept by top-k routing" in markdown_table(r)
+    with pytest.raises(ValueError, match="coverage_queries"):
+        _evaluate(assets, adapter, coverage_queries=-1)

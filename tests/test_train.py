@@ -85,6 +85,12 @@ def test_reference_run(reference):
     doc = json.loads((out / "train_result.json").read_text())
     assert doc["versions"] == library_versions()
     assert {"torch", "transformers", "tokenizers", "safetensors", "python"} <= set(doc["versions"])
+    # cost of the run: peak memory (at least the model's weights) and seconds per step
+    from focus_attention.training.loop import peak_memory_bytes
+
+    # torch alone takes > 100 MiB; the peak never decreases within this process
+    assert 100 * 2**20 < doc["extra"]["peak_memory_bytes"] <= peak_memory_bytes()
+    assert doc["extra"]["seconds_per_step"] == pytest.approx(reference.train_seconds / 6)
 
 
 def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):

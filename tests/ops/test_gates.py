@@ -329,3 +329,43 @@ def test_a_training_step_with_empty_or_identical_groups_stays_finite(kind, gate)
     if kind in ("identical", "zero"):  # identical rows: the uniform distribution exactly
         want = torch.full_like(probs, 1 / 16).masked_fill(~pad[..., None], 0.0)
         torch.testing.assert_close(probs, want, atol=1e-6, rtol=0)  # padding rows are zero
+
+
+@pytest.mark.parametrize("gate", ["log", "paper"])
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+@pytest.mark.parametrize("nq,nk,padded", [(23, 23, False), (23, 23, True), (9, 30, True)])
+def test_chunked_rows_equal_the_whole_call_with_gradients(gate, chunk, nq, nk, padded):
+    """Query chunks recomputed in backward (docs/method.md §6) give the same output and the
+    same gradients for query, key, value and both routing rows."""
+    g = gen(nq * nk + chunk)
+    b, h, h_kv, d, groups = 2, 4, 2, 8, 3
+    q = torch.randn(b, h, nq, d, generator=g)
+    k = torch.randn(b, h_kv, nk, d, generator=g)
+    v = torch.randn(b, h_kv, nk, d, generator=g)
+    probs = torch.softmax(torch.randn(b, nk, groups, generator=g), -1)
+    kpm = padding_mask(g, b, nk, "left") if padded else None
+    sinks = torch.zeros(b, nk, dtype=torch.bool)
+    sinks[:, :2] = True
+
+    def run(chunk_size):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, probs)]
+        qq, kk, vv, pp = leaves
+        out = gated_attention(qq, kk, vv, pp[:, nk - nq :], pp, 4, gate=gate,
+                              key_padding_mask=kpm, always_visible=sinks,
+                              chunk_size=chunk_size)  # fmt: skip
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    want, want_grads = run(None)
+    got, got_grads = run(chunk)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for a, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
+
+
+def test_chunk_size_must_be_positive():
+    q = torch.randn(1, 2, 6, 4)
+    k = torch.randn(1, 2, 6, 4)
+    p = torch.full((1, 6, 2), 0.5)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gated_attention(q, k, k, p, p, 2, chunk_size=0)

@@ -50,6 +50,7 @@ from ..ops import pairs_retained
 from ..utils.checks import bad, check_int
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
+from .coverage import topk_coverage
 from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
 
 __all__ = [
@@ -148,6 +149,11 @@ class EvalConfig:
             "choices": INFERENCE_ROUTINGS,
         },  # fmt: skip
     )
+    window: int | None = field(
+        default=None,
+        metadata={"help": "override the adapter's local window in tokens (the routers stay "
+                  "as trained; for the trade-off between window and sparsity)"},
+    )  # fmt: skip
     sink_tokens: int | None = field(
         default=None, metadata={"help": "override the adapter's sink_tokens"}
     )
@@ -170,6 +176,14 @@ class EvalConfig:
             "metavar": "P0,P1,...",
         },  # fmt: skip
     )
+    coverage_queries: int = field(
+        default=0,
+        metadata={
+            "help": "also report the share of the dense model's attention beyond the window "
+            "that each top_k keeps, on this many evenly spaced queries per window (0: skip; "
+            "costs one more dense forward per window)"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
     json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
     markdown: str | None = field(
@@ -185,8 +199,10 @@ class EvalConfig:
         check_int(owner, "seq_len", self.seq_len, 2)
         check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
         check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
+        check_int(owner, "window", self.window, 1, optional=True)
         check_int(owner, "threads", self.threads, 1, optional=True)
         check_int(owner, "calibrate_blocks", self.calibrate_blocks, 0)
+        check_int(owner, "coverage_queries", self.coverage_queries, 0)
         if self.top_k_values is not None:
             ks = tuple(sorted({int(k) for k in self.top_k_values}))
             if not ks:
@@ -233,6 +249,8 @@ class EvalResult:
         ppl_by_position: ``buckets`` (``[start, end)`` token positions in the window),
             ``tokens`` per bucket, and per bucket the perplexity of ``base``, ``focus_soft``
             and ``focus_topk`` ``{"k": [...]}`` (None in results written before it existed).
+        coverage: with ``coverage_queries``, :func:`~.coverage.topk_coverage`'s ``topk``,
+            ``by_layer`` and ``distant_share`` (else None).
     """
 
     ppl: dict[str, Any]
@@ -249,6 +267,7 @@ class EvalResult:
     environment: dict[str, Any]
     seconds: dict[str, Any]
     ppl_by_position: dict[str, Any] | None = None
+    coverage: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field, in order."""
@@ -410,6 +429,7 @@ class _Scores:
         self.shares: dict[str, Any] = {"topk": {}}
         self.seconds: dict[str, Any] = {"topk": {}}
         self.by_position: dict[str, Any] = {"focus_topk": {}}
+        self.coverage: dict[str, Any] | None = None
 
     def add_soft(self, ppl: float, summary: dict[str, Any], seconds: float, by_position: list) -> None:  # fmt: skip
         self.ppl["focus_soft"] = ppl
@@ -451,7 +471,8 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     from ..hf import FocusModel
 
     fm = FocusModel.from_pretrained(base, cfg.adapter)
-    overrides = {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens}
+    overrides = {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens,
+                 "window": cfg.window}  # fmt: skip
     fm.focus_config = fm.focus_config.replace(
         **{k: v for k, v in overrides.items() if v is not None}
     )
@@ -468,6 +489,11 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
         bar.set_description(f"eval Focus top-{k}")
         fm.set_top_k(k)
         scores.add_topk(k, *_score_routed(fm, blocks, bar, bounds))
+    if cfg.coverage_queries:
+        bar.set_description("eval coverage")
+        rows = torch.linspace(min(fm.focus_config.window, cfg.seq_len - 1), cfg.seq_len - 1,
+                              cfg.coverage_queries).long().unique()  # fmt: skip
+        scores.coverage = topk_coverage(fm, blocks, ks, rows=rows)
     fm.set_routing("auto")
     return settings, fm.focus_layers
 
@@ -493,7 +519,11 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "prepend_bos": bos,
         "top_k_values": ks,
         "trained_top_k": focus["top_k"],
-        "overrides": {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens},
+        "overrides": {
+            "inference_routing": cfg.inference_routing,
+            "sink_tokens": cfg.sink_tokens,
+            "window": cfg.window,
+        },  # fmt: skip
         "calibrate_blocks": cfg.calibrate_blocks,
         "window_scheme": WINDOW_SCHEME,
         "focus": focus,
@@ -604,6 +634,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         environment=environment(),
         seconds=scores.seconds,
         ppl_by_position=scores.by_position,
+        coverage=scores.coverage,
     )
     _write(result, cfg)
     return result
@@ -651,4 +682,9 @@ def markdown_table(result: EvalResult | dict[str, Any]) -> str:
         lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
     if r.get("ppl_by_position"):
         lines += position_table(r["ppl_by_position"])
+    if r.get("coverage"):
+        cov = r["coverage"]
+        lines += ["", f"Dense attention beyond the window: {100 * cov['distant_share']:.1f}% of "
+                  "the measured queries' attention; share of it kept by top-k routing: "
+                  + ", ".join(f"top-{k} {100 * v:.1f}%" for k, v in cov["topk"].items())]  # fmt: skip
     return "\n".join(lines)

@@ -360,6 +360,7 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
         call.query, call.key, call.value, probs, probs, cfg.window,
         gate=cfg.gate, sharpness=cfg.gate_sharpness, scale=call.scale, softcap=call.softcap,
         key_padding_mask=call.real, always_visible=call.sinks,
+        chunk_size=cfg.soft_chunk_size or None,
     )  # fmt: skip
     q_groups = None
     if call.cache_layer is not None or runtime.recorder is not None:

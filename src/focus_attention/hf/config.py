@@ -72,6 +72,11 @@ class FocusConfig:
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
             an exponential moving average; docs/method.md §4).
+        soft_chunk_size: query rows per chunk of the soft-gated attention (0: every row at
+            once). With gradients each chunk is recomputed in the backward pass, so a soft
+            layer holds ``O(chunk * N)`` attention floats instead of ``O(N^2)``: long blocks
+            train in bounded memory for one extra attention forward. The result is the same
+            up to float rounding (docs/method.md §6).
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names the
@@ -108,6 +113,11 @@ class FocusConfig:
     bias_momentum: float = field(
         default=0.01, metadata={"help": "momentum of the calibrated causal routing bias"}
     )
+    soft_chunk_size: int = field(
+        default=0,
+        metadata={"help": "query rows per chunk of soft attention, recomputed in backward "
+                  "(0: no chunking); bounds training memory at long blocks"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +137,7 @@ class FocusConfig:
             raise _bad("gate", self.gate, f"one of {GATES}")
         _positive_float("gate_sharpness", self.gate_sharpness)
         _int("sink_tokens", self.sink_tokens, 0)
+        _int("soft_chunk_size", self.soft_chunk_size, 0)
         if self.routing not in ROUTINGS:
             raise _bad("routing", self.routing, f"one of {ROUTINGS}")
         if self.inference_routing not in INFERENCE_ROUTINGS:

@@ -10,6 +10,7 @@ import math
 from typing import Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..utils.precision import without_autocast
 from .checks import check_device, check_positive, check_qkv, check_shape, check_tensor, fail
@@ -36,6 +37,7 @@ def gated_attention(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     always_visible: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Dense causal attention whose distant logits are gated by soft group affinities.
 
@@ -66,6 +68,11 @@ def gated_attention(
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         always_visible: optional bool ``[B, Nk]``: keys every later query sees ungated
             (attention-sink tokens, docs/method.md §3).
+        chunk_size: optional query rows per chunk. Each chunk's logits are computed alone
+            and, when gradients are recorded, recomputed in the backward pass
+            (``torch.utils.checkpoint``), so the attention of a call holds
+            ``O(B * H * chunk_size * Nk)`` floats at a time instead of ``O(B * H * Nq * Nk)``,
+            for one extra forward of the attention. Same result up to float rounding.
 
     Returns:
         ``[B, H, Nq, D]`` in the query's dtype (logits, gate and softmax in float32, float64
@@ -74,16 +81,37 @@ def gated_attention(
 
     Raises:
         ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
-            ``softcap`` not a finite number > 0, tensors on different devices.
+            ``softcap`` not a finite number > 0, ``chunk_size < 1``, tensors on different
+            devices.
     Inside ``torch.autocast`` it still computes as described (autocast does not apply).
     """
     _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)
     if always_visible is not None:
         check_shape("always_visible", always_visible, (query.shape[0], key.shape[2]), "[B, Nk]")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        fail("chunk_size", repr(chunk_size), "None or an int >= 1")
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     local, visible = _visibility(query, key, window, key_padding_mask, always_visible)
+    settings = (gate, sharpness, eps, scale, softcap)
+    nq = query.shape[2]
+    if chunk_size is None or chunk_size >= nq:
+        return _gated_rows(query, key, value, query_probs, key_probs, local, visible, *settings)
+    outs = []
+    for start in range(0, nq, chunk_size):
+        rows = slice(start, start + chunk_size)
+        args = (query[:, :, rows], key, value, query_probs[:, rows], key_probs,
+                local[:, rows], visible[:, rows], *settings)  # fmt: skip
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_gated_rows, *args, use_reentrant=False))
+        else:
+            outs.append(_gated_rows(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _gated_rows(query, key, value, query_probs, key_probs, local, visible, gate, sharpness, eps, scale, softcap):  # fmt: skip
+    """:func:`gated_attention` of some query rows (``local``/``visible`` cut to those rows)."""
     # fp32 (fp64 for float64 inputs, e.g. gradcheck)
     ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
     affinity = query_probs.to(ct) @ key_probs.to(ct).transpose(1, 2)  # [B, Nq, Nk]

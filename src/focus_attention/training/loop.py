@@ -82,7 +82,9 @@ class TrainResult:
         adapter: directory of the final adapter (= ``out``).
         checkpoint: directory of the last checkpoint written (or ``None``).
         log: path of ``log.jsonl``; plot: path of ``train.png`` (``None`` if not written).
-        extra: ``interrupted``, ``train_blocks``, ``prepend_bos``, ``base_weights_sha256``
+        extra: ``interrupted``, ``peak_memory_bytes`` (see :func:`peak_memory_bytes`),
+            ``seconds_per_step`` (loop seconds over all steps, validation included),
+            ``train_blocks``, ``prepend_bos``, ``base_weights_sha256``
             (``before``, ``after``, ``equal``); ``already_finished`` for a ``--resume`` of a
             finished run.
     """
@@ -518,6 +520,19 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     return post
 
 
+def peak_memory_bytes() -> int:
+    """Peak memory of this process so far, in bytes: the CUDA allocator's peak when CUDA is
+    in use, else the peak resident set size (``getrusage``; 0 where unavailable)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB else
+
+
 def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> TrainResult:
     """Check the base weights, write ``train_result.json`` and build the result.
 
@@ -543,6 +558,8 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
         plot=png if png.is_file() else None,
         extra={
             "interrupted": interrupted,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "seconds_per_step": run.elapsed / max(1, run.step),
             "train_blocks": run.num_blocks,
             "prepend_bos": run.data.prepend_bos,
             "base_weights_sha256": {

@@ -1,0 +1,87 @@
+"""Attention coverage of an adapter: the share of the dense model's attention beyond the
+window that its top-k routing keeps (docs/method.md §6 "Objectives", §9).
+
+Perplexity says how much sparsity costs; coverage says why: a query whose dense attention
+beyond the window falls on keys outside its groups loses that mass under top-k routing. For
+each window, one gradient-free dense forward records every Focus layer's queries, keys and
+the hidden state its router reads (``FocusModel.record_dense_attention``); the router's
+causal top-k groups of that hidden state then decide which distant pairs are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ops.coverage import distant_attention, hard_coverage
+
+__all__ = ["topk_coverage"]
+
+
+def _layer_kept(fm: Any, rec: dict[str, Any], top_ks: list[int], rows: torch.Tensor | None) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """``{top_k: (kept, total)}`` distant mass of one recorded layer call."""
+    cfg = fm.focus_config
+    router = fm.routers[str(rec["layer"])]
+    real, sinks = rec["key_padding"], rec["sinks"]
+    distant = distant_attention(
+        rec["query"], rec["key"], cfg.window, scale=rec["scale"], softcap=rec["softcap"],
+        key_padding_mask=real, always_visible=sinks, rows=rows,
+    )  # fmt: skip
+    scores = router.scores(rec["hidden"])
+    out = {}
+    for k in top_ks:
+        groups = router.causal_groups(scores, k)
+        if real is not None:
+            groups = groups & real[..., None]
+        keys = groups if sinks is None else groups | sinks[..., None]
+        kept, total = hard_coverage(distant, groups, keys, rows)
+        out[k] = (float(kept), float(total))
+    return out
+
+
+@torch.no_grad()
+def topk_coverage(
+    fm: Any, blocks: torch.Tensor, top_ks: list[int], *, rows: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Share of the dense model's distant attention that top-k routing keeps.
+
+    Args:
+        fm: a ``FocusModel`` (its routers and causal routing bias are used as they are).
+        blocks: int64 ``[n_windows, seq_len]`` token windows, each scored alone.
+        top_ks: the ``top_k`` values to measure (each in ``1..num_groups``).
+        rows: optional int64 query indices per window (default: every query).
+
+    Returns:
+        ``{"topk": {k: share}, "by_layer": {k: {layer: share}}, "distant_share": float}``:
+        kept distant mass over all distant mass, pooled over windows and queries (layers
+        averaged with equal weight), and the dense model's attention share beyond the window
+        (mean over the measured queries and layers).
+
+    Raises:
+        ValueError: a ``top_k`` outside ``1..num_groups``.
+    """
+    cfg = fm.focus_config
+    bad = [k for k in top_ks if not 1 <= k <= cfg.num_groups]
+    if bad:
+        raise ValueError(f"top_k values {bad}: expected ints in 1..num_groups={cfg.num_groups}")
+    kept: dict[int, dict[int, float]] = {k: {} for k in top_ks}
+    total: dict[int, float] = {}
+    device = next(fm.parameters()).device
+    for i in range(blocks.shape[0]):
+        with fm.record_dense_attention() as records:
+            fm(input_ids=blocks[i : i + 1].to(device), use_cache=False)
+        for rec in records:
+            layer = rec["layer"]
+            for k, (kk, tt) in _layer_kept(fm, rec, top_ks, rows).items():
+                kept[k][layer] = kept[k].get(layer, 0.0) + kk
+                if k == top_ks[0]:
+                    total[layer] = total.get(layer, 0.0) + tt
+        del records
+    by_layer = {str(k): {str(i): kept[k][i] / max(total[i], 1e-30) for i in total} for k in top_ks}
+    n_rows = blocks.shape[1] if rows is None else rows.numel()
+    return {
+        "topk": {k: sum(v.values()) / len(v) for k, v in by_layer.items()},
+        "by_layer": by_layer,
+        "distant_share": sum(total.values()) / (len(total) * blocks.shape[0] * n_rows),
+    }
