@@ -308,3 +308,21 @@ def test_real_smollm2_inspect(tmp_path):
     words = {t["token"].strip() for g in res["groups"]["0"] for t in g["frequent"]}
     assert {",", "the"} & words
     assert (tmp_path / "out" / "composition.png").is_file()
+
+
+def test_cli_writes_the_outputs_and_reports_bad_layers(assets, adapter, tmp_path, capsys):
+    from focus_attention.cli import main
+
+    out = tmp_path / "out"
+    argv = ["inspect", "--model", str(assets["model"]), "--adapter", str(adapter), "--corpus",
+            str(assets["corpus"]), "--seq-len", "64", "--tokens", "128", "--layers", "1",
+            "--shuffles", "2", "--threads", "1", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "128 tokens, 2 Focus layers" in printed and "mean NMI shuffled" in printed
+    res = json.loads((out / "inspect.json").read_text())
+    assert list(res["groups"]) == ["1"] and res["config"]["layers"] == [1]
+    assert (out / "inspect.md").is_file() and (out / "composition.png").is_file()
+    assert main([*argv[:-1], str(tmp_path / "bad"), "--layers", "5"]) == 1
+    assert "layers [5] are not Focus layers" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

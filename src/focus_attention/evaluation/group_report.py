@@ -119,40 +119,42 @@ def markdown_summary(result: dict[str, Any]) -> str:
 
 def _log2_lift(result: dict[str, Any], layer: str, cats: list[str]) -> list[list[float]]:
     """``[K][len(cats)]`` log2 lift of each category in each group of ``layer``, clipped to
-    [-3, 3] (a category absent from a group shows as -3)."""
+    [0, 3]: only over-representation shows (0 = at or below the category's rate in the
+    text, an absent category included)."""
     rows = []
     for g in result["groups"][layer]:
-        rows.append([max(-3.0, min(3.0, math.log2(g["lift"][c]))) if g["lift"][c] > 0 else -3.0
+        rows.append([min(3.0, math.log2(g["lift"][c])) if g["lift"][c] > 1 else 0.0
                      for c in cats])  # fmt: skip
     return rows
 
 
 def _plot_composition(plt: Any, result: dict[str, Any], path: Path) -> Path | None:
-    """Grid of group x category heatmaps (log2 lift), one per detailed layer."""
+    """Grid of group x category heatmaps (log2 lift, over-representation), one per
+    detailed layer; the y labels give each group's share of the tokens."""
     layers = list(result["groups"])
     if not layers:
         return None
     counts = result["categories"]["counts"]
     cats = [c for c in result["categories"]["names"] if counts.get(c, 0) > 0]
-    cols = min(5, len(layers))
+    cols = min(3, len(layers))
     rows = math.ceil(len(layers) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.5 * rows + 1.0),
-                             squeeze=False, sharex=True, sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols + 1.0, 3.0 * rows + 0.8),
+                             squeeze=False, constrained_layout=True)  # fmt: skip
     image = None
     for ax, layer in zip(axes.flat, layers, strict=False):
-        image = ax.imshow(_log2_lift(result, layer, cats), cmap="RdBu_r", vmin=-3, vmax=3,
+        image = ax.imshow(_log2_lift(result, layer, cats), cmap="Reds", vmin=0, vmax=3,
                           aspect="auto", interpolation="nearest")  # fmt: skip
         nmi = result["layers"][layer]["trained"]["nmi"]
         ax.set_title(f"layer {layer} (NMI {nmi:.3f})", fontsize=9)
+        groups = result["groups"][layer]
+        ax.set_yticks(range(len(groups)),
+                      [f"g{g['group']} {100 * g['share']:.0f}%" for g in groups], fontsize=7)  # fmt: skip
+        ax.set_xticks(range(len(cats)), cats, rotation=90, fontsize=7)
     for ax in axes.flat[len(layers) :]:
         ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xticks(range(len(cats)), cats, rotation=90, fontsize=7)
-    for ax in axes[:, 0]:
-        k = len(result["groups"][layers[0]])
-        ax.set_yticks(range(k), [f"g{g}" for g in range(k)], fontsize=7)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="log2 lift (category share in group / in text)")
-    fig.suptitle("Group x word category of the trained groups: red = over-represented", fontsize=11)
+    fig.colorbar(image, ax=axes, shrink=0.7,
+                 label="log2 lift: category share in the group / in the text (0: not above)")  # fmt: skip
+    fig.suptitle("What the trained groups over-represent, by word category", fontsize=11)
     return _save(plt, fig, path)
 
 

@@ -1,4 +1,4 @@
-"""``focus inspect``: what the learned groups hold (docs/method.md §10).
+"""``focus inspect``: what the learned groups hold (docs/method.md §9, "Group inspection").
 
 For every Focus layer the tokens of a held-out text are routed by the adapter's hard top-k
 routing (default ``top_k = 1``: each token's first group), read from the model's routing
