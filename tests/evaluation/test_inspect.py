@@ -21,6 +21,7 @@ from focus_attention.evaluation.categories import (
 from focus_attention.evaluation.groups import (
     InspectConfig,
     group_category_counts,
+    information,
     inspect_groups,
     normalized_mutual_information,
     shuffled_nmi,
@@ -105,6 +106,9 @@ def test_nmi_by_hand_and_edge_cases():
     p = [0.4, 0.1, 0.1, 0.4]
     mi = sum(v * math.log(v / 0.25) for v in p)
     assert normalized_mutual_information(joint) == pytest.approx(mi / math.log(2), rel=1e-12)
+    info = information(joint)
+    assert info["mi"] == pytest.approx(mi, rel=1e-12)
+    assert info["h_a"] == pytest.approx(math.log(2)) and info["h_b"] == pytest.approx(math.log(2))
     assert normalized_mutual_information(torch.tensor([[7.0]])) == 1.0  # both constant
     assert normalized_mutual_information(torch.tensor([[3.0, 5.0]])) == 0.0  # one constant
     for bad, match in [(torch.ones(3), "2-D"), (torch.tensor([[1.0, -1.0]]), "non-negative"),
@@ -184,7 +188,8 @@ def test_counts_sum_to_the_token_totals(result):
             assert per_cat == pytest.approx(counts, abs=1e-2)
             assert sum(v["shares"]) == pytest.approx(1.0, abs=1e-4)
             assert v["dominance"] == pytest.approx(max(v["shares"]))
-            assert 0 <= v["nmi"] <= 1
+            assert 0 <= v["nmi"] <= 1 and 0 <= v["category_explained"] <= 1
+            assert v["mi"] >= 0
             assert all(0 <= c <= 1 for c in v["continuation_share"])
         assert 0 <= layer["nmi_shuffled"]["mean"] <= 1
     for groups in res["groups"].values():

@@ -42,6 +42,7 @@ def _salient(group: dict[str, Any], n: int = 3) -> str:
 def _nmi_table(r: dict[str, Any]) -> list[str]:
     names = [n for n in ROUTING_LABELS if n in r["routings"]]
     head = ["layer", *(f"NMI {ROUTING_LABELS[n]}" for n in names), "NMI shuffled (chance)",
+            *(f"I/H(C) {ROUTING_LABELS[n]}" for n in names),
             *(f"dominance {ROUTING_LABELS[n]}" for n in names)]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
 
@@ -52,9 +53,11 @@ def _nmi_table(r: dict[str, Any]) -> list[str]:
     mean_chance = "-" if s["nmi_shuffled"] is None else f"{s['nmi_shuffled']:.4f}"
     lines.append("| **mean** | " + " | ".join(
         [*(f"**{s[f'nmi_{n}']:.4f}**" for n in names), mean_chance,
+         *(f"{s[f'category_explained_{n}']:.4f}" for n in names),
          *(f"{s[f'dominance_{n}']:.3f}" for n in names)]) + " |")  # fmt: skip
     for layer, v in r["layers"].items():
         cells = [*(f"{v[n]['nmi']:.4f}" for n in names), chance(v["nmi_shuffled"]),
+                 *(f"{v[n]['category_explained']:.4f}" for n in names),
                  *(f"{v[n]['dominance']:.3f}" for n in names)]  # fmt: skip
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     return lines
@@ -99,7 +102,9 @@ def markdown_summary(result: dict[str, Any]) -> str:
         "",
         "Normalised mutual information between group and word category (0: independent, "
         "1: the groups are the categories); chance: the trained groups shuffled over the "
-        "tokens; dominance: share of the largest group.",
+        "tokens; I/H(C): the share of the category entropy that knowing the group removes "
+        "(unlike NMI it does not rise when groups get less balanced); dominance: share of the "
+        "largest group.",
         "",
         *_nmi_table(r),
         "",

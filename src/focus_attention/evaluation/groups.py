@@ -10,12 +10,14 @@ in each, so every layer's counts sum to the number of tokens. Reported per layer
   category (its share in the group over its share in the text);
 * how far the grouping is from random: the normalised mutual information (NMI) between
   group and category, ``I(G; C) / ((H(G) + H(C)) / 2)`` (natural logs; the arithmetic-mean
-  normalisation of Strehl & Ghosh 2002 as used by scikit-learn), for the trained routers,
+  normalisation, NMI_sum of Vinh, Epps & Bailey, JMLR 2010, scikit-learn's default), for the trained routers,
   for the untrained initialisation (a fresh ``get_focus_model`` with the adapter's settings
   and seed: the adapter at step 0, zero routing bias), for that initialisation with its
   causal routing bias calibrated on the inspected text itself (balanced groups, nothing
   trained), and for the trained groups shuffled over the tokens (chance level, mean and
-  standard deviation over ``shuffles`` permutations);
+  standard deviation over ``shuffles`` permutations); also ``I(G; C) / H(C)``, the share of
+  the category's entropy the group explains (NMI rises a little when the groups get less
+  balanced, this does not reward that);
 * for the layers asked for (``layers``): each group's most frequent tokens, its most
   typical tokens (among tokens seen at least ``min_count`` times, the highest share of the
   token's occurrences routed to the group, ``P(group | token)``, i.e. the highest lift over
@@ -48,6 +50,7 @@ from .categories import CATEGORIES, token_categories, token_texts
 __all__ = [
     "InspectConfig",
     "group_category_counts",
+    "information",
     "inspect_groups",
     "normalized_mutual_information",
     "shuffled_nmi",
@@ -138,16 +141,17 @@ class InspectConfig:
 # statistics
 
 
-def normalized_mutual_information(joint: torch.Tensor) -> float:
-    """NMI of a contingency table: ``I(A; B) / ((H(A) + H(B)) / 2)``, in ``[0, 1]``.
+def information(joint: torch.Tensor) -> dict[str, float]:
+    """Entropies and mutual information of a contingency table, in nats.
 
     Args:
         joint: ``[n_a, n_b]`` non-negative counts or weights (any float or int dtype), e.g.
             groups x categories; computed in float64.
 
     Returns:
-        the NMI; 1.0 when both variables are constant (identical trivial partitions, the
-        scikit-learn convention), 0.0 when only one is.
+        ``{"mi": I(A; B), "h_a": H(A), "h_b": H(B), "nmi": I / ((H(A) + H(B)) / 2)}``; the
+        NMI is in ``[0, 1]``: 1.0 when both variables are constant (identical trivial
+        partitions, the scikit-learn convention), 0.0 when only one is.
 
     Raises:
         ValueError: not 2-D, negative or non-finite entries, or a zero total.
@@ -163,17 +167,23 @@ def normalized_mutual_information(joint: torch.Tensor) -> float:
     p = p / total
     pa, pb = p.sum(1), p.sum(0)
 
-    def entropy(q: torch.Tensor) -> torch.Tensor:
+    def entropy(q: torch.Tensor) -> float:
         q = q[q > 0]
-        return -(q * q.log()).sum()
+        return float(-(q * q.log()).sum())
 
     nz = p > 0
     outer = pa[:, None] * pb[None, :]
-    mi = (p[nz] * (p[nz].log() - outer[nz].log())).sum()
-    denom = (entropy(pa) + entropy(pb)) / 2
-    if denom <= 0:
-        return 1.0
-    return float((mi / denom).clamp(0.0, 1.0))
+    mi = max(0.0, float((p[nz] * (p[nz].log() - outer[nz].log())).sum()))
+    h_a, h_b = entropy(pa), entropy(pb)
+    denom = (h_a + h_b) / 2
+    nmi = 1.0 if denom <= 0 else min(1.0, mi / denom)
+    return {"mi": mi, "h_a": h_a, "h_b": h_b, "nmi": nmi}
+
+
+def normalized_mutual_information(joint: torch.Tensor) -> float:
+    """NMI of a contingency table: ``I(A; B) / ((H(A) + H(B)) / 2)``, in ``[0, 1]``
+    (:func:`information`, whose errors it raises)."""
+    return information(joint)["nmi"]
 
 
 def group_category_counts(
@@ -231,17 +241,21 @@ def _round(x: Any, digits: int = 5) -> Any:
 def layer_summary(
     memberships: torch.Tensor, categories: torch.Tensor, continuation: torch.Tensor
 ) -> dict[str, Any]:
-    """Shares, composition, NMI, dominance and the share of word-continuation tokens per
-    group of one layer (``memberships`` ``[T, K]``, ``categories`` ``[T]`` long,
+    """Shares, composition, NMI, mutual information (nats), the share of the category
+    entropy the group explains (``I(G; C) / H(C)``, which does not reward unbalanced
+    groups), dominance and the share of word-continuation tokens per group of one layer (``memberships`` ``[T, K]``, ``categories`` ``[T]`` long,
     ``continuation`` ``[T]`` bool)."""
     counts = group_category_counts(memberships, categories, len(CATEGORIES))
     mass = memberships.double().sum(0)
     shares = mass / memberships.shape[0]
     cont = (memberships.double() * continuation.double()[:, None]).sum(0)
+    info = information(counts)
     return {
         "shares": _round(shares),
         "dominance": round(float(shares.max()), 5),
-        "nmi": round(normalized_mutual_information(counts), 5),
+        "nmi": round(info["nmi"], 5),
+        "mi": round(info["mi"], 5),
+        "category_explained": round(info["mi"] / info["h_b"], 5) if info["h_b"] > 0 else 0.0,
         "composition": _round(counts, 3),
         "continuation_share": _round(cont / mass.clamp(min=1e-12)),
     }
@@ -504,6 +518,9 @@ def _summary(layers: dict[str, Any]) -> dict[str, Any]:
     names = [k for k in next(iter(layers.values())) if k != "nmi_shuffled"]
     for name in names:
         out[f"nmi_{name}"] = round(sum(v[name]["nmi"] for v in layers.values()) / len(layers), 5)
+        out[f"category_explained_{name}"] = round(
+            sum(v[name]["category_explained"] for v in layers.values()) / len(layers), 5
+        )
         out[f"dominance_{name}"] = round(
             sum(v[name]["dominance"] for v in layers.values()) / len(layers), 5
         )
