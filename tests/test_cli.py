@@ -15,6 +15,7 @@ from focus_attention.cli.common import run_guarded
 from focus_attention.cli.flags import add_flags, flag_name, flag_values, read_config_table
 from focus_attention.cli.train import FOCUS_FIELDS_NOT_FLAGS, config_from_args
 from focus_attention.evaluation import EvalConfig
+from focus_attention.evaluation.groups import InspectConfig
 from focus_attention.hf import FocusConfig
 from focus_attention.training import TrainConfig
 
@@ -33,7 +34,11 @@ def _help(argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize(
     "command, classes",
-    [(["train"], [TrainConfig, FocusConfig]), (["eval"], [EvalConfig])],
+    [
+        (["train"], [TrainConfig, FocusConfig]),
+        (["eval"], [EvalConfig]),
+        (["inspect"], [InspectConfig]),
+    ],
 )
 def test_every_setting_with_help_is_a_flag_with_its_default(command, classes, capsys):
     text = _help(command, capsys)
@@ -88,6 +93,19 @@ def test_eval_needs_an_adapter_from_a_flag_or_the_file(capsys):
     args = _parse(["eval"])
     assert args.func(args) == 1
     assert "--adapter is required" in capsys.readouterr().err
+
+
+def test_inspect_needs_an_adapter_and_an_output_directory(tmp_path, capsys):
+    args = _parse(["inspect", "--out", str(tmp_path)])
+    assert args.func(args) == 1
+    assert "--adapter is required" in capsys.readouterr().err
+    path = tmp_path / "run.toml"
+    path.write_text("[inspect]\nadapter = 'runs/x'\nlayers = [3, 1]\n")
+    args = _parse(["inspect", "--config", str(path)])
+    assert args.func(args) == 1
+    assert "--out is required" in capsys.readouterr().err
+    args = _parse(["inspect", "--layers", "4", "2", "--tokens", "2048", "--no-baseline"])
+    assert flag_values(args, InspectConfig) == {"layers": (4, 2), "tokens": 2048, "baseline": False}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.name)

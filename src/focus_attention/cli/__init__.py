@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "focus_attention.cli.models",
     "focus_attention.cli.train",
     "focus_attention.cli.eval",
+    "focus_attention.cli.inspect",
     "focus_attention.cli.bench",
 )
 

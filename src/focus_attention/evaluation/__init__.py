@@ -1,7 +1,9 @@
 """Evaluation of a Focus adapter against its base model (docs/method.md §9): perplexity on
 held-out text with routing statistics (:mod:`.perplexity`), and by position in the window
-(:mod:`.positions`)."""
+(:mod:`.positions`); what the learned groups hold, by word category (:mod:`.groups`,
+:mod:`.categories`)."""
 
+from .groups import InspectConfig, inspect_groups
 from .perplexity import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SEQ_LEN,
@@ -20,10 +22,12 @@ __all__ = [
     "POSITION_BUCKETS",
     "EvalConfig",
     "EvalResult",
+    "InspectConfig",
     "PositionNLL",
     "RoutingStats",
     "bucket_bounds",
     "evaluate",
+    "inspect_groups",
     "markdown_table",
     "score_windows",
 ]
