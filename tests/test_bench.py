@@ -81,3 +81,26 @@ def test_environment_records_the_code_version():
         assert env[key], key
     commit = env["git_commit"]  # this test runs from the repository
     assert commit is not None and len(commit.split("+")[0]) == 40
+
+
+def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
+    """``focus bench model`` on a tiny model: one stock row and one Focus row per (window,
+    top_k) and length, each with its window; the table names them."""
+    from test_pipeline import make_tiny_assets, use_tiny_assets
+
+    from focus_attention.bench.model import ModelBenchConfig, model_table, run_model_benchmark
+
+    assets = use_tiny_assets(make_tiny_assets(tmp_path), monkeypatch)
+    cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                           lengths=(48, 64), top_k=(1, 2), windows=(8, 16), num_groups=4,
+                           warmup_tokens=8, threads=1, progress=False)  # fmt: skip
+    result = run_model_benchmark(cfg)
+    rows = result["rows"]
+    assert len(rows) == 2 * (1 + 2 * 2)
+    focus_rows = [(r["N"], r["top_k"], r["window"]) for r in rows if r["method"] == "focus"]
+    assert sorted(focus_rows) == sorted(
+        (n, k, w) for n in (48, 64) for k in (1, 2) for w in (8, 16)
+    )
+    assert all(r["seconds"] > 0 and r["speedup_vs_sdpa"] > 0 for r in rows)
+    assert result["config"]["windows"] == [8, 16]
+    assert "focus top_k=2, window=16" in model_table(result)

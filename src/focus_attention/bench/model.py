@@ -34,7 +34,11 @@ class ModelBenchConfig:
     )
     top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
     num_groups: int = field(default=8, metadata={"help": "K of fresh routers"})
-    window: int = field(default=128, metadata={"help": "window of fresh routers (tokens)"})
+    windows: tuple[int, ...] = field(
+        default=(128,),
+        metadata={"help": "local windows in tokens (fresh routers; with --adapter they "
+                  "override its window, the routers as trained)"},
+    )  # fmt: skip
     repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
     warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -52,14 +56,15 @@ def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
     return ids
 
 
-def _attach(model: Any, config: ModelBenchConfig, top_k: int) -> Any:
-    """Focus on ``model`` in eval mode: the adapter, or fresh routers."""
+def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int) -> Any:
+    """Focus on ``model`` in eval mode: the adapter (with ``window``), or fresh routers."""
     from ..hf import FocusConfig, FocusModel, get_focus_model
 
     if config.adapter:
         runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
+        runner.focus_config = runner.focus_config.replace(window=window)
     else:
-        cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
+        cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
     return runner.eval()
 
@@ -92,19 +97,21 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
             return m(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
 
     rows = []
-    methods = [("sdpa", None)] + [("focus", k) for k in config.top_k]
+    methods = [("sdpa", None, None)]
+    methods += [("focus", k, w) for w in config.windows for k in config.top_k]
     cells = [(n, m) for n in config.lengths for m in methods]
     bar = tqdm(cells, desc="model", disable=not config.progress)
-    for n, (method, top_k) in bar:
-        bar.set_postfix(N=n, method=method, top_k=top_k)
-        runner = model if method == "sdpa" else _attach(model, config, top_k)
+    for n, (method, top_k, window) in bar:
+        bar.set_postfix(N=n, method=method, top_k=top_k, window=window)
+        runner = model if method == "sdpa" else _attach(model, config, top_k, window)
         prefill(runner, config.warmup_tokens)
         seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), config.repeats,
                                        warmup=0)  # fmt: skip
         if method == "focus":
             model = runner.unload()
             model.config._attn_implementation = "sdpa"
-        rows.append({"N": n, "method": method, "top_k": top_k, "seconds": seconds,
+        rows.append({"N": n, "method": method, "top_k": top_k, "window": window,
+                     "seconds": seconds,
                      "runs_s": runs, "tokens_per_second": n / seconds})  # fmt: skip
     for row in rows:
         ref = next(r for r in rows if r["N"] == row["N"] and r["method"] == "sdpa")
@@ -116,7 +123,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "lengths": list(config.lengths),
         "top_ks": list(config.top_k),
         "num_groups": config.num_groups,
-        "window": config.window,
+        "windows": list(config.windows),
         "repeats": config.repeats,
         "warmup_tokens": config.warmup_tokens,
         "dtype": "float32",
@@ -133,7 +140,11 @@ def model_table(result: dict[str, Any]) -> str:
         "|---:|---|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        name = "sdpa (stock)" if r["method"] == "sdpa" else f"focus top_k={r['top_k']}"
+        name = "sdpa (stock)"
+        if r["method"] != "sdpa":
+            name = f"focus top_k={r['top_k']}"
+            if r.get("window") is not None:
+                name += f", window={r['window']}"
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
             f"| {r['speedup_vs_sdpa']:.2f}x |"
