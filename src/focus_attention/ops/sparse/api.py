@@ -15,7 +15,7 @@ from .dispatch import SparseInputs, backend_names, run_differentiable, sparse_at
 
 __all__ = ["Backend", "sparse_attention"]
 
-Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
+Backend = Literal["auto", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
 @without_autocast
@@ -51,13 +51,18 @@ def sparse_attention(
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
         backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first, in
-            the order ``cpu_fused``, ``cpu_flash``, ``math``, that can run the call:
+            the order ``cpu_fused``, ``cpu_flash``, ``flex`` (on CUDA only), ``math``, that
+            can run the call:
 
             - ``"cpu_fused"``: this package's C++ kernel, built on first use; CPU, float32,
               bfloat16 or float16 (computed in float32), at most 64 groups, no softcap,
               inference only.
             - ``"cpu_flash"``: calls of PyTorch's CPU flash kernel merged in float32; CPU,
               same dtypes, no softcap, inference only.
+            - ``"flex"``: PyTorch's FlexAttention (block masks for the two parts); CPU or
+              CUDA, float32, bfloat16, float16 or float64, applies ``softcap``. Compiled
+              and differentiable on CUDA; eager on CPU (inference only, ``O(Nq x Nk)``
+              memory per part), where ``"auto"`` does not choose it.
             - ``"math"``: blocked PyTorch code; differentiable, any device and floating
               dtype, applies ``softcap``.
 
