@@ -34,12 +34,13 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..merge import merge_partials
 from .dispatch import CPU_DTYPES, SparseBackend, SparseInputs, SparseRequest, register_backend
@@ -53,6 +54,7 @@ __all__ = [
     "local_block_mask",
     "membership_codes",
     "run_flex",
+    "triton_available",
 ]
 
 #: query and key block size of the block masks (FlexAttention's default tile).
@@ -94,7 +96,10 @@ def _blocks(n: int) -> int:
 
 def _block_mask(partial, full, mask_mod, q_len: int, kv_len: int) -> BlockMask:
     """A :class:`BlockMask` from bool block matrices ``partial`` / ``full`` ``[B, nQ, nK]``
-    (``full``: every pair visible, no ``mask_mod``; may be None)."""
+    (``full``: every pair visible, no ``mask_mod``; may be None), with the transposed
+    (query-block) lists that the backward needs computed here from the same matrices
+    (``BlockMask.from_kv_blocks`` derives them with ``vmap``, which fails inside a
+    compiled caller's graph)."""
 
     def ordered(dense):
         counts = dense.sum(dim=-1, dtype=torch.int32)
@@ -102,15 +107,20 @@ def _block_mask(partial, full, mask_mod, q_len: int, kv_len: int) -> BlockMask:
         return counts[:, None].contiguous(), order.to(torch.int32)[:, None].contiguous()
 
     kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full) if full is not None else (None, None)
-    return BlockMask.from_kv_blocks(
+    q_num, q_idx = ordered(partial.transpose(1, 2))
+    full_kv = full_q = (None, None)
+    if full is not None:
+        full_kv, full_q = ordered(full), ordered(full.transpose(1, 2))
+    return BlockMask(
+        (q_len, kv_len),
         kv_num,
         kv_idx,
-        full_num,
-        full_idx,
+        *full_kv,
+        q_num,
+        q_idx,
+        *full_q,
         BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
         mask_mod=mask_mod,
-        seq_lengths=(q_len, kv_len),
     )
 
 
@@ -331,19 +341,38 @@ def _group_part(inputs: SparseInputs, attend):
 _EAGER_SWITCH = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
 
 
+#: dispatch keys that ``vmap`` needs and that a dispatch mode's handler excludes.
+_VMAP_KEYS = (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
+    "FuncTorchVmapMode", "Batched", "VmapMode", "BatchedNestedTensor",
+)  # fmt: skip
+
+
+def _functorch_allowed():
+    """A guard that lets ``vmap`` run inside a dispatch mode's handler (which excludes the
+    functorch dispatch keys for the operators it runs)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in _VMAP_KEYS:
+        key = getattr(torch._C.DispatchKey, name, None)
+        if key is not None:
+            exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 @contextmanager
 def _plain_eager() -> Iterator[None]:
     """Eager FlexAttention calls inside run as plain PyTorch code (no dynamo trace; only
-    for calls without gradients, which is all CPU FlexAttention can do)."""
-    if not hasattr(flex_module, _EAGER_SWITCH):
+    for calls without gradients, which is all CPU FlexAttention can do), outside any
+    dispatch mode: the first run of a compiled caller checks custom operators under one,
+    and eager FlexAttention's ``vmap`` over the ``mask_mod`` cannot run inside it."""
+    with ExitStack() as stack:
+        if is_in_torch_dispatch_mode():
+            stack.enter_context(_functorch_allowed())
+        if hasattr(flex_module, _EAGER_SWITCH):
+            before = getattr(flex_module, _EAGER_SWITCH)
+            setattr(flex_module, _EAGER_SWITCH, True)
+            stack.callback(setattr, flex_module, _EAGER_SWITCH, before)
         yield
-        return
-    before = getattr(flex_module, _EAGER_SWITCH)
-    setattr(flex_module, _EAGER_SWITCH, True)
-    try:
-        yield
-    finally:
-        setattr(flex_module, _EAGER_SWITCH, before)
 
 
 def _flex_function(device: torch.device):
@@ -365,7 +394,12 @@ def _flex_function(device: torch.device):
 def _attend(inputs: SparseInputs):
     """``attend(q, k, v, block_mask) -> (out, lse)``: one FlexAttention call with the
     call's scale, softcap and GQA; a row with no visible key gives 0 and ``-inf``."""
-    fn = _flex_function(inputs.query.device)
+    device = inputs.query.device
+    fn = _flex_function(device)
+    # eager FlexAttention rounds the probabilities to the input dtype before multiplying by
+    # the values; on CPU (where it is eager) half-precision inputs are computed in float32,
+    # as the other CPU backends do
+    upcast = device.type == "cpu" and inputs.query.dtype in (torch.bfloat16, torch.float16)
     gqa = inputs.query.shape[1] != inputs.key.shape[1]
     cap = inputs.softcap
     score_mod = None
@@ -375,6 +409,8 @@ def _attend(inputs: SparseInputs):
             return cap * torch.tanh(score / cap)
 
     def attend(q, k, v, block_mask):
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()
         with warnings.catch_warnings():  # eager on CPU is deliberate (module docstring)
             warnings.filterwarnings("ignore", message="flex_attention called without")
             out, aux = fn(
@@ -390,6 +426,9 @@ def _attend(inputs: SparseInputs):
 def run_flex(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``flex`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H]
     float32, or float64 for float64 inputs)``, token-major."""
+    if not inputs.needs_grad:  # FlexAttention refuses CPU inputs that require grad at all
+        detached = (t.detach() for t in (inputs.query, inputs.key, inputs.value))
+        inputs = replace(inputs, **dict(zip(("query", "key", "value"), detached, strict=True)))
     attend = _attend(inputs)
     q_codes = membership_codes(inputs.query_groups)
     k_codes = membership_codes(inputs.key_groups)
@@ -403,6 +442,11 @@ def run_flex(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse.to(ct).transpose(1, 2).contiguous()
 
 
+def triton_available() -> bool:
+    """Whether Triton (the compiler of FlexAttention's CUDA kernels) is installed."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _device_reason(request: SparseRequest) -> str | None:
     """Why FlexAttention cannot run ``request`` here: gradients on CPU (PyTorch's CPU
     FlexAttention has no backward), a CUDA device without Triton (no compiled kernels)."""
@@ -411,7 +455,7 @@ def _device_reason(request: SparseRequest) -> str | None:
             "computes no gradients on CPU (PyTorch's FlexAttention has no CPU backward; "
             "'math' or 'auto' for gradients)"
         )
-    if request.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if request.device.type == "cuda" and not triton_available():
         return "needs Triton on CUDA (compiled FlexAttention), which is not installed"
     return None
 
