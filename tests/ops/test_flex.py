@@ -27,6 +27,7 @@ from focus_attention.ops import (
 )
 from focus_attention.ops.sparse import flex
 
+from . import test_empty_inputs as empty_inputs
 from . import test_sparse_attention as grids
 from . import test_sparse_numerics as numerics
 from .helpers import HYP, HYP_SMALL, assert_matches_oracle, case_params, make_case
@@ -141,6 +142,11 @@ def test_a_compiled_caller_gets_the_eager_result():
     for _ in range(2):  # the first run (checked) and a later one
         assert torch.equal(compiled(*args), eager)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", list(empty_inputs.EMPTY_SHAPES))
+def test_empty_inputs(name):
+    empty_inputs.test_sparse_attention_on_empty_inputs(name, "flex")
 
 
 # --------------------------------------------------------------------------------------
