@@ -22,15 +22,26 @@ from focus_attention.ops import (
     BACKENDS,
     SparseRequest,
     backend_names,
+    gated_attention,
     resolve_backend,
     sparse_attention,
 )
 from focus_attention.ops.sparse import flex
 
 from . import test_empty_inputs as empty_inputs
+from . import test_gates as gates_tests
 from . import test_sparse_attention as grids
 from . import test_sparse_numerics as numerics
-from .helpers import HYP, HYP_SMALL, assert_matches_oracle, case_params, make_case
+from .helpers import (
+    HYP,
+    HYP_SMALL,
+    assert_matches_oracle,
+    case_params,
+    gen,
+    low_precision_bound,
+    make_case,
+    padding_mask,
+)
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -529,3 +540,117 @@ def test_cuda_long_sequence_top1_and_top2():
         out = sparse_attention(q, k, v, qg, kg, 128, backend="flex")
         ref = sparse_attention(q, k, v, qg, kg, 128, backend="math")
         assert (out - ref).abs().max() <= 1e-5, top_k
+
+
+# --------------------------------------------------------------------------------------
+# the soft gate (training path) as a score_mod: gated_attention(backend="flex")
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+@given(p=gates_tests.gate_params())
+@HYP_SMALL
+def test_flex_gate_equals_direct_float64_implementation(gate, p):
+    q, k, v, gq, gk, kpm, sinks = gates_tests._build(p)
+    kw = dict(gate=gate, sharpness=p["sharpness"], softcap=p["softcap"], always_visible=sinks)
+    out = gated_attention(q, k, v, gq, gk, p["window"], key_padding_mask=kpm, backend="flex", **kw)
+    ref = gates_tests.eq2_reference(q, k, v, gq, gk, p["window"], kpm=kpm, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= 1e-5, f"{gate} gate differs from the float64 implementation by {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_flex_gate_in_half_precision_within_twice_the_dense_error(gate, dtype):
+    """Against the float64 gate on the same half-precision values: at most twice the error
+    of the dense backend in that dtype (at least half an ulp of the output)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4 if i == 0 else 2, 90, 16, generator=g) for i in range(3))
+    probs = torch.softmax(torch.randn(2, 90, 5, generator=g) * 3, dim=-1)
+    kpm = padding_mask_rows(g)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    args = (q, k, v, probs, probs, 8)
+    ref = gates_tests.eq2_reference(*args, gate=gate, kpm=kpm)
+    dense = gated_attention(*args, gate=gate, key_padding_mask=kpm)
+    out = gated_attention(*args, gate=gate, key_padding_mask=kpm, backend="flex")
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    bound = low_precision_bound((dense.double() - ref).abs().max().item(), ref, dtype)
+    assert (out.double() - ref).abs().max().item() <= bound
+
+
+def padding_mask_rows(g: torch.Generator) -> torch.Tensor:
+    """Left padding of 30 tokens on the first row (fully padded query rows), none on the
+    second."""
+    kpm = torch.ones(2, 90, dtype=torch.bool)
+    kpm[0, :30] = False
+    return kpm
+
+
+def test_flex_gate_fully_padded_rows_are_zero():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=g) for _ in range(3))
+    probs = torch.softmax(torch.randn(2, 40, 3, generator=g), dim=-1)
+    kpm = torch.ones(2, 40, dtype=torch.bool)
+    kpm[0] = False
+    kpm[1, :10] = False
+    out = gated_attention(q, k, v, probs, probs, 4, key_padding_mask=kpm, backend="flex")
+    assert (out[0] == 0).all() and (out[1, :, :10] == 0).all()
+    assert (out[1, :, 10:].abs().sum(-1) > 0).all()
+
+
+def test_flex_gate_refuses_gradients_on_cpu_and_unknown_backends():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
+    probs = torch.softmax(torch.randn(1, 20, 3, generator=g), dim=-1).requires_grad_(True)
+    with pytest.raises(ValueError, match="backend.*require grad on CPU.*'dense'"):
+        gated_attention(q, k, v, probs, probs, 4, backend="flex")
+    with pytest.raises(ValueError, match="backend.*'sparse'.*dense"):
+        gated_attention(q, k, v, probs, probs, 4, backend="sparse")
+    with torch.no_grad():  # no gradient wanted: it runs
+        out = gated_attention(q, k, v, probs, probs, 4, backend="flex")
+    torch.testing.assert_close(out, gated_attention(q, k, v, probs.detach(), probs.detach(), 4))
+
+
+@pytest.mark.parametrize("nq", [50, 17, 1])
+@pytest.mark.parametrize("padding", [None, "random", "left"])
+def test_causal_block_mask_agrees_with_its_mask_mod(nq, padding, monkeypatch):
+    monkeypatch.setattr(flex, "FLEX_BLOCK", 8)
+    kpm = padding_mask(gen(nq), 2, 50, padding, None if padding != "left" else [50, 13])
+    mask = flex.causal_block_mask(nq, 50, kpm, "cpu")
+    _check_block_mask(mask)
+    assert int(mask.full_kv_num_blocks.sum()) > 0 or nq == 1 or padding == "random"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_cuda_flex_gate_gradients_equal_dense_gradients(gate, softcap):
+    """Gradients of q, k, v and of the routing rows through the score_mod, against the
+    dense gate, to 1e-4 (fp32), with padding, sinks and GQA."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 300, 32, generator=g)
+    k, v = (torch.randn(2, 2, 300, 32, generator=g) for _ in range(2))
+    logits = torch.randn(2, 300, 8, generator=g) * 3
+    kpm = torch.ones(2, 300, dtype=torch.bool)
+    kpm[0, :70] = False  # left padding on the first row
+    sinks = torch.zeros(2, 300, dtype=torch.bool)
+    sinks[:, :4] = True
+    cot = torch.randn(q.shape, generator=g).cuda()
+    fixed = dict(
+        gate=gate, softcap=softcap, key_padding_mask=kpm.cuda(), always_visible=sinks.cuda()
+    )
+
+    def run(backend):
+        leaves = [t.cuda().requires_grad_(True) for t in (q, k, v, logits)]
+        probs = torch.softmax(leaves[3], dim=-1)
+        out = gated_attention(*leaves[:3], probs, probs, 16, backend=backend, **fixed)
+        return out, torch.autograd.grad((out * cot).sum(), leaves)
+
+    out, got = run("flex")
+    ref, want = run("dense")
+    assert (out - ref).abs().max() <= 1e-5
+    for name, a, b in zip(("q", "k", "v", "routing"), got, want, strict=True):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-4, f"d{name} differs from the dense gate by {err:.3g}"

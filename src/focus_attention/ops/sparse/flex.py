@@ -49,6 +49,8 @@ __all__ = [
     "CODE_BITS",
     "FLEX_BLOCK",
     "GroupLayout",
+    "causal_block_mask",
+    "flex_call",
     "group_block_mask",
     "group_layout",
     "local_block_mask",
@@ -391,16 +393,59 @@ def _flex_function(device: torch.device):
     return _COMPILED
 
 
+def flex_call(q, k, v, block_mask: BlockMask, *, scale: float, score_mod=None):
+    """One FlexAttention call, compiled on CUDA and eager on CPU (see the module docstring):
+    ``q [B, H, Lq, D]``, ``k``/``v`` ``[B, H_kv, Lk, D]`` (GQA when ``H != H_kv``). Returns
+    ``(out [B, H, Lq, D], lse [B, H, Lq])``; a row with no visible key gives 0 and
+    ``-inf``. On CPU half-precision inputs are computed in float32 (eager FlexAttention
+    would round the probabilities to the input dtype before multiplying by the values), so
+    ``out`` is float32 there."""
+    fn = _flex_function(q.device)
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
+    with warnings.catch_warnings():  # eager on CPU is deliberate (module docstring)
+        warnings.filterwarnings("ignore", message="flex_attention called without")
+        out, aux = fn(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
+        )  # fmt: skip
+    lse = aux.lse
+    return out.masked_fill((lse == float("-inf"))[..., None], 0.0), lse
+
+
+def causal_block_mask(nq: int, nk: int, key_padding_mask, device) -> BlockMask:
+    """Block mask of plain causal attention with bottom-right aligned queries (query ``t``
+    at position ``Nk - Nq + t``) over the real keys (bool ``key_padding_mask [B, Nk]`` or
+    None); blocks wholly below the diagonal with only real keys are full."""
+    offset = torch.tensor(nk - nq, device=device)
+    real = key_padding_mask
+
+    def mask_mod(b, h, t, j):
+        keep = j <= t + offset
+        return keep if real is None else keep & real[b, j]
+
+    nqb, nkb = _blocks(nq), _blocks(nk)
+    t0 = torch.arange(nqb, device=device) * FLEX_BLOCK
+    t1 = (t0 + FLEX_BLOCK).clamp(max=nq) - 1
+    k0 = torch.arange(nkb, device=device) * FLEX_BLOCK
+    k1 = (k0 + FLEX_BLOCK).clamp(max=nk) - 1
+    kept = (k0[None, :] <= (t1 + nk - nq)[:, None])[None]
+    full = (k1[None, :] <= (t0 + nk - nq)[:, None])[None]
+    if real is not None:
+        padded = torch.zeros(real.shape[0], nkb * FLEX_BLOCK, dtype=torch.bool, device=device)
+        padded[:, :nk] = real
+        blocks = padded.view(real.shape[0], nkb, FLEX_BLOCK)
+        kept = kept & blocks.any(dim=-1)[:, None, :]
+        last = nk - (nkb - 1) * FLEX_BLOCK  # keys in the last block
+        whole = blocks.all(dim=-1)
+        whole[:, -1] = blocks[:, -1, :last].all(dim=-1)
+        full = full & whole[:, None, :]
+    return _block_mask(kept & ~full, full, mask_mod, nq, nk)
+
+
 def _attend(inputs: SparseInputs):
-    """``attend(q, k, v, block_mask) -> (out, lse)``: one FlexAttention call with the
-    call's scale, softcap and GQA; a row with no visible key gives 0 and ``-inf``."""
-    device = inputs.query.device
-    fn = _flex_function(device)
-    # eager FlexAttention rounds the probabilities to the input dtype before multiplying by
-    # the values; on CPU (where it is eager) half-precision inputs are computed in float32,
-    # as the other CPU backends do
-    upcast = device.type == "cpu" and inputs.query.dtype in (torch.bfloat16, torch.float16)
-    gqa = inputs.query.shape[1] != inputs.key.shape[1]
+    """``attend(q, k, v, block_mask) -> (out, lse)``: :func:`flex_call` with the call's
+    scale and softcap."""
     cap = inputs.softcap
     score_mod = None
     if cap is not None:
@@ -409,16 +454,7 @@ def _attend(inputs: SparseInputs):
             return cap * torch.tanh(score / cap)
 
     def attend(q, k, v, block_mask):
-        if upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        with warnings.catch_warnings():  # eager on CPU is deliberate (module docstring)
-            warnings.filterwarnings("ignore", message="flex_attention called without")
-            out, aux = fn(
-                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=inputs.scale,
-                enable_gqa=gqa, return_aux=AuxRequest(lse=True),
-            )  # fmt: skip
-        lse = aux.lse
-        return out.masked_fill((lse == float("-inf"))[..., None], 0.0), lse
+        return flex_call(q, k, v, block_mask, scale=inputs.scale, score_mod=score_mod)
 
     return attend
 
