@@ -441,6 +441,45 @@ def test_property_block_masks_agree_with_the_mask_mods(params, block):
         _check_block_mask(mask)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(dict(nk=1200, groups=2, top_k=1, window=64, padding="left"), id="top1"),
+        pytest.param(
+            dict(
+                nk=600, nq=450, groups=5, top_k=2, window=40, padding="random", membership="random"
+            ),
+            id="top2-chunk",
+        ),  # fmt: skip
+    ],
+)
+def test_compiled_cpu_kernels_use_the_block_masks_as_eager_does(params, inductor, monkeypatch):
+    """Compiled FlexAttention on CPU (block-sparse kernels; no log-sum-exp there) gives
+    each part's eager output with the backend's block masks, full blocks included."""
+    import torch._inductor.config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    calls = []
+    real = flex.flex_attention
+
+    def spy(q, k, v, block_mask=None, **kwargs):
+        calls.append((q, k, v, block_mask, kwargs))
+        return real(q, k, v, block_mask=block_mask, **kwargs)
+
+    monkeypatch.setattr(flex, "flex_attention", spy)
+    make_case(batch=2, heads=2, kv_heads=1, seed=1, **params).sparse("flex")
+    assert len(calls) == 2
+    with torch._inductor.config.patch(compile_threads=1):
+        compiled = torch.compile(flex_attention, dynamic=False)
+        for q, k, v, mask, kwargs in calls:
+            kwargs = {key: val for key, val in kwargs.items() if key != "return_aux"}
+            eager = flex_attention(q, k, v, block_mask=mask, **kwargs)
+            assert (compiled(q, k, v, block_mask=mask, **kwargs) - eager).abs().max() <= 1e-5
+    if params["top_k"] == 1:
+        assert int(calls[1][3].full_kv_num_blocks.sum()) > 0  # full blocks were exercised
+
+
 def test_a_pair_sharing_several_groups_is_counted_once():
     """Every token in the same 3 of 4 groups: the group part must see each earlier key
     once (dense causal attention), not three times."""

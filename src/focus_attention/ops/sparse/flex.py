@@ -362,15 +362,16 @@ def _functorch_allowed():
 
 
 @contextmanager
-def _plain_eager() -> Iterator[None]:
-    """Eager FlexAttention calls inside run as plain PyTorch code (no dynamo trace; only
-    for calls without gradients, which is all CPU FlexAttention can do), outside any
-    dispatch mode: the first run of a compiled caller checks custom operators under one,
-    and eager FlexAttention's ``vmap`` over the ``mask_mod`` cannot run inside it."""
+def _flex_context(eager: bool) -> Iterator[None]:
+    """Where a FlexAttention call runs. Inside a dispatch mode's handler (the first run of
+    a compiled caller checks custom operators under one) the functorch dispatch keys are
+    excluded, and FlexAttention needs them (eager: ``vmap`` over the ``mask_mod``): they
+    are let back in. With ``eager``, FlexAttention runs as plain PyTorch code (no dynamo
+    trace; only for calls without gradients, which is all CPU FlexAttention can do)."""
     with ExitStack() as stack:
         if is_in_torch_dispatch_mode():
             stack.enter_context(_functorch_allowed())
-        if hasattr(flex_module, _EAGER_SWITCH):
+        if eager and hasattr(flex_module, _EAGER_SWITCH):
             before = getattr(flex_module, _EAGER_SWITCH)
             setattr(flex_module, _EAGER_SWITCH, True)
             stack.callback(setattr, flex_module, _EAGER_SWITCH, before)
@@ -382,12 +383,7 @@ def _flex_function(device: torch.device):
     elsewhere (created once)."""
     global _COMPILED
     if device.type == "cpu":
-
-        def eager(*args, **kwargs):
-            with _plain_eager():
-                return flex_attention(*args, **kwargs)
-
-        return eager
+        return flex_attention
     if _COMPILED is None:
         _COMPILED = torch.compile(flex_attention)
     return _COMPILED
@@ -403,7 +399,8 @@ def flex_call(q, k, v, block_mask: BlockMask, *, scale: float, score_mod=None):
     fn = _flex_function(q.device)
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
-    with warnings.catch_warnings():  # eager on CPU is deliberate (module docstring)
+    with warnings.catch_warnings(), _flex_context(eager=q.device.type == "cpu"):
+        # eager on CPU is deliberate (module docstring)
         warnings.filterwarnings("ignore", message="flex_attention called without")
         out, aux = fn(
             q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
