@@ -1,7 +1,11 @@
 """Soft-gated dense attention for training with Sinkhorn routing (docs/method.md §3).
 
-Both gates cost one extra ``[B, Nq, Nk]`` affinity matrix shared by all heads on top of eager
-dense attention: ``O(N^2)``, as the paper says (no training speed-up is claimed).
+``backend="dense"``: both gates cost one extra ``[B, Nq, Nk]`` affinity matrix shared by all
+heads on top of eager dense attention: ``O(N^2)`` memory, as the paper says (no training
+speed-up is claimed). ``backend="flex"``: the gate is a FlexAttention ``score_mod`` (an
+additive bias for the log gate, a factor on the logit for the paper gate) computed inside
+the kernel from the routing rows, so on CUDA (compiled kernels) nothing of size
+``Nq x Nk`` is stored and memory grows linearly with the length.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from ..utils.precision import without_autocast
 from .checks import check_device, check_positive, check_qkv, check_shape, check_tensor, fail
 from .masks import check_groups, effective_window
 from .reference import expand_kv_heads
+from .sparse.flex import causal_block_mask, flex_call
 
 Gate = Literal["paper", "log"]
 GATES = ("paper", "log")
+GateBackend = Literal["dense", "flex"]
+GATE_BACKENDS = ("dense", "flex")
 
 
 @without_autocast
@@ -38,6 +45,7 @@ def gated_attention(
     key_padding_mask: torch.Tensor | None = None,
     always_visible: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    backend: GateBackend = "dense",
 ) -> torch.Tensor:
     """Dense causal attention whose distant logits are gated by soft group affinities.
 
@@ -68,11 +76,14 @@ def gated_attention(
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         always_visible: optional bool ``[B, Nk]``: keys every later query sees ungated
             (attention-sink tokens, docs/method.md §3).
-        chunk_size: optional query rows per chunk. Each chunk's logits are computed alone
-            and, when gradients are recorded, recomputed in the backward pass
-            (``torch.utils.checkpoint``), so the attention of a call holds
+        chunk_size: optional query rows per chunk (``backend="dense"``). Each chunk's
+            logits are computed alone and, when gradients are recorded, recomputed in the
+            backward pass (``torch.utils.checkpoint``), so the attention of a call holds
             ``O(B * H * chunk_size * Nk)`` floats at a time instead of ``O(B * H * Nq * Nk)``,
             for one extra forward of the attention. Same result up to float rounding.
+        backend: ``"dense"`` (eager PyTorch, any device) or ``"flex"`` (FlexAttention with
+            the gate as a ``score_mod``: compiled and differentiable on CUDA; eager and
+            without gradients on CPU, for checking).
 
     Returns:
         ``[B, H, Nq, D]`` in the query's dtype (logits, gate and softmax in float32, float64
@@ -80,9 +91,9 @@ def gated_attention(
         empty or all-zero result of that shape.
 
     Raises:
-        ValueError: malformed shapes or dtypes, unknown gate, ``window < 1``, ``scale`` or
-            ``softcap`` not a finite number > 0, ``chunk_size < 1``, tensors on different
-            devices.
+        ValueError: malformed shapes or dtypes, unknown gate or backend, ``window < 1``,
+            ``scale`` or ``softcap`` not a finite number > 0, ``chunk_size < 1``, tensors on
+            different devices, ``backend="flex"`` with inputs that require grad on CPU.
     Inside ``torch.autocast`` it still computes as described (autocast does not apply).
     """
     _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)
@@ -93,6 +104,18 @@ def gated_attention(
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    args = (query, key, value, query_probs, key_probs, window, gate, sharpness, eps, scale)
+    if backend not in GATE_BACKENDS:
+        fail("backend", repr(backend), f"one of {GATE_BACKENDS}")
+    if backend == "flex" and query.numel() and key.numel():
+        return _flex_gated(*args, softcap, key_padding_mask, always_visible)
+    return _dense_gated(*args, softcap, key_padding_mask, always_visible, chunk_size)
+
+
+def _dense_gated(query, key, value, query_probs, key_probs, window, gate, sharpness, eps,
+                 scale, softcap, key_padding_mask, always_visible, chunk_size):  # fmt: skip
+    """:func:`gated_attention` in eager PyTorch (one ``[B, H, Nq, Nk]`` logit tensor, or
+    one per chunk of ``chunk_size`` query rows)."""
     local, visible = _visibility(query, key, window, key_padding_mask, always_visible)
     settings = (gate, sharpness, eps, scale, softcap)
     nq = query.shape[2]
@@ -128,6 +151,47 @@ def _gated_rows(query, key, value, query_probs, key_probs, local, visible, gate,
     probs = torch.softmax(logits, dim=-1).to(query.dtype)
     out = probs @ v
     return out * row_any[:, None].to(out.dtype)
+
+
+def _flex_gated(query, key, value, query_probs, key_probs, window, gate, sharpness, eps,
+                scale, softcap, key_padding_mask, always_visible):  # fmt: skip
+    """:func:`gated_attention` as one FlexAttention call: causal (and padding) block mask,
+    the gate as a ``score_mod`` reading the routing rows (the affinity ``g_i . g_j`` is
+    summed inside the kernel)."""
+    wants_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, query_probs, key_probs)
+    )
+    if query.device.type == "cpu" and wants_grad:
+        fail(
+            "backend",
+            "'flex' with inputs that require grad on CPU",
+            "'dense' (PyTorch's FlexAttention has no CPU backward)",
+        )
+    nq, nk, device = query.shape[2], key.shape[2], query.device
+    ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
+    qp, kp = query_probs.to(ct), key_probs.to(ct)
+    offset = torch.tensor(nk - nq, device=device)
+    width = torch.tensor(effective_window(window, nk), device=device)
+
+    def score_mod(score, b, h, i, j):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        affinity = qp[b, i, 0] * kp[b, j, 0]
+        for g in range(1, qp.shape[-1]):
+            affinity = affinity + qp[b, i, g] * kp[b, j, g]
+        local = (i + offset - j) < width
+        if always_visible is not None:
+            local = local | always_visible[b, j]
+        if gate == "paper":
+            factor = torch.where(
+                local, torch.ones_like(affinity), torch.sigmoid(sharpness * affinity)
+            )
+            return score * factor
+        return score + torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
+
+    mask = causal_block_mask(nq, nk, key_padding_mask, device)
+    out, _ = flex_call(query, key, value, mask, scale=scale, score_mod=score_mod)
+    return out.to(query.dtype)
 
 
 def _check_gated(query, key, value, query_probs, key_probs, window, gate, padding) -> None:

@@ -15,7 +15,7 @@ from .dispatch import SparseInputs, backend_names, run_differentiable, sparse_at
 
 __all__ = ["Backend", "sparse_attention"]
 
-Backend = Literal["auto", "cpu_fused", "cpu_flash", "math"]
+Backend = Literal["auto", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
 @without_autocast
@@ -50,14 +50,14 @@ def sparse_attention(
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
-        backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first, in
-            the order ``cpu_fused``, ``cpu_flash``, ``math``, that can run the call:
+        backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first that
+            can run the call in the order ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``:
 
-            - ``"cpu_fused"``: this package's C++ kernel, built on first use; CPU, float32,
-              bfloat16 or float16 (computed in float32), at most 64 groups, no softcap,
-              inference only.
-            - ``"cpu_flash"``: calls of PyTorch's CPU flash kernel merged in float32; CPU,
-              same dtypes, no softcap, inference only.
+            - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
+              bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
+            - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.
+            - ``"flex"``: PyTorch's FlexAttention, applies ``softcap``; compiled and
+              differentiable on CUDA; eager and inference only on CPU (not for ``"auto"``).
             - ``"math"``: blocked PyTorch code; differentiable, any device and floating
               dtype, applies ``softcap``.
 

@@ -7,7 +7,9 @@ an optional check of its own, e.g. whether a kernel could be built). From these
 :meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
 :func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
 backend that can run the call in increasing ``priority``: ``cpu_fused`` (10),
-``cpu_flash`` (20), ``math`` (100).
+``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100).
+A backend may restrict where ``"auto"`` chooses it (``auto_devices``) while still running
+elsewhere when asked for by name.
 
 The op itself is the custom operator ``torch.ops.focus_attention.sparse_attention``
 (``torch.library.custom_op``): ``torch.compile`` sees one opaque call with a fake
@@ -112,6 +114,9 @@ class SparseBackend:
         check: an extra test of its own, ``check(request) -> reason or None`` (e.g. a kernel
             that could not be built); run last, only when the declarations allow the call.
         summary: one line for messages and documentation.
+        auto_devices: device types on which ``"auto"`` may choose it, None for wherever it
+            can run (a backend that is exact but slow on some device runs there only when
+            asked for by name).
     """
 
     name: str
@@ -124,6 +129,7 @@ class SparseBackend:
     max_groups: int | None = None
     check: Callable[[SparseRequest], str | None] | None = None
     summary: str = ""
+    auto_devices: tuple[str, ...] | None = None
 
     def why_not(self, request: SparseRequest) -> str | None:
         """Why this backend cannot run ``request`` (one sentence), or None if it can."""
@@ -140,6 +146,15 @@ class SparseBackend:
             limit = self.max_groups
             return f"takes K <= {limit} groups, received K = {request.num_groups}"
         return None if self.check is None else self.check(request)
+
+    def why_not_auto(self, request: SparseRequest) -> str | None:
+        """Why ``"auto"`` does not choose this backend for ``request``, or None if it may:
+        :meth:`why_not`, or a device outside ``auto_devices``."""
+        devices = self.auto_devices
+        if devices is not None and request.device.type not in devices:
+            where = "/".join(devices)
+            return f"is chosen by 'auto' on {where} only (ask for it by name on {request.device})"
+        return self.why_not(request)
 
 
 _REGISTRY: dict[str, SparseBackend] = {}
@@ -165,7 +180,8 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
     """The backend that runs ``request`` when ``backend=name`` is asked.
 
     ``"auto"``: the first registered backend, in increasing priority, whose
-    :meth:`SparseBackend.why_not` is None. Any other name: that backend, if it can run the
+    :meth:`SparseBackend.why_not_auto` is None (it can run the call, on a device where
+    ``"auto"`` may choose it). Any other name: that backend, if it can run the
     call.
 
     Raises:
@@ -184,7 +200,7 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
         return backend
     reasons = []
     for candidate in backend_names():
-        reason = _REGISTRY[candidate].why_not(request)
+        reason = _REGISTRY[candidate].why_not_auto(request)
         if reason is None:
             return _REGISTRY[candidate]
         reasons.append(f"{candidate!r} {reason}")
