@@ -112,8 +112,9 @@ def run_tasks_benchmark(config: TasksBenchConfig) -> dict[str, Any]:
         for dense); ``tasks`` (per task: lm-eval's metrics and stderrs, examples scored and
         in the split, the split, lm-eval's task version, and ``tokens``: scored tokens,
         mean / max context, ``beyond_window_share`` and ``routed_share``);
-        ``data`` (source package); ``seconds``; ``versions``; ``environment``; with
-        ``log_samples``, lm-eval's ``samples``.
+        ``per_example``: each scored example's ``doc_id`` and metric values, for paired
+        comparisons between models); ``data`` (source package); ``seconds``; ``versions``;
+        ``environment``; with ``log_samples``, lm-eval's full ``samples``.
 
     Raises:
         RuntimeError: lm-eval is not installed, or the data could not be prepared.
@@ -145,7 +146,7 @@ def run_tasks_benchmark(config: TasksBenchConfig) -> dict[str, Any]:
         limit=config.limit,
         task_manager=manager,
         bootstrap_iters=config.bootstrap_iters,
-        log_samples=config.log_samples,
+        log_samples=True,  # the per-example scores of the result come from the samples
     )
     seconds = time.monotonic() - start
     return _result(config, lm, out, seconds)
@@ -161,6 +162,12 @@ def _task_entry(name: str, out: dict[str, Any], tokens: dict[str, Any]) -> dict[
             stderr = raw.get(f"{metric}_stderr,none")
             metrics[f"{metric}_stderr"] = stderr if isinstance(stderr, (int, float)) else None
     counts = out.get("n-samples", {}).get(name, {})
+    samples = sorted(out.get("samples", {}).get(name, []), key=lambda x: x["doc_id"])
+    per_example: dict[str, list] = {"doc_id": [x["doc_id"] for x in samples]}
+    for metric in TASK_METRICS:  # lm-eval's per-example value of "perplexity" is a loglikelihood
+        key = "loglikelihood" if metric == "perplexity" else metric
+        if samples and metric in samples[0]:
+            per_example[key] = [float(x[metric]) for x in samples]
     return {
         "metrics": metrics,
         "examples": counts.get("effective"),
@@ -168,6 +175,7 @@ def _task_entry(name: str, out: dict[str, Any], tokens: dict[str, Any]) -> dict[
         "split": BENCHMARKS[name].split,
         "lm_eval_task_version": out.get("versions", {}).get(name),
         "tokens": tokens.get(name),
+        "per_example": per_example,
     }
 
 
