@@ -88,7 +88,9 @@ def table(root: str, window: int) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="benchmarks/results/tasks")
-    parser.add_argument("--out", default=None, help="write the tables here (default ROOT/README.md)")
+    parser.add_argument(
+        "--out", default=None, help="write the tables here (default ROOT/README.md)"
+    )
     args = parser.parse_args()
     parts = []
     for window in SETTINGS:
