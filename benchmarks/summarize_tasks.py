@@ -3,8 +3,8 @@
 usage: python benchmarks/summarize_tasks.py [RESULTS_DIR] [--out README.md]
 
 Reads ``RESULTS_DIR/{dense,top2-w128,top1-w128,top2-w32,top1-w32}.json`` (default
-``benchmarks/results/tasks``; missing files are left out) and writes one table per window
-setting: for every task and metric, the dense model's value with its standard error, each
+``benchmarks/results/tasks``; missing files are left out), and the same with the prefix
+``lambada500-`` (LAMBADA alone on more examples), and writes one table per window setting: for every task and metric, the dense model's value with its standard error, each
 Focus setting's value and its paired difference to the dense model over the same examples
 (mean of the per-example differences, ± its standard error), and the share of scored tokens
 whose context exceeds window + sink tokens ("routed": the only predictions Focus can change).
@@ -64,9 +64,9 @@ def _focus_cell(dense: dict, entry: dict, metric: str) -> str:
     return shown if diff is None else f"{shown} (Δ {100 * diff[0]:+.1f} ± {100 * diff[1]:.1f})"
 
 
-def table(root: str, window: int) -> str | None:
-    dense = _load(root, "dense")
-    settings = [(title, r) for stem, title in SETTINGS[window] if (r := _load(root, stem))]
+def table(root: str, window: int, prefix: str = "") -> str | None:
+    dense = _load(root, prefix + "dense")
+    settings = [(title, r) for stem, title in SETTINGS[window] if (r := _load(root, prefix + stem))]
     if dense is None or not settings:
         return None
     focus = settings[0][1]["model"]["focus"]
@@ -93,10 +93,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     parts = []
-    for window in SETTINGS:
-        t = table(args.root, window)
-        if t is not None:
-            parts += [f"Window {window}:", "", t, ""]
+    for prefix, what in (("", ""), ("lambada500-", "LAMBADA alone, more examples, ")):
+        for window in SETTINGS:
+            t = table(args.root, window, prefix)
+            if t is not None:
+                parts += [f"{what}window {window}:", "", t, ""]
     text = "\n".join(parts)
     out = args.out or os.path.join(args.root, "README.md")
     with open(out, "w") as fh:
