@@ -273,7 +273,7 @@ def test_focus_bench_tasks_refuses_focus_settings_without_adapter(tiny, capsys):
     assert rc == 1 and "adapter" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # lm-eval's command line indexes all of its ~10,000 task files
+@pytest.mark.slow  # lm-eval's command line indexes all of its ~14,000 task files
 def test_focus_lm_eval_runs_lm_evals_cli(bench_home, tiny, tmp_path, monkeypatch):
     model_dir, adapter = tiny
     monkeypatch.setattr("sys.argv", ["focus"])
