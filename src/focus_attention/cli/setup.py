@@ -1,6 +1,6 @@
-"""``focus setup``: prepare models and corpora into the offline cache in one go (by default
-the default model and corpus), then print a summary. Idempotent: a prepared entry costs one
-manifest read."""
+"""``focus setup``: prepare models, corpora and (with ``--benchmarks``) the zero-shot benchmark
+data into the offline cache in one go (by default the default model and corpus), then print a
+summary. Idempotent: a prepared entry costs one manifest read."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import time
 from typing import Any
 
+from ..assets.benchmarks import BENCHMARK_DATA, prepare_benchmarks
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
 from ..assets.models import DEFAULT_MODEL, prepare_model
@@ -16,16 +17,17 @@ from .common import run_guarded
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    """Prepare ``--model`` (default :data:`DEFAULT_MODEL`) then ``--corpus`` (default
-    :data:`DEFAULT_CORPUS`), printing each as it is ready and a summary table at the end."""
+    """Prepare ``--model`` (default :data:`DEFAULT_MODEL`), ``--corpus`` (default
+    :data:`DEFAULT_CORPUS`) and, with ``--benchmarks``, the benchmark data, printing each as
+    it is ready and a summary table at the end."""
     models = args.model or [DEFAULT_MODEL]
     corpora = args.corpus or [DEFAULT_CORPUS]
     print(f"focus setup: cache {focus_home()} (set FOCUS_HOME to change)", flush=True)
     rows = []
-    for kind, names, prep in (
-        ("model", models, prepare_model),
-        ("corpus", corpora, prepare_corpus),
-    ):
+    steps = [("model", models, prepare_model), ("corpus", corpora, prepare_corpus)]
+    if args.benchmarks:
+        steps.append(("data", [BENCHMARK_DATA], lambda _name, force: prepare_benchmarks(force=force)))  # fmt: skip
+    for kind, names, prep in steps:
         for name in names:
             t0 = time.monotonic()
             path = prep(name, force=args.force)
@@ -50,5 +52,7 @@ def register_cli(subparsers: Any) -> None:
                    help=f"model(s) to prepare (default {DEFAULT_MODEL})")  # fmt: skip
     s.add_argument("--corpus", nargs="+", action="extend", metavar="C",
                    help=f"corpus/corpora to prepare (default {DEFAULT_CORPUS})")  # fmt: skip
+    s.add_argument("--benchmarks", action="store_true",
+                   help=f"also prepare the zero-shot benchmark data ({BENCHMARK_DATA})")  # fmt: skip
     s.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     s.set_defaults(func=run_guarded(_cmd_setup))
