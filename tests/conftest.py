@@ -56,3 +56,20 @@ def fused_kernel(kernel_built: bool) -> bool:
         reason = extension.unavailable_reason() or "FOCUS_NO_EXTENSION set"
         pytest.skip(f"the cpu_fused kernel is unavailable: {reason}")
     return True
+
+
+@pytest.fixture(scope="module")
+def module_assets(tmp_path_factory):
+    """Tiny offline assets (a random LLaMA model directory, a word-level tokenizer and a
+    small corpus with its cache), built once per test module (``test_pipeline``)."""
+    from test_pipeline import make_tiny_assets
+
+    return make_tiny_assets(tmp_path_factory.mktemp("tiny-assets"))
+
+
+@pytest.fixture
+def assets(module_assets, monkeypatch):
+    """``module_assets`` with ``FOCUS_HOME`` pointing at their cache for one test."""
+    from test_pipeline import use_tiny_assets
+
+    return use_tiny_assets(module_assets, monkeypatch)

@@ -7,20 +7,10 @@ import math
 
 import pytest
 import torch
-from test_pipeline import check_eval_schema, make_tiny_assets, tiny_config, use_tiny_assets
+from test_pipeline import check_eval_schema, tiny_config, use_tiny_assets
 
 from focus_attention.evaluation import RoutingStats, evaluate, markdown_table, score_windows
 from focus_attention.utils.env import weights_sha256
-
-
-@pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
-    return make_tiny_assets(tmp_path_factory.mktemp("evaluate"))
-
-
-@pytest.fixture
-def assets(module_assets, monkeypatch):
-    return use_tiny_assets(module_assets, monkeypatch)
 
 
 @pytest.fixture(scope="module")

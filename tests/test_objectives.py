@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+from test_pipeline import tiny_config
 from tiny import focus, ids
 
 from focus_attention.ops.coverage import distant_attention
@@ -19,16 +19,6 @@ from focus_attention.training.objectives import (
     distill_step,
     lm_step,
 )
-
-
-@pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
-    return make_tiny_assets(tmp_path_factory.mktemp("objectives"))
-
-
-@pytest.fixture
-def assets(module_assets, monkeypatch):
-    return use_tiny_assets(module_assets, monkeypatch)
 
 
 def test_record_dense_attention_is_the_base_model_and_records_every_focus_layer():

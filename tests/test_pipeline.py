@@ -183,16 +183,6 @@ def use_tiny_assets(assets: dict, monkeypatch) -> dict:
     return assets
 
 
-@pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
-    return make_tiny_assets(tmp_path_factory.mktemp("pipeline"))
-
-
-@pytest.fixture
-def assets(module_assets, monkeypatch):
-    return use_tiny_assets(module_assets, monkeypatch)
-
-
 def _cli(argv: list[str]) -> int:
     from focus_attention.cli import main
 

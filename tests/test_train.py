@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import make_tiny_assets, tiny_config, train_config, use_tiny_assets
+from test_pipeline import tiny_config, train_config, use_tiny_assets
 
 from focus_attention.training import (
     CHECKPOINT_DIR,
@@ -22,16 +22,6 @@ from focus_attention.training import (
     train,
 )
 from focus_attention.training.loop import trainable_parameters
-
-
-@pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
-    return make_tiny_assets(tmp_path_factory.mktemp("train"))
-
-
-@pytest.fixture
-def assets(module_assets, monkeypatch):
-    return use_tiny_assets(module_assets, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+from test_pipeline import tiny_config, use_tiny_assets
 from tiny import word_tokenizer
 
 from focus_attention.evaluation.categories import (
@@ -131,16 +131,6 @@ def test_group_category_counts_sum_to_the_tokens_and_reject_bad_input():
 
 # --------------------------------------------------------------------------------------------
 # a run on the tiny model
-
-
-@pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
-    return make_tiny_assets(tmp_path_factory.mktemp("inspect"))
-
-
-@pytest.fixture
-def assets(module_assets, monkeypatch):
-    return use_tiny_assets(module_assets, monkeypatch)
 
 
 @pytest.fixture(scope="module")
