@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_sweep_trains_and_evaluates_every_cell(serial_sweep):
     out = cfg.out_dir()
     slugs = ["sinkhorn_iters-0", "sinkhorn_iters-10"]
     assert [r["slug"] for r in summary["cells"]] == slugs
-    for row, iters in zip(summary["cells"], (0, 10)):
+    for row, iters in zip(summary["cells"], (0, 10), strict=True):
         cell = out / "cells" / row["slug"]
         for name in ("focus_model.safetensors", "log.jsonl", "eval.json", "eval.md", "cell.json"):
             assert (cell / name).is_file(), name
@@ -209,7 +210,7 @@ def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path,
     par = SweepConfig(grid=cfg.grid, out=str(tmp_path / "par"), jobs=2, threads=2, progress=False)
     assert par.cell_threads() == 1
     result = run_sweep(par)
-    for a, b in zip(result["cells"], summary["cells"]):
+    for a, b in zip(result["cells"], summary["cells"], strict=True):
         assert a["slug"] == b["slug"]
         for key in ("base", "focus_soft"):
             assert a["ppl"][key] == pytest.approx(b["ppl"][key], rel=1e-6)
@@ -228,3 +229,18 @@ def test_cli_reports_bad_grids(tmp_path, capsys):
     assert main(["sweep", "--grid", str(bad)]) == 1
     assert "num_groups is an empty list" in capsys.readouterr().err
     assert sweep_mod.GRID_KEYS and "sinkhorn_iters" in sweep_mod.GRID_KEYS
+
+
+SWEEP_FILES = sorted((Path(__file__).resolve().parents[1] / "configs" / "sweeps").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.stem for p in SWEEP_FILES])
+def test_shipped_grid_files_are_valid(path):
+    plan = load_plan(path)  # checks every cell's TrainConfig and the EvalConfig
+    assert len(plan.cells) >= 2
+    for slug in plan.cells:
+        assert plan.train_config(slug, Path("cell")).steps == 80  # the main job's budget
+
+
+def test_shipped_grid_files_exist():
+    assert {p.stem for p in SWEEP_FILES} >= {"smollm2-small"}

@@ -260,7 +260,8 @@ def _cell_row(plan: SweepPlan, slug: str, cell_dir: Path, train_seconds: float) 
         "pairs_retained": ev["pairs_retained"],
         "dominance": ev["dominance"],
         "train_dominance": {
-            k: log[-1][k] for k in ("dominance", "dominance_max", "dominance_topk")
+            k: log[-1][k]
+            for k in ("dominance", "dominance_max", "dominance_topk")
             if log and k in log[-1]
         },  # fmt: skip
         "train_seconds": train_seconds,
@@ -372,7 +373,7 @@ def sweep_markdown(summary: dict[str, Any]) -> str:
             vals = [k, f"{ppl:.3f}", f"{100 * (ppl / base - 1):+.1f}%",
                     f"{100 * r['pairs_retained'][k]:.1f}%",
                     _fmt(r["dominance"]["topk"].get(k), ".3f"), dom_train,
-                    f"{r['train_seconds']:.0f}"]  # fmt: skip
+                    f"{r['train_seconds']:.1f}"]  # fmt: skip
             lines.append("| " + " | ".join(cells + vals) + " |")
     base = rows[0]["ppl"]["base"] if rows else None
     return (f"Sweep `{summary['grid']}`: {len(rows)} cells; base model (dense) PPL "

@@ -44,7 +44,7 @@ def _plot_dominance(axes: Any, rows: list[dict[str, Any]]) -> None:
         (line,) = axes[0].plot(steps, [r["dominance"] for r in log], label=_label(row))
         axes[1].plot(steps, [r.get("dominance_max", r["dominance"]) for r in log],
                      color=line.get_color())  # fmt: skip
-    for ax, what in zip(axes, ("mean over layers", "worst layer")):
+    for ax, what in zip(axes, ("mean over layers", "worst layer"), strict=True):
         ax.set_xlabel("training step")
         ax.set_ylabel("dominance (1 = one group holds every token)")
         ax.set_title(f"group dominance of the soft routing, {what}")
