@@ -244,3 +244,21 @@ def test_shipped_grid_files_are_valid(path):
 
 def test_shipped_grid_files_exist():
     assert {p.stem for p in SWEEP_FILES} >= {"smollm2-small"}
+
+
+def test_finished_cells_with_other_settings_are_refused(serial_sweep, module_assets, tmp_path):
+    cfg, _ = serial_sweep
+    text = TINY_GRID.replace("max_tokens = 64", "max_tokens = 96").replace("lr = 1e-2", "lr = 2e-2")
+    grid = _write_grid(tmp_path, module_assets, text)
+    changed = SweepConfig(grid=str(grid), out=cfg.out, progress=False)
+    with pytest.raises(ValueError, match=r"other settings \(lr, eval.max_tokens changed\)"):
+        run_sweep(changed)
+
+
+def test_cli_runs_a_finished_sweep(serial_sweep, capsys):
+    from focus_attention.cli import main
+
+    cfg, _ = serial_sweep
+    assert main(["sweep", "--grid", cfg.grid, "--out", cfg.out, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| sinkhorn_iters | top_k | PPL |" in out and "sweep.json" in out

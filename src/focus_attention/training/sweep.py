@@ -243,17 +243,28 @@ def load_plan(path: str | os.PathLike[str]) -> SweepPlan:
     return plan
 
 
-def _cell_row(plan: SweepPlan, slug: str, cell_dir: Path, train_seconds: float) -> dict:
+#: evaluation settings that do not change the results (compared when a cell is reused)
+EVAL_FREE_FIELDS = ("threads", "progress", "json", "markdown")
+
+
+def _eval_settings(ev_cfg: Any) -> dict[str, Any]:
+    """The evaluation settings that decide a cell's results, as JSON values."""
+    import json
+
+    d = dataclasses.asdict(ev_cfg)
+    return json.loads(json.dumps({k: v for k, v in d.items() if k not in EVAL_FREE_FIELDS}))
+
+
+def _cell_row(cfg: TrainConfig, ev_cfg: Any, train_seconds: float) -> dict:
     """The results row of a finished cell from its ``eval.json`` and ``log.jsonl``."""
     import json
 
     from .checkpoint import LOG_NAME, read_log
 
+    cell_dir = cfg.out_dir()
     ev = json.loads((cell_dir / EVAL_FILE).read_text())
     log = [r for r in read_log(cell_dir / LOG_NAME) if "dominance" in r]
     return {
-        "slug": slug,
-        "settings": plan.cells[slug],
         "dir": str(cell_dir),
         "focus": ev["config"]["focus"],
         "ppl": ev["ppl"],
@@ -266,16 +277,36 @@ def _cell_row(plan: SweepPlan, slug: str, cell_dir: Path, train_seconds: float) 
         },  # fmt: skip
         "train_seconds": train_seconds,
         "eval_tokens": ev["tokens"],
+        "train_config": cfg.to_dict(),
+        "eval_config": _eval_settings(ev_cfg),
     }
+
+
+def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, ev_cfg: Any) -> None:
+    """Refuse to reuse a finished cell whose settings differ from the grid file's now.
+
+    Raises:
+        ValueError: naming the settings that changed.
+    """
+    changed = sorted(TrainConfig.from_dict(row["train_config"]).locked_differences(cfg))
+    then, now = row["eval_config"], _eval_settings(ev_cfg)
+    changed += sorted(f"eval.{k}" for k in set(then) | set(now) if then.get(k) != now.get(k))
+    if changed:
+        raise ValueError(
+            f"{row['dir']} was trained and evaluated with other settings ({', '.join(changed)} "
+            "changed): use another --out, or delete the cell to run it again"
+        )
 
 
 def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress: bool) -> dict:
     """Train and evaluate cell ``slug`` in ``out/cells/<slug>`` (unless its ``cell.json``
     exists); an interrupted training resumes from its newest checkpoint. Returns the cell's
-    row (``cell.json``: settings, perplexities, pairs retained, dominance, train seconds).
+    row (``cell.json``: settings, perplexities, pairs retained, dominance, train seconds,
+    the training and evaluation settings).
 
     Raises:
-        what :func:`~.loop.train` and :func:`~focus_attention.evaluation.evaluate` raise.
+        ValueError: a finished cell whose settings differ from the grid's now; what
+            :func:`~.loop.train` and :func:`~focus_attention.evaluation.evaluate` raise.
     """
     import json
 
@@ -284,16 +315,20 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
     from .loop import train
 
     cell_dir = Path(out) / "cells" / slug
-    if (cell_dir / CELL_FILE).is_file():
-        return json.loads((cell_dir / CELL_FILE).read_text())
     resume = latest_checkpoint(cell_dir) is not None
     cfg = plan.train_config(slug, cell_dir, threads=threads, progress=progress,
                             resume=resume, overwrite=not resume)  # fmt: skip
+    ev_cfg = plan.eval_config(slug, cell_dir, threads=threads, progress=progress)
+    if (cell_dir / CELL_FILE).is_file():
+        row = json.loads((cell_dir / CELL_FILE).read_text())
+        _check_unchanged(row, cfg, ev_cfg)
+        return row
     if progress:
         print(f"focus sweep: cell {slug}: {'resuming' if resume else 'training'}", file=sys.stderr)
     result = train(cfg)
-    evaluate(plan.eval_config(slug, cell_dir, threads=threads, progress=progress))
-    row = _cell_row(plan, slug, cell_dir, float(result.train_seconds))
+    evaluate(ev_cfg)
+    row = {"slug": slug, "settings": plan.cells[slug]}
+    row.update(_cell_row(cfg, ev_cfg, float(result.train_seconds)))
     write_json_atomic(cell_dir / CELL_FILE, row)
     return row
 
