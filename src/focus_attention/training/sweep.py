@@ -80,7 +80,11 @@ class SweepConfig:
         metadata={"help": "torch threads in all, split evenly over --jobs (default: the "
                   "cells' own [train]/[eval] threads, else torch's choice)"},
     )  # fmt: skip
-    progress: bool = field(default=True, metadata={"help": "progress bars and messages"})
+    progress: bool = field(
+        default=True,
+        metadata={"help": "messages per cell; --no-progress also silences the cells' bars "
+                  "(else the grid file's [train]/[eval] progress decides)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_int("SweepConfig", "jobs", self.jobs, 1)
@@ -316,9 +320,10 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
 
     cell_dir = Path(out) / "cells" / slug
     resume = latest_checkpoint(cell_dir) is not None
-    cfg = plan.train_config(slug, cell_dir, threads=threads, progress=progress,
+    quiet = None if progress else False  # None: the grid file's own progress setting
+    cfg = plan.train_config(slug, cell_dir, threads=threads, progress=quiet,
                             resume=resume, overwrite=not resume)  # fmt: skip
-    ev_cfg = plan.eval_config(slug, cell_dir, threads=threads, progress=progress)
+    ev_cfg = plan.eval_config(slug, cell_dir, threads=threads, progress=quiet)
     if (cell_dir / CELL_FILE).is_file():
         row = json.loads((cell_dir / CELL_FILE).read_text())
         _check_unchanged(row, cfg, ev_cfg)
