@@ -48,7 +48,7 @@ def test_json_round_trip(tmp_path):
         ("top_k", 9),  # > num_groups
         ("temperature", 0.0),
         ("temperature", float("nan")),
-        ("sinkhorn_iters", 0),
+        ("sinkhorn_iters", -1),
         ("gate", "sigmoid"),
         ("gate_sharpness", -1.0),
         ("sink_tokens", -1),

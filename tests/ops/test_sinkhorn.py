@@ -209,3 +209,29 @@ def test_peaked_scores_balance_after_enough_iterations(source, tau, dtype):
         n_real = int(pad[b].sum())
         mass = p[b].sum(0)
         assert (mass - n_real / 4).abs().max() <= 1e-2, (b, mass.tolist())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_zero_iterations_is_the_softmax_over_groups(padded, dtype, atol):
+    """``n_iter=0`` (Sinkhorn off): every real row is ``softmax(scores)`` over groups
+    (computed here in float64 as the oracle), padding rows are zero, the column bias is zero,
+    and the groups are left unbalanced (unlike one iteration)."""
+    g = gen(11)
+    x = (torch.randn(2, 40, 6, generator=g) * 3 + torch.arange(6.0) * 0.5).to(dtype)
+    pad = padding_mask(g, 2, 40, "right", [40, 23]) if padded else None
+    probs, bias = sinkhorn(x, 0, pad, return_column_bias=True)
+    oracle = torch.softmax(x.double(), dim=-1)
+    if pad is not None:
+        oracle = oracle.masked_fill(~pad[..., None], 0.0)
+    torch.testing.assert_close(probs.double(), oracle, atol=atol, rtol=0)
+    assert torch.equal(bias, torch.zeros_like(bias))
+    cols = probs.sum(dim=1)  # tokens per group: unbalanced without Sinkhorn
+    balanced = sinkhorn(x, 10, pad).sum(dim=1)
+    assert (cols.max(-1).values - cols.min(-1).values > 1).all()
+    assert (balanced.max(-1).values - balanced.min(-1).values < 1).all()
+
+
+def test_negative_iterations_raise():
+    with pytest.raises(ValueError, match="n_iter"):
+        sinkhorn(torch.zeros(1, 3, 2), -1)

@@ -51,7 +51,8 @@ class FocusConfig:
             ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
         top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``.
         temperature: ``tau`` of the routing scores (paper default 0.1).
-        sinkhorn_iters: Sinkhorn iterations in soft routing (paper default 10).
+        sinkhorn_iters: Sinkhorn iterations in soft routing (paper default 10; 0 turns the
+            balancing off: a softmax over groups, the paper's group-dominance ablation).
         gate: soft training gate, ``"paper"`` (Eq. 2, multiplicative sigmoid) or ``"log"``
             (additive ``log(eps + g_i . g_j)``, whose hard limit is the inference mask).
         gate_sharpness: ``lambda`` of the paper gate (not given in the paper; default 10).
@@ -91,7 +92,7 @@ class FocusConfig:
     top_k: int = field(default=2, metadata={"help": "groups each token keeps at inference"})
     temperature: float = field(default=0.1, metadata={"help": "tau of the routing scores"})
     sinkhorn_iters: int = field(
-        default=10, metadata={"help": "Sinkhorn iterations of soft routing"}
+        default=10, metadata={"help": "Sinkhorn iterations of soft routing (0: off, softmax)"}
     )
     gate: str = field(default="log", metadata={"help": "soft training gate", "choices": GATES})
     gate_sharpness: float = field(default=10.0, metadata={"help": "lambda of the paper gate"})
@@ -132,7 +133,7 @@ class FocusConfig:
         if self.top_k > self.num_groups:
             raise _bad("top_k", self.top_k, f"an int in 1..num_groups={self.num_groups}")
         _positive_float("temperature", self.temperature)
-        _int("sinkhorn_iters", self.sinkhorn_iters, 1)
+        _int("sinkhorn_iters", self.sinkhorn_iters, 0)
         if self.gate not in GATES:
             raise _bad("gate", self.gate, f"one of {GATES}")
         _positive_float("gate_sharpness", self.gate_sharpness)

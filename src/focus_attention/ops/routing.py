@@ -69,7 +69,9 @@ def sinkhorn(
 
     Starting from ``Q = exp(log_scores)`` each of ``n_iter`` iterations divides every group
     column by its sum over the real tokens (equal mass per group), then every token row by its
-    sum over groups (rows sum to 1). Gradients flow through every step.
+    sum over groups (rows sum to 1). Gradients flow through every step. ``n_iter = 0`` turns
+    the balancing off: the rows are the plain softmax of the scores over groups and the column
+    bias is zero (the "without Sinkhorn" ablation of the paper).
 
     The result equals ``softmax(log_scores + c, dim=-1)`` row by row, where ``c`` ``[B, K]`` is
     minus the accumulated column log-normalisers: a per-group bias. With
@@ -78,7 +80,7 @@ def sinkhorn(
 
     Args:
         log_scores: ``[B, N, K]`` float scores (any float dtype; computed in fp32).
-        n_iter: number of iterations, ``>= 1`` (paper default 10).
+        n_iter: number of iterations, ``>= 0`` (paper default 10; 0 = softmax, no balancing).
         padding_mask: optional bool ``[B, N]``, True = real token. Padding is excluded from
             the column sums and its rows are all zero in the output.
 
@@ -87,10 +89,10 @@ def sinkhorn(
         ``return_column_bias`` a tuple ``(probs, bias [B, K])``.
 
     Raises:
-        ValueError: rank not 3, ``n_iter < 1``, NaN scores, malformed ``padding_mask``.
+        ValueError: rank not 3, ``n_iter < 0``, NaN scores, malformed ``padding_mask``.
     """
     check_tensor("log_scores", log_scores, 3, floating=True)
-    check_int("sinkhorn", "n_iter", n_iter, 1)
+    check_int("sinkhorn", "n_iter", n_iter, 0)
     check_finite("log_scores", log_scores)
     bsz, n, k = log_scores.shape
     ct = torch.promote_types(log_scores.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
@@ -113,6 +115,8 @@ def sinkhorn(
         x = x - col
         col_total = col_total + col
         x = x - torch.logsumexp(x, dim=2, keepdim=True)  # rows sum to 1
+    if n_iter == 0:  # no balancing: the softmax over groups
+        x = x - torch.logsumexp(x, dim=2, keepdim=True)
     probs = x.exp()
     if padding_mask is not None:
         probs = probs.masked_fill(~padding_mask[..., None], 0.0)

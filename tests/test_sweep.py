@@ -1,0 +1,264 @@
+"""``focus sweep`` (focus_attention.training.sweep): grid expansion and slugs, errors for
+bad grids, a 2-cell sweep end to end on the tiny model, skipping finished cells, resuming
+an unfinished one, and parallel cells giving the results of serial ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from focus_attention.training import sweep as sweep_mod
+from focus_attention.training.sweep import (
+    SweepConfig,
+    cell_slug,
+    expand_grid,
+    load_plan,
+    run_sweep,
+)
+
+#: the cells run with FOCUS_NO_EXTENSION=1 (no kernel build), which says so in a warning
+pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
+
+#: the tiny model's settings (tests/test_pipeline.py tiny_config), 2 steps, no validation
+TINY_GRID = """
+[train]
+model = "{model}"
+corpus = "{corpus}"
+steps = 2
+seq_len = 32
+batch_size = 2
+lr = 1e-2
+warmup_steps = 1
+eval_every = -1
+save_every = 1
+threads = 1
+progress = false
+
+[train.focus]
+num_groups = 4
+top_k = 2
+window = 8
+group_dim = 8
+sink_tokens = 1
+
+[eval]
+seq_len = 32
+max_tokens = 64
+top_k_values = [1, 2]
+progress = false
+
+[grid]
+sinkhorn_iters = [0, 10]
+"""
+
+
+def test_grid_expands_to_the_cartesian_product_in_key_order():
+    cells = expand_grid({"num_groups": [4, 8], "sinkhorn_iters": [0, 10], "gate": "log"})
+    assert list(cells) == [
+        "num_groups-4_sinkhorn_iters-0_gate-log",
+        "num_groups-4_sinkhorn_iters-10_gate-log",
+        "num_groups-8_sinkhorn_iters-0_gate-log",
+        "num_groups-8_sinkhorn_iters-10_gate-log",
+    ]
+    assert cells["num_groups-8_sinkhorn_iters-0_gate-log"] == {
+        "num_groups": 8, "sinkhorn_iters": 0, "gate": "log"}  # fmt: skip
+    # explicit cells come after the product; a duplicate is dropped
+    cells = expand_grid({"window": [64]}, [{"window": 32, "temperature": 0.05}, {"window": 64}])
+    assert list(cells) == ["window-64", "window-32_temperature-0.05"]
+
+
+@pytest.mark.parametrize(
+    "settings,slug",
+    [({}, "base"), ({"prepend_bos": True}, "prepend_bos-on"), ({"max_train_tokens": None},
+     "max_train_tokens-none"), ({"betas": [0.9, 0.95]}, "betas-0.9+0.95"),
+     ({"objective": "mix", "lr": 3e-2}, "objective-mix_lr-0.03")],
+)  # fmt: skip
+def test_slugs(settings, slug):
+    assert cell_slug(settings) == slug
+
+
+@pytest.mark.parametrize(
+    "grid,cells,match",
+    [
+        ({"num_grups": [4]}, None, "unknown setting 'num_grups'"),
+        ({"out": ["a", "b"]}, None, "unknown setting 'out'"),
+        ({"threads": [1, 2]}, None, "unknown setting 'threads'"),
+        ({"window": []}, None, "window is an empty list"),
+        ({}, None, "no cells"),
+        ({}, [{"sinkhorn": 0}], r"\[\[cells\]\] #1: unknown setting 'sinkhorn'"),
+        ({}, ["window"], "expected a table"),
+    ],
+)
+def test_bad_grids_raise_clear_errors(grid, cells, match):
+    with pytest.raises(ValueError, match=match):
+        expand_grid(grid, cells)
+
+
+def _write_grid(tmp_path, assets, text=TINY_GRID, name="grid.toml"):
+    path = tmp_path / name
+    path.write_text(text.format(model=assets["model"], corpus=assets["corpus"]))
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ("[grid]\nnum_groups = [0]\n", r"cell num_groups-0: .*num_groups"),
+        ("[grid]\ntop_k = [8]\n", r"cell top_k-8: .*top_k"),
+        ("[sweep]\njobs = 2\n", r"unknown tables \['sweep'\]"),
+        ("[grid]\nwindow = [64]\n", r"cell window-64: .*seq_len"),
+    ],
+)
+def test_invalid_cells_fail_before_anything_runs(tmp_path, module_assets, extra, match):
+    text = TINY_GRID.replace("[grid]\nsinkhorn_iters = [0, 10]\n", extra)
+    with pytest.raises(ValueError, match=match):
+        load_plan(_write_grid(tmp_path, module_assets, text))
+
+
+@pytest.fixture(scope="module")
+def serial_sweep(module_assets, tmp_path_factory):
+    """The 2-cell tiny sweep (Sinkhorn off and on), run once in this process."""
+    root = tmp_path_factory.mktemp("sweep")
+    grid = _write_grid(root, module_assets)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOCUS_HOME", str(module_assets["home"]))
+        mp.setenv("FOCUS_NO_EXTENSION", "1")  # the portable backends: no kernel build
+        cfg = SweepConfig(grid=str(grid), out=str(root / "out"), threads=1, progress=False)
+        summary = run_sweep(cfg)
+    return cfg, summary
+
+
+def test_sweep_trains_and_evaluates_every_cell(serial_sweep):
+    cfg, summary = serial_sweep
+    out = cfg.out_dir()
+    slugs = ["sinkhorn_iters-0", "sinkhorn_iters-10"]
+    assert [r["slug"] for r in summary["cells"]] == slugs
+    for row, iters in zip(summary["cells"], (0, 10), strict=True):
+        cell = out / "cells" / row["slug"]
+        for name in ("focus_model.safetensors", "log.jsonl", "eval.json", "eval.md", "cell.json"):
+            assert (cell / name).is_file(), name
+        assert row["settings"] == {"sinkhorn_iters": iters}
+        assert row["focus"]["sinkhorn_iters"] == iters and row["focus"]["num_groups"] == 4
+        assert list(row["ppl"]["focus_topk"]) == ["1", "2"]
+        assert 0 < row["pairs_retained"]["1"] < row["pairs_retained"]["2"] <= 1
+        assert 0.25 <= row["train_dominance"]["dominance"] <= 1  # K = 4
+        assert row["train_seconds"] > 0
+        trained = json.loads((cell / "train_config.json").read_text())
+        assert trained["focus"]["sinkhorn_iters"] == iters and trained["steps"] == 2
+    # same base model, budget and data: the dense perplexity is the same in every cell
+    assert summary["cells"][0]["ppl"]["base"] == summary["cells"][1]["ppl"]["base"]
+    written = json.loads((out / "sweep.json").read_text())
+    assert written["cells"] == summary["cells"] and "torch" in written["versions"]
+    table = (out / "sweep.md").read_text()
+    assert table.count("\n| 0 |") == 2 and table.count("\n| 10 |") == 2  # a row per top_k
+    for name in ("ppl_vs_pairs.png", "dominance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_skips_finished_cells(serial_sweep, monkeypatch):
+    cfg, summary = serial_sweep
+    cells = cfg.out_dir() / "cells"
+    mtimes = {p: p.stat().st_mtime_ns for p in cells.rglob("*") if p.is_file()}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished cell was trained again")
+
+    monkeypatch.setattr("focus_attention.training.loop.train", no_training)
+    monkeypatch.setattr("focus_attention.evaluation.perplexity.evaluate", no_training)
+    again = run_sweep(cfg)
+    assert again["cells"] == summary["cells"]
+    assert {p: p.stat().st_mtime_ns for p in cells.rglob("*") if p.is_file()} == mtimes
+
+
+def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monkeypatch):
+    cfg, summary = serial_sweep
+    cell = cfg.out_dir() / "cells" / "sinkhorn_iters-10"
+    # as if stopped after step 1 of 2: the last checkpoint and the results are gone
+    shutil.rmtree(cell / "checkpoints" / "step-0000002")
+    for name in ("cell.json", "eval.json"):
+        (cell / name).unlink()
+    from focus_attention.training import loop
+
+    calls = []
+    real_train = loop.train
+
+    def spy(config, **kwargs):
+        result = real_train(config, **kwargs)
+        calls.append((config, result))
+        return result
+
+    monkeypatch.setattr(loop, "train", spy)
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")  # as in serial_sweep
+    again = run_sweep(cfg)
+    assert [c.resume for c, _ in calls] == [True]  # only the unfinished cell, resumed
+    config, result = calls[0]
+    assert config.out == str(cell) and (result.start_step, result.steps) == (1, 2)
+    assert (cell / "checkpoints" / "step-0000002").is_dir()
+    # resuming continues exactly: the same adapter, the same perplexities
+    again_ppl, ppl = again["cells"][1]["ppl"], summary["cells"][1]["ppl"]
+    assert again_ppl["focus_topk"] == pytest.approx(ppl["focus_topk"], rel=1e-6)
+
+
+def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path, monkeypatch):
+    cfg, summary = serial_sweep
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")  # as in serial_sweep
+    par = SweepConfig(grid=cfg.grid, out=str(tmp_path / "par"), jobs=2, threads=2, progress=False)
+    assert par.cell_threads() == 1
+    result = run_sweep(par)
+    for a, b in zip(result["cells"], summary["cells"], strict=True):
+        assert a["slug"] == b["slug"]
+        for key in ("base", "focus_soft"):
+            assert a["ppl"][key] == pytest.approx(b["ppl"][key], rel=1e-6)
+        assert a["ppl"]["focus_topk"] == pytest.approx(b["ppl"]["focus_topk"], rel=1e-6)
+        assert a["pairs_retained"] == b["pairs_retained"]
+        assert a["train_dominance"] == pytest.approx(b["train_dominance"], rel=1e-6)
+
+
+def test_cli_reports_bad_grids(tmp_path, capsys):
+    from focus_attention.cli import main
+
+    assert main(["sweep"]) == 1
+    assert "--grid FILE is required" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grid]\nnum_groups = []\n")
+    assert main(["sweep", "--grid", str(bad)]) == 1
+    assert "num_groups is an empty list" in capsys.readouterr().err
+    assert sweep_mod.GRID_KEYS and "sinkhorn_iters" in sweep_mod.GRID_KEYS
+
+
+SWEEP_FILES = sorted((Path(__file__).resolve().parents[1] / "configs" / "sweeps").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=[p.stem for p in SWEEP_FILES])
+def test_shipped_grid_files_are_valid(path):
+    plan = load_plan(path)  # checks every cell's TrainConfig and the EvalConfig
+    assert len(plan.cells) >= 2
+    for slug in plan.cells:
+        assert plan.train_config(slug, Path("cell")).steps == 80  # the main job's budget
+
+
+def test_shipped_grid_files_exist():
+    assert {p.stem for p in SWEEP_FILES} >= {"smollm2-small"}
+
+
+def test_finished_cells_with_other_settings_are_refused(serial_sweep, module_assets, tmp_path):
+    cfg, _ = serial_sweep
+    text = TINY_GRID.replace("max_tokens = 64", "max_tokens = 96").replace("lr = 1e-2", "lr = 2e-2")
+    grid = _write_grid(tmp_path, module_assets, text)
+    changed = SweepConfig(grid=str(grid), out=cfg.out, progress=False)
+    with pytest.raises(ValueError, match=r"other settings \(lr, eval.max_tokens changed\)"):
+        run_sweep(changed)
+
+
+def test_cli_runs_a_finished_sweep(serial_sweep, capsys):
+    from focus_attention.cli import main
+
+    cfg, _ = serial_sweep
+    assert main(["sweep", "--grid", cfg.grid, "--out", cfg.out, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| sinkhorn_iters | top_k | PPL |" in out and "sweep.json" in out
