@@ -97,19 +97,24 @@ def gated_attention(
     Inside ``torch.autocast`` it still computes as described (autocast does not apply).
     """
     _check_gated(query, key, value, query_probs, key_probs, window, gate, key_padding_mask)
-    if always_visible is not None:
-        check_shape("always_visible", always_visible, (query.shape[0], key.shape[2]), "[B, Nk]")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        fail("chunk_size", repr(chunk_size), "None or an int >= 1")
+    _check_options(query, key, always_visible, chunk_size, backend)
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     args = (query, key, value, query_probs, key_probs, window, gate, sharpness, eps, scale)
-    if backend not in GATE_BACKENDS:
-        fail("backend", repr(backend), f"one of {GATE_BACKENDS}")
     if backend == "flex" and query.numel() and key.numel():
         return _flex_gated(*args, softcap, key_padding_mask, always_visible)
     return _dense_gated(*args, softcap, key_padding_mask, always_visible, chunk_size)
+
+
+def _check_options(query, key, always_visible, chunk_size, backend) -> None:
+    """Validate ``always_visible``, ``chunk_size`` and ``backend`` (``ValueError``)."""
+    if always_visible is not None:
+        check_shape("always_visible", always_visible, (query.shape[0], key.shape[2]), "[B, Nk]")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        fail("chunk_size", repr(chunk_size), "None or an int >= 1")
+    if backend not in GATE_BACKENDS:
+        fail("backend", repr(backend), f"one of {GATE_BACKENDS}")
 
 
 def _dense_gated(query, key, value, query_probs, key_probs, window, gate, sharpness, eps,
