@@ -231,7 +231,9 @@ def test_nan_scores_rejected(where):
     "call,names",
     [
         pytest.param(lambda: sinkhorn(torch.randn(NK, K), 3), ("log_scores",), id="rank"),
-        pytest.param(lambda: sinkhorn(torch.randn(B, NK, K), -1), ("n_iter",), id="n_iter-negative"),
+        pytest.param(
+            lambda: sinkhorn(torch.randn(B, NK, K), -1), ("n_iter",), id="n_iter-negative"
+        ),
         pytest.param(
             lambda: sinkhorn(torch.randn(B, NK, K), 3, padding_mask=torch.ones(B, NK)),
             ("padding_mask",),
