@@ -73,3 +73,18 @@ def assets(module_assets, monkeypatch):
     from test_pipeline import use_tiny_assets
 
     return use_tiny_assets(module_assets, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def adapter(module_assets, tmp_path_factory):
+    """A 4-step tiny adapter trained on ``module_assets`` (``test_pipeline.tiny_config``:
+    K = 4, top_k = 2, window 8, 1 sink token, both layers)."""
+    from test_pipeline import tiny_config, use_tiny_assets
+
+    from focus_attention.training import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        use_tiny_assets(module_assets, mp)
+        out = tmp_path_factory.mktemp("adapter") / "run"
+        train(tiny_config(module_assets, out, steps=4, eval_every=-1, save_every=0))
+    return out

@@ -7,22 +7,10 @@ import math
 
 import pytest
 import torch
-from test_pipeline import check_eval_schema, tiny_config, use_tiny_assets
+from test_pipeline import check_eval_schema
 
 from focus_attention.evaluation import RoutingStats, evaluate, markdown_table, score_windows
 from focus_attention.utils.env import weights_sha256
-
-
-@pytest.fixture(scope="module")
-def adapter(module_assets, tmp_path_factory):
-    """A 4-step tiny adapter (K = 4, top_k = 2, window 8, 1 sink token)."""
-    from focus_attention.training import train
-
-    with pytest.MonkeyPatch.context() as mp:
-        use_tiny_assets(module_assets, mp)
-        out = tmp_path_factory.mktemp("adapter") / "run"
-        train(tiny_config(module_assets, out, steps=4, eval_every=-1, save_every=0))
-    return out
 
 
 def _evaluate(assets, adapter, **kw):

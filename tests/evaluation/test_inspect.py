@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from test_pipeline import tiny_config, use_tiny_assets
+from test_pipeline import use_tiny_assets
 from tiny import word_tokenizer
 
 from focus_attention.evaluation.categories import (
@@ -131,18 +131,6 @@ def test_group_category_counts_sum_to_the_tokens_and_reject_bad_input():
 
 # --------------------------------------------------------------------------------------------
 # a run on the tiny model
-
-
-@pytest.fixture(scope="module")
-def adapter(module_assets, tmp_path_factory):
-    """A 4-step tiny adapter (K = 4, top_k = 2, window 8, 1 sink token, layers 0 and 1)."""
-    from focus_attention.training import train
-
-    with pytest.MonkeyPatch.context() as mp:
-        use_tiny_assets(module_assets, mp)
-        out = tmp_path_factory.mktemp("adapter") / "run"
-        train(tiny_config(module_assets, out, steps=4, eval_every=-1, save_every=0))
-    return out
 
 
 def _inspect(assets, adapter, **kw):
