@@ -23,7 +23,7 @@ import torch
 
 from focus_attention.assets.corpora import load_corpus, token_blocks
 from focus_attention.assets.models import auto_prepend_bos, load_model
-from focus_attention.evaluation.coverage import topk_coverage
+from focus_attention.evaluation.coverage import evenly_spaced_rows, topk_coverage
 from focus_attention.evaluation.perplexity import score_windows
 from focus_attention.hf import FocusModel
 from focus_attention.utils.env import environment, library_versions
@@ -87,8 +87,8 @@ def main() -> int:
             rel = 100 * (row[str(k)] / result["base"] - 1)
             print(f"{path} top-{k} {row[str(k)]:.3f} ({rel:+.2f}%)", file=sys.stderr)
         if a.coverage_queries:
-            rows = torch.linspace(fm.focus_config.window, a.seq_len - 1, a.coverage_queries)
-            cov = topk_coverage(fm, blocks, ks, rows=rows.long().unique())
+            rows = evenly_spaced_rows(a.seq_len, fm.focus_config.window, a.coverage_queries)
+            cov = topk_coverage(fm, blocks, ks, rows=rows)
             row["coverage"] = cov["topk"]
             print(f"{path} coverage {cov['topk']}", file=sys.stderr)
         result["adapters"][str(path)] = row

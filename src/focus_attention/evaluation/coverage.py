@@ -16,26 +16,44 @@ import torch
 
 from ..ops.coverage import distant_attention, hard_coverage
 
-__all__ = ["topk_coverage"]
+__all__ = ["evenly_spaced_rows", "recorded_distant", "recorded_groups", "topk_coverage"]
+
+
+def evenly_spaced_rows(num_queries: int, window: int, count: int) -> torch.Tensor:
+    """``count`` query indices evenly spaced from ``min(window, num_queries - 1)`` (the first
+    query with keys beyond the window) to the last query, duplicates dropped; int64 ``[R]``."""
+    first = min(window, num_queries - 1)
+    return torch.linspace(first, num_queries - 1, count).long().unique()
+
+
+def recorded_distant(rec: dict[str, Any], window: int, rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """:func:`~focus_attention.ops.coverage.distant_attention` of one record of
+    ``FocusModel.record_dense_attention``: float32 ``[B, R, N]``."""
+    return distant_attention(
+        rec["query"], rec["key"], window, scale=rec["scale"], softcap=rec["softcap"],
+        key_padding_mask=rec["key_padding"], always_visible=rec["sinks"], rows=rows,
+    )  # fmt: skip
+
+
+def recorded_groups(router: Any, scores: torch.Tensor, top_k: int, rec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Causal top-k memberships of a recorded layer call, as a Focus layer forms them
+    (docs/method.md §4): ``(query groups, key groups)`` bool ``[B, N, K]``, padding in no
+    group, the sink keys in every group."""
+    real, sinks = rec["key_padding"], rec["sinks"]
+    groups = router.causal_groups(scores, top_k)
+    if real is not None:
+        groups = groups & real[..., None]
+    return groups, groups if sinks is None else groups | sinks[..., None]
 
 
 def _layer_kept(fm: Any, rec: dict[str, Any], top_ks: list[int], rows: torch.Tensor | None) -> dict[int, tuple[float, float]]:  # fmt: skip
     """``{top_k: (kept, total)}`` distant mass of one recorded layer call."""
-    cfg = fm.focus_config
     router = fm.routers[str(rec["layer"])]
-    real, sinks = rec["key_padding"], rec["sinks"]
-    distant = distant_attention(
-        rec["query"], rec["key"], cfg.window, scale=rec["scale"], softcap=rec["softcap"],
-        key_padding_mask=real, always_visible=sinks, rows=rows,
-    )  # fmt: skip
+    distant = recorded_distant(rec, fm.focus_config.window, rows)
     scores = router.scores(rec["hidden"])
     out = {}
     for k in top_ks:
-        groups = router.causal_groups(scores, k)
-        if real is not None:
-            groups = groups & real[..., None]
-        keys = groups if sinks is None else groups | sinks[..., None]
-        kept, total = hard_coverage(distant, groups, keys, rows)
+        kept, total = hard_coverage(distant, *recorded_groups(router, scores, k, rec), rows)
         out[k] = (float(kept), float(total))
     return out
 

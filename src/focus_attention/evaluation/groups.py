@@ -42,7 +42,7 @@ import torch
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS
 from ..assets.models import DEFAULT_MODEL
 from ..hf.files import CONFIG_NAME
-from ..utils.checks import bad, check_int
+from ..utils.checks import bad, check_int, check_known_keys
 from ..utils.env import environment, library_versions
 from ..utils.io import atomic_write_text, write_json_atomic
 from .categories import CATEGORIES, token_categories, token_texts
@@ -130,10 +130,7 @@ class InspectConfig:
         Raises:
             ValueError: unknown keys or invalid values.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"InspectConfig: unknown keys {unknown}")
+        check_known_keys("InspectConfig", data, cls)
         return cls(**data)
 
 

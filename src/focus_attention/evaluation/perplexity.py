@@ -47,10 +47,10 @@ from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.files import CONFIG_NAME
 from ..ops import pairs_retained
-from ..utils.checks import bad, check_int
+from ..utils.checks import bad, check_int, check_known_keys
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
-from .coverage import topk_coverage
+from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
 
 __all__ = [
@@ -221,10 +221,7 @@ class EvalConfig:
         Raises:
             ValueError: unknown keys or invalid values.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"EvalConfig: unknown keys {unknown}")
+        check_known_keys("EvalConfig", data, cls)
         return cls(**data)
 
 
@@ -491,8 +488,7 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
         scores.add_topk(k, *_score_routed(fm, blocks, bar, bounds))
     if cfg.coverage_queries:
         bar.set_description("eval coverage")
-        rows = torch.linspace(min(fm.focus_config.window, cfg.seq_len - 1), cfg.seq_len - 1,
-                              cfg.coverage_queries).long().unique()  # fmt: skip
+        rows = evenly_spaced_rows(cfg.seq_len, fm.focus_config.window, cfg.coverage_queries)
         scores.coverage = topk_coverage(fm, blocks, ks, rows=rows)
     fm.set_routing("auto")
     return settings, fm.focus_layers

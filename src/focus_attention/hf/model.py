@@ -483,13 +483,8 @@ class FocusModel(nn.Module):
         bool ``[B, Nq, K]``, ``key_groups`` bool ``[B, Nk, K]`` (top-k; sinks included),
         ``key_padding`` bool ``[B, Nk]`` or None, ``sinks``, ``num_keys`` and, in soft mode,
         ``probs`` ``[B, N, K]``. For tests and analysis."""
-        records: list[dict[str, Any]] = []
-        previous = self._runtime.recorder
-        self._runtime.recorder = records
-        try:
+        with self._recording("recorder") as records:
             yield records
-        finally:
-            self._runtime.recorder = previous
 
     @contextlib.contextmanager
     def record_dense_attention(self) -> Iterator[list[dict[str, Any]]]:
@@ -505,13 +500,20 @@ class FocusModel(nn.Module):
             ValueError: (on a call inside) a KV cache is used; call with ``use_cache=False``.
         """
         self._check_live()
+        with self._recording("dense_recorder") as records:
+            yield records
+
+    @contextlib.contextmanager
+    def _recording(self, attr: str) -> Iterator[list[dict[str, Any]]]:
+        """A fresh list in the runtime's recorder ``attr`` for the context; the previous
+        recorder is put back on exit."""
         records: list[dict[str, Any]] = []
-        previous = self._runtime.dense_recorder
-        self._runtime.dense_recorder = records
+        previous = getattr(self._runtime, attr)
+        setattr(self._runtime, attr, records)
         try:
             yield records
         finally:
-            self._runtime.dense_recorder = previous
+            setattr(self._runtime, attr, previous)
 
     @torch.no_grad()
     def calibrate(

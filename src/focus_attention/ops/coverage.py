@@ -116,11 +116,15 @@ def distant_attention(
     return torch.cat(out, dim=1)
 
 
-def _check_coverage(distant: torch.Tensor, rows: torch.Tensor | None, nq: int) -> torch.Tensor:
+def _check_coverage(distant: torch.Tensor, rows: torch.Tensor | None, queries: tuple, keys: tuple) -> torch.Tensor:  # fmt: skip
+    """Check ``distant`` against the query rows and the ``(name, tensor)`` routing of the
+    queries ``[B, Nq, K]`` and keys ``[B, Nk, K]``; the rows as int64 ``[R]``."""
     check_tensor("distant", distant, 3, floating=True)
-    rows = _check_rows(rows, nq, distant.device)
+    rows = _check_rows(rows, queries[1].shape[1], distant.device)
     if distant.shape[1] != rows.numel():
         fail("distant", f"{distant.shape[1]} rows", f"one per query index in rows ({rows.numel()})")
+    bsz, _, nk = distant.shape
+    check_shape(keys[0], keys[1], (bsz, nk, queries[1].shape[-1]), "[B, Nk, K]")
     return rows
 
 
@@ -148,9 +152,7 @@ def soft_coverage(
     """
     check_tensor("query_probs", query_probs, 3, floating=True)
     check_tensor("key_probs", key_probs, 3, floating=True)
-    rows = _check_coverage(distant, rows, query_probs.shape[1])
-    bsz, _, nk = distant.shape
-    check_shape("key_probs", key_probs, (bsz, nk, query_probs.shape[-1]), "[B, Nk, K]")
+    rows = _check_coverage(distant, rows, ("query_probs", query_probs), ("key_probs", key_probs))
     pulled = distant.to(key_probs.dtype) @ key_probs  # [B, R, K]
     kept = (query_probs[:, rows] * pulled).sum()
     return kept, distant.sum()
@@ -178,8 +180,6 @@ def hard_coverage(
     """
     check_bool("query_groups", query_groups)
     check_bool("key_groups", key_groups)
-    rows = _check_coverage(distant, rows, query_groups.shape[1])
-    bsz, _, nk = distant.shape
-    check_shape("key_groups", key_groups, (bsz, nk, query_groups.shape[-1]), "[B, Nk, K]")
+    rows = _check_coverage(distant, rows, ("query_groups", query_groups), ("key_groups", key_groups))  # fmt: skip
     shared = (query_groups[:, rows].float() @ key_groups.float().transpose(1, 2)) > 0
     return (distant * shared).sum(), distant.sum()

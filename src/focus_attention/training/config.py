@@ -13,7 +13,7 @@ from typing import Any
 from ..assets.corpora import DEFAULT_CORPUS
 from ..assets.models import DEFAULT_MODEL
 from ..hf.config import FocusConfig
-from ..utils.checks import bad, check_int, check_number
+from ..utils.checks import bad, check_int, check_known_keys, check_number
 
 __all__ = ["OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
 
@@ -252,10 +252,7 @@ class TrainConfig:
         focus = dict(data.pop("focus", {}) or {})
         for key in sorted(focus_keys & set(data)):
             focus[key] = data.pop(key)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown keys {unknown}")
+        check_known_keys("TrainConfig", data, cls)
         return cls(**data, focus=FocusConfig.from_dict(focus))
 
     def locked_differences(self, other: TrainConfig) -> dict[str, tuple[Any, Any]]:

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
+from ..evaluation.coverage import recorded_distant, recorded_groups
+from ..ops.coverage import hard_coverage, soft_coverage
 
 __all__ = ["StepLoss", "coverage_rows", "objective_loss"]
 
@@ -92,26 +93,22 @@ def _dense_records(model: Any, x: torch.Tensor) -> list[dict[str, Any]]:
 
 
 def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tuple:
-    """``(soft share kept with gradient, top-k share kept, routing record)`` of one layer."""
+    """``(soft share kept with gradient, top-k share kept, distant mass per query, routing
+    record)`` of one layer."""
     cfg = model.focus_config
     router = model.routers[str(rec["layer"])]
     real = rec["key_padding"]
     scores = router.scores(rec["hidden"])
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, real)
     router.update_bias(column_bias.detach(), real)
-    distant = distant_attention(
-        rec["query"], rec["key"], cfg.window, scale=rec["scale"], softcap=rec["softcap"],
-        key_padding_mask=real, always_visible=rec["sinks"], rows=rows,
-    )  # fmt: skip
+    distant = recorded_distant(rec, cfg.window, rows)
     kept, total = soft_coverage(distant, probs, probs, rows)
-    q_groups = router.causal_groups(scores.detach(), cfg.top_k)
-    if real is not None:
-        q_groups = q_groups & real[..., None]
-    k_groups = q_groups if rec["sinks"] is None else q_groups | rec["sinks"][..., None]
+    q_groups, k_groups = recorded_groups(router, scores.detach(), cfg.top_k, rec)
     hard_kept, _ = hard_coverage(distant, q_groups, k_groups, rows)
     total = total.clamp_min(torch.finfo(total.dtype).tiny)
+    mass = float(total) / max(1, distant.shape[0] * rows.numel())
     record = {"probs": probs.detach(), "query_groups": q_groups, "key_padding": real}
-    return kept / total, float(hard_kept / total), float(total) / max(1, distant.shape[0] * rows.numel()), record  # fmt: skip
+    return kept / total, float(hard_kept / total), mass, record
 
 
 def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator) -> StepLoss:  # fmt: skip

@@ -7,12 +7,24 @@ transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 
 def bad(owner: str, name: str, received: object, expected: str) -> ValueError:
     """The ``ValueError`` for field ``name`` of ``owner`` (to raise)."""
     return ValueError(f"{owner}.{name}: received {received!r}, expected {expected}")
+
+
+def check_known_keys(owner: str, data: dict, cls: type) -> None:
+    """Every key of ``data`` is a field of the dataclass ``cls``.
+
+    Raises:
+        ValueError: ``"<owner>: unknown keys [...]"``, sorted.
+    """
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{owner}: unknown keys {unknown}")
 
 
 def check_int(
