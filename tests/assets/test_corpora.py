@@ -75,13 +75,6 @@ def _text(seed: int, n_lines: int, words_per_line: int = 9) -> str:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "focus-home"
-    monkeypatch.setenv("FOCUS_HOME", str(h))
-    return h
-
-
-@pytest.fixture
 def folder(tmp_path):
     root = tmp_path / "docs"
     (root / "sub").mkdir(parents=True)

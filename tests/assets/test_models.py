@@ -45,13 +45,6 @@ def _tiny_llama(vocab: int):
     return tiny_llama(vocab)
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "focus-home"
-    monkeypatch.setenv("FOCUS_HOME", str(h))
-    return h
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random LLaMA saved as a local Hugging Face model directory."""
