@@ -3,7 +3,7 @@
 # first run), then lint and run the whole test suite, including the tests marked `assets`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh "test,assets,bench"
+bash scripts/setup-env.sh "test,assets,bench,baselines,instruct"
 .venv/bin/focus setup --model smollm2-135m --corpus austen --benchmarks
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
