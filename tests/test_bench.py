@@ -42,6 +42,57 @@ def test_kernel_benchmark_writes_json_table_and_plot(tmp_path):
     assert table.count("\n") == 3
 
 
+def test_kernel_inputs_are_the_same_numbers_in_every_dtype():
+    cfg = dict(num_heads=2, num_key_value_heads=1, head_dim=8, num_groups=4, seed=3)
+    q32, k32, _, g32 = bench.kernel_inputs(32, 2, {**cfg, "dtype": "float32"})
+    q16, k16, _, g16 = bench.kernel_inputs(32, 2, {**cfg, "dtype": "bfloat16"})
+    assert q16.dtype == torch.bfloat16 and q32.dtype == torch.float32
+    assert torch.equal(q16, q32.to(torch.bfloat16)) and torch.equal(k16, k32.to(torch.bfloat16))
+    assert torch.equal(g16, g32)
+
+
+@pytest.mark.parametrize("dense_kernel", ["auto", "math"])
+def test_dense_kernel_choice_gives_dense_causal_attention(dense_kernel):
+    cfg = dict(num_heads=4, num_key_value_heads=2, head_dim=8, num_groups=4, seed=0)
+    q, k, v, g = bench.kernel_inputs(40, 1, cfg)
+    out = bench.kernel_call("dense", q, k, v, g, 8, dense_kernel=dense_kernel)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    logits = (q @ kk.transpose(-1, -2)) * 8**-0.5
+    logits = logits.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ vv, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_benchmark_records_dtype_and_device(tmp_path):
+    out = tmp_path / "k.json"
+    args = ["bench", "kernel", "--json", str(out), "--lengths", "64", "--top-k", "1",
+            "--repeats", "1", "--no-memory", "--no-gates", "--window", "8",
+            "--dtype", "bfloat16", "--dense-kernel", "math"]  # fmt: skip
+    assert cli.main(args) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["dtype"], cfg["device"], cfg["dense_kernel"]) == ("bfloat16", "cpu", "math")
+
+
+def test_kernel_benchmark_rejects_bad_settings():
+    with pytest.raises(ValueError, match="dtype"):
+        bench.KernelBenchConfig(dtype="int8")
+    with pytest.raises(ValueError, match="device"):
+        bench.KernelBenchConfig(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            bench.KernelBenchConfig(device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_benchmark_on_cuda_measures_allocator_memory():
+    config = bench.KernelBenchConfig(lengths=(512,), top_k=(1,), repeats=1, gates=False,
+                                     device="cuda", dtype="bfloat16", progress=False)  # fmt: skip
+    row = bench.run_kernel_benchmark(config)["rows"][0]
+    # the bf16 output alone is 9 * 512 * 64 * 2 bytes
+    assert row["dense_peak_bytes"] >= 9 * 512 * 64 * 2
+    assert row["sparse_peak_bytes"] >= 9 * 512 * 64 * 2
+
+
 def test_peak_memory_is_measured_in_a_fresh_process():
     cfg = dict(num_heads=2, num_key_value_heads=1, head_dim=16, window=8, num_groups=4, seed=0)
     peak = bench.kernel_peak_memory("sparse", 4096, 1, cfg)

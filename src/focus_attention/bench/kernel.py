@@ -26,7 +26,7 @@ from ..ops import (
 from ..ops.reference import expand_kv_heads
 from ..utils.env import environment
 from ..utils.io import atomic_write
-from .timing import median_seconds, peak_extra_bytes
+from .timing import cuda_peak_extra_bytes, median_seconds, peak_extra_bytes
 
 __all__ = [
     "KERNEL_LENGTHS",
@@ -42,6 +42,10 @@ __all__ = [
 
 #: sequence lengths of the README's kernel table (tokens)
 KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
+#: input dtypes the benchmark can time
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: dense kernels: ``auto`` lets SDPA choose; the others force one SDPA backend
+DENSE_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 @dataclass
@@ -75,6 +79,37 @@ class KernelBenchConfig:
     )
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
     progress: bool = field(default=True, metadata={"help": "progress bar"})
+    device: str = field(default="cpu", metadata={"help": "device of the inputs: cpu or cuda"})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of query, key and value", "choices": tuple(DTYPES)},
+    )
+    dense_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, efficient "
+            "or math force one)",
+            "choices": DENSE_KERNELS,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"KernelBenchConfig.dtype: expected one of {tuple(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.dense_kernel not in DENSE_KERNELS:
+            raise ValueError(
+                f"KernelBenchConfig.dense_kernel: expected one of {DENSE_KERNELS}, "
+                f"got {self.dense_kernel!r}"
+            )
+        kind = str(self.device).split(":", 1)[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"KernelBenchConfig.device: expected cpu or cuda, got {self.device!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "KernelBenchConfig.device: cuda was asked for but torch sees no CUDA device"
+            )
 
 
 def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torch.Tensor:
@@ -90,32 +125,59 @@ def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torc
 
 
 def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """Seeded query, key, value ``[1, H(_kv), n, D]`` fp32 and balanced memberships."""
+    """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships bool
+    ``[1, n, K]``, drawn in fp32 on the CPU, then moved to ``cfg["device"]`` (default cpu)
+    and ``cfg["dtype"]`` (default float32), so every device times the same numbers."""
     gen = torch.Generator().manual_seed(cfg["seed"] + 7919 * n + top_k)
     q = torch.randn(1, cfg["num_heads"], n, cfg["head_dim"], generator=gen)
     k = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
     v = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
     groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
-    return q, k, v, groups
+    device, dtype = cfg.get("device", "cpu"), DTYPES[cfg.get("dtype", "float32")]
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return q, k, v, groups.to(device)
 
 
-def kernel_call(method: str, q, k, v, groups, window: int, backend: str = "auto"):
-    """One ``dense`` (causal SDPA) or ``sparse`` (:func:`sparse_attention`) call."""
+def _dense_context(dense_kernel: str):
+    """The SDPA backend context of ``dense_kernel`` (a null context for ``auto``)."""
+    import contextlib
+
+    if dense_kernel == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}  # fmt: skip
+    return sdpa_kernel([getattr(SDPBackend, names[dense_kernel])])
+
+
+def kernel_call(
+    method: str, q, k, v, groups, window: int, backend: str = "auto", dense_kernel: str = "auto"
+):
+    """One ``dense`` (causal SDPA, with the ``dense_kernel`` of :data:`DENSE_KERNELS`) or
+    ``sparse`` (:func:`sparse_attention` with ``backend``) call.
+
+    Raises:
+        RuntimeError: a forced ``dense_kernel`` that cannot run these inputs (SDPA's error).
+    """
     if method == "dense":
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True
-        )
+        with _dense_context(dense_kernel):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
     return sparse_attention(q, k, v, groups, groups, window, backend=backend)
 
 
 def measure_peak_here(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
     """In a fresh process: warm the kernels on a small input, measure one call, print
     ``{"peak_bytes": ...}`` as JSON."""
-    backend = cfg.get("backend", "auto")
+    backend, dense_kernel = cfg.get("backend", "auto"), cfg.get("dense_kernel", "auto")
     with torch.inference_mode():
-        kernel_call(method, *kernel_inputs(256, top_k, cfg), cfg["window"], backend)
+        kernel_call(method, *kernel_inputs(256, top_k, cfg), cfg["window"], backend, dense_kernel)
         inputs = kernel_inputs(n, top_k, cfg)
-        peak = peak_extra_bytes(lambda: kernel_call(method, *inputs, cfg["window"], backend))
+        peak = peak_extra_bytes(
+            lambda: kernel_call(method, *inputs, cfg["window"], backend, dense_kernel)
+        )
     print(json.dumps({"peak_bytes": peak}))
 
 
@@ -142,28 +204,45 @@ def kernel_peak_memory(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
-def sparse_backend_name(backend: str, num_groups: int = 8) -> str:
-    """The backend that runs the benchmark's sparse calls (CPU float32, ``num_groups``
-    groups, no grad) when ``backend`` is asked, by the op's own resolver
+def sparse_backend_name(
+    backend: str, num_groups: int = 8, device: str = "cpu", dtype: str = "float32"
+) -> str:
+    """The backend that runs the benchmark's sparse calls (on ``device`` in ``dtype``,
+    ``num_groups`` groups, no grad) when ``backend`` is asked, by the op's own resolver
     (:func:`focus_attention.ops.resolve_backend`). Raises ``ValueError`` as the op would."""
-    request = SparseRequest(torch.device("cpu"), torch.float32, False, num_groups)
+    request = SparseRequest(torch.device(device), DTYPES[dtype], False, num_groups)
     return resolve_backend(backend, request).name
+
+
+def _peak_bytes(method: str, n: int, top_k: int, cfg: dict[str, Any], inputs) -> int | None:
+    """Peak extra bytes of one call: CUDA allocator statistics in this process on CUDA,
+    resident memory in a fresh process on the CPU."""
+    if torch.device(cfg["device"]).type != "cuda":
+        return kernel_peak_memory(method, n, top_k, cfg)
+    call = functools.partial(kernel_call, method, *inputs, cfg["window"], cfg["backend"],
+                             cfg["dense_kernel"])  # fmt: skip
+    with torch.inference_mode():
+        return cuda_peak_extra_bytes(call)
 
 
 def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConfig) -> dict:
     """Time, density and (optionally) peak memory of one ``(N, top_k)``."""
     inputs = kernel_inputs(n, top_k, cfg)
     window = config.window
+    sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else None
     with torch.inference_mode():
         dense_s, dense_all = median_seconds(
-            functools.partial(kernel_call, "dense", *inputs, window), config.repeats
+            functools.partial(kernel_call, "dense", *inputs, window, "auto", config.dense_kernel),
+            config.repeats,
+            synchronize=sync,
         )
         sparse_s, sparse_all = median_seconds(
             functools.partial(kernel_call, "sparse", *inputs, window, config.backend),
             config.repeats,
+            synchronize=sync,
         )
     memory = config.memory
-    density = pairs_retained(inputs[-1], inputs[-1], window)
+    density = pairs_retained(inputs[-1].cpu(), inputs[-1].cpu(), window)
     speedup, ideal = dense_s / sparse_s, 1.0 / density
     return {
         "N": n,
@@ -176,8 +255,8 @@ def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConf
         "density": density,
         "ideal_speedup": ideal,
         "efficiency": speedup / ideal,
-        "dense_peak_bytes": kernel_peak_memory("dense", n, top_k, cfg) if memory else None,
-        "sparse_peak_bytes": kernel_peak_memory("sparse", n, top_k, cfg) if memory else None,
+        "dense_peak_bytes": _peak_bytes("dense", n, top_k, cfg, inputs) if memory else None,
+        "sparse_peak_bytes": _peak_bytes("sparse", n, top_k, cfg, inputs) if memory else None,
     }
 
 
@@ -198,7 +277,8 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
 
     config = config or KernelBenchConfig()
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
-                                           "window", "num_groups", "seed", "backend")}  # fmt: skip
+                                           "window", "num_groups", "seed", "backend", "device",
+                                           "dtype", "dense_kernel")}  # fmt: skip
     combos = [(n, k) for n in config.lengths for k in config.top_k]
     bar = tqdm(combos, desc="kernel", disable=not config.progress)
     rows = []
@@ -213,22 +293,33 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
             k: cfg[k]
             for k in ("num_heads", "num_key_value_heads", "head_dim", "window", "num_groups")
         },  # fmt: skip
-        "dtype": "float32",
+        "dtype": config.dtype,
+        "device": config.device,
         "repeats": config.repeats,
         "warmup": 1,
         "seed": config.seed,
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
-        "sparse_backend": sparse_backend_name(config.backend, config.num_groups),
+        "sparse_backend": sparse_backend_name(
+            config.backend, config.num_groups, config.device, config.dtype
+        ),  # fmt: skip
         "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
-        "memory": "peak extra resident bytes of one call in a fresh process (VmHWM after "
-        "clear_refs; MALLOC_MMAP_THRESHOLD_=65536)"
-        if config.memory
-        else None,
+        "dense_kernel": config.dense_kernel,
+        "memory": _memory_note(config) if config.memory else None,
     }
     result = {"benchmark": "kernel", "config": record, "environment": environment(), "rows": rows}
     if config.gates:
-        result["gates"] = run_gate_benchmark(window=config.window, num_groups=config.num_groups)
+        result["gates"] = run_gate_benchmark(
+            window=config.window, num_groups=config.num_groups, device=config.device
+        )
     return result
+
+
+def _memory_note(config: KernelBenchConfig) -> str:
+    """How the peak memory of a call was measured on ``config.device``."""
+    if torch.device(config.device).type == "cuda":
+        return "peak extra CUDA bytes allocated by one call (max_memory_allocated)"
+    return ("peak extra resident bytes of one call in a fresh process (VmHWM after "
+            "clear_refs; MALLOC_MMAP_THRESHOLD_=65536)")  # fmt: skip
 
 
 def run_gate_benchmark(
@@ -241,20 +332,26 @@ def run_gate_benchmark(
     num_groups: int = 8,
     repeats: int = 5,
     seed: int = 0,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Soft-gated attention (training path, docs/method.md §3) against eager dense attention
     at length ``n``.
 
     Eager dense is what transformers' ``eager`` attention does: repeat the key/value heads,
     ``softmax(q k^T * scale + causal mask)`` in fp32, times ``v``. Forward and forward +
-    backward, median seconds of ``repeats`` after a warm-up; ratio = gated / eager.
+    backward, median seconds of ``repeats`` after a warm-up; ratio = gated / eager. Inputs
+    are fp32 on ``device``.
     """
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, num_heads, n, head_dim, generator=gen, requires_grad=True)
-    k = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
-    v = torch.randn(1, num_key_value_heads, n, head_dim, generator=gen, requires_grad=True)
-    scores = torch.randn(1, n, num_groups, generator=gen, requires_grad=True)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(device).requires_grad_()
+
+    q = leaf(1, num_heads, n, head_dim)
+    k, v = leaf(1, num_key_value_heads, n, head_dim), leaf(1, num_key_value_heads, n, head_dim)
+    scores = leaf(1, n, num_groups)
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
 
     def eager():
         kk, vv = expand_kv_heads(k, num_heads), expand_kv_heads(v, num_heads)
@@ -273,8 +370,8 @@ def run_gate_benchmark(
     for name, fn in [("eager_dense", eager), ("gate_paper", gated("paper")),
                      ("gate_log", gated("log"))]:  # fmt: skip
         with torch.no_grad():
-            fwd, _ = median_seconds(fn, repeats)
-        both, _ = median_seconds(lambda fn=fn: fn().sum().backward(), repeats)
+            fwd, _ = median_seconds(fn, repeats, synchronize=sync)
+        both, _ = median_seconds(lambda fn=fn: fn().sum().backward(), repeats, synchronize=sync)
         rows.append({"method": name, "N": n, "forward_s": fwd, "forward_backward_s": both})
     base = rows[0]
     for r in rows:
@@ -335,7 +432,8 @@ def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     cfg = result["config"]
     ax.set_title(
         f"Focus sparse attention, K={cfg['num_groups']}, window={cfg['window']}, "
-        f"H={cfg['num_heads']}/{cfg['num_key_value_heads']}, D={cfg['head_dim']}, fp32",
+        f"H={cfg['num_heads']}/{cfg['num_key_value_heads']}, D={cfg['head_dim']}, "
+        f"{cfg.get('dtype', 'float32')} on {cfg.get('device', 'cpu')}",
         fontsize=9,
     )
     ax.legend(fontsize=8)

@@ -10,18 +10,33 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["median_seconds", "peak_extra_bytes"]
+__all__ = ["cuda_peak_extra_bytes", "median_seconds", "peak_extra_bytes"]
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list]:
+def _no_sync() -> None:
+    return None
+
+
+def median_seconds(
+    fn: Callable[[], Any],
+    repeats: int,
+    warmup: int = 1,
+    synchronize: Callable[[], Any] | None = None,
+) -> tuple[float, list]:
     """Median wall-clock seconds of ``repeats`` calls after ``warmup`` calls, and every
-    timed call's seconds."""
+    timed call's seconds.
+
+    ``synchronize`` (for example ``torch.cuda.synchronize``) is called before the clock
+    starts and before it stops, so that asynchronous device work is inside each timing."""
+    sync = synchronize or _no_sync
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
 
@@ -55,3 +70,19 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int | None:
     if before is None or peak is None:
         return None
     return max(0, peak - before) * 1024
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], Any]) -> int:
+    """Peak CUDA memory (bytes) that one call of ``fn`` allocates above the memory allocated
+    before it, from the caching allocator's statistics (``torch.cuda.max_memory_allocated``
+    after ``reset_peak_memory_stats``): live tensors, not the allocator's reserve."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return max(0, peak - before)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One prepared run on a machine with a CUDA GPU and a CUDA build of PyTorch already installed
+# (nothing is installed or downloaded): exactness of the CUDA paths, then the kernel benchmark
+# from 4K to 128K tokens against the dense SDPA kernels of that machine.
+#
+#   OUT=/some/dir bash scripts/gpu-check.sh        # results land in $OUT (default runs/gpu)
+#
+# Writes: hardware.txt, gpu-tests.log, kernel-cuda-flash.json/.png, kernel-cuda-auto.json/.png.
+# Each step runs even when an earlier one fails; the exit status is that of the first failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-runs/gpu}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+status=0
+step() { "$@" || { rc=$?; echo "step failed ($rc): $*" >&2; [ "$status" -eq 0 ] && status=$rc; }; }
+
+{
+  nvidia-smi || true
+  "$py" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__); print(torch.cuda.get_device_name(0), \
+torch.cuda.get_device_properties(0))"
+} > "$out/hardware.txt" 2>&1
+cat "$out/hardware.txt"
+
+# exactness on CUDA: every test marked gpu (FlexAttention compiled with LSE, backward, dispatch)
+step "$py" -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/test_bench.py > "$out/gpu-tests.log" 2>&1
+tail -n 30 "$out/gpu-tests.log"
+
+# attention kernel: K = 8, window 128, SmolLM2's head shape, bf16, 4K..128K tokens
+lengths="4096 8192 16384 32768 65536 131072"
+for dense in flash auto; do
+  step "$py" -m focus_attention.cli bench kernel --device cuda --dtype bfloat16 \
+    --backend flex --dense-kernel "$dense" --lengths $lengths --top-k 1 2 --repeats 5 \
+    --no-gates --json "$out/kernel-cuda-$dense.json"
+done
+exit "$status"
