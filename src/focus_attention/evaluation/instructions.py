@@ -113,10 +113,23 @@ _SECTION_WORDS = ("Section", "SECTION")
 
 def _registry() -> tuple[dict[str, Any], dict[str, set[str]], Any]:
     """if-verifiable's IFEval registry, conflicts and word/language lists (langdetect seeded,
-    so that the language checkers are deterministic)."""
-    import langdetect
-    from if_verifiable.ifeval import instructions_util
-    from if_verifiable.ifeval.instructions_registry import INSTRUCTION_CONFLICTS, INSTRUCTION_DICT
+    so that the language checkers are deterministic).
+
+    Raises:
+        RuntimeError: if-verifiable is not installed (the message says how to install it).
+    """
+    try:
+        import langdetect
+        from if_verifiable.ifeval import instructions_util
+        from if_verifiable.ifeval.instructions_registry import (
+            INSTRUCTION_CONFLICTS,
+            INSTRUCTION_DICT,
+        )
+    except ImportError as err:
+        raise RuntimeError(
+            "instruction following needs IFEval's checkers: pip install 'focus-attention[instruct]' "
+            f"(installs if-verifiable==0.1.2); {err}"
+        ) from err
 
     langdetect.DetectorFactory.seed = 0
     return INSTRUCTION_DICT, INSTRUCTION_CONFLICTS, instructions_util
