@@ -1,5 +1,6 @@
 """Benchmarks that write JSON results: the sparse attention op against dense attention
 (:mod:`.kernel`), end-to-end prefill of a real model (:mod:`.model`), needle retrieval
-(:mod:`.needle`) and zero-shot benchmarks through lm-evaluation-harness (:mod:`.tasks`, with
-the lm-eval model and tasks of :mod:`.harness`). Every result records its configuration,
+(:mod:`.needle`), zero-shot benchmarks through lm-evaluation-harness (:mod:`.tasks`, with
+the lm-eval model and tasks of :mod:`.harness`) and instruction following (:mod:`.instructions`,
+over :mod:`focus_attention.evaluation.instructions`). Every result records its configuration,
 library versions and hardware."""

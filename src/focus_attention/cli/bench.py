@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|needle|tasks``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|needle|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..bench.instructions import InstructionsBenchConfig
 from ..bench.kernel import KernelBenchConfig
 from ..bench.model import ModelBenchConfig
 from ..bench.needle import NeedleBenchConfig
@@ -81,6 +82,16 @@ def _tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _instructions(args: argparse.Namespace) -> int:
+    from ..bench.instructions import instructions_table, run_instructions_benchmark
+
+    config = InstructionsBenchConfig(**flag_values(args, InstructionsBenchConfig))
+    result = run_instructions_benchmark(config)
+    print(instructions_table(result))
+    _write(result, args)
+    return 0
+
+
 def _add_benchmark(sub: Any, name: str, config: type, run: Callable, plot: str | None, **text: str) -> None:  # fmt: skip
     """One ``focus bench NAME`` sub-command: ``--json``, ``--plot`` (when the benchmark
     plots; ``plot`` is its help) and the flags of ``config``."""
@@ -129,4 +140,14 @@ def register_cli(subparsers: Any) -> None:
         "or a Focus adapter (optionally with another top_k or window), and reports per task "
         "the share of scored tokens whose context exceeds the window. Needs the bench extra "
         "(lm-eval).",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "instructions", InstructionsBenchConfig, _instructions, None,
+        help="instruction following (IFEval-style) and KL drift: untouched model or Focus",
+        description="Answers a fixed, seeded set of chat prompts (ARC questions and held-out "
+        "book passages, each with one or two IFEval instructions) greedily with the untouched "
+        "model and, with --adapter, with Focus hard top-k routing at each --top-k and "
+        "--window; scores them strict and loose with IFEval's checkers (if-verifiable) and "
+        "measures the KL divergence from the untouched model on its own responses. Needs "
+        "the prepared assets (focus setup).",
     )  # fmt: skip

@@ -1,0 +1,359 @@
+"""``focus bench instructions``: instruction-following retention of an instruct model
+(docs/method.md §9), for the untouched model or a Focus adapter against it, in one JSON.
+
+The prompts are :func:`focus_attention.evaluation.instructions.build_prompts` over offline
+material: the questions of ARC-Easy and ARC-Challenge (validation; the zero-shot benchmark
+data, :mod:`focus_attention.assets.benchmarks`) and single paragraphs of 60-160 words of a
+corpus's held-out split (default: *Persuasion*, the test split of ``austen``), each with one
+or two IFEval instructions. The first ``--limit`` prompts of the fixed set are answered
+greedily, in the tokenizer's chat template, by the untouched model (for an adapter: the same
+base with Focus disabled) and by Focus with hard top-k routing at each ``--top-k`` and
+``--window`` (default the adapter's), and scored strict and loose (IFEval). The drift is the
+KL divergence from the untouched model, teacher-forced on its own responses. Every response
+and score is in the JSON, with the share of generated and scored tokens whose context
+exceeds the window (only those can differ from dense attention).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..assets.corpora import DEFAULT_CORPUS, SPLITS
+from ..assets.models import DEFAULT_MODEL
+from ..utils.checks import bad, check_int, check_number
+from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
+
+__all__ = [
+    "InstructionsBenchConfig",
+    "instructions_table",
+    "passage_pool",
+    "question_pool",
+    "run_instructions_benchmark",
+    "token_shares",
+]
+
+#: the distributions an instructions result records on top of the usual ones
+_IF_DISTRIBUTIONS = ("if-verifiable", "langdetect", "nltk", "datasets")
+#: the benchmarks whose questions are prompts
+QUESTION_SOURCES = ("arc_easy", "arc_challenge")
+#: passage length bounds, in words
+PASSAGE_WORDS = (60, 160)
+
+
+@dataclass
+class InstructionsBenchConfig:
+    """Settings of ``focus bench instructions`` (each field a flag)."""
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "base model (an instruct model with a chat template): registered name, local directory or hub id"},
+    )  # fmt: skip
+    adapter: str | None = field(
+        default=None,
+        metadata={"help": "Focus adapter directory (default: none, the untouched model alone)"},
+    )
+    top_k: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "Focus top_k values to evaluate (default: the adapter's)"}
+    )
+    window: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "local windows to evaluate, in tokens (default: the adapter's; 32 is a stressed setting)"},
+    )  # fmt: skip
+    prompts: int = field(default=200, metadata={"help": "size of the fixed prompt set"})
+    limit: int | None = field(
+        default=None, metadata={"help": "answer the first N prompts of the set (default all)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the prompt set"})
+    passage_share: float = field(default=0.5, metadata={"help": "share of passage prompts"})
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the passages"})
+    split: str = field(default="test", metadata={"help": "its held-out split", "choices": SPLITS})
+    max_new_tokens: int = field(default=256, metadata={"help": "bound on each response, in tokens"})  # fmt: skip
+    batch_size: int = field(default=8, metadata={"help": "prompts per generate call (left-padded)"})  # fmt: skip
+    kl: bool = field(default=True, metadata={"help": "measure the KL divergence from the untouched model"})  # fmt: skip
+    device: str | None = field(default=None, metadata={"help": "torch device (default: cuda if available, else cpu)"})  # fmt: skip
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bars on stderr"})
+
+    def __post_init__(self) -> None:
+        owner = "InstructionsBenchConfig"
+        for name, low in (("prompts", 1), ("max_new_tokens", 1), ("batch_size", 1), ("seed", 0)):
+            check_int(owner, name, getattr(self, name), low)
+        check_int(owner, "limit", self.limit, 1, optional=True)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        check_number(owner, "passage_share", self.passage_share, low=0.0, inclusive=True)
+        if self.passage_share > 1:
+            raise bad(owner, "passage_share", self.passage_share, "a share in [0, 1]")
+        if self.split not in SPLITS:
+            raise bad(owner, "split", self.split, f"one of {SPLITS}")
+        for name in ("top_k", "window"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(value)
+                setattr(self, name, value)
+                if not value:
+                    raise bad(owner, name, value, "None or one or more ints >= 1")
+                for v in value:
+                    check_int(owner, name, v, 1)
+        if self.adapter is None and (self.top_k is not None or self.window is not None):
+            raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
+
+
+# ---------------------------------------------------------------------------------------------
+# offline material
+# ---------------------------------------------------------------------------------------------
+
+
+def question_pool(*, quiet: bool = True) -> list[tuple[str, str]]:
+    """``(origin, question)`` of every ARC-Easy and ARC-Challenge validation question
+    (``arc_easy:<id>``), in file order; the benchmark data are prepared first when needed.
+
+    Raises:
+        RuntimeError: the benchmark data could not be prepared.
+    """
+    import datasets
+
+    from ..assets.benchmarks import benchmark_files
+
+    files = benchmark_files(quiet=quiet)
+    out = []
+    for task in QUESTION_SOURCES:
+        rows = datasets.Dataset.from_file(str(files[task]))
+        out += [(f"{task}:{r['id']}", r["question"].strip()) for r in rows if r["question"].strip()]
+    return out
+
+
+def passage_pool(texts: list[str], name: str, words: tuple[int, int] = PASSAGE_WORDS) -> list[tuple[str, str]]:  # fmt: skip
+    """``(origin, paragraph)`` of every paragraph (blank-line separated, its lines joined) of
+    ``texts`` with ``words[0]``-``words[1]`` words, in order; the origin is ``name:<n>``, the
+    paragraph's index."""
+    out, n = [], 0
+    for text in texts:
+        for para in re.split(r"\n\s*\n", text):
+            joined = " ".join(para.split())
+            if words[0] <= len(joined.split()) <= words[1]:
+                out.append((f"{name}:{n}", joined))
+            n += 1
+    return out
+
+
+def _prompt_set(config: InstructionsBenchConfig) -> list[Any]:
+    from ..assets.corpora import load_corpus
+    from ..evaluation.instructions import build_prompts
+
+    texts = load_corpus(config.corpus, quiet=True).texts(config.split)
+    passages = passage_pool(texts, f"{config.corpus}/{config.split}")
+    prompts = build_prompts(
+        question_pool(), passages, config.prompts, seed=config.seed, passage_share=config.passage_share
+    )  # fmt: skip
+    return prompts[: config.limit]
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+
+def token_shares(contexts: Counter, window: int | None, sink_tokens: int = 0) -> dict[str, Any]:
+    """Summary of predictions by context length (``{keys seen: tokens}``): ``tokens``,
+    ``mean_context``, ``max_context`` and, with a window, ``beyond_window_share`` (context
+    longer than ``window``) and ``routed_share`` (longer than ``window + sink_tokens``:
+    only those can differ from dense attention)."""
+    total = sum(contexts.values())
+    out: dict[str, Any] = {
+        "tokens": total,
+        "mean_context": sum(k * n for k, n in contexts.items()) / total if total else 0.0,
+        "max_context": max(contexts, default=0),
+    }
+    if window is not None:
+        for name, limit in (("beyond_window_share", window), ("routed_share", window + sink_tokens)):  # fmt: skip
+            out[name] = sum(n for k, n in contexts.items() if k > limit) / total if total else 0.0
+    return out
+
+
+def _generated_contexts(generations: list[Any]) -> Counter:
+    return Counter(g.prompt_tokens + j for g in generations for j in range(len(g.ids)))
+
+
+def _models(config: InstructionsBenchConfig) -> tuple[Any, Any, list[tuple[Any, dict]]]:
+    """``(tokenizer, reference, [(evaluated, settings)])`` of the configuration."""
+    import torch
+
+    from ..assets.models import load_model
+    from ..evaluation.instructions import ChatModel, focus_pair
+    from ..hf import FocusModel
+
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base, tokenizer = load_model(config.model, device=device, quiet=True)
+    if config.adapter is None:
+        return tokenizer, ChatModel("reference", base), []
+    fm = FocusModel.from_pretrained(base, config.adapter).eval()
+    cfg = fm.focus_config
+    evaluated = []
+    for k, w in itertools.product(config.top_k or (cfg.top_k,), config.window or (cfg.window,)):
+        chat, reference = focus_pair(fm, top_k=k, window=w)
+        evaluated.append((chat, {"top_k": k, "window": w, "sink_tokens": cfg.sink_tokens}))
+    return tokenizer, reference, evaluated
+
+
+def _bar(config: InstructionsBenchConfig, total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not config.progress, dynamic_ncols=True)
+
+
+def _answer(config: InstructionsBenchConfig, chat: Any, tokenizer: Any, prompts: list, ids: list) -> tuple[list, list]:  # fmt: skip
+    """Generations and scores of one model."""
+    from ..evaluation.instructions import generate_responses, score_response
+
+    with _bar(config, len(ids), f"generate ({chat.name})") as bar:
+        gens = generate_responses(chat, tokenizer, ids, max_new_tokens=config.max_new_tokens,
+                                  batch_size=config.batch_size, progress=bar)  # fmt: skip
+    return gens, [score_response(p, g.text) for p, g in zip(prompts, gens, strict=True)]
+
+
+def _kl_summary(kls: list[dict[str, Any]]) -> dict[str, Any]:
+    scored = [k for k in kls if k["tokens"]]
+    tokens = sum(k["tokens"] for k in scored)
+    per_prompt = [k["kl_mean"] for k in scored]
+    mean_prompt = sum(per_prompt) / len(per_prompt) if per_prompt else None
+    spread = None
+    if len(per_prompt) > 1:
+        var = sum((x - mean_prompt) ** 2 for x in per_prompt) / (len(per_prompt) - 1)
+        spread = (var / len(per_prompt)) ** 0.5
+    return {
+        "tokens": tokens,
+        "mean_per_token": sum(k["kl_sum"] for k in scored) / tokens if tokens else None,
+        "mean_per_prompt": mean_prompt,
+        "mean_per_prompt_stderr": spread,
+        "max": max((k["kl_max"] for k in scored), default=None),
+        "unit": "nats",
+    }
+
+
+def _evaluated_entry(config, chat, settings, tokenizer, prompts, ids, ref) -> dict[str, Any]:  # fmt: skip
+    """One evaluated model: its answers, scores, paired differences, KL and token shares."""
+    from ..evaluation.instructions import accuracy, paired_difference, response_kl
+
+    gens, scores = _answer(config, chat, tokenizer, prompts, ids)
+    window, sinks = settings["window"], settings["sink_tokens"]
+    entry: dict[str, Any] = {
+        "name": chat.name,
+        "settings": settings,
+        "accuracy": accuracy(scores),
+        "difference": paired_difference(scores, ref["scores"]),
+        "generated_tokens": token_shares(_generated_contexts(gens), window, sinks),
+        "responses": [_response(g, s) for g, s in zip(gens, scores, strict=True)],
+    }
+    if config.kl:
+        with _bar(config, len(ids), f"KL ({chat.name})") as bar:
+            kls = response_kl(chat, ref["chat"], ids, [g.ids for g in ref["generations"]], progress=bar)  # fmt: skip
+        contexts: Counter = Counter()
+        for k in kls:
+            contexts.update(k.pop("contexts"))
+        entry["kl"] = {**_kl_summary(kls), "scored_tokens": token_shares(contexts, window, sinks)}
+        for row, k in zip(entry["responses"], kls, strict=True):
+            row["kl"] = k
+    return entry
+
+
+def _response(gen: Any, score: dict[str, Any]) -> dict[str, Any]:
+    return {"response": gen.text, "new_tokens": len(gen.ids), "stopped": gen.stopped, **score}
+
+
+def run_instructions_benchmark(config: InstructionsBenchConfig) -> dict[str, Any]:
+    """Answer, score and compare (module docstring).
+
+    Returns:
+        JSON-able dict: ``config``; ``instructions`` (kept types, excluded types and why, the
+        probe of every checker); ``prompts`` (per prompt: index, source, origin,
+        instruction ids and arguments, text, prompt tokens); ``reference`` (accuracy with
+        standard errors, generated-token summary, per-prompt ``responses``); ``models`` (one
+        per evaluated setting: ``settings``, ``accuracy``, ``difference`` to the reference
+        with paired standard errors, ``kl`` (per token and per prompt, nats; the scored
+        tokens' shares beyond the window), ``generated_tokens`` and ``responses``);
+        ``seconds``, ``versions``, ``environment``.
+
+    Raises:
+        ValueError: a tokenizer without a chat template, too little offline material, or the
+            errors of loading the model or the adapter.
+        RuntimeError: the benchmark data or corpus could not be prepared.
+    """
+    import torch
+
+    from ..evaluation import instructions as ifeval
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    start = time.monotonic()
+    probe = ifeval.probe_checkers()
+    broken = {t: probe.get(t, "missing from if-verifiable's registry") for t in ifeval.INSTRUCTION_TYPES if probe.get(t, "") is not None}  # fmt: skip
+    if broken:
+        raise RuntimeError(f"IFEval checkers that fail here: {broken}")
+    tokenizer, reference, evaluated = _models(config)
+    prompts = _prompt_set(config)
+    ids = [ifeval.chat_ids(tokenizer, p.text) for p in prompts]
+    gens, scores = _answer(config, reference, tokenizer, prompts, ids)
+    ref = {"chat": reference, "generations": gens, "scores": scores}
+    models = [_evaluated_entry(config, chat, s, tokenizer, prompts, ids, ref) for chat, s in evaluated]  # fmt: skip
+    return {
+        "config": asdict(config),
+        "instructions": {
+            "kept": list(ifeval.INSTRUCTION_TYPES),
+            "excluded": ifeval.EXCLUDED_INSTRUCTIONS,
+            "probe": probe,
+        },  # fmt: skip
+        "prompts": [
+            {**asdict(p), "prompt_tokens": len(i)} for p, i in zip(prompts, ids, strict=True)
+        ],  # fmt: skip
+        "reference": {
+            "name": reference.name,
+            "accuracy": ifeval.accuracy(scores),
+            "generated_tokens": token_shares(_generated_contexts(gens), None),
+            "responses": [_response(g, s) for g, s in zip(gens, scores, strict=True)],
+        },
+        "models": models,
+        "seconds": time.monotonic() - start,
+        "versions": library_versions((*RESULT_DISTRIBUTIONS, *_IF_DISTRIBUTIONS)),
+        "environment": environment(),
+    }
+
+
+def _pct(values: dict[str, Any], name: str, signed: bool = False) -> str:
+    value, stderr = values.get(name), values.get(f"{name}_stderr")
+    if value is None:
+        return "-"
+    text = f"{100 * value:+.1f}" if signed else f"{100 * value:.1f}"
+    return text if stderr is None else f"{text} ± {100 * stderr:.1f}"
+
+
+_COLUMNS = ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")
+
+
+def instructions_table(result: dict[str, Any]) -> str:
+    """A markdown table of one result: a row for the reference and one per evaluated
+    setting (accuracies in percent ± standard error; for the settings, the paired
+    difference to the reference), KL per token and per prompt (nats), and the shares of
+    generated and KL-scored tokens routed beyond the window."""
+    n = len(result["prompts"])
+    lines = [
+        f"{result['config']['model']}: IFEval-style instructions, {n} prompts, greedy, chat template",
+        "",
+        "| model | prompt strict % | prompt loose % | instr. strict % | instr. loose % | KL/token | KL/prompt | routed (generated) | routed (scored) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    acc = result["reference"]["accuracy"]
+    lines.append(f"| {result['reference']['name']} | " + " | ".join(_pct(acc, c) for c in _COLUMNS) + " | - | - | - | - |")  # fmt: skip
+    for m in result["models"]:
+        cells = [f"{_pct(m['accuracy'], c)} (Δ {_pct(m['difference'], c, signed=True)})" for c in _COLUMNS]  # fmt: skip
+        kl = m.get("kl") or {}
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        routed = [m["generated_tokens"].get("routed_share"), (kl.get("scored_tokens") or {}).get("routed_share")]  # fmt: skip
+        shown = ["-" if r is None else f"{100 * r:.1f}%" for r in routed]
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + f" | {fmt(kl.get('mean_per_token'))} | "
+                     f"{fmt(kl.get('mean_per_prompt'))} | {shown[0]} | {shown[1]} |")  # fmt: skip
+    return "\n".join(lines)
