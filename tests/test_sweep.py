@@ -142,18 +142,22 @@ def test_sweep_trains_and_evaluates_every_cell(serial_sweep):
             assert (cell / name).is_file(), name
         assert row["settings"] == {"sinkhorn_iters": iters}
         assert row["focus"]["sinkhorn_iters"] == iters and row["focus"]["num_groups"] == 4
-        assert list(row["ppl"]["focus_topk"]) == ["1", "2"]
-        assert 0 < row["pairs_retained"]["1"] < row["pairs_retained"]["2"] <= 1
+        ev = row["evals"]["eval"]
+        assert list(ev["ppl"]["focus_topk"]) == ["1", "2"]
+        assert 0 < ev["pairs_retained"]["1"] < ev["pairs_retained"]["2"] <= 1
+        assert ev["seq_len"] == 32 and ev["eval_config"]["max_tokens"] == 64
         assert 0.25 <= row["train_dominance"]["dominance"] <= 1  # K = 4
         assert row["train_seconds"] > 0
         trained = json.loads((cell / "train_config.json").read_text())
         assert trained["focus"]["sinkhorn_iters"] == iters and trained["steps"] == 2
     # same base model, budget and data: the dense perplexity is the same in every cell
-    assert summary["cells"][0]["ppl"]["base"] == summary["cells"][1]["ppl"]["base"]
+    evs = [r["evals"]["eval"] for r in summary["cells"]]
+    assert evs[0]["ppl"]["base"] == evs[1]["ppl"]["base"]
     written = json.loads((out / "sweep.json").read_text())
     assert written["cells"] == summary["cells"] and "torch" in written["versions"]
     table = (out / "sweep.md").read_text()
-    assert table.count("\n| 0 |") == 2 and table.count("\n| 10 |") == 2  # a row per top_k
+    assert table.count("\n| sinkhorn_iters-0 | 0 |") == 2  # a row per top_k
+    assert table.count("\n| sinkhorn_iters-10 | 10 |") == 2
     for name in ("ppl_vs_pairs.png", "dominance.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -199,7 +203,8 @@ def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monke
     assert config.out == str(cell) and (result.start_step, result.steps) == (1, 2)
     assert (cell / "checkpoints" / "step-0000002").is_dir()
     # resuming continues exactly: the same adapter, the same perplexities
-    again_ppl, ppl = again["cells"][1]["ppl"], summary["cells"][1]["ppl"]
+    again_ppl = again["cells"][1]["evals"]["eval"]["ppl"]
+    ppl = summary["cells"][1]["evals"]["eval"]["ppl"]
     assert again_ppl["focus_topk"] == pytest.approx(ppl["focus_topk"], rel=1e-6)
 
 
@@ -212,10 +217,11 @@ def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path,
     result = run_sweep(par)
     for a, b in zip(result["cells"], summary["cells"], strict=True):
         assert a["slug"] == b["slug"]
+        ea, eb = a["evals"]["eval"], b["evals"]["eval"]
         for key in ("base", "focus_soft"):
-            assert a["ppl"][key] == pytest.approx(b["ppl"][key], rel=1e-6)
-        assert a["ppl"]["focus_topk"] == pytest.approx(b["ppl"]["focus_topk"], rel=1e-6)
-        assert a["pairs_retained"] == b["pairs_retained"]
+            assert ea["ppl"][key] == pytest.approx(eb["ppl"][key], rel=1e-6)
+        assert ea["ppl"]["focus_topk"] == pytest.approx(eb["ppl"]["focus_topk"], rel=1e-6)
+        assert ea["pairs_retained"] == eb["pairs_retained"]
         assert a["train_dominance"] == pytest.approx(b["train_dominance"], rel=1e-6)
 
 
@@ -261,4 +267,4 @@ def test_cli_runs_a_finished_sweep(serial_sweep, capsys):
     cfg, _ = serial_sweep
     assert main(["sweep", "--grid", cfg.grid, "--out", cfg.out, "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "| sinkhorn_iters | top_k | PPL |" in out and "sweep.json" in out
+    assert "| cell | sinkhorn_iters | top_k | PPL | dense |" in out and "sweep.json" in out
