@@ -355,8 +355,9 @@ def load_plan(path: str | os.PathLike[str]) -> SweepPlan:
     return plan
 
 
-#: evaluation settings that do not change the results (compared when a cell is reused)
-EVAL_FREE_FIELDS = ("threads", "progress", "json", "markdown")
+#: evaluation settings not compared when a cell is reused: they do not change the results,
+#: or (``adapter``, the cell's directory) follow from where the sweep's directory is
+EVAL_FREE_FIELDS = ("threads", "progress", "json", "markdown", "adapter")
 
 
 def _eval_settings(ev_cfg: Any) -> dict[str, Any]:
@@ -450,8 +451,8 @@ def _trained_row(plan: SweepPlan, slug: str, cfg: TrainConfig, progress: bool) -
     from .loop import train
 
     path = cfg.out_dir() / CELL_FILE
-    if path.is_file():
-        return _upgrade_row(json.loads(path.read_text()))
+    if path.is_file():  # "dir": where the cell is now
+        return {**_upgrade_row(json.loads(path.read_text())), "dir": str(cfg.out_dir())}
     if progress:
         print(f"focus sweep: cell {slug}: {'resuming' if cfg.resume else 'training'}",
               file=sys.stderr)  # fmt: skip
