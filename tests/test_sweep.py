@@ -492,3 +492,37 @@ def test_honest_grid_is_the_quality_runs():
             assert ev.inference_routing == ("sequence" if name == "sequence" else None)
             assert ev.sink_tokens == (0 if name == "causal-sinks0" else None)
             assert ev.top_k_values == ((1, 2) if slug == "random" else (1, 2, 4))
+
+
+def test_an_untrained_cell_and_a_removed_evaluation(module_assets, tmp_path, monkeypatch):
+    """A 0-step cell (the quality runs' untrained routers) trains nothing and is evaluated;
+    an evaluation dropped from the grid file is no longer reported."""
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    text = TINY_GRID.replace("[grid]\nsinkhorn_iters = [0, 10]\n", """[[cells]]
+name = "random"
+steps = 0
+eval_every = -1
+
+[[cells]]
+name = "one-step"
+steps = 1
+
+[[evals]]
+name = "a"
+
+[[evals]]
+name = "b"
+top_k_values = [1]
+""")  # fmt: skip
+    grid = _write_grid(tmp_path, module_assets, text)
+    cfg = SweepConfig(grid=str(grid), out=str(tmp_path / "out"), progress=False)
+    first = run_sweep(cfg)
+    random = first["cells"][0]
+    assert random["train_config"]["steps"] == 0 and random["train_dominance"] == {}
+    assert list(random["evals"]) == ["a", "b"] and random["evals"]["a"]["ppl"]["base"] > 1
+    grid.write_text(grid.read_text().replace('[[evals]]\nname = "b"\ntop_k_values = [1]\n', ""))
+    again = run_sweep(cfg)
+    assert [list(r["evals"]) for r in again["cells"]] == [["a"], ["a"]]
+    assert list(again["points"]) == ["a"]
+    assert "### Evaluation `b`" not in (cfg.out_dir() / "sweep.md").read_text()

@@ -466,7 +466,7 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
     """Train cell ``slug`` in ``out/cells/<slug>`` unless its ``cell.json`` exists (an
     interrupted training resumes from its newest checkpoint), then run each of its
     evaluations not yet in ``cell.json``, adding it there. Returns the cell's row
-    (``cell.json``): ``slug``, ``settings``, ``dir``, ``focus``, ``train_dominance``,
+    (``cell.json``, with the grid's evaluations of the cell only): ``slug``, ``settings``, ``dir``, ``focus``, ``train_dominance``,
     ``train_seconds``, ``train_config`` and ``evals``: ``{name: {ppl, pairs_retained,
     dominance, tokens, seq_len, eval_config}}``.
 
@@ -496,7 +496,7 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
         evaluate(ev_cfg)
         row["evals"][name] = _eval_row(ev_cfg)
         write_json_atomic(cell_dir / CELL_FILE, row)
-    return row
+    return {**row, "evals": {name: row["evals"][name] for name in evals}}
 
 
 def _run_cells(plan: SweepPlan, cfg: SweepConfig) -> list[dict]:
