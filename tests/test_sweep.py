@@ -260,7 +260,7 @@ def test_groups_window_grid_chooses_on_the_validation_book():
     evaluated at 1K and 4K tokens on the validation split (it is used to choose settings)."""
     plan = load_plan(Path(__file__).resolve().parents[1] / "configs/sweeps/groups-window.toml")
     got = [(s["num_groups"], s["window"]) for s in plan.cells.values()]
-    assert got == [(8, 128), (16, 128), (8, 64), (4, 128), (8, 256)]
+    assert got == [(8, 128), (16, 128), (8, 64)]  # the two denser cells: not run
     for slug in plan.cells:
         evs = [plan.eval_config(slug, Path("c"), e.name) for e in plan.cell_evals(slug)]
         assert [(e.split, e.seq_len) for e in evs] == [("validation", 1024), ("validation", 4096)]
