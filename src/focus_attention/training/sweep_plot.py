@@ -1,5 +1,5 @@
-"""The plots of a sweep (:mod:`.sweep`): perplexity against pairs retained per cell, and
-the routing dominance of every cell over its training (from each ``log.jsonl``)."""
+"""The plots of a sweep (:mod:`.sweep`): perplexity against pairs retained per cell, one
+panel per evaluation with the Pareto points marked, and the routing dominance of every cell over its training (from each ``log.jsonl``)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,29 @@ def _label(row: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in row["settings"].items()) or row["slug"]
 
 
-def _plot_pairs(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """Top-k perplexity against the share of causal pairs retained, one line per cell
-    (one point per ``top_k``), and the dense base model as a dashed line."""
-    for row in rows:
-        ks = list(row["ppl"]["focus_topk"])
-        xs = [100 * row["pairs_retained"][k] for k in ks]
-        ys = [row["ppl"]["focus_topk"][k] for k in ks]
-        ax.plot(xs, ys, "o-", ms=3, label=_label(row))
-    if rows:
-        ax.axhline(rows[0]["ppl"]["base"], color="gray", ls="--", label="base (dense)")
+def _plot_pairs(ax: Any, name: str, points: list[dict[str, Any]], labels: dict[str, str]) -> None:
+    """Top-k perplexity against the share of causal pairs retained in evaluation ``name``:
+    one line per cell (one point per ``top_k``, annotated), the Pareto points
+    (:func:`~.sweep.sweep_points`) ringed and joined, the dense base model as a dashed
+    line."""
+    for slug, label in labels.items():
+        mine = sorted((p for p in points if p["slug"] == slug), key=lambda p: p["top_k"])
+        if not mine:
+            continue
+        xs = [100 * p["pairs_retained"] for p in mine]
+        ax.plot(xs, [p["ppl"] for p in mine], "o-", ms=4, label=label)
+        for p, x in zip(mine, xs, strict=True):
+            ax.annotate(f"k={p['top_k']}", (x, p["ppl"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    front = sorted((p for p in points if p["pareto"]), key=lambda p: p["pairs_retained"])
+    ax.plot([100 * p["pairs_retained"] for p in front], [p["ppl"] for p in front], "k:",
+            lw=1)  # fmt: skip
+    ax.scatter([100 * p["pairs_retained"] for p in front], [p["ppl"] for p in front],
+               s=90, facecolors="none", edgecolors="k", label="Pareto points")  # fmt: skip
+    ax.axhline(points[0]["dense"], color="gray", ls="--", label="dense")
     ax.set_xlabel("causal pairs retained (%)")
     ax.set_ylabel("perplexity (top-k routing)")
-    ax.set_title("perplexity vs pairs retained (points: top_k = 1..K)")
+    ax.set_title(f"evaluation {name}: perplexity vs pairs retained")
     ax.legend(fontsize=7)
 
 
@@ -63,17 +73,25 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def write_sweep_plots(rows: list[dict[str, Any]], out: str | Path) -> list[Path]:
-    """Write :data:`PAIRS_PLOT` and :data:`DOMINANCE_PLOT` into ``out`` (matplotlib Agg,
-    atomically) from the sweep's cell rows (:func:`~.sweep.run_cell`); returns the paths."""
+def write_sweep_plots(
+    rows: list[dict[str, Any]], points: dict[str, list[dict[str, Any]]], out: str | Path
+) -> list[Path]:
+    """Write :data:`PAIRS_PLOT` (one panel per evaluation) and :data:`DOMINANCE_PLOT` into
+    ``out`` (matplotlib Agg, atomically) from the sweep's cell rows
+    (:func:`~.sweep.run_cell`) and points (:func:`~.sweep.sweep_points`); returns the
+    paths."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    _plot_pairs(ax, rows)
+    labels = {row["slug"]: _label(row) for row in rows}
+    names = [n for n in points if points[n]]
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(7 * max(1, len(names)), 5),
+                             squeeze=False)  # fmt: skip
+    for ax, name in zip(axes[0], names, strict=False):
+        _plot_pairs(ax, name, points[name], labels)
     paths = [_save(fig, out / PAIRS_PLOT)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     _plot_dominance(axes, rows)
