@@ -232,3 +232,21 @@ def test_two_processes_under_torchrun_end_with_identical_routers(assets, tmp_pat
     assert result["data"]["tokens_trained"] == 3 * 2 * 64
     model, _ = load_pretrained(out)
     assert int(model.routers["0"].bias_updates) == 3
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.toml")),
+    ids=lambda p: p.name,
+)
+def test_shipped_pretrain_settings_files_are_valid_and_flags_override_them(path):
+    from focus_attention.cli import build_parser
+    from focus_attention.cli.pretrain import config_from_args
+
+    args = build_parser().parse_args(["pretrain", "--config", str(path), "--seed", "3",
+                                      "--attention", "dense", "--num-groups", "8"])  # fmt: skip
+    config = config_from_args(args)
+    assert (config.seed, config.attention, config.focus.num_groups) == (3, "dense", 8)
+    assert config.focus.seed == 3  # the run's seed seeds the routers
+    default = config_from_args(build_parser().parse_args(["pretrain"]))
+    assert default.focus.num_groups == 4 and default.focus == FocusConfig(num_groups=4)
