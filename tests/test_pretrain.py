@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from test_pipeline import use_tiny_assets
 
-from focus_attention.hf import FocusConfig
+from focus_attention.hf import FocusBaseMismatchWarning, FocusConfig
 from focus_attention.training.pretrain import (
     ROUTERS_MODULE,
     PretrainConfig,
@@ -154,7 +155,9 @@ def test_the_tokenizer_is_a_trained_byte_level_bpe(runs):
 def test_the_saved_model_reloads_with_the_same_logits(runs, attention):
     result, out = runs[attention]
     config = PretrainConfig.from_dict(result["config"])
-    model, tok = load_pretrained(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FocusBaseMismatchWarning)  # the adapter fits the model
+        model, tok = load_pretrained(out)
     # the same model rebuilt from the last Trainer checkpoint (LLaMA weights + routers)
     llama, focus, _ = build_model(config, len(tok))
     state = load_file(str(out / "trainer" / "checkpoint-4" / "model.safetensors"))
