@@ -42,7 +42,52 @@ def _args() -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=Path("runs/pretrain-bench"), help="run folders")
     p.add_argument("--results", type=Path, default=Path("benchmarks/results/pretrain"))
     p.add_argument("--logs", type=Path, default=Path("/tmp"), help="one pretrain-*.log per run")
+    p.add_argument("--paired-steps", type=int, default=6,
+                   help="steps of the paired throughput measurement per attention type (0: skip)")  # fmt: skip
     return p.parse_args()
+
+
+def _paired_throughput(a: argparse.Namespace, tokenizer: Path) -> dict:
+    """Seconds per training step of both attention types measured in one process, steps
+    alternating (dense, focus, dense, ...) on the same batches, so that both see the same
+    machine load; the first step of each is warm-up and not counted."""
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from focus_attention.cli.flags import read_config_table
+    from focus_attention.training.pretrain import PretrainConfig, build_model
+
+    settings = read_config_table(str(a.config), "pretrain")
+    focus_settings = settings.pop("focus", {})
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer)))
+    models, optims = {}, {}
+    for att in ATTENTIONS:
+        cfg = PretrainConfig.from_dict({**settings, "attention": att, "focus": focus_settings})
+        torch.set_num_threads(cfg.threads or 1)
+        models[att] = build_model(cfg, vocab)[0]
+        optims[att] = torch.optim.AdamW(models[att].parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[str, list[float]] = {att: [] for att in ATTENTIONS}
+    for _ in range(a.paired_steps + 1):
+        x = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len), generator=gen)
+        for att in ATTENTIONS:
+            start = time.perf_counter()
+            models[att](input_ids=x, labels=x).loss.backward()
+            optims[att].step()
+            optims[att].zero_grad()
+            seconds[att].append(time.perf_counter() - start)
+    tokens = cfg.batch_size * cfg.seq_len
+    out = {"steps": a.paired_steps, "tokens_per_step": tokens, "threads": torch.get_num_threads()}
+    for att in ATTENTIONS:
+        med = statistics.median(seconds[att][1:])
+        out[att] = {"median_step_seconds": med, "tokens_per_second": tokens / med,
+                    "step_seconds": seconds[att]}  # fmt: skip
+    out["focus_over_dense_step_time"] = (
+        out["focus"]["median_step_seconds"] / out["dense"]["median_step_seconds"]
+    )
+    return out
 
 
 def _run(a: argparse.Namespace, attention: str, seed: int, tokenizer: Path | None) -> dict:
@@ -114,31 +159,47 @@ def _markdown(runs: dict[int, dict[str, dict]], comparison: dict) -> str:
             lines.append(f"| {seed} | {att} | {t['tokens_per_second']:.0f} | "
                          f"{t['step_seconds'] / t['steps_timed']:.2f} | "
                          f"{pair[att]['validation'][-1]['ppl']:.2f} |")  # fmt: skip
+    paired = comparison.get("paired_throughput")
+    if paired:
+        lines += ["", f"Paired throughput ({paired['steps']} alternating steps each, one process, "
+                  f"{paired['threads']} thread): dense {paired['dense']['tokens_per_second']:.0f} "
+                  f"tokens/s, focus {paired['focus']['tokens_per_second']:.0f} tokens/s (focus "
+                  f"step time {paired['focus_over_dense_step_time']:.2f}x dense)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def _plot(runs: dict[int, dict[str, dict]], path: Path) -> None:
+    """Left: validation perplexity against training tokens; right: Focus / dense."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ratio) = plt.subplots(1, 2, figsize=(11, 4.5))
+    styles = (("dense", "ppl", "-"), ("focus", "ppl", "--"), ("focus", "ppl_top2", ":"),
+              ("focus", "ppl_top1", "-."))  # fmt: skip
     for i, (seed, pair) in enumerate(runs.items()):
-        color = f"C{i}"
         per_step = pair["dense"]["data"]["tokens_per_step"]
-        for att, key, style in (("dense", "ppl", "-"), ("focus", "ppl", "--"),
-                                ("focus", "ppl_top2", ":"), ("focus", "ppl_top1", "-.")):  # fmt: skip
+        dense = {r["step"]: r["ppl"] for r in pair["dense"]["validation"]}
+        for att, key, style in styles:
             rows = [r for r in pair[att]["validation"] if r["step"] > 0 and key in r]
             label = f"seed {seed} {att}" + ("" if att == "dense" else f" {key[4:] or 'soft'}")
-            ax.plot([r["step"] * per_step / 1e3 for r in rows], [r[key] for r in rows],
-                    style, color=color, marker="o", ms=3, label=label)  # fmt: skip
-    ax.set_xlabel("training tokens (thousands)")
-    ax.set_ylabel("validation perplexity")
+            x = [r["step"] * per_step / 1e3 for r in rows]
+            kw = {"color": f"C{i}", "marker": "o", "ms": 3, "label": label}
+            ax.plot(x, [r[key] for r in rows], style, **kw)
+            if att == "focus":
+                ratio.plot(x, [r[key] / dense[r["step"]] for r in rows], style, **kw)
+    ratio.axhline(1.0, color="black", lw=0.8)
     ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("From scratch: Focus vs dense attention (linux-docs validation)")
+    ax.set_ylabel("validation perplexity")
+    ratio.set_ylabel("Focus PPL / dense PPL (below 1: Focus better)")
+    for a_ in (ax, ratio):
+        a_.set_xlabel("training tokens (thousands)")
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=7)
+    fig.suptitle(
+        "From scratch: Focus vs dense attention, same model, init and tokens (validation split)"
+    )
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
@@ -157,6 +218,8 @@ def main() -> None:
             tokenizer = tokenizer or a.runs / f"{attention}-s{seed}" / "tokenizer"
         _check_same_data(runs[seed]["dense"], runs[seed]["focus"], seed)
     comparison = _compare(runs)
+    if a.paired_steps > 0:
+        comparison["paired_throughput"] = _paired_throughput(a, tokenizer)
     a.results.mkdir(parents=True, exist_ok=True)
     write_json_atomic(a.results / "pretrain.json", {
         "command": " ".join(sys.argv), "config_file": str(a.config), "seeds": seeds,
