@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "focus_attention.cli.setup",
     "focus_attention.cli.models",
     "focus_attention.cli.train",
+    "focus_attention.cli.pretrain",
     "focus_attention.cli.eval",
     "focus_attention.cli.inspect",
     "focus_attention.cli.sweep",

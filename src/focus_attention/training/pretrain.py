@@ -1,0 +1,780 @@
+"""``focus pretrain``: a small LLaMA-style model trained from random initialisation, with Focus
+(routers and every model weight trained together, soft Sinkhorn routing) or with dense
+attention, on the same tokens in the same order (docs/method.md §6, "From scratch").
+
+The engine is ``transformers.Trainer``, so one process, ``torchrun`` and ``accelerate
+launch`` (DDP with gloo on CPU or NCCL on GPU, FSDP through accelerate's configuration)
+run the same code; only rank 0 writes logs, checkpoints and the final model. What this module
+adds to the Trainer:
+
+* the model (:mod:`.scratch_model`): transformers' ``LlamaForCausalLM`` and, with
+  ``attention="focus"``, :func:`~focus_attention.hf.get_focus_model` on it with every base
+  weight unfrozen and the routers registered as the submodule :data:`ROUTERS_MODULE` of the
+  LLaMA model, so that the optimizer, DDP and the Trainer's checkpoints see them;
+* validation perplexity at every checkpoint (and at step 0) on the validation split, scored
+  by :func:`~focus_attention.evaluation.score_windows`: for Focus with soft routing (the
+  training-time model) and with hard top-k routing for each ``eval_top_k`` (what inference
+  uses), for dense attention the dense model;
+* the routing-bias statistics (:meth:`~focus_attention.hf.router.FocusRouter.update_bias`,
+  updated by every soft training forward) averaged across ranks after every optimizer step,
+  with DDP's buffer broadcast off, so every rank holds the statistics of the global batch and
+  ends with the same routers (:class:`RoutingBiasSync`);
+* records that the two attention types saw the same data: the SHA-256 of the initial model
+  weights, of the training blocks and of every batch in the order it was fed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..hf.config import FocusConfig
+from ..utils.checks import bad, check_int, check_known_keys, check_number
+from .scratch_model import SIZES, ModelSize, resolve_size
+
+__all__ = [
+    "ATTENTIONS",
+    "PRETRAIN_CONFIG_NAME",
+    "PRETRAIN_RESULT_NAME",
+    "ROUTERS_MODULE",
+    "PretrainConfig",
+    "pretrain",
+]
+
+#: attention types of a from-scratch run
+ATTENTIONS = ("focus", "dense")
+#: name under which the Focus routers are registered inside the LLaMA model while it trains
+ROUTERS_MODULE = "focus_routers"
+#: files of an output directory
+PRETRAIN_CONFIG_NAME = "pretrain_config.json"
+PRETRAIN_RESULT_NAME = "pretrain_result.json"
+#: fields that may differ between a run and its ``--resume``
+RESUME_FREE_FIELDS = ("resume", "out", "threads", "progress")
+#: the Focus settings of a from-scratch run: FocusConfig's, with K = 4 (the paper's
+#: from-scratch setting) instead of its retrofit default 8
+PRETRAIN_NUM_GROUPS = 4
+
+
+def _default_focus() -> FocusConfig:
+    return FocusConfig(num_groups=PRETRAIN_NUM_GROUPS)
+
+
+def _top_k_values(text: str) -> tuple[int, ...]:
+    """``"1,2"`` -> ``(1, 2)`` (the ``--eval-top-k`` flag)."""
+    import argparse
+
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected ints like 1,2, got {text!r}") from err
+
+
+@dataclass
+class PretrainConfig:
+    """Settings of a from-scratch run (docs/method.md §6, "From scratch").
+
+    Defaults: the ``small`` model (4.2M parameters with its 4,096-token BPE) on ``linux-docs``
+    in 512-token blocks, so the 128-token Focus window covers a quarter of the context; 300
+    AdamW steps of 4 blocks (614,400 tokens) with a linear warm-up and cosine decay, validated
+    and checkpointed every 50 steps. Focus uses :class:`~focus_attention.hf.FocusConfig`'s
+    settings with ``num_groups`` K = 4, the paper's from-scratch setting (docs/method.md §7):
+    with top-2 routing a distant key is then seen when its groups meet the query's, and
+    top-1 and top-2 are both meaningful checks of the trained groups; the routers' ``seed``
+    is the run's. Every field but ``focus`` is a ``focus pretrain`` flag; ``focus`` takes the
+    FocusConfig flags (``routing``, ``layers``, ``seed`` excepted).
+
+    Raises:
+        ValueError: on construction or :meth:`validate`, naming the first bad field.
+    """
+
+    attention: str = field(
+        default="focus", metadata={"help": "attention type", "choices": ATTENTIONS}
+    )
+    corpus: str = field(
+        default="linux-docs", metadata={"help": "registered corpus or local text file / folder"}
+    )
+    size: str = field(
+        default="small", metadata={"help": "model size preset", "choices": tuple(SIZES)}
+    )
+    hidden_size: int | None = field(default=None, metadata={"help": "override the preset's width"})
+    num_layers: int | None = field(default=None, metadata={"help": "override the preset's layers"})
+    num_heads: int | None = field(default=None, metadata={"help": "override the preset's heads"})
+    num_kv_heads: int | None = field(
+        default=None, metadata={"help": "override the preset's key/value heads"}
+    )
+    intermediate_size: int | None = field(
+        default=None, metadata={"help": "override the preset's MLP width"}
+    )
+    vocab_size: int | None = field(
+        default=None, metadata={"help": "override the preset's BPE vocabulary (tokens)"}
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "tokenizer directory to use instead of training one on the corpus"},
+    )
+    out: str | None = field(
+        default=None, metadata={"help": "output directory (default runs/pretrain/<run name>)"}
+    )
+    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per block"})
+    batch_size: int = field(default=4, metadata={"help": "blocks per device and micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(default=30, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the initialisation, data order and routers"}
+    )
+    eval_every: int = field(
+        default=50, metadata={"help": "validate and checkpoint every N steps (and at step 0)"}
+    )
+    eval_tokens: int = field(
+        default=8192, metadata={"help": "validation tokens (whole blocks of seq_len)"}
+    )
+    eval_top_k: tuple[int, ...] = field(
+        default=(1, 2),
+        metadata={
+            "help": "Focus top-k values validated besides soft routing",
+            "type": _top_k_values,
+            "metavar": "K1,K2",
+        },  # fmt: skip
+    )
+    max_train_tokens: int | None = field(
+        default=None, metadata={"help": "cap on the training split's tokens (default all)"}
+    )
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
+    log_every: int = field(default=10, metadata={"help": "log the training loss every N steps"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the latest checkpoint in --out"}
+    )
+    progress: bool = field(default=False, metadata={"help": "show the Trainer's progress bar"})
+    focus: FocusConfig = field(default_factory=_default_focus)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval_top_k, list):
+            self.eval_top_k = tuple(self.eval_top_k)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises ``ValueError`` naming the first bad one."""
+        owner = "PretrainConfig"
+        if self.attention not in ATTENTIONS:
+            raise bad(owner, "attention", self.attention, f"one of {ATTENTIONS}")
+        self.model_size()
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_tokens"):
+            check_int(owner, name, getattr(self, name), 1)
+        for name in ("keep_checkpoints", "log_every"):
+            check_int(owner, name, getattr(self, name), 1)
+        check_int(owner, "seq_len", self.seq_len, 2)
+        check_int(owner, "warmup_steps", self.warmup_steps, 0)
+        check_int(owner, "seed", self.seed)
+        check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        check_number(owner, "lr", self.lr)
+        check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
+        check_number(owner, "max_grad_norm", self.max_grad_norm, inclusive=True)
+        if self.eval_tokens < self.seq_len:
+            raise bad(owner, "eval_tokens", self.eval_tokens, f">= seq_len ({self.seq_len})")
+        self._validate_focus()
+
+    def _validate_focus(self) -> None:
+        owner = "PretrainConfig"
+        if not isinstance(self.focus, FocusConfig):
+            raise bad(owner, "focus", self.focus, "a FocusConfig")
+        self.focus = self.focus.replace(seed=self.seed)
+        if self.focus.routing == "topk":
+            raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
+        k = self.focus.num_groups
+        if not self.eval_top_k or any(not 1 <= t <= k for t in self.eval_top_k):
+            raise bad(owner, "eval_top_k", self.eval_top_k, f"one or more ints in 1..{k}")
+        if self.attention == "focus" and self.seq_len <= self.focus.window:
+            raise bad(owner, "seq_len", self.seq_len,
+                      f"more than the Focus window ({self.focus.window}): in shorter blocks "
+                      "every pair is local and Focus is dense attention")  # fmt: skip
+
+    def model_size(self) -> ModelSize:
+        """The preset ``size`` with the override fields applied (:func:`resolve_size`)."""
+        names = [f.name for f in dataclasses.fields(ModelSize)]
+        overrides = {n: getattr(self, n) for n in names if n != "num_layers"}
+        return resolve_size(self.size, num_layers=self.num_layers, **overrides)
+
+    def run_name(self) -> str:
+        """``<corpus>-<size>-<attention>-s<seed>`` (the default output folder's name)."""
+        corpus = Path(str(self.corpus)).name.replace(" ", "-") or "corpus"
+        return f"{corpus}-{self.size}-{self.attention}-s{self.seed}"
+
+    def out_dir(self) -> Path:
+        """``out``, or ``runs/pretrain/<run_name()>``."""
+        return Path(self.out) if self.out is not None else Path("runs/pretrain") / self.run_name()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field (``focus`` as :meth:`FocusConfig.to_dict`)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["eval_top_k"] = list(self.eval_top_k)
+        d["focus"] = self.focus.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PretrainConfig:
+        """Inverse of :meth:`to_dict` (``focus`` may be a partial dict of FocusConfig fields,
+        missing ones taking the from-scratch defaults).
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        data = dict(data)
+        focus = {**_default_focus().to_dict(), **dict(data.pop("focus", {}) or {})}
+        check_known_keys("PretrainConfig", data, cls)
+        return cls(**data, focus=FocusConfig.from_dict(focus))
+
+    def locked_differences(self, other: PretrainConfig) -> dict[str, tuple[Any, Any]]:
+        """Fields that differ from ``other``'s, except :data:`RESUME_FREE_FIELDS`."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {
+            k: (mine[k], theirs[k])
+            for k in mine
+            if k not in RESUME_FREE_FIELDS and mine[k] != theirs[k]
+        }
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 (hex) of a tensor's dtype, shape and bytes (CPU, contiguous)."""
+    digest = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}".encode())
+    digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def perplexity(nll_sum: float, tokens: int) -> float:
+    """``exp(nll_sum / tokens)`` (``inf`` when it overflows)."""
+    try:
+        return math.exp(nll_sum / tokens)
+    except OverflowError:
+        return math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# the pieces handed to transformers.Trainer
+# --------------------------------------------------------------------------------------------
+
+
+class BatchDigest:
+    """SHA-256 of the training batches, in the order they are trained on
+    (:meth:`PretrainTrainer.training_step` feeds it every micro-batch's ``input_ids``
+    ``LongTensor [batch, seq_len]``). Two runs with equal :meth:`hexdigest` trained on the
+    same tokens in the same order."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.batches = 0
+
+    def update(self, input_ids: torch.Tensor) -> None:
+        """Fold one batch in."""
+        self.digest.update(input_ids.detach().cpu().contiguous().numpy().tobytes())
+        self.batches += 1
+
+    def hexdigest(self) -> str:
+        """The SHA-256 (hex) of the batches so far."""
+        return self.digest.hexdigest()
+
+
+@torch.no_grad()
+def average_routing_bias(routers: list[Any]) -> float:
+    """Replace every router's ``routing_bias`` ``[K]`` by its mean over the ranks of the
+    initialised ``torch.distributed`` process group (a no-op in one process).
+
+    All ranks start a step with the same bias and fold their own batches in with the same
+    weights (:meth:`~focus_attention.hf.router.FocusRouter.update_bias` is affine in the batch
+    means with coefficients set by ``bias_updates``), so the mean over ranks equals the bias
+    one process would hold after folding in the mean of all ranks' column biases.
+
+    Returns:
+        the largest absolute difference between a rank's bias and the mean, before the
+        average (0.0 in one process): how far apart the ranks' statistics were.
+
+    Raises:
+        RuntimeError: ranks with different ``bias_updates`` (they fed different numbers of
+            soft forwards, so their statistics cannot be averaged).
+    """
+    import torch.distributed as dist
+
+    if not routers or not (dist.is_available() and dist.is_initialized()):
+        return 0.0
+    world = dist.get_world_size()
+    if world == 1:
+        return 0.0
+    counts = torch.stack([r.bias_updates for r in routers])
+    highest = counts.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    if not torch.equal(highest, counts):
+        raise RuntimeError(
+            f"routing-bias updates differ across ranks ({counts.tolist()} here, at most "
+            f"{highest.tolist()}): every rank must run the same number of training forwards"
+        )
+    bias = torch.stack([r.routing_bias for r in routers])
+    mean = bias.clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+    mean /= world
+    gap = float((bias - mean).abs().max())
+    for router, row in zip(routers, mean, strict=True):
+        router.routing_bias.copy_(row)
+    return gap
+
+
+class RoutingBiasSync(TrainerCallback):
+    """After every optimizer step, :func:`average_routing_bias` over the Focus routers (the
+    Trainer must run DDP with ``ddp_broadcast_buffers=False``, or rank 0's buffers would
+    overwrite the others' before every forward). ``max_gap`` keeps the largest rank gap."""
+
+    def __init__(self, routers: list[Any]) -> None:
+        self.routers = list(routers)
+        self.max_gap = 0.0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.max_gap = max(self.max_gap, average_routing_bias(self.routers))
+
+
+class StepTimer(TrainerCallback):
+    """Wall seconds spent in optimizer steps (forward, backward, optimizer; validation and
+    checkpointing excluded), for the throughput."""
+
+    def __init__(self) -> None:
+        self.seconds, self.steps, self._start = 0.0, 0, 0.0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+        self.steps += 1
+
+
+class JsonlLog(TrainerCallback):
+    """Appends every Trainer log entry (``{"step": ..., **logs}``) to a JSON-lines file, on
+    the main process only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+@torch.no_grad()
+def validation_perplexities(
+    model: Any, focus: Any, blocks: torch.Tensor, top_k: tuple[int, ...], train_top_k: int
+) -> dict[str, float]:
+    """Validation perplexity of ``blocks`` ``LongTensor [n, seq_len]`` by
+    :func:`~focus_attention.evaluation.score_windows` (every block on its own, token-weighted;
+    docs/method.md §9), the model in eval mode.
+
+    Returns:
+        ``ppl`` (dense: the model; Focus: soft Sinkhorn routing, the training-time model),
+        with Focus ``ppl_top<k>`` for every ``k`` in ``top_k`` (hard causal top-k routing,
+        the inference-time model), ``loss`` (``log ppl``, nats per token) and ``tokens``.
+        ``model`` ends in the mode it was in; ``focus`` (the :class:`FocusModel`, or None)
+        ends with routing ``"auto"`` and ``top_k = train_top_k``.
+    """
+    from ..evaluation.perplexity import score_windows
+
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+    try:
+        if focus is None:
+            nll, n = score_windows(model, blocks)
+            out["ppl"] = perplexity(nll, n)
+        else:
+            focus.set_routing("soft")
+            nll, n = score_windows(focus, blocks)
+            out["ppl"] = perplexity(nll, n)
+            focus.set_routing("topk")
+            for k in top_k:
+                focus.set_top_k(k)
+                out[f"ppl_top{k}"] = perplexity(*score_windows(focus, blocks))
+    finally:
+        if focus is not None:
+            focus.set_routing("auto")
+            focus.set_top_k(train_top_k)
+        model.train(was_training)
+    out["loss"] = math.log(out["ppl"])
+    out["tokens"] = float(n)
+    return out
+
+
+class PretrainTrainer(Trainer):
+    """``transformers.Trainer`` whose ``evaluate`` is :func:`validation_perplexities` on fixed
+    validation blocks (each rank scores all of them, with the same weights, so every rank logs
+    the same numbers) and whose ``training_step`` feeds a :class:`BatchDigest`. Keyword
+    arguments besides the Trainer's: ``focus`` (the :class:`FocusModel` or None),
+    ``val_blocks`` ``LongTensor [n, seq_len]``, ``eval_top_k``, ``train_top_k`` and
+    ``digest`` (a :class:`BatchDigest`)."""
+
+    def __init__(self, *args: Any, focus: Any, val_blocks: torch.Tensor,
+                 eval_top_k: tuple[int, ...], train_top_k: int, digest: BatchDigest,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.batch_digest = digest
+        self.focus_model, self.val_blocks = focus, val_blocks
+        self.eval_top_k, self.train_top_k = tuple(eval_top_k), int(train_top_k)
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:  # fmt: skip
+        """The Trainer's training step, after folding ``inputs["input_ids"]`` into the digest."""
+        self.batch_digest.update(inputs["input_ids"])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:  # fmt: skip
+        """Validation perplexities as ``<prefix>_ppl``, ``<prefix>_ppl_top<k>``,
+        ``<prefix>_loss``, ``<prefix>_tokens``; logged and passed to the callbacks."""
+        values = validation_perplexities(
+            self.model, self.focus_model, self.val_blocks, self.eval_top_k, self.train_top_k
+        )
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in values.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(
+            self.args, self.state, self.control, metrics
+        )
+        return metrics
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+
+def _check_out(config: PretrainConfig, out: Path) -> Path | None:
+    """The checkpoint to resume from (None: start fresh) after checking ``out``.
+
+    Raises:
+        ValueError: ``out`` holds a run with other settings, or a run and no ``resume``.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    saved = out / PRETRAIN_CONFIG_NAME
+    trainer_dir = out / "trainer"
+    checkpoint = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
+    if saved.is_file():
+        previous = PretrainConfig.from_dict(json.loads(saved.read_text()))
+        differences = config.locked_differences(previous)
+        if differences:
+            raise ValueError(
+                f"{out} holds a run with other settings {differences} (new, saved); "
+                "choose another --out"
+            )
+    started = checkpoint is not None or (out / PRETRAIN_RESULT_NAME).is_file()
+    if started and not config.resume:
+        raise ValueError(f"{out} holds a run: pass --resume to continue it or choose another --out")
+    return Path(checkpoint) if checkpoint else None
+
+
+def _training_arguments(config: PretrainConfig, out: Path, resuming: bool) -> Any:
+    """The ``transformers.TrainingArguments`` of a run: AdamW (betas 0.9, 0.95), linear
+    warm-up then cosine decay, validation and a checkpoint every ``eval_every`` steps (and a
+    validation at step 0), DDP without buffer broadcast (see :class:`RoutingBiasSync`)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out / "trainer"),
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=1,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=config.max_grad_norm,
+        seed=config.seed,
+        eval_strategy="steps",
+        eval_steps=config.eval_every,
+        eval_on_start=not resuming,
+        save_strategy="steps",
+        save_steps=config.eval_every,
+        save_total_limit=config.keep_checkpoints,
+        logging_steps=config.log_every,
+        report_to=[],
+        disable_tqdm=not config.progress,
+        use_cpu=not torch.cuda.is_available(),
+        ddp_broadcast_buffers=False,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+    )
+
+
+def _tokenizer(config: PretrainConfig, size: ModelSize, corpus: Any, out: Path, main: bool) -> Any:
+    """The run's tokenizer: ``out/tokenizer`` when it exists (a resumed run), else
+    ``config.tokenizer``, else one trained on the training split; saved to ``out/tokenizer``
+    by the main process."""
+    from ..utils.io import staged_directory
+    from .scratch_model import load_tokenizer, train_tokenizer
+
+    path = out / "tokenizer"
+    if (path / "tokenizer_config.json").is_file():
+        return load_tokenizer(path)
+    if config.tokenizer is not None:
+        tok = load_tokenizer(config.tokenizer)
+    else:
+        tok = train_tokenizer(corpus.texts("train"), size.vocab_size)
+    if main:
+        with staged_directory(path, out / ".staging", "tokenizer-") as stage:
+            tok.save_pretrained(str(stage))
+    return tok
+
+
+def _data(config: PretrainConfig, args: Any, out: Path) -> tuple[Any, torch.Tensor, torch.Tensor, str]:  # fmt: skip
+    """``(tokenizer, train blocks, validation blocks, corpus name)``: blocks ``LongTensor
+    [n, seq_len]`` from the training split (capped at ``max_train_tokens``) and the
+    validation split (capped at ``eval_tokens``), whole documents joined with EOS
+    (:func:`~focus_attention.assets.corpora.token_blocks`). The main process prepares the
+    corpus and the tokenizer first, the others then read them."""
+    from ..assets.corpora import load_corpus, token_blocks
+
+    main = args.should_save
+    with args.main_process_first(desc="corpus and tokenizer"):
+        corpus = load_corpus(config.corpus, quiet=not main)
+        tok = _tokenizer(config, config.model_size(), corpus, out, main)
+    train = token_blocks(
+        tok, corpus.split("train"), config.seq_len, max_tokens=config.max_train_tokens
+    )
+    val = token_blocks(
+        tok, corpus.split("validation"), config.seq_len, max_tokens=config.eval_tokens
+    )
+    return tok, train, val, corpus.name
+
+
+def build_model(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str]:
+    """``(llama, focus, init_sha256)``: the run's ``LlamaForCausalLM``
+    (:func:`~.scratch_model.build_llama`, seeded by ``config.seed``), the
+    :class:`~focus_attention.hf.FocusModel` on it (None for dense attention) and the SHA-256
+    of the LLaMA weights before Focus is attached (:func:`~focus_attention.utils.env.
+    weights_sha256`), equal for both attention types of a seed. With Focus every LLaMA weight
+    is trainable and the routers are the LLaMA submodule :data:`ROUTERS_MODULE`."""
+    from ..hf import get_focus_model
+    from ..utils.env import weights_sha256
+    from .scratch_model import build_llama
+
+    llama = build_llama(config.model_size(), vocab_size, config.seq_len, config.seed)
+    init = weights_sha256(llama)
+    focus = None
+    if config.attention == "focus":
+        focus = get_focus_model(llama, config.focus)
+        llama.requires_grad_(True)
+        llama.add_module(ROUTERS_MODULE, focus.routers)
+        focus.train()
+    return llama, focus, init
+
+
+def save_final(llama: Any, focus: Any, tokenizer: Any, out: Path) -> None:
+    """Write ``out/model`` (the LLaMA model without Focus, ``save_pretrained``, with the
+    tokenizer) and, with Focus, ``out/adapter`` (``FocusModel.save_pretrained``; its base
+    fingerprint is that model's). The routers are detached from the LLaMA model first."""
+    from ..utils.io import staged_directory
+
+    if focus is not None and getattr(llama, ROUTERS_MODULE, None) is not None:
+        delattr(llama, ROUTERS_MODULE)
+    for name in ("model", "adapter"):
+        if name == "adapter" and focus is None:
+            continue
+        with staged_directory(out / name, out / ".staging", f"{name}-") as stage:
+            if name == "adapter":
+                focus.save_pretrained(stage)
+                continue
+            if focus is None:
+                llama.save_pretrained(str(stage))
+            else:
+                with focus.disable_focus():
+                    llama.save_pretrained(str(stage))
+            tokenizer.save_pretrained(str(stage))
+
+
+def load_pretrained(out: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a finished run's directory: the ``LlamaForCausalLM`` of
+    ``out/model``, wrapped by the Focus adapter of ``out/adapter`` when there is one (a
+    :class:`~focus_attention.hf.FocusModel` in eval mode, top-k routing), float32, CPU.
+
+    Raises:
+        FileNotFoundError: ``out/model`` is missing (the run has not finished).
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from ..hf import FocusModel
+
+    out = Path(out)
+    if not (out / "model" / "config.json").is_file():
+        raise FileNotFoundError(f"{out / 'model'}: no saved model (has the run finished?)")
+    model = LlamaForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32)
+    model.eval()
+    if (out / "adapter").is_dir():
+        model = FocusModel.from_pretrained(model, out / "adapter")
+    return model, AutoTokenizer.from_pretrained(str(out / "model"))
+
+
+def _validation_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per validated step (the last entry of a step wins): ``step``, ``ppl``,
+    ``ppl_top<k>``, ``loss``, ``tokens``."""
+    rows: dict[int, dict[str, Any]] = {}
+    for entry in log_history:
+        if "eval_ppl" in entry:
+            row = {k[5:]: v for k, v in entry.items() if k.startswith("eval_")}
+            row["tokens"] = int(row["tokens"])
+            rows[int(entry["step"])] = {"step": int(entry["step"]), **row}
+    return [rows[s] for s in sorted(rows)]
+
+
+def _rank_digests(llama: Any) -> list[str]:
+    """SHA-256 of the full model state (weights, routers, routing bias) on every rank."""
+    import torch.distributed as dist
+
+    from ..utils.env import weights_sha256
+
+    mine = weights_sha256(llama)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [str(d) for d in everyone]
+
+
+def _result(config: PretrainConfig, run: dict[str, Any]) -> dict[str, Any]:
+    """The ``pretrain_result.json`` document from the pieces of a finished run."""
+    from ..utils.env import environment, library_versions
+
+    args, tok, llama, focus = run["args"], run["tokenizer"], run["llama"], run["focus"]
+    train, val, timer = run["train"], run["val"], run["timer"]
+    size = config.model_size()
+    routers = sum(p.numel() for p in focus.routers.parameters()) if focus is not None else 0
+    per_step = config.batch_size * config.grad_accum * args.world_size * config.seq_len
+    state = run["trainer"].state
+    return {
+        "config": config.to_dict(),
+        "model": {
+            **dataclasses.asdict(size),
+            "vocab_size": len(tok),
+            "parameters": sum(p.numel() for p in llama.parameters()) - routers,
+            "router_parameters": routers,
+        },
+        "data": {
+            "corpus": run["corpus"],
+            "train_blocks": int(train.shape[0]),
+            "validation_blocks": int(val.shape[0]),
+            "tokens_per_step": per_step,
+            "tokens_trained": per_step * state.global_step,
+            "init_weights_sha256": run["init"],
+            "train_blocks_sha256": tensor_sha256(train),
+            "validation_blocks_sha256": tensor_sha256(val),
+            "batches_sha256": run["digest"].hexdigest(),
+            "batches_fed": run["digest"].batches,
+            "resumed_from_step": run["resumed_from"],
+        },
+        "steps": state.global_step,
+        "validation": _validation_rows(state.log_history),
+        "throughput": {
+            "tokens_per_second": per_step * timer.steps / timer.seconds if timer.seconds else None,
+            "steps_timed": timer.steps,
+            "step_seconds": timer.seconds,
+            "train_runtime_seconds": run["runtime"],
+            "world_size": args.world_size,
+            "note": "tokens of all ranks per wall second inside optimizer steps (validation "
+            "and checkpointing excluded), measured on rank 0",
+        },
+        "routing_bias_max_rank_gap": run["sync"].max_gap if run["sync"] is not None else None,
+        "rank_weights_sha256": run["digests"],
+        "versions": library_versions(),
+        "environment": environment(),
+    }
+
+
+def pretrain(config: PretrainConfig) -> dict[str, Any]:
+    """Run (or resume) one from-scratch training (module docstring) and return its result,
+    also written to ``<out>/pretrain_result.json`` by rank 0.
+
+    Writes into ``config.out_dir()`` (rank 0 only): ``tokenizer/``, ``model/`` and, with
+    Focus, ``adapter/`` (:func:`save_final`; :func:`load_pretrained` reads them back),
+    ``log.jsonl`` (every Trainer log entry), ``pretrain_config.json``,
+    ``pretrain_result.json`` and ``trainer/checkpoint-<step>`` (the Trainer's, resumable).
+
+    Returns:
+        dict with ``config``, ``model`` (shape, parameter counts), ``data`` (token counts,
+        SHA-256 of the initial weights, of the training and validation blocks and of the batches
+        fed by this process since it started), ``validation`` (one row per checkpoint:
+        ``step``, ``ppl`` and with Focus ``ppl_top<k>``), ``throughput``,
+        ``routing_bias_max_rank_gap``, ``rank_weights_sha256`` (the final model's digest on
+        every rank), ``versions`` and ``environment``.
+
+    Raises:
+        ValueError: an output directory holding another run's settings, or a run and no
+            ``resume``; a corpus too small for one block.
+        FileNotFoundError: ``tokenizer`` is not a directory.
+    """
+    from ..utils.io import write_json_atomic
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    out = config.out_dir()
+    checkpoint = _check_out(config, out)
+    args = _training_arguments(config, out, checkpoint is not None)
+    if args.should_save:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / PRETRAIN_CONFIG_NAME, config.to_dict())
+    tok, train, val, corpus = _data(config, args, out)
+    llama, focus, init = build_model(config, len(tok))
+    run = {"args": args, "tokenizer": tok, "llama": llama, "focus": focus, "train": train,
+           "val": val, "corpus": corpus, "init": init, "digest": BatchDigest(),
+           "timer": StepTimer(), "resumed_from": None,
+           "sync": RoutingBiasSync(list(focus.routers.values())) if focus is not None else None}  # fmt: skip
+    trainer = _trainer(config, run, out)
+    if checkpoint is not None:
+        run["resumed_from"] = int(
+            json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+        )
+    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    run.update(trainer=trainer, runtime=output.metrics.get("train_runtime"))
+    if not any(
+        e.get("step") == trainer.state.global_step and "eval_ppl" in e
+        for e in trainer.state.log_history
+    ):
+        trainer.evaluate()  # the last step was not a checkpoint step
+    run["digests"] = _rank_digests(llama)
+    result = _result(config, run)
+    if args.should_save:
+        save_final(llama, focus, tok, out)
+        write_json_atomic(out / PRETRAIN_RESULT_NAME, result)
+    return result
+
+
+def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:
+    """The :class:`PretrainTrainer` of a run: the LLaMA model (with its routers), the
+    training blocks as rows ``{"input_ids", "labels"}``, the batch digest and the
+    callbacks (timer, ``log.jsonl``, and with Focus the routing-bias average)."""
+    rows = [{"input_ids": b, "labels": b} for b in run["train"]]
+    callbacks = [run["timer"], JsonlLog(out / "log.jsonl")]
+    if run["sync"] is not None:
+        callbacks.append(run["sync"])
+    return PretrainTrainer(
+        model=run["llama"],
+        args=run["args"],
+        train_dataset=rows,
+        eval_dataset=rows[:1],
+        digest=run["digest"],
+        processing_class=run["tokenizer"],
+        callbacks=callbacks,
+        focus=run["focus"],
+        val_blocks=run["val"],
+        eval_top_k=config.eval_top_k,
+        train_top_k=config.focus.top_k,
+    )
