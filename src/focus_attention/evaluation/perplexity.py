@@ -653,13 +653,20 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         weights = _tuned_weights(model, digests, loaded, sha_before)
     else:
         weights = _unchanged_weights(base, sha_before)
-    if saved is None:  # a dense run: no Focus rows
+    scores.seconds["total"] = time.monotonic() - t_all
+    result = _result(cfg, scores, n_tok, n_win, weights, bos, ks, focus, layers)
+    _write(result, cfg)
+    return result
+
+
+def _result(cfg: EvalConfig, scores: _Scores, n_tok: int, n_win: int, weights: dict, bos: bool, ks: list[int], focus: dict | None, layers: list[int]) -> EvalResult:  # fmt: skip
+    """The :class:`EvalResult` of the scores (a run without Focus: no Focus rows)."""
+    if focus is None:
         scores.ppl.pop("focus_topk")
         scores.by_position.pop("focus_topk")
         scores.seconds.pop("topk")
-    scores.seconds["total"] = time.monotonic() - t_all
     window = focus["window"] if focus else None
-    result = EvalResult(
+    return EvalResult(
         ppl=scores.ppl,
         pairs_retained=scores.pairs,
         tokens=n_tok,
@@ -678,8 +685,6 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         ppl_by_position=scores.by_position,
         coverage=scores.coverage,
     )
-    _write(result, cfg)
-    return result
 
 
 def _score_dense(model: Any, blocks: torch.Tensor, name: str, scores: _Scores, bar: Any, bounds: list) -> tuple[int, PositionNLL]:  # fmt: skip
