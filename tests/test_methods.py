@@ -333,6 +333,8 @@ def test_eval_of_every_method(assets, runs, method):
         assert res["routing_affected_share"] is None and res["config"]["focus"] is None
     table = markdown_table(res)
     assert "| tuned (dense) |" in table and ("Focus top-k" in table) == focus
+    # with Focus, the position table has the tuned row too
+    assert table.count("| tuned (dense) |") == (2 if focus else 1)
 
 
 def test_eval_of_a_dense_run_refuses_focus_settings(assets, runs):
@@ -379,3 +381,25 @@ def test_smollm2_lora_counts():
     assert qkvo == 30 * (2 * (576 + 576) + 2 * (576 + 192)) == 115_200
     assert match_lora_rank(qv, 280_320) == 5 and match_lora_rank(qkvo, 280_320) == 2
     assert 8 * qkvo == 921_600  # the common setting, r = 8 on q, k, v, o
+
+
+def test_resume_of_a_finished_run_and_overwrite(assets, runs, tmp_path):
+    """``--resume`` of a finished LoRA run reports its count and touches nothing;
+    ``--overwrite`` with another method removes the LoRA adapter."""
+    out = tmp_path / "run"
+    first = train(_cfg(assets, out, "lora", steps=1, eval_every=-1, save_every=0))
+    again = train(_cfg(assets, out, "lora", steps=1, eval_every=-1, save_every=0, resume=True))
+    assert again.extra["already_finished"]
+    assert again.trainable_parameters == first.trainable_parameters
+    assert run_parts(out)["lora"]
+    train(_cfg(assets, out, "focus", steps=1, eval_every=-1, save_every=0, overwrite=True))
+    assert run_parts(out) == {"focus": True, "lora": False, "model": False}
+
+
+def test_dense_validation_is_logged(runs):
+    val = runs["lora"].validation
+    assert [v["step"] for v in val] == [0, 2, 4]
+    assert "val_ppl_topk" not in val[0] and val[0]["val_ppl"] == val[0]["val_ppl_base"]
+    assert all(math.isfinite(v["val_ppl"]) for v in val)
+    assert [v["step"] for v in runs["focus+lora"].validation] == [0, 2, 4]
+    assert "val_ppl_topk" in runs["focus+lora"].validation[-1]

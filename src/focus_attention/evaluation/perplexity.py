@@ -798,8 +798,14 @@ def markdown_table(result: EvalResult | dict[str, Any]) -> str:
         pr = r["pairs_retained"][k]
         d = r["dominance"]["topk"][k]
         lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
-    if r.get("ppl_by_position") and "focus_soft" in r["ppl_by_position"]:
-        lines += position_table(r["ppl_by_position"])
+    by_position = r.get("ppl_by_position")
+    if by_position and "focus_soft" in by_position:
+        table = position_table(by_position)
+        if by_position.get("tuned"):  # the tuned model's row after the base's
+            cells = " | ".join("-" if v is None else f"{v:.3f}" for v in by_position["tuned"])
+            at = next(i for i, line in enumerate(table) if line.startswith("| base (dense) |"))
+            table.insert(at + 1, f"| tuned (dense) | {cells} |")
+        lines += table
     if r.get("coverage"):
         cov = r["coverage"]
         lines += ["", f"Dense attention beyond the window: {100 * cov['distant_share']:.1f}% of "

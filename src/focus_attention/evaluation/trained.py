@@ -30,6 +30,7 @@ __all__ = [
     "MODEL_DIR",
     "apply_lora",
     "base_state",
+    "import_peft",
     "base_weights_report",
     "load_trained_weights",
     "run_parts",
@@ -78,14 +79,28 @@ def load_trained_weights(base: Any, directory: str | Path) -> Any:
     return model.to(ref.device).eval()
 
 
+def import_peft() -> Any:
+    """The ``peft`` module (the ``baselines`` extra).
+
+    Raises:
+        ImportError: peft is not installed (the message says how to install it).
+    """
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("LoRA needs peft: pip install -e '.[baselines]' (peft==0.21.2)") from err
+    return peft
+
+
 def apply_lora(model: Any, directory: str | Path, *, is_trainable: bool = False) -> Any:
     """Inject the run's LoRA adapter (``directory/lora``) into ``model`` in place; returns
     the ``peft.PeftModel`` around it (``.base_model.model`` is ``model``).
 
     Raises:
         FileNotFoundError: no ``lora/adapter_config.json``.
+        ImportError: peft is not installed.
     """
-    from peft import PeftModel
+    PeftModel = import_peft().PeftModel  # noqa: N806 (a class)
 
     path = Path(directory) / LORA_DIR
     if not (path / LORA_CONFIG_FILE).is_file():

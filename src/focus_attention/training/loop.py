@@ -355,6 +355,12 @@ class _Run:
         self.phase1_report = {"equal": report["changed_count"] == 0,
                               "changed_count": report["changed_count"]}  # fmt: skip
         self.use(start_phase2(self.trainee, self.cfg))
+        if self.cfg.progress:
+            info = self.trainee.describe()
+            groups = ", ".join(f"{k} {v:,d}" for k, v in info["groups"].items())
+            print(f"\nfocus train: phase 2 from step {self.step + 1}: {self.num_trainable:,d} "
+                  f"trainable parameters ({groups}); base weights unchanged in phase 1: "
+                  f"{self.phase1_report['equal']}", file=sys.stderr)  # fmt: skip
 
     @property
     def num_trainable(self) -> int:
@@ -379,23 +385,25 @@ class _Run:
         m, cfg, info = self.model, self.cfg, self.trainee.describe()
         val = self.data.val_blocks
         groups = ", ".join(f"{k} {v:,d} (lr {info['lr'][k]:g})" for k, v in info["groups"].items())
-        lora = info.get("lora")
         focus = f"; {len(m.focus_layers)} Focus layers" if self.trainee.focus is not None else ""
-        print(
-            f"focus train: {cfg.model} on {corpus_name} -> {self.out}; method {cfg.method}\n"
+        lines = [
+            f"focus train: {cfg.model} on {corpus_name} -> {self.out}; method {cfg.method}",
             f"  trainable parameters: {self.num_trainable:,d} of "
-            f"{sum(p.numel() for p in m.parameters()):,d}: {groups}{focus}\n"
-            + (
-                f"  LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on {lora['targets']}"
-                f" of {lora['modules']} modules\n"
-                if lora
-                else ""
-            )  # fmt: skip
-            + f"  {self.num_blocks} training blocks of {cfg.seq_len} tokens; "
-            f"{self.tokens_per_step} tokens/step"
-            + (f"; validation {val.numel()} tokens" if val is not None else ""),
-            file=sys.stderr,
-        )
+            f"{sum(p.numel() for p in m.parameters()):,d}: {groups}{focus}",
+        ]
+        lora = info.get("lora")
+        if lora:
+            lines.append(f"  LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on "
+                         f"{lora['targets']} of {lora['modules']} modules")  # fmt: skip
+        if cfg.method == "two-phase":
+            what = "LoRA" if cfg.phase2_method == "lora" else "every base weight"
+            lines.append(f"  two-phase: the routers alone for {cfg.phase1_steps} steps, then "
+                         f"the routers and {what} (lr {cfg.base_lr:g}) for "
+                         f"{cfg.steps - cfg.phase1_steps}")  # fmt: skip
+        lines.append(f"  {self.num_blocks} training blocks of {cfg.seq_len} tokens; "
+                     f"{self.tokens_per_step} tokens/step"
+                     + (f"; validation {val.numel()} tokens" if val is not None else ""))  # fmt: skip
+        print("\n".join(lines), file=sys.stderr)
 
     def emit(self, log: Any, rec: dict[str, Any], started: float) -> None:
         """Add the time since ``started`` to the loop's seconds and log ``rec`` with it."""

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..evaluation.trained import LORA_DIR, MODEL_DIR, apply_lora, load_trained_weights
+from ..evaluation.trained import (
+    LORA_DIR,
+    MODEL_DIR,
+    apply_lora,
+    import_peft,
+    load_trained_weights,
+)
 from ..hf import FocusModel, get_focus_model
 from ..hf.architectures import attention_modules, get_architecture
 from ..utils.io import staged_directory
@@ -253,8 +259,7 @@ def _new_lora(hf: Any, cfg: TrainConfig, focus: FocusModel | None = None) -> tup
     info)``; ``info["lora"]`` records rank, alpha, targets, dropout and, with
     ``lora_rank = "match"``, the Focus count matched (that of ``focus`` when ``hf``
     already has its routers)."""
-    from peft import LoraConfig, get_peft_model
-
+    peft_module = import_peft()
     targets = cfg.lora_targets or DEFAULT_LORA_TARGETS
     full, short, per_rank = lora_modules(hf, targets)
     info: dict[str, Any] = {"targets": short, "modules": len(full), "per_rank": per_rank}
@@ -267,11 +272,11 @@ def _new_lora(hf: Any, cfg: TrainConfig, focus: FocusModel | None = None) -> tup
     alpha = float(cfg.lora_alpha) if cfg.lora_alpha is not None else float(rank)
     dropout = float(cfg.lora_dropout or 0.0)
     info.update(rank=rank, alpha=alpha, dropout=dropout, parameters=rank * per_rank)
-    lcfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=full, lora_dropout=dropout,
-                      bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    lcfg = peft_module.LoraConfig(r=rank, lora_alpha=alpha, target_modules=full,
+                                  lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        peft = get_peft_model(hf, lcfg)
+        peft = peft_module.get_peft_model(hf, lcfg)
     return peft, {"lora": info}
 
 
