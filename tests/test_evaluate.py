@@ -49,6 +49,9 @@ def test_weights_sha256_sees_every_tensor(assets):
 def test_evaluate_contract(assets, adapter):
     res = _evaluate(assets, adapter)
     check_eval_schema(res, 4)
+    assert "tuned" not in res["ppl"] and "trained" not in res["base_weights_sha256"]
+    assert res["config"]["method"] == "focus"
+    assert res["config"]["parts"] == {"focus": True, "lora": False, "model": False}
     assert res["windows"] == 3 and res["tokens"] == 3 * 63
     assert res["ppl"]["focus_topk"]["4"] == pytest.approx(res["ppl"]["base"], rel=1e-4)
     pr = [res["pairs_retained"][str(k)] for k in range(1, 5)]

@@ -342,3 +342,16 @@ def test_missing_corpus_fails_before_the_model_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no such local text file or folder"):
         train(cfg)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_settings_saved_before_methods_existed_resume_as_focus():
+    """A ``train_config.json`` / checkpoint config written before ``method`` and the LoRA
+    settings existed reads as ``method = "focus"`` with no locked difference."""
+    now = TrainConfig()
+    old = {k: v for k, v in now.to_dict().items()
+           if k not in ("method", "base_lr", "lora_rank", "lora_alpha", "lora_targets",
+                        "lora_dropout", "phase1_steps", "phase2_method")}  # fmt: skip
+    old["lr"] = 3e-2
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.method == "focus" and cfg.lr == 3e-2
+    assert cfg.locked_differences(now) == {}

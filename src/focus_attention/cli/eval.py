@@ -24,7 +24,13 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
     result = evaluate(config)
     print(markdown_table(result))
-    print(f"\nbase weights SHA-256 unchanged: {result.base_weights_sha256['after']}")
+    weights = result.base_weights_sha256
+    if weights.get("trained"):
+        print(f"\ntrained base weights: {weights['changed_count']} of {weights['tensors']} base "
+              f"tensors changed, {weights['lora_tensors']} LoRA tensors; SHA-256 "
+              f"{weights['before']} (base) -> {weights['after']} (tuned)")  # fmt: skip
+    else:
+        print(f"\nbase weights SHA-256 unchanged: {weights['after']}")
     print(f"{result.seconds['total']:.0f} s" + (f"; JSON: {config.json}" if config.json else ""))
     return 0
 
@@ -33,12 +39,14 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus eval``: flags from :class:`EvalConfig`."""
     p = subparsers.add_parser(
         "eval",
-        help="perplexity of the base model and a Focus adapter (soft and every top-k)",
+        help="perplexity of the base model and a Focus adapter (soft and every top-k) or "
+        "any focus train run",
         description="Token-weighted perplexity over non-overlapping --seq-len windows (each "
         "window scored independently; all tokens but the first of each window count) of the "
         "base model, Focus soft routing and Focus top-k routing for every top_k in 1..K, with "
         "pairs retained, dominance and group shares; checks that the base weights' SHA-256 "
-        "is unchanged.",
+        "is unchanged. For a run that trained LoRA or base weights (focus train --method), "
+        "also the tuned model (dense), and the change of the base weights is reported.",
     )
     add_config_flag(p, "eval")
     add_flags(p, EvalConfig)

@@ -1,4 +1,5 @@
-"""``focus train``: centroid-only training (:func:`focus_attention.training.train`)."""
+"""``focus train``: training by method, centroid-only by default
+(:func:`focus_attention.training.train`)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,19 @@ def _run(args: argparse.Namespace) -> int:
     last = result.validation[-1] if result.validation else {}
     print(f"trained {result.steps} steps ({result.train_seconds:.0f} s in the loop, "
           f"{result.seconds:.0f} s in all); final loss {result.final_loss}")  # fmt: skip
-    if last:
+    if "val_ppl_topk" in last:
         print(f"validation PPL at step {last['step']}: top-k {last['val_ppl_topk']:.3f}, "
               f"soft {last['val_ppl_soft']:.3f} ({last['val_tokens']} tokens)")  # fmt: skip
+    elif last:
+        print(f"validation PPL at step {last['step']}: {last['val_ppl']:.3f} (dense, "
+              f"{last['val_tokens']} tokens)")  # fmt: skip
+    info = result.extra["method"]
+    lora = info.get("lora")
+    print(f"method {info['method']}: {result.trainable_parameters:,d} trainable parameters"
+          + (f" (LoRA rank {lora['rank']} on {','.join(lora['targets'])})" if lora else ""))  # fmt: skip
+    weights = result.extra["base_weights_sha256"]
+    if not weights["equal"]:
+        print(f"base weights changed: {weights['changed_count']} tensors")
     print(f"adapter: {result.adapter}  log: {result.log}  plot: {result.plot}")
     return 0
 
@@ -52,10 +63,12 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus train``: flags from :class:`TrainConfig` and :class:`FocusConfig`."""
     p = subparsers.add_parser(
         "train",
-        help="train the Focus centroids of a frozen model (centroid-only)",
-        description="Centroid-only Focus training: base model frozen, only the routers "
-        "(W_g, centroids) train, with soft Sinkhorn routing. Writes the adapter, log.jsonl, "
-        "train.png and checkpoints into --out. Ctrl-C saves; --resume continues exactly.",
+        help="train the Focus centroids of a frozen model, or LoRA / fine-tuning baselines",
+        description="Centroid-only Focus training by default: base model frozen, only the "
+        "routers (W_g, centroids) train, with soft Sinkhorn routing. --method picks other "
+        "recipes (LoRA, attention or full fine-tuning, LoRA with Focus, two-phase) in the "
+        "same loop. Writes the adapter (and lora/ or model/), log.jsonl, train.png and "
+        "checkpoints into --out. Ctrl-C saves; --resume continues exactly.",
     )
     add_config_flag(p, "train")
     add_flags(p, TrainConfig)

@@ -1,5 +1,5 @@
-"""``focus eval``: perplexity of a base model and of its Focus adapter on held-out text
-(docs/method.md §9).
+"""``focus eval``: perplexity of a base model and of what a training run produced (its Focus
+adapter, LoRA or trained base weights) on held-out text (docs/method.md §9).
 
 Window scheme: the split's documents are tokenised and joined with EOS (with
 ``prepend_bos`` every window starts with BOS), the stream is capped at ``max_tokens`` and cut
@@ -12,6 +12,9 @@ in float32 from the logits.
 Evaluated, on exactly the same windows:
 
 * ``base``: the pretrained model before the adapter is attached;
+* ``tuned``: for runs that trained LoRA or base weights (``focus train --method``, see
+  :mod:`.trained`), the tuned model with dense attention (Focus, where the run has it, not
+  attached); the Focus rows below then use the tuned model too;
 * ``focus_soft``: soft Sinkhorn routing with the soft gate (the training-time model; its
   Sinkhorn columns run over the whole window, so it is not causal, §2);
 * ``focus_topk[k]`` for every ``k`` asked for: hard top-k routing through exact sparse
@@ -22,7 +25,10 @@ Routing is recorded on every window: ``pairs_retained[k]`` is the share of the c
 every Focus layer and window; ``dominance`` is the share of tokens (top-k: of memberships)
 held by the largest group (mean and worst layer); ``group_shares`` lists the per-group
 shares layer by layer. The SHA-256 of every base-model tensor is taken before the adapter is
-attached and after the last evaluation; a difference raises ``RuntimeError``.
+attached and after the last evaluation; a difference raises ``RuntimeError``. For a run that
+trained LoRA or base weights the change is reported instead (``base_weights_sha256``:
+``after`` of the tuned model's base tensors, ``changed`` names); the tuned model's weights
+must then be the same after the evaluation as when loaded.
 """
 
 from __future__ import annotations
@@ -52,6 +58,13 @@ from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
+from .trained import (
+    apply_lora,
+    base_weights_report,
+    load_trained_weights,
+    run_parts,
+    tensor_digests,
+)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -119,7 +132,10 @@ class EvalConfig:
     )
     adapter: str = field(
         default="runs/austen",
-        metadata={"help": "directory of a saved Focus adapter (required on the command line)"},
+        metadata={
+            "help": "directory of a saved Focus adapter or of a focus train run of any "
+            "--method (required on the command line)"
+        },
     )
     corpus: str = field(
         default=DEFAULT_CORPUS,
@@ -230,15 +246,21 @@ class EvalResult:
     """What :func:`evaluate` returns; :meth:`to_dict` is the JSON file's content.
 
     Attributes:
-        ppl: ``{"base": float, "focus_soft": float, "focus_topk": {"k": float}}``.
+        ppl: ``{"base": float, "focus_soft": float, "focus_topk": {"k": float}}``; a run
+            that trained LoRA or base weights adds ``"tuned"`` (dense), and one without
+            Focus has only ``base`` and ``tuned``.
         pairs_retained: ``{"k": share}`` of the causal pairs kept by top-k routing.
         tokens: scored tokens; windows: evaluated windows.
-        base_weights_sha256: ``{"before", "after", "equal"}``.
+        base_weights_sha256: ``{"before", "after", "equal"}``; for a run that trained LoRA
+            or base weights also ``trained`` (True), ``changed`` (names of the base tensors
+            that differ from the untouched base), ``changed_count``, ``tensors`` and
+            ``lora_tensors``.
         dominance: ``soft`` / ``soft_max`` and ``topk`` / ``topk_max`` ``{"k": ...}``: mean
             over layers and worst layer.
         group_shares: ``soft`` and ``topk`` ``{"k": {layer: [K shares]}}``.
         pairs_retained_by_layer: ``{"k": {layer: share}}``.
-        routing_affected_share: share of scored tokens that have keys beyond the window.
+        routing_affected_share: share of scored tokens that have keys beyond the window
+            (None without Focus).
         config: what was evaluated (model, adapter, corpus, split, window scheme, the Focus
             settings, the adapter's training settings when known...).
         versions, environment: libraries and hardware (:mod:`focus_attention.utils.env`).
@@ -258,7 +280,7 @@ class EvalResult:
     dominance: dict[str, Any]
     group_shares: dict[str, Any]
     pairs_retained_by_layer: dict[str, Any]
-    routing_affected_share: float
+    routing_affected_share: float | None
     config: dict[str, Any]
     versions: dict[str, Any]
     environment: dict[str, Any]
@@ -395,17 +417,31 @@ class RoutingStats:
 
 
 def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
-    """The adapter's saved Focus settings and the ``top_k`` values to evaluate; checked
-    before the model loads (that takes a while).
+    """The adapter's saved Focus settings and the ``top_k`` values to evaluate (``(None,
+    [])`` for a run without Focus); checked before the model loads (that takes a while).
 
     Raises:
-        FileNotFoundError: no adapter config; ValueError: a ``top_k`` outside ``1..K``.
+        FileNotFoundError: neither a Focus adapter nor LoRA / trained weights.
+        ValueError: a ``top_k`` outside ``1..K``; Focus settings for a run without Focus.
     """
     from ..hf.config import FocusConfig
 
     adapter = Path(cfg.adapter)
-    if not (adapter / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{adapter / CONFIG_NAME} not found: not a Focus adapter")
+    parts = run_parts(adapter)
+    if not parts["focus"]:
+        if not (parts["lora"] or parts["model"]):
+            raise FileNotFoundError(
+                f"{adapter / CONFIG_NAME} not found: not a Focus adapter, and no LoRA adapter "
+                "(lora/) or trained model (model/) of a focus train run either"
+            )
+        asked = {"top_k_values": cfg.top_k_values, "inference_routing": cfg.inference_routing,
+                 "window": cfg.window, "sink_tokens": cfg.sink_tokens,
+                 "calibrate_blocks": cfg.calibrate_blocks or None,
+                 "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
+        given = sorted(k for k, v in asked.items() if v is not None)
+        if given:
+            raise ValueError(f"{given}: {adapter} holds no Focus adapter (a dense run)")
+        return None, []
     saved = FocusConfig.from_json_file(adapter / CONFIG_NAME)
     k_all = list(range(1, saved.num_groups + 1))
     ks = k_all if cfg.top_k_values is None else list(cfg.top_k_values)
@@ -504,7 +540,8 @@ def _train_config(adapter: Path) -> dict[str, Any] | None:
 
 
 def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layers: list[int]) -> dict[str, Any]:  # fmt: skip
-    """The ``config`` block of the result."""
+    """The ``config`` block of the result (``focus`` None and no layers without Focus)."""
+    train_config = _train_config(Path(cfg.adapter))
     return {
         "model": str(cfg.model),
         "adapter": str(cfg.adapter),
@@ -514,7 +551,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "max_tokens": cfg.max_tokens,
         "prepend_bos": bos,
         "top_k_values": ks,
-        "trained_top_k": focus["top_k"],
+        "trained_top_k": focus["top_k"] if focus else None,
         "overrides": {
             "inference_routing": cfg.inference_routing,
             "sink_tokens": cfg.sink_tokens,
@@ -524,7 +561,9 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "window_scheme": WINDOW_SCHEME,
         "focus": focus,
         "focus_layers": layers,
-        "train_config": _train_config(Path(cfg.adapter)),
+        "method": (train_config or {}).get("method", "focus"),
+        "parts": run_parts(cfg.adapter),
+        "train_config": train_config,
     }
 
 
@@ -580,51 +619,65 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
 
     cfg = dataclasses.replace(config, **settings) if config is not None else EvalConfig(**settings)
     t_all = time.monotonic()
-    _, ks = _adapter_top_k_values(cfg)
+    saved, ks = _adapter_top_k_values(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     scores = _Scores()
     t = time.monotonic()
     base, blocks, bos, calib = _load(cfg)
     sha_before = weights_sha256(base)
+    parts = run_parts(cfg.adapter)
+    tuned = parts["lora"] or parts["model"]
+    digests = tensor_digests(base) if tuned else None
     scores.seconds["load"] = time.monotonic() - t
     n_win = int(blocks.shape[0])
-    bar = tqdm(total=n_win * (2 + len(ks)), disable=not cfg.progress, desc="eval",
+    rows = 1 + int(tuned) + (1 + len(ks) if saved is not None else 0)
+    bar = tqdm(total=n_win * rows, disable=not cfg.progress, desc="eval",
                dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+    bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
+    focus, layers = None, []
     try:
-        t = time.monotonic()
-        bar.set_description("eval base")
-        base.eval()
-        positions = PositionNLL(blocks.shape[1])
-        nll, n_tok = score_windows(base, blocks, progress=bar, positions=positions)
-        scores.ppl["base"] = math.exp(nll / n_tok)
-        bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
-        scores.by_position.update(
-            buckets=[list(b) for b in bounds],
-            tokens=positions.tokens(bounds),
-            base=positions.perplexities(bounds),
-        )
-        scores.seconds["base"] = time.monotonic() - t
-        focus, layers = _score_adapter(base, cfg, blocks, ks, scores, bar, calib)
+        n_tok, positions = _score_dense(base, blocks, "base", scores, bar, bounds)
+        scores.by_position.update(buckets=[list(b) for b in bounds],
+                                  tokens=positions.tokens(bounds))  # fmt: skip
+        model = base
+        if tuned:
+            model = _tuned_model(base, cfg.adapter)
+            loaded = tensor_digests(model)
+            _score_dense(model, blocks, "tuned", scores, bar, bounds)
+        if saved is not None:
+            focus, layers = _score_adapter(model, cfg, blocks, ks, scores, bar, calib)
     finally:
         bar.close()
-    sha_after = weights_sha256(base)
-    if sha_after != sha_before:
-        raise RuntimeError(
-            f"the base model's weights changed during evaluation (SHA-256 {sha_before} before, "
-            f"{sha_after} after)"
-        )
+    if tuned:
+        weights = _tuned_weights(model, digests, loaded, sha_before)
+    else:
+        weights = _unchanged_weights(base, sha_before)
     scores.seconds["total"] = time.monotonic() - t_all
-    result = EvalResult(
+    result = _result(cfg, scores, n_tok, n_win, weights, bos, ks, focus, layers)
+    _write(result, cfg)
+    return result
+
+
+def _result(cfg: EvalConfig, scores: _Scores, n_tok: int, n_win: int, weights: dict, bos: bool, ks: list[int], focus: dict | None, layers: list[int]) -> EvalResult:  # fmt: skip
+    """The :class:`EvalResult` of the scores (a run without Focus: no Focus rows)."""
+    if focus is None:
+        scores.ppl.pop("focus_topk")
+        scores.by_position.pop("focus_topk")
+        scores.seconds.pop("topk")
+    window = focus["window"] if focus else None
+    return EvalResult(
         ppl=scores.ppl,
         pairs_retained=scores.pairs,
         tokens=n_tok,
         windows=n_win,
-        base_weights_sha256={"before": sha_before, "after": sha_after, "equal": True},
-        dominance=scores.dominance,
-        group_shares=scores.shares,
+        base_weights_sha256=weights,
+        dominance=scores.dominance if focus else {},
+        group_shares=scores.shares if focus else {},
         pairs_retained_by_layer=scores.pairs_by_layer,
-        routing_affected_share=max(0, cfg.seq_len - focus["window"]) / (cfg.seq_len - 1),
+        routing_affected_share=(
+            max(0, cfg.seq_len - window) / (cfg.seq_len - 1) if window is not None else None
+        ),  # fmt: skip
         config=_config_record(cfg, bos, ks, focus, layers),
         versions=library_versions(),
         environment=environment(),
@@ -632,8 +685,61 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         ppl_by_position=scores.by_position,
         coverage=scores.coverage,
     )
-    _write(result, cfg)
-    return result
+
+
+def _score_dense(model: Any, blocks: torch.Tensor, name: str, scores: _Scores, bar: Any, bounds: list) -> tuple[int, PositionNLL]:  # fmt: skip
+    """Score ``model`` (dense: a transformers model, no Focus attached) as row ``name``
+    (``base`` or ``tuned``): perplexity, perplexity by position and seconds; returns
+    ``(scored tokens, the per-position NLL)``."""
+    t = time.monotonic()
+    bar.set_description(f"eval {name}")
+    model.eval()
+    positions = PositionNLL(blocks.shape[1])
+    nll, n_tok = score_windows(model, blocks, progress=bar, positions=positions)
+    scores.ppl[name] = math.exp(nll / n_tok)
+    scores.by_position[name] = positions.perplexities(bounds)
+    scores.seconds[name] = time.monotonic() - t
+    return n_tok, positions
+
+
+def _tuned_model(base: Any, adapter: str) -> Any:
+    """The tuned model of a run: its trained base weights (a new model) or ``base`` with
+    its LoRA injected in place (after ``base`` was scored), in eval mode."""
+    model = load_trained_weights(base, adapter)
+    if run_parts(adapter)["lora"]:
+        apply_lora(model, adapter)
+    return model.eval()
+
+
+def _unchanged_weights(base: Any, sha_before: str) -> dict[str, Any]:
+    """The base-weights record of a run that trained no base weights.
+
+    Raises:
+        RuntimeError: the base weights changed during the evaluation.
+    """
+    sha_after = weights_sha256(base)
+    if sha_after != sha_before:
+        raise RuntimeError(
+            f"the base model's weights changed during evaluation (SHA-256 {sha_before} before, "
+            f"{sha_after} after)"
+        )
+    return {"before": sha_before, "after": sha_after, "equal": True}
+
+
+def _tuned_weights(model: Any, digests: dict, loaded: dict, sha_before: str) -> dict[str, Any]:
+    """The base-weights record of a run that trained LoRA or base weights: how the tuned
+    model's base tensors differ from the untouched base (``digests``).
+
+    Raises:
+        RuntimeError: the tuned model's weights changed during the evaluation (``loaded``:
+            its digests when loaded).
+    """
+    if tensor_digests(model) != loaded:
+        raise RuntimeError("the tuned model's weights changed during evaluation")
+    report = base_weights_report(digests, model)
+    return {"before": sha_before, "after": report["after"],
+            "equal": report["after"] == sha_before, "trained": True,
+            **{k: report[k] for k in ("changed", "changed_count", "tensors", "lora_tensors")}}  # fmt: skip
 
 
 def _write(result: EvalResult, cfg: EvalConfig) -> None:
@@ -646,38 +752,60 @@ def _write(result: EvalResult, cfg: EvalConfig) -> None:
         atomic_write_text(path, markdown_table(result) + "\n")
 
 
+def _title(r: dict[str, Any]) -> str:
+    """The first line of :func:`markdown_table`: what was evaluated, on what."""
+    cfg, focus = r["config"], r["config"]["focus"]
+    method = cfg.get("method") or "focus"
+    what = f"Focus adapter `{cfg['adapter']}`" if method == "focus" else (
+        f"`{cfg['adapter']}` (focus train --method {method})")  # fmt: skip
+    text = (f"{cfg['model']} + {what} on {cfg['corpus']}/{cfg['split']}: {r['tokens']:,d} "
+            f"scored tokens in {r['windows']} windows of {cfg['seq_len']}")  # fmt: skip
+    if focus:
+        text += (f" (K={focus['num_groups']}, window={focus['window']}, gate={focus['gate']}, "
+                 f"sink_tokens={focus['sink_tokens']}, "
+                 f"inference_routing={focus['inference_routing']})")  # fmt: skip
+    return text
+
+
 def markdown_table(result: EvalResult | dict[str, Any]) -> str:
-    """The evaluation as a markdown table: one row for the base model, one for soft routing
-    and one per evaluated ``top_k`` (PPL, change against the base, pairs retained,
-    dominance), after a one-line description of what was measured. ``result`` may be an
-    :class:`EvalResult` or its dict (a JSON result file)."""
+    """The evaluation as a markdown table: one row for the base model, one for the tuned
+    model (runs that trained LoRA or base weights), one for soft routing and one per
+    evaluated ``top_k`` (PPL, change against the base, pairs retained, dominance), after a
+    one-line description of what was measured. ``result`` may be an :class:`EvalResult`
+    or its dict (a JSON result file)."""
     r = result.to_dict() if isinstance(result, EvalResult) else result
-    cfg, focus, base = r["config"], r["config"]["focus"], r["ppl"]["base"]
+    base = r["ppl"]["base"]
 
     def rel(v: float) -> str:
         return f"{100 * (v / base - 1):+.1f}%"
 
     lines = [
-        f"{cfg['model']} + Focus adapter `{cfg['adapter']}` on {cfg['corpus']}/{cfg['split']}: "
-        f"{r['tokens']:,d} scored tokens in {r['windows']} windows of "
-        f"{cfg['seq_len']} (K={focus['num_groups']}, window={focus['window']}, "
-        f"gate={focus['gate']}, sink_tokens={focus['sink_tokens']}, "
-        f"inference_routing={focus['inference_routing']})",
+        _title(r),
         "",
         "| model | top_k | PPL | vs base | pairs retained | dominance |",
         "|---|---:|---:|---:|---:|---:|",
         f"| base (dense) | - | {base:.3f} | - | 100.0% | - |",
     ]
-    soft = r["ppl"]["focus_soft"]
-    dsoft = r["dominance"].get("soft")
-    dsoft_s = f"{dsoft:.3f}" if dsoft is not None else "-"
-    lines.append(f"| Focus soft | - | {soft:.3f} | {rel(soft)} | (gated, dense) | {dsoft_s} |")
-    for k, v in r["ppl"]["focus_topk"].items():
+    if "tuned" in r["ppl"]:
+        v = r["ppl"]["tuned"]
+        lines.append(f"| tuned (dense) | - | {v:.3f} | {rel(v)} | 100.0% | - |")
+    if "focus_soft" in r["ppl"]:
+        soft = r["ppl"]["focus_soft"]
+        dsoft = r["dominance"].get("soft")
+        dsoft_s = f"{dsoft:.3f}" if dsoft is not None else "-"
+        lines.append(f"| Focus soft | - | {soft:.3f} | {rel(soft)} | (gated, dense) | {dsoft_s} |")
+    for k, v in r["ppl"].get("focus_topk", {}).items():
         pr = r["pairs_retained"][k]
         d = r["dominance"]["topk"][k]
         lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
-    if r.get("ppl_by_position"):
-        lines += position_table(r["ppl_by_position"])
+    by_position = r.get("ppl_by_position")
+    if by_position and "focus_soft" in by_position:
+        table = position_table(by_position)
+        if by_position.get("tuned"):  # the tuned model's row after the base's
+            cells = " | ".join("-" if v is None else f"{v:.3f}" for v in by_position["tuned"])
+            at = next(i for i, line in enumerate(table) if line.startswith("| base (dense) |"))
+            table.insert(at + 1, f"| tuned (dense) | {cells} |")
+        lines += table
     if r.get("coverage"):
         cov = r["coverage"]
         lines += ["", f"Dense attention beyond the window: {100 * cov['distant_share']:.1f}% of "

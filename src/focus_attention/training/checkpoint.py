@@ -3,9 +3,10 @@ trainer state), RNG state, the step log, and the rule that an output directory h
 run.
 
 Layout under the run's ``out``: the final adapter (``focus_config.json`` +
-``focus_model.safetensors``), ``train_config.json``, ``log.jsonl`` (one JSON object per
+``focus_model.safetensors``; ``lora/`` and ``model/`` for the methods that train LoRA or
+base weights, :mod:`focus_attention.evaluation.trained`), ``train_config.json``, ``log.jsonl`` (one JSON object per
 step), ``train_result.json``, ``train.png`` and ``checkpoints/step-NNNNNNN/`` (adapter +
-``trainer_state.pt``: optimizer, scheduler, RNG states, step, seconds). Every file is written
+``trainer_state.pt``: optimizer, scheduler, RNG states, step, seconds, trained values). Every file is written
 atomically and a checkpoint directory is renamed into place only when complete, so an
 interrupted save never leaves half a checkpoint.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..evaluation.trained import LORA_DIR, MODEL_DIR
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write, atomic_write_text, staged_directory
 
@@ -54,6 +56,8 @@ CONFIG_FILE = TRAIN_CONFIG_NAME
 PLOT_NAME = "train.png"
 #: what ``--overwrite`` deletes (with the checkpoints)
 RUN_FILES = (LOG_NAME, CONFIG_NAME, WEIGHTS_NAME, RESULT_NAME, PLOT_NAME, CONFIG_FILE)
+#: sub-directories that ``--overwrite`` deletes (LoRA adapter, trained base weights)
+RUN_DIRS = (CHECKPOINT_DIR, LORA_DIR, MODEL_DIR)
 #: the files whose presence marks a directory as holding a run
 RUN_MARKERS = (CHECKPOINT_DIR, LOG_NAME, CONFIG_NAME, RESULT_NAME)
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -122,7 +126,8 @@ def latest_checkpoint(out: str | os.PathLike[str]) -> Path | None:
 def save_checkpoint(
     model: Any, trainer_state: dict[str, Any], step: int, out: Path, keep: int
 ) -> Path:
-    """Write ``out/checkpoints/step-NNNNNNN`` (adapter of ``model`` + ``trainer_state`` with
+    """Write ``out/checkpoints/step-NNNNNNN`` (what ``model.save_pretrained`` writes: the
+    adapter, LoRA or trained weights of the run; + ``trainer_state`` with
     the step, the RNG states and :data:`STATE_FORMAT` added) atomically, and delete the
     older checkpoints beyond the newest ``keep``. An existing checkpoint of the same step is
     kept as it is (a directory without a state there is replaced)."""
@@ -190,6 +195,7 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
             f"{out} already holds a training run ({', '.join(existing)}): pass --resume to "
             "continue it or --overwrite to start again"
         )
-    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)

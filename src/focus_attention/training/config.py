@@ -1,5 +1,5 @@
-"""``TrainConfig``: the settings of a centroid-only training run (docs/method.md §6), each
-field the one source of its default and of its ``focus train`` flag."""
+"""``TrainConfig``: the settings of a training run (docs/method.md §6), each field the one
+source of its default and of its ``focus train`` flag."""
 
 from __future__ import annotations
 
@@ -15,10 +15,30 @@ from ..assets.models import DEFAULT_MODEL
 from ..hf.config import FocusConfig
 from ..utils.checks import bad, check_int, check_known_keys, check_number
 
-__all__ = ["OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
+__all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
 
 #: training losses (docs/method.md §6, "Objectives")
 OBJECTIVES = ("lm", "distill", "mix", "coverage")
+
+#: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
+#: on the attention projections (dense); every attention weight (dense); every base weight
+#: (dense); LoRA and the routers together; routers first, then the base too (Focus active)
+METHODS = ("focus", "lora", "attention", "full", "focus+lora", "two-phase")
+#: methods whose model has Focus routers
+FOCUS_METHODS = ("focus", "focus+lora", "two-phase")
+#: methods that use the LoRA settings (two-phase only with ``phase2_method = "lora"``)
+LORA_METHODS = ("lora", "focus+lora", "two-phase")
+#: peak learning rate when ``lr`` is not given: the routers' 3e-2 (the best of 3e-3, 1e-2,
+#: 3e-2 on the validation book) for the Focus methods; 5e-4 for LoRA (a usual LoRA rate,
+#: the first probe's); 5e-5 when pretrained weights themselves train (a usual fine-tuning
+#: rate, 10x below LoRA's: every weight moves). None of the base-side rates was tuned here.
+DEFAULT_LR = {"focus": 3e-2, "lora": 5e-4, "attention": 5e-5, "full": 5e-5,
+              "focus+lora": 3e-2, "two-phase": 3e-2}  # fmt: skip
+#: ``base_lr`` when not given: of LoRA matrices, of base weights
+DEFAULT_BASE_LR = {"lora": 5e-4, "full": 5e-5}
+#: the LoRA defaults (rank 8 on q, k, v and o; alpha = rank; no dropout)
+DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
 #: fields that may differ between a run and its ``--resume``: they do not change the trained
 #: parameters (validation runs in eval mode, without bias updates or randomness)
@@ -40,6 +60,27 @@ RESUME_LOCKED_WHY = {
 }
 
 
+def _lora_rank(text: str) -> int | str:
+    """``"8"`` -> 8; ``"match"`` stays (the ``--lora-rank`` flag).
+
+    Raises:
+        argparse.ArgumentTypeError: neither a whole number nor ``match``.
+    """
+    if text.strip().lower() == "match":
+        return "match"
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected a rank like 8 or 'match', got {text!r}"
+        ) from err
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """``"q,v"`` -> ``("q", "v")`` (the ``--lora-targets`` flag)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 def _betas(text: str) -> tuple[float, float]:
     """``"0.9,0.99"`` -> ``(0.9, 0.99)`` (the ``--betas`` flag).
 
@@ -57,13 +98,15 @@ def _betas(text: str) -> tuple[float, float]:
 
 @dataclass
 class TrainConfig:
-    """Settings of a centroid-only training run (docs/method.md §6).
+    """Settings of a training run (docs/method.md §6).
 
     Defaults are sized so that training plus the README's evaluation finish within about
     15 minutes on a 2-core CPU: 80 steps of one 512-token block (about 4-5 s per step with
     2 threads for smollm2-135m), leaving ~4-5 minutes for ``focus eval``'s 4,096 tokens. The
     learning rate 3e-2 was the best of 3e-3, 1e-2 and 3e-2 in 80-step runs scored on the
-    validation book (never on the test book).
+    validation book (never on the test book). ``method`` picks what trains
+    (:data:`METHODS`); the defaults of the learning rates depend on it (:data:`DEFAULT_LR`,
+    :data:`DEFAULT_BASE_LR`) and are filled in by :meth:`validate`.
 
     Every field but ``focus`` is a ``focus train`` flag (``seq_len`` -> ``--seq-len``); the
     Focus settings are the flags of :class:`~focus_attention.hf.FocusConfig` (``routing``,
@@ -96,7 +139,69 @@ class TrainConfig:
     seq_len: int = field(default=512, metadata={"help": "tokens per training block"})
     batch_size: int = field(default=1, metadata={"help": "blocks per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=3e-2, metadata={"help": "peak AdamW learning rate"})
+    method: str = field(
+        default="focus",
+        metadata={
+            "help": "what trains (docs/method.md §6): focus = the Focus routers of the frozen "
+            "model; lora = LoRA on the attention projections, dense attention; attention = "
+            "every attention weight, dense; full = every base weight, dense; focus+lora = LoRA "
+            "and the routers together; two-phase = the routers for --phase1-steps, then the "
+            "base weights too (--phase2-method) with Focus active",
+            "choices": METHODS,
+        },
+    )
+    lr: float | None = field(
+        default=None,
+        metadata={
+            "help": "peak AdamW learning rate of what trains (the routers' with focus+lora "
+            "and two-phase); default by method: focus 3e-2, lora 5e-4, attention and full "
+            "5e-5, focus+lora and two-phase 3e-2"
+        },
+    )
+    base_lr: float | None = field(
+        default=None,
+        metadata={
+            "help": "focus+lora and two-phase: peak learning rate of the LoRA matrices or "
+            "base weights that train beside the routers (default 5e-4 for LoRA, 5e-5 for "
+            "base weights)"
+        },
+    )
+    lora_rank: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA rank, or 'match': the rank whose trainable count is closest to the "
+            "Focus routers' (default 8)",
+            "type": _lora_rank,
+            "metavar": "R|match",
+        },
+    )
+    lora_alpha: float | None = field(
+        default=None, metadata={"help": "LoRA alpha (scale alpha / rank; default = the rank)"}
+    )
+    lora_targets: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "attention projections that get LoRA: q, k, v, o (GPT-2's fused c_attn "
+            "for q/k/v, c_proj for o) or module names (default q,k,v,o)",
+            "type": _names,
+            "metavar": "T1,T2,...",
+        },
+    )
+    lora_dropout: float | None = field(
+        default=None, metadata={"help": "dropout on the LoRA input (default 0)"}
+    )
+    phase1_steps: int | None = field(
+        default=None,
+        metadata={"help": "two-phase: steps of phase 1, routers only (default steps // 2)"},
+    )
+    phase2_method: str | None = field(
+        default=None,
+        metadata={
+            "help": "two-phase: what trains beside the routers in phase 2: full = every base "
+            "weight, lora = LoRA on the attention projections (default full)",
+            "choices": ("full", "lora"),
+        },
+    )
     warmup_steps: int = field(
         default=8, metadata={"help": "linear warm-up steps from 0, then cosine decay to 0"}
     )
@@ -178,6 +283,7 @@ class TrainConfig:
         check_int(owner, "seq_len", self.seq_len, 2)
         for name in ("batch_size", "grad_accum", "keep_checkpoints"):
             check_int(owner, name, getattr(self, name), 1)
+        self._validate_method()
         check_number(owner, "lr", self.lr)
         check_int(owner, "warmup_steps", self.warmup_steps, 0)
         check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
@@ -200,6 +306,72 @@ class TrainConfig:
             raise bad(owner, "resume", self.resume, "not both resume and overwrite")
         self._validate_focus()
 
+    def _validate_method(self) -> None:
+        """Check ``method`` and its settings; fill in the method's default learning rates,
+        ``phase1_steps`` and ``phase2_method``."""
+        owner, method = "TrainConfig", self.method
+        if method not in METHODS:
+            raise bad(owner, "method", method, f"one of {METHODS}")
+        if self.lr is None:
+            self.lr = DEFAULT_LR[method]
+        if method != "focus" and self.objective != "lm":
+            raise bad(owner, "objective", self.objective,
+                      f"'lm' with --method {method}: the other objectives compare with the "
+                      "frozen dense model, which is no longer the untouched base once base "
+                      "weights or LoRA train (or there is no Focus to train)")  # fmt: skip
+        if method == "two-phase":
+            if self.phase2_method is None:
+                self.phase2_method = "full"
+            if self.phase2_method not in ("full", "lora"):
+                raise bad(owner, "phase2_method", self.phase2_method, "'full' or 'lora'")
+            if self.phase1_steps is None:
+                self.phase1_steps = self.steps // 2
+            check_int(owner, "phase1_steps", self.phase1_steps, 0)
+            if self.phase1_steps > self.steps:
+                raise bad(owner, "phase1_steps", self.phase1_steps, f"at most steps ({self.steps})")
+        else:
+            for name in ("phase1_steps", "phase2_method"):
+                if getattr(self, name) is not None:
+                    raise bad(owner, name, getattr(self, name), "None (a two-phase setting)")
+        if method in ("focus+lora", "two-phase"):
+            if self.base_lr is None:
+                self.base_lr = DEFAULT_BASE_LR["lora" if self.uses_lora() else "full"]
+            check_number(owner, "base_lr", self.base_lr)
+        elif self.base_lr is not None:
+            raise bad(owner, "base_lr", self.base_lr,
+                      f"None with --method {method} (use --lr)")  # fmt: skip
+        self._validate_lora()
+
+    def uses_lora(self) -> bool:
+        """Whether this run trains LoRA matrices (lora, focus+lora, two-phase with
+        ``phase2_method = "lora"``)."""
+        if self.method == "two-phase":
+            return self.phase2_method == "lora"
+        return self.method in LORA_METHODS
+
+    def _validate_lora(self) -> None:
+        owner = "TrainConfig"
+        names = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+        if not self.uses_lora():
+            for name in names:
+                if getattr(self, name) is not None:
+                    raise bad(owner, name, getattr(self, name),
+                              f"None: --method {self.method} trains no LoRA")  # fmt: skip
+            return
+        rank = self.lora_rank
+        if rank is not None and rank != "match":
+            check_int(owner, "lora_rank", rank, 1)
+        if self.lora_alpha is not None:
+            check_number(owner, "lora_alpha", self.lora_alpha)
+        if isinstance(self.lora_targets, list):
+            self.lora_targets = tuple(self.lora_targets)
+        targets = self.lora_targets
+        if targets is not None and (not isinstance(targets, tuple) or not targets
+                                    or not all(isinstance(t, str) and t for t in targets)):  # fmt: skip
+            raise bad(owner, "lora_targets", targets, "one or more module names")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise bad(owner, "lora_dropout", self.lora_dropout, "a number in [0, 1)")
+
     def _validate_focus(self) -> None:
         owner = "TrainConfig"
         if not isinstance(self.focus, FocusConfig):
@@ -209,7 +381,7 @@ class TrainConfig:
         if self.focus.routing == "topk":
             raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
         window = self.focus.window
-        if self.seq_len <= window:
+        if self.method in FOCUS_METHODS and self.seq_len <= window:
             raise bad(
                 owner,
                 "seq_len",
@@ -236,6 +408,8 @@ class TrainConfig:
         :meth:`focus_config`."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["betas"] = list(self.betas)
+        if self.lora_targets is not None:
+            d["lora_targets"] = list(self.lora_targets)
         d["focus"] = self.focus_config().to_dict()
         return d
 

@@ -1,9 +1,11 @@
-"""``focus train``: centroid-only training of a frozen pretrained causal LM (docs/method.md §6).
+"""``focus train``: training a pretrained causal LM (docs/method.md §6).
 
-Only the Focus routers (``W_g`` and the centroids ``C`` of every Focus layer, §1) train;
-every base parameter is frozen (checked before the first step) and the base model runs in
-``eval()`` mode (no dropout). The model routes softly (Sinkhorn and the soft gate, §2-§3);
-each soft batch also updates the calibrated causal bias used by top-k inference (§4).
+By default (``method = "focus"``) only the Focus routers (``W_g`` and the centroids ``C`` of
+every Focus layer, §1) train; every base parameter is frozen (checked before the first
+step) and the base model runs in ``eval()`` mode (no dropout). The model routes softly
+(Sinkhorn and the soft gate, §2-§3); each soft batch also updates the calibrated causal bias
+used by top-k inference (§4). The other methods (LoRA, attention or full fine-tuning, LoRA
+with Focus, two-phase) change what trains, in this same loop (:mod:`.methods`).
 
 The run, step by step (:func:`train`): check the settings and the output directory, resume
 from the newest checkpoint if asked, load the corpus and the model, attach Focus, then per
@@ -32,7 +34,8 @@ from typing import Any
 
 import torch
 
-from ..hf import FocusModel, get_focus_model
+from ..evaluation.trained import base_weights_report, tensor_digests
+from ..hf import FocusModel
 from ..hf.model import WEIGHTS_NAME
 from ..ops import dominance
 from ..utils.env import environment, library_versions, weights_sha256
@@ -53,11 +56,20 @@ from .checkpoint import (
     truncate_log,
 )
 from .config import RESUME_LOCKED_WHY, TrainConfig
-from .objectives import objective_loss
+from .methods import (
+    Trainee,
+    build_trainee,
+    dense_validation,
+    phase_at,
+    phase_schedule,
+    start_phase2,
+    step_loss,
+    trainable_parameters,
+)
 from .plot import write_plot
-from .schedule import block_indices, lr_factor
+from .schedule import block_indices
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "train", "trainable_parameters"]
 
 Callback = Callable[[int, dict[str, Any]], None]
 
@@ -78,15 +90,19 @@ class TrainResult:
         final_loss: loss of the last step (``None`` if no step ran).
         seconds: wall-clock seconds of this call (loading included).
         train_seconds: cumulative seconds spent in the training loop over all resumes.
-        trainable_parameters: number of trained (Focus) parameters.
+        trainable_parameters: number of trained values (Focus routers, LoRA matrices or
+            base weights, by method; at the end of the run).
         adapter: directory of the final adapter (= ``out``).
         checkpoint: directory of the last checkpoint written (or ``None``).
         log: path of ``log.jsonl``; plot: path of ``train.png`` (``None`` if not written).
         extra: ``interrupted``, ``peak_memory_bytes`` (see :func:`peak_memory_bytes`),
             ``seconds_per_step`` (loop seconds over all steps, validation included),
-            ``train_blocks``, ``prepend_bos``, ``base_weights_sha256``
-            (``before``, ``after``, ``equal``); ``already_finished`` for a ``--resume`` of a
-            finished run.
+            ``train_blocks``, ``prepend_bos``, ``base_weights_sha256`` (``before``,
+            ``after``, ``equal``, ``changed``: the base tensors that changed, ``changed_count``,
+            ``lora_tensors``), ``method`` (:meth:`~.methods.Trainee.describe`: method,
+            trained values per group, learning rates, the LoRA rank and targets), for
+            two-phase ``phase1_base_weights`` (``equal``, ``changed_count`` at the end of
+            phase 1); ``already_finished`` for a ``--resume`` of a finished run.
     """
 
     out: Path
@@ -153,28 +169,6 @@ class SigintGuard:
                 raise KeyboardInterrupt
 
 
-def trainable_parameters(model: FocusModel) -> list[torch.nn.Parameter]:
-    """The parameters that require grad, sorted by name, after checking that they are
-    exactly the Focus routers' parameters (the base model is frozen).
-
-    Raises:
-        RuntimeError: a base parameter requires grad, or not every Focus parameter does.
-    """
-    named = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
-    router_ids = {id(p) for p in model.routers.parameters()}
-    base = [n for n, p in named if id(p) not in router_ids]
-    if base:
-        raise RuntimeError(
-            f"centroid-only training: {len(base)} base parameters require grad ({base[:3]}...)"
-        )
-    if not named or len(named) != len(router_ids):
-        raise RuntimeError(
-            f"centroid-only training: {len(named)} of {len(router_ids)} Focus parameters "
-            "require grad (expected all of them)"
-        )
-    return [p for _, p in named]
-
-
 def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
     """Dominance of the recorded routing (docs/method.md §2), over layers: ``dominance``
     (mean) and ``dominance_max`` (worst layer) of the tokens' largest Sinkhorn weights, and
@@ -231,7 +225,7 @@ def validation_perplexity(
 
 
 #: what :attr:`TrainResult.validation` keeps of a validation record
-VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_tokens", "val_ppl_base")
+VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_ppl", "val_tokens", "val_ppl_base")
 
 
 def _resume_state(cfg: TrainConfig, out: Path) -> tuple[Path | None, dict[str, Any] | None]:
@@ -268,8 +262,12 @@ def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float
         "its files are left as they are",
         file=sys.stderr,
     )
-    tensors = load_file(str(ckpt / WEIGHTS_NAME))
-    n_trainable = sum(t.numel() for k, t in tensors.items() if k.endswith((".proj", ".centroids")))
+    n_trainable = state.get("trainable_parameters")
+    if n_trainable is None:  # a checkpoint from before the count was stored
+        tensors = load_file(str(ckpt / WEIGHTS_NAME))
+        n_trainable = sum(
+            t.numel() for k, t in tensors.items() if k.endswith((".proj", ".centroids"))
+        )
     png = out / PLOT_NAME
     return TrainResult(
         out=out,
@@ -291,12 +289,13 @@ def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float
 
 @dataclass
 class _Data:
-    """The model and token blocks of a run."""
+    """The model, tokenizer and token blocks of a run."""
 
     model: Any
     train_blocks: torch.Tensor
     val_blocks: torch.Tensor | None
     prepend_bos: bool
+    tokenizer: Any = None
 
 
 def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
@@ -313,7 +312,7 @@ def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
     if cfg.eval_every >= 0:
         val_blocks = token_blocks(tokenizer, corpus.texts("validation"), cfg.seq_len,
                                   max_tokens=cfg.eval_tokens, prepend_bos=bos)  # fmt: skip
-    return _Data(model, train_blocks, val_blocks, bos)
+    return _Data(model, train_blocks, val_blocks, bos, tokenizer)
 
 
 class _Run:
@@ -321,19 +320,11 @@ class _Run:
 
     The steps of :func:`train` are its methods, so that each one reads at once."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None, step: int, digests: dict[str, str]) -> None:  # fmt: skip
         self.cfg, self.out, self.data = cfg, out, data
-        if ckpt is not None:
-            self.model = FocusModel.from_pretrained(data.model, ckpt, is_trainable=True)
-        else:
-            self.model = get_focus_model(data.model, cfg.focus_config())
-        self.params = trainable_parameters(self.model)
-        self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_factor(s, cfg.steps, cfg.warmup_steps)
-        )
+        self.digests = digests  # of the untouched base, per tensor
+        self.phase1_report: dict[str, Any] | None = None
+        self.use(build_trainee(cfg, data.model, data.tokenizer, ckpt, step))
         self.step, self.elapsed = 0, 0.0
         self.start_step = 0
         self.losses: list[float] = []
@@ -343,9 +334,37 @@ class _Run:
         self.num_blocks = int(data.train_blocks.shape[0])
         self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum
 
+    def use(self, trainee: Trainee) -> None:
+        """Train ``trainee`` from now on: its parameters, a fresh AdamW and the schedule of
+        its phase."""
+        self.trainee = trainee
+        self.last_lrs = [g["lr"] for g in trainee.groups]
+        self.model = trainee.model
+        self.params = trainee.params
+        self.opt = trainee.optimizer(self.cfg)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, phase_schedule(self.cfg, trainee.phase)
+        )
+
+    def enter_phase(self) -> None:
+        """Two-phase: switch to phase 2 when the next step belongs to it (the base weights
+        at the end of phase 1 are compared with the untouched base first)."""
+        if phase_at(self.cfg, self.step) == self.trainee.phase:
+            return
+        report = base_weights_report(self.digests, self.trainee.hf)
+        self.phase1_report = {"equal": report["changed_count"] == 0,
+                              "changed_count": report["changed_count"]}  # fmt: skip
+        self.use(start_phase2(self.trainee, self.cfg))
+        if self.cfg.progress:
+            info = self.trainee.describe()
+            groups = ", ".join(f"{k} {v:,d}" for k, v in info["groups"].items())
+            print(f"\nfocus train: phase 2 from step {self.step + 1}: {self.num_trainable:,d} "
+                  f"trainable parameters ({groups}); base weights unchanged in phase 1: "
+                  f"{self.phase1_report['equal']}", file=sys.stderr)  # fmt: skip
+
     @property
     def num_trainable(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return self.trainee.num_trainable
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Continue from a trainer state (optimizer, schedule, RNG, step, seconds), dropping
@@ -355,6 +374,7 @@ class _Run:
             return
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        self.phase1_report = state.get("phase1_base_weights")
         restore_rng_state(state["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.start_step = self.step
@@ -362,17 +382,28 @@ class _Run:
 
     def announce(self, corpus_name: str) -> None:
         """What is about to train, on stderr."""
-        m, cfg = self.model, self.cfg
+        m, cfg, info = self.model, self.cfg, self.trainee.describe()
         val = self.data.val_blocks
-        print(
-            f"focus train: {cfg.model} on {corpus_name} -> {self.out}\n"
-            f"  trainable (Focus) parameters: {self.num_trainable:,d} of "
-            f"{sum(p.numel() for p in m.parameters()):,d}; {len(m.focus_layers)} Focus layers\n"
-            f"  {self.num_blocks} training blocks of {cfg.seq_len} tokens; "
-            f"{self.tokens_per_step} tokens/step"
-            + (f"; validation {val.numel()} tokens" if val is not None else ""),
-            file=sys.stderr,
-        )
+        groups = ", ".join(f"{k} {v:,d} (lr {info['lr'][k]:g})" for k, v in info["groups"].items())
+        focus = f"; {len(m.focus_layers)} Focus layers" if self.trainee.focus is not None else ""
+        lines = [
+            f"focus train: {cfg.model} on {corpus_name} -> {self.out}; method {cfg.method}",
+            f"  trainable parameters: {self.num_trainable:,d} of "
+            f"{sum(p.numel() for p in m.parameters()):,d}: {groups}{focus}",
+        ]
+        lora = info.get("lora")
+        if lora:
+            lines.append(f"  LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on "
+                         f"{lora['targets']} of {lora['modules']} modules")  # fmt: skip
+        if cfg.method == "two-phase":
+            what = "LoRA" if cfg.phase2_method == "lora" else "every base weight"
+            lines.append(f"  two-phase: the routers alone for {cfg.phase1_steps} steps, then "
+                         f"the routers and {what} (lr {cfg.base_lr:g}) for "
+                         f"{cfg.steps - cfg.phase1_steps}")  # fmt: skip
+        lines.append(f"  {self.num_blocks} training blocks of {cfg.seq_len} tokens; "
+                     f"{self.tokens_per_step} tokens/step"
+                     + (f"; validation {val.numel()} tokens" if val is not None else ""))  # fmt: skip
+        print("\n".join(lines), file=sys.stderr)
 
     def emit(self, log: Any, rec: dict[str, Any], started: float) -> None:
         """Add the time since ``started`` to the loop's seconds and log ``rec`` with it."""
@@ -383,7 +414,11 @@ class _Run:
 
     def validate(self, rec: dict[str, Any], *, base: bool = False) -> None:
         """Score the validation blocks into ``rec`` and keep them in ``validation``."""
-        rec.update(validation_perplexity(self.model, self.data.val_blocks, base=base))
+        if self.trainee.focus is None:
+            rec.update(dense_validation(self.trainee, self.data.val_blocks, base=base))
+        else:
+            rec.update(validation_perplexity(self.model, self.data.val_blocks, base=base))
+            self.trainee.train_mode()
         self.validation.append({k: rec[k] for k in VALIDATION_KEYS if k in rec})
 
     def validation_due(self) -> bool:
@@ -400,13 +435,16 @@ class _Run:
             "optimizer": self.opt.state_dict(),
             "scheduler": self.sched.state_dict(),
             "config": self.cfg.to_dict(),
+            "trainable_parameters": self.num_trainable,
         }
+        if self.phase1_report is not None:
+            state["phase1_base_weights"] = self.phase1_report
         with guard.critical():
             self.last_checkpoint = save_checkpoint(
-                self.model, state, self.step, self.out, self.cfg.keep_checkpoints
+                self.trainee, state, self.step, self.out, self.cfg.keep_checkpoints
             )
             if final:
-                self.model.save_pretrained(self.out)
+                self.trainee.save_pretrained(self.out)
                 log.flush()
                 write_plot(self.log_path, self.out / PLOT_NAME)
 
@@ -424,7 +462,7 @@ class _Run:
                 (cfg.seed * 1_000_003 + self.step * cfg.grad_accum + micro) % (2**63 - 1)
             )
             try:
-                step = objective_loss(self.model, x, cfg, gen)
+                step = step_loss(self.trainee, x, cfg, gen)
             except RuntimeError as err:
                 raise RuntimeError(f"{err} at step {self.step + 1}") from err
             (step.loss / cfg.grad_accum).backward()
@@ -438,7 +476,8 @@ class _Run:
         with guard.critical():
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            lr_now = float(self.opt.param_groups[0]["lr"])
+            self.last_lrs = [float(g["lr"]) for g in self.opt.param_groups]
+            lr_now = self.last_lrs[0]
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
@@ -447,6 +486,7 @@ class _Run:
 
     def train_step(self, guard: SigintGuard) -> dict[str, Any]:
         """One optimizer step; returns its log record (before validation)."""
+        self.enter_phase()
         self.opt.zero_grad(set_to_none=True)
         metrics, doms = self.forward_backward()
         grad_norm, lr_now = self.optimizer_step(guard)
@@ -454,6 +494,10 @@ class _Run:
         for key in metrics[0]:
             rec[key] = sum(m[key] for m in metrics) / len(metrics)
         rec.update(lr=lr_now, grad_norm=grad_norm)
+        if len(self.opt.param_groups) > 1:  # the base side's rate, after the routers'
+            rec["base_lr"] = self.last_lrs[1]
+        if self.cfg.method == "two-phase":
+            rec["phase"] = self.trainee.phase
         for key in ("dominance", "dominance_max", "dominance_topk"):
             vals = [d[key] for d in doms if key in d]
             if vals:
@@ -465,13 +509,13 @@ class _Run:
     def loop(self, guard: SigintGuard, log: Any, pbar: Any, callback: Callback | None) -> None:
         """Validate at step 0 (once per run), then step until ``steps``; checkpoints when
         due and a final save."""
-        logged = {r.get("step") for r in read_log(self.log_path) if "val_ppl_topk" in r}
+        logged = {r.get("step") for r in read_log(self.log_path) if _val_ppl(r) is not None}
         if self.data.val_blocks is not None and self.step == 0 and 0 not in logged:
             t0 = time.monotonic()
             rec: dict[str, Any] = {"step": 0}
             self.validate(rec, base=True)
             self.emit(log, rec, t0)
-            pbar.set_postfix(val_ppl=f"{rec['val_ppl_topk']:.2f}")
+            pbar.set_postfix(val_ppl=f"{_val_ppl(rec):.2f}")
         while self.step < self.cfg.steps:
             t0 = time.monotonic()
             rec = self.train_step(guard)
@@ -515,9 +559,15 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     """The progress bar's summary of a step record."""
     post = {"loss": f"{rec['loss']:.3f}", "dom": f"{rec.get('dominance', 0):.2f}",
             "lr": f"{rec['lr']:.1e}"}  # fmt: skip
-    if "val_ppl_topk" in rec:
-        post["val_ppl"] = f"{rec['val_ppl_topk']:.2f}"
+    if _val_ppl(rec) is not None:
+        post["val_ppl"] = f"{_val_ppl(rec):.2f}"
     return post
+
+
+def _val_ppl(rec: dict[str, Any]) -> float | None:
+    """The headline validation perplexity of a log record: top-k with Focus, dense
+    without; None in a record without validation."""
+    return rec.get("val_ppl_topk", rec.get("val_ppl"))
 
 
 def peak_memory_bytes() -> int:
@@ -533,13 +583,33 @@ def peak_memory_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB else
 
 
+#: methods whose base weights must come out of training unchanged
+FROZEN_BASE_METHODS = ("focus", "lora", "focus+lora")
+
+
+def _weights_record(run: _Run, sha_before: str) -> dict[str, Any]:
+    """``base_weights_sha256`` of the result: the SHA-256 of every base tensor before and
+    after, whether they are equal, and which tensors changed (LoRA tensors apart)."""
+    if run.cfg.method == "focus":
+        sha_after = weights_sha256(run.model.base_model)
+        changed = [] if sha_after == sha_before else base_weights_report(run.digests, run.trainee.hf)["changed"]  # fmt: skip
+        lora = 0
+    else:
+        report = base_weights_report(run.digests, run.trainee.hf)
+        sha_after, changed, lora = report["after"], report["changed"], report["lora_tensors"]
+    return {"before": sha_before, "after": sha_after, "equal": sha_before == sha_after,
+            "changed": changed, "changed_count": len(changed), "lora_tensors": lora}  # fmt: skip
+
+
 def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> TrainResult:
-    """Check the base weights, write ``train_result.json`` and build the result.
+    """Check or report the base weights, write ``train_result.json`` and build the result.
 
     Raises:
-        RuntimeError: the base model's weights changed.
+        RuntimeError: the base model's weights changed in a method that keeps them frozen
+            (:data:`FROZEN_BASE_METHODS`).
     """
-    sha_after = weights_sha256(run.model.base_model)
+    weights = _weights_record(run, sha_before)
+    sha_after = weights["after"]
     out = run.out
     png = out / PLOT_NAME
     result = TrainResult(
@@ -562,27 +632,29 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
             "seconds_per_step": run.elapsed / max(1, run.step),
             "train_blocks": run.num_blocks,
             "prepend_bos": run.data.prepend_bos,
-            "base_weights_sha256": {
-                "before": sha_before,
-                "after": sha_after,
-                "equal": sha_before == sha_after,
-            },  # fmt: skip
+            "base_weights_sha256": weights,
+            "method": run.trainee.describe(),
         },
     )
+    if run.phase1_report is not None:
+        result.extra["phase1_base_weights"] = run.phase1_report
+    focus = run.trainee.focus
     doc = {**result.to_dict(), "config": run.cfg.to_dict(),
-           "focus_config": run.model.focus_config.to_dict(), "versions": library_versions(),
-           "environment": environment()}  # fmt: skip
+           "focus_config": focus.focus_config.to_dict() if focus is not None else None,
+           "versions": library_versions(), "environment": environment()}  # fmt: skip
     write_json_atomic(out / RESULT_NAME, doc)
-    if sha_after != sha_before:
+    if sha_after != sha_before and run.cfg.method in FROZEN_BASE_METHODS:
+        trained = "Focus parameters" if run.cfg.method == "focus" else "LoRA and Focus parameters"
         raise RuntimeError(
             f"the base model's weights changed during training (SHA-256 {sha_before} before, "
-            f"{sha_after} after): only the Focus parameters may train"
+            f"{sha_after} after; {weights['changed'][:3]}...): only the {trained} may train"
         )
     return result
 
 
 def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResult:
-    """Train the Focus centroids of a frozen pretrained causal LM (docs/method.md §6).
+    """Train a pretrained causal LM by ``config.method`` (docs/method.md §6): by default
+    the Focus centroids of the frozen model.
 
     Args:
         config: the :class:`TrainConfig`.
@@ -592,15 +664,17 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
             is handled like Ctrl-C.
 
     Returns:
-        a :class:`TrainResult`; the final adapter is in ``config.out_dir()``.
+        a :class:`TrainResult`; the final adapter (and ``lora/`` or ``model/``, see
+        :mod:`focus_attention.evaluation.trained`) is in ``config.out_dir()``.
 
     Raises:
         ValueError: bad configuration, an ``out`` directory holding another run (without
             ``resume``/``overwrite``), a ``resume`` whose settings differ from the
             checkpoint's (other than :data:`~.config.RESUME_FREE_FIELDS`), too little text.
         FileNotFoundError: ``resume`` without a checkpoint.
-        RuntimeError: base parameters that require grad, a non-finite loss, base weights
-            that changed (SHA-256 of every base tensor before and after training).
+        RuntimeError: parameters that are trainable or frozen against the method, a
+            non-finite loss, base weights that changed in a method that keeps them frozen
+            (SHA-256 of every base tensor before and after training).
         KeyboardInterrupt: after Ctrl-C, once the adapter (in ``out``) and a checkpoint of
             the last completed step are saved.
     """
@@ -622,10 +696,10 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     seed_everything(cfg.seed)
     data = _load_data(cfg, corpus)
     sha_before = weights_sha256(data.model)
-    run = _Run(cfg, out, data, ckpt)
+    step = int(state["step"]) if state is not None else 0
+    run = _Run(cfg, out, data, ckpt, step, tensor_digests(data.model))
     run.restore(state)
-    run.model.train()
-    run.model.base_model.eval()
+    run.trainee.train_mode()
     if cfg.progress:
         run.announce(corpus.name)
     interrupted = run.run(callback)

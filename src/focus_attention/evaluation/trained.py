@@ -1,0 +1,147 @@
+"""What a ``focus train --method`` run writes beside the Focus adapter, and how to load it
+back onto the untouched base model (docs/method.md §6, "Methods").
+
+Layout of a run directory (and of each of its checkpoints): the Focus adapter
+(``focus_config.json`` + ``focus_model.safetensors``) where the model has Focus routers;
+``lora/``, a peft adapter written by ``PeftModel.save_pretrained``, where LoRA trained;
+``model/``, a transformers model directory written by ``save_pretrained`` (with the
+tokenizer), where base weights themselves trained. A run holds LoRA or trained base weights,
+never both.
+
+Also here: per-tensor digests of a model's base weights under their original names (peft's
+``.base_layer`` wrapper removed, LoRA tensors apart), to report which base tensors a method
+changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..hf.files import CONFIG_NAME
+from ..utils.env import weights_sha256
+
+__all__ = [
+    "LORA_DIR",
+    "MODEL_DIR",
+    "apply_lora",
+    "base_state",
+    "import_peft",
+    "base_weights_report",
+    "load_trained_weights",
+    "run_parts",
+    "tensor_digests",
+]
+
+#: sub-directory of a run holding the peft LoRA adapter
+LORA_DIR = "lora"
+#: sub-directory of a run holding the transformers model with trained base weights
+MODEL_DIR = "model"
+#: peft's file names (``peft.utils.constants``)
+LORA_CONFIG_FILE = "adapter_config.json"
+
+
+def run_parts(directory: str | Path) -> dict[str, bool]:
+    """Which parts a run directory (or checkpoint) holds: ``focus`` (a Focus adapter),
+    ``lora`` (a peft adapter in ``lora/``), ``model`` (base weights in ``model/``)."""
+    d = Path(directory)
+    return {
+        "focus": (d / CONFIG_NAME).is_file(),
+        "lora": (d / LORA_DIR / LORA_CONFIG_FILE).is_file(),
+        "model": (d / MODEL_DIR / "config.json").is_file(),
+    }
+
+
+def load_trained_weights(base: Any, directory: str | Path) -> Any:
+    """The model with the trained base weights of a run: a new model read from
+    ``directory/model`` with the dtype and device of ``base`` (in eval mode), or ``base``
+    itself when the run trained no base weights.
+
+    Raises:
+        RuntimeError: transformers cannot read ``model/``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(directory) / MODEL_DIR
+    if not (path / "config.json").is_file():
+        return base
+    ref = next(base.parameters())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=ref.dtype, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise RuntimeError(f"cannot load the trained model in {path}: {err}") from err
+    return model.to(ref.device).eval()
+
+
+def import_peft() -> Any:
+    """The ``peft`` module (the ``baselines`` extra).
+
+    Raises:
+        ImportError: peft is not installed (the message says how to install it).
+    """
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError("LoRA needs peft: pip install -e '.[baselines]' (peft==0.21.2)") from err
+    return peft
+
+
+def apply_lora(model: Any, directory: str | Path, *, is_trainable: bool = False) -> Any:
+    """Inject the run's LoRA adapter (``directory/lora``) into ``model`` in place; returns
+    the ``peft.PeftModel`` around it (``.base_model.model`` is ``model``).
+
+    Raises:
+        FileNotFoundError: no ``lora/adapter_config.json``.
+        ImportError: peft is not installed.
+    """
+    PeftModel = import_peft().PeftModel  # noqa: N806 (a class)
+
+    path = Path(directory) / LORA_DIR
+    if not (path / LORA_CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path / LORA_CONFIG_FILE} not found: not a LoRA run")
+    return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
+
+
+def base_state(model: Any) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` restricted to the base weights under their original names:
+    peft's ``.base_layer`` removed from the names, LoRA tensors (``lora_*``) left out."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        out[name.replace(".base_layer.", ".")] = t
+    return out
+
+
+def tensor_digests(model: Any) -> dict[str, str]:
+    """SHA-256 (hex) of every tensor of :func:`base_state` (dtype, shape and bytes), by
+    name."""
+    out = {}
+    for name, t in base_state(model).items():
+        t = t.detach().to("cpu").contiguous()
+        h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        out[name] = h.hexdigest()
+    return out
+
+
+def base_weights_report(before: dict[str, str], model: Any) -> dict[str, Any]:
+    """How the base weights of ``model`` compare with the digests ``before``
+    (:func:`tensor_digests` of the untouched base): ``after`` (SHA-256 over every base
+    tensor, as :func:`~focus_attention.utils.env.weights_sha256` computes it on the base
+    names), ``changed`` (names of the tensors that differ, sorted), ``changed_count``,
+    ``tensors`` (how many were compared) and ``lora_tensors`` (LoRA tensors present)."""
+    after = tensor_digests(model)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    lora = sum(1 for k in model.state_dict() if ".lora_" in k)
+    state = base_state(model)
+    sha = weights_sha256(types.SimpleNamespace(state_dict=lambda: state))
+    return {"after": sha, "changed": changed, "changed_count": len(changed),
+            "tensors": len(after), "lora_tensors": lora}  # fmt: skip
