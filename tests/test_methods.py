@@ -160,11 +160,13 @@ def _logits(model, x):
         return model(input_ids=x, use_cache=False).logits
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_saved_output_reloads_to_the_same_logits(assets, tmp_path, method):
+@pytest.mark.parametrize(
+    ("method", "extra"), [(m, {}) for m in METHODS] + [("two-phase", {"phase2_method": "lora"})]
+)
+def test_saved_output_reloads_to_the_same_logits(assets, tmp_path, method, extra):
     from focus_attention.hf import FocusModel
 
-    cfg = _cfg(assets, tmp_path / "unused", method)
+    cfg = _cfg(assets, tmp_path / "unused", method, **extra)
     base, tok = _base(assets)
     step = cfg.phase1_steps + 1 if method == "two-phase" else 0  # two-phase: phase 2
     trainee = build_trainee(cfg, base, tok, None, step)
@@ -403,3 +405,28 @@ def test_dense_validation_is_logged(runs):
     assert all(math.isfinite(v["val_ppl"]) for v in val)
     assert [v["step"] for v in runs["focus+lora"].validation] == [0, 2, 4]
     assert "val_ppl_topk" in runs["focus+lora"].validation[-1]
+
+
+def test_two_phase_with_lora_resumes_exactly_inside_phase_2(assets, tmp_path):
+    """Phase 2 with LoRA: the uninterrupted run injects LoRA under the routers at the
+    boundary, the resumed one loads both; same losses and tensors."""
+    lora = dict(phase2_method="lora", lora_rank="match", lora_targets=("q", "v"))
+    ref = train(_cfg(assets, tmp_path / "ref", "two-phase", **lora))
+    info = ref.extra["method"]
+    assert info["phase"] == 2 and set(info["groups"]) == {"routers", "lora"}
+    assert info["lora"]["matched_focus_parameters"] == info["groups"]["routers"]
+    assert ref.extra["base_weights_sha256"]["changed"] == []
+    out = tmp_path / "run"
+
+    def crash(s, record):
+        if s == 4:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(_cfg(assets, out, "two-phase", **lora), callback=crash)
+    resumed = train(_cfg(assets, out, "two-phase", resume=True, **lora))
+    assert resumed.start_step == 3 and resumed.losses == ref.losses[3:]
+    want, got = _saved(ref.out), _saved(out)
+    assert want.keys() == got.keys() and any(k.startswith("lora:") for k in want)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
