@@ -43,6 +43,7 @@ from .checkpoint import (
     LOG_NAME,
     PLOT_NAME,
     RESULT_NAME,
+    checkpoint_path,
     latest_checkpoint,
     load_state,
     prepare_out,
@@ -53,6 +54,8 @@ from .checkpoint import (
     truncate_log,
 )
 from .config import RESUME_LOCKED_WHY, TrainConfig
+from .distributed import Distributed
+from .distributed import setup as setup_distributed
 from .objectives import objective_loss
 from .plot import write_plot
 from .schedule import block_indices, lr_factor
@@ -321,12 +324,17 @@ class _Run:
 
     The steps of :func:`train` are its methods, so that each one reads at once."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None,
+        dist: Distributed | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.out, self.data = cfg, out, data
+        self.dist = dist or Distributed()
         if ckpt is not None:
             self.model = FocusModel.from_pretrained(data.model, ckpt, is_trainable=True)
         else:
             self.model = get_focus_model(data.model, cfg.focus_config())
+        self.dist.place(self.model)  # device and sharding of a multi-process run
         self.params = trainable_parameters(self.model)
         self.opt = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -341,7 +349,7 @@ class _Run:
         self.last_checkpoint: Path | None = ckpt
         self.log_path = out / LOG_NAME
         self.num_blocks = int(data.train_blocks.shape[0])
-        self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum
+        self.tokens_per_step = cfg.seq_len * cfg.batch_size * self.dist.global_accum(cfg.grad_accum)
 
     @property
     def num_trainable(self) -> int:
@@ -351,14 +359,16 @@ class _Run:
         """Continue from a trainer state (optimizer, schedule, RNG, step, seconds), dropping
         the log records after its step; without one, start a fresh log."""
         if state is None:
-            self.log_path.unlink(missing_ok=True)
+            if self.dist.is_main:
+                self.log_path.unlink(missing_ok=True)
             return
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         restore_rng_state(state["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.start_step = self.step
-        truncate_log(self.log_path, self.step)
+        if self.dist.is_main:
+            truncate_log(self.log_path, self.step)
 
     def announce(self, corpus_name: str) -> None:
         """What is about to train, on stderr."""
@@ -400,13 +410,18 @@ class _Run:
             "optimizer": self.opt.state_dict(),
             "scheduler": self.sched.state_dict(),
             "config": self.cfg.to_dict(),
+            **self.dist.trainer_state(),
         }
         with guard.critical():
+            if not self.dist.is_main:  # rank 0 writes the files
+                self.last_checkpoint = checkpoint_path(self.out, self.step)
+                return
+            saver = self.dist.saver(self.model)
             self.last_checkpoint = save_checkpoint(
-                self.model, state, self.step, self.out, self.cfg.keep_checkpoints
+                saver, state, self.step, self.out, self.cfg.keep_checkpoints
             )
             if final:
-                self.model.save_pretrained(self.out)
+                saver.save_pretrained(self.out)
                 log.flush()
                 write_plot(self.log_path, self.out / PLOT_NAME)
 
@@ -415,23 +430,26 @@ class _Run:
         the objective's own) and the routing dominance of each."""
         cfg = self.cfg
         metrics, doms = [], []
-        for micro in range(cfg.grad_accum):
+        accum = self.dist.global_accum(cfg.grad_accum)  # micro-batches per step, all ranks
+        self.dist.begin_step(self.model.routers)
+        for micro in self.dist.local_micro_batches(cfg.grad_accum):
             idx = block_indices(self.step, micro, batch_size=cfg.batch_size,
-                                grad_accum=cfg.grad_accum, num_blocks=self.num_blocks,
+                                grad_accum=accum, num_blocks=self.num_blocks,
                                 seed=cfg.seed)  # fmt: skip
-            x = self.data.train_blocks[idx]
+            x = self.dist.to_device(self.data.train_blocks[idx])
             gen = torch.Generator().manual_seed(
-                (cfg.seed * 1_000_003 + self.step * cfg.grad_accum + micro) % (2**63 - 1)
+                (cfg.seed * 1_000_003 + self.step * accum + micro) % (2**63 - 1)
             )
             try:
                 step = objective_loss(self.model, x, cfg, gen)
             except RuntimeError as err:
                 raise RuntimeError(f"{err} at step {self.step + 1}") from err
-            (step.loss / cfg.grad_accum).backward()
+            (step.loss / accum).backward()
             metrics.append(step.metrics)
             doms.append(routing_dominance(step.records))
             del step
-        return metrics, doms
+        self.dist.end_step(self.params)  # gradients and routing statistics over ranks
+        return self.dist.gather_in_order(metrics), self.dist.gather_in_order(doms)
 
     def optimizer_step(self, guard: SigintGuard) -> tuple[float, float]:
         """Clip, update, advance the schedule and the step: ``(grad_norm, lr used)``."""
@@ -465,7 +483,9 @@ class _Run:
     def loop(self, guard: SigintGuard, log: Any, pbar: Any, callback: Callback | None) -> None:
         """Validate at step 0 (once per run), then step until ``steps``; checkpoints when
         due and a final save."""
-        logged = {r.get("step") for r in read_log(self.log_path) if "val_ppl_topk" in r}
+        logged = self.dist.main_value(
+            lambda: {r.get("step") for r in read_log(self.log_path) if "val_ppl_topk" in r}
+        )
         if self.data.val_blocks is not None and self.step == 0 and 0 not in logged:
             t0 = time.monotonic()
             rec: dict[str, Any] = {"step": 0}
@@ -491,10 +511,10 @@ class _Run:
         """Train to the end or until Ctrl-C (then save); returns whether interrupted."""
         from tqdm.auto import tqdm
 
-        quiet = not self.cfg.progress
+        quiet = not self.cfg.progress or not self.dist.is_main
         pbar = tqdm(total=self.cfg.steps, initial=self.step, disable=quiet, desc="train",
                     dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-        with SigintGuard() as guard, open(self.log_path, "a") as log:
+        with SigintGuard() as guard, self.dist.open_log(self.log_path) as log:
             try:
                 self.loop(guard, log, pbar, callback)
             except KeyboardInterrupt:
@@ -539,7 +559,7 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
     Raises:
         RuntimeError: the base model's weights changed.
     """
-    sha_after = weights_sha256(run.model.base_model)
+    sha_after = weights_sha256(run.dist.weights_view(run.model.base_model))
     out = run.out
     png = out / PLOT_NAME
     result = TrainResult(
@@ -572,7 +592,8 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
     doc = {**result.to_dict(), "config": run.cfg.to_dict(),
            "focus_config": run.model.focus_config.to_dict(), "versions": library_versions(),
            "environment": environment()}  # fmt: skip
-    write_json_atomic(out / RESULT_NAME, doc)
+    if run.dist.is_main:
+        write_json_atomic(out / RESULT_NAME, doc)
     if sha_after != sha_before:
         raise RuntimeError(
             f"the base model's weights changed during training (SHA-256 {sha_before} before, "
@@ -612,21 +633,28 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     out = cfg.out_dir()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    dist = setup_distributed()  # one process unless started by torchrun / accelerate launch
+    if dist.is_main:
+        prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    dist.barrier()  # the other ranks read out once rank 0 has checked and cleared it
     ckpt, state = _resume_state(cfg, out)
+    dist.check_resume(state, cfg.grad_accum)
     if state is not None and int(state["step"]) >= cfg.steps:
         return _finished_result(out, ckpt, state, t_call)
-    corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model loads
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
+    with dist.main_first():  # rank 0 prepares the caches, the others then read them
+        corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
     seed_everything(cfg.seed)
-    data = _load_data(cfg, corpus)
+    with dist.main_first():
+        data = _load_data(cfg, corpus)
     sha_before = weights_sha256(data.model)
-    run = _Run(cfg, out, data, ckpt)
+    run = _Run(cfg, out, data, ckpt, dist)
     run.restore(state)
     run.model.train()
     run.model.base_model.eval()
-    if cfg.progress:
+    if cfg.progress and dist.is_main:
         run.announce(corpus.name)
     interrupted = run.run(callback)
     result = _finish(run, sha_before, interrupted, t_call)
