@@ -17,7 +17,12 @@ column biases in the same order by the same function. With more micro-batches pe
 (``grad_accum`` 2 on 2 ranks against 4 in one process) the additions are grouped
 differently, ``(a + b) + (c + d)`` against ``((a + b) + c) + d``: each rounding is within
 half an ulp, so the gradients differ by a few float32 ulps and AdamW's normalised update by
-about as much relatively; that test allows ``rtol = 1e-5`` over 6 steps.
+about as much relatively. Measured after 6 steps: routers within 2.1e-7 (absolute, values
+up to 0.82), ``routing_bias`` within 3.6e-7 (values up to 0.89; a log-domain Sinkhorn output,
+so its error is absolute, not relative to its smallest entries), losses equal to the printed
+digits. That test allows ``rtol = atol = 1e-5``, 30 times the measured difference and far
+below what a wrong data split or a lost rank's statistics would change (``bias_updates``,
+an integer count, is compared exactly).
 """
 
 from __future__ import annotations
@@ -74,8 +79,9 @@ WORKER = textwrap.dedent(
             if writing and under_out(path):
                 trace.append([event, os.fsdecode(path)])
         elif event in ("os.rename", "os.remove", "os.mkdir", "os.rmdir", "shutil.rmtree"):
-            if any(under_out(a) for a in args if isinstance(a, (str, bytes, os.PathLike))):
-                trace.append([event, os.fsdecode(args[0])])
+            paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
+            if any(under_out(a) for a in paths):
+                trace.append([event, *map(os.fsdecode, paths)])
 
     sys.addaudithook(audit)
     from focus_attention.training import TrainConfig, train
@@ -117,7 +123,7 @@ def _run(cmd: list[str], env: dict[str, str], *, ok: bool = True) -> subprocess.
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT)  # fmt: skip
     if ok and proc.returncode != 0:
-        pytest.fail(f"{cmd[:6]}... exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{cmd[:6]}... exited {proc.returncode}:\n{proc.stderr[:8000]}")
     return proc
 
 
@@ -150,7 +156,7 @@ def _assert_same_run(out: Path, ref: Path, *, rtol: float = 0.0) -> None:
         if rtol == 0 or not want[k].is_floating_point():
             assert torch.equal(got[k], want[k]), k
         else:
-            torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=1e-7, msg=k)
+            torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=rtol, msg=k)
     a, b = _log(out), _log(ref)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     if rtol == 0:
@@ -182,6 +188,8 @@ def test_two_processes_equal_one_with_twice_the_accumulation(assets, one_process
     cmd = _torchrun("--standalone", "--nproc-per-node", "2", *_tiny_cli(assets, out))
     _run(cmd, _env())
     _assert_same_run(out, one_process[2])
+    result = json.loads((out / "train_result.json").read_text())
+    assert result["extra"]["distributed"]["sharded"] is False
     state = torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2
     bias = load_file(str(out / "focus_model.safetensors"))
@@ -214,9 +222,8 @@ def test_only_rank_zero_writes(assets, one_process, tmp_path):
     rank0 = json.loads((trace / "rank0.json").read_text())
     rank1 = json.loads((trace / "rank1.json").read_text())
     assert rank1 == []
-    written = {Path(p).name for _, p in rank0}
-    assert {"log.jsonl", "train_config.json", "train_result.json"} <= written
-    assert any("step-0000006" in p for _, p in rank0)
+    written = {Path(p).name for _, *paths in rank0 for p in paths}
+    assert {"log.jsonl", "train_config.json", "train_result.json", "step-0000006"} <= written
     _assert_same_run(out, one_process[2])
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(p.name for p in one_process[2].iterdir())
@@ -290,3 +297,6 @@ def test_fsdp_through_the_accelerate_config(assets, one_process, tmp_path):
            "--num_processes", "2", *_tiny_cli(assets, out)]  # fmt: skip
     _run(cmd, _env())
     _assert_same_run(out, one_process[2])
+    layout = json.loads((out / "train_result.json").read_text())["extra"]["distributed"]
+    assert layout == {"world_size": 2, "backend": "gloo", "sharded": True,
+                      "sharded_layers": 3}  # 2 decoder layers, then the model  # fmt: skip

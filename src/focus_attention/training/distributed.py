@@ -79,7 +79,8 @@ class Distributed:
         rank: global rank (0 writes the files); world_size: number of processes.
         local_rank: rank on this node (the CUDA device index on GPU).
         device: where the model and batches live (``cpu`` unless NCCL on CUDA).
-        sharded: whether the base model is sharded with FSDP2 (see the module docstring).
+        sharded: whether the base model is sharded with FSDP2 (see the module docstring);
+        sharded_layers: how many of its modules were sharded (layers, then the model).
     """
 
     rank: int = 0
@@ -87,6 +88,7 @@ class Distributed:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sharded: bool = False
+    sharded_layers: int = 0
     _saved_config: torch.Tensor | None = field(default=None, repr=False)
     _routers: dict[str, Any] = field(default_factory=dict, repr=False)
     _start: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -253,8 +255,17 @@ class Distributed:
             from ..hf import STATE_CONFIG_KEY
 
             self._saved_config = model.state_dict()[STATE_CONFIG_KEY]  # reads base weights
-            shard_base_model(model.base_model)
+            self.sharded_layers = shard_base_model(model.base_model)
         return model
+
+    def describe(self) -> dict[str, Any]:
+        """What a run's results record of the layout: ``{"distributed": {world_size,
+        backend, sharded, sharded_layers}}``, nothing in one process."""
+        if not self.active:
+            return {}
+        info = {"world_size": self.world_size, "backend": torch.distributed.get_backend(),
+                "sharded": self.sharded, "sharded_layers": self.sharded_layers}  # fmt: skip
+        return {"distributed": info}
 
     def saver(self, model: Any) -> Any:
         """What the checkpoint and adapter saves call ``save_pretrained`` on: the model
@@ -314,18 +325,19 @@ class RankZeroSaver:
         self.model.save_pretrained(directory, state_dict=state)
 
 
-def shard_base_model(base_model: torch.nn.Module) -> None:
+def shard_base_model(base_model: torch.nn.Module) -> int:
     """Shard a frozen base model in place with FSDP2 (``fully_shard``): every module whose
     class is named in the accelerate configuration's ``fsdp_transformer_layer_cls_to_wrap``
     (default: the model's ``_no_split_modules``), then the model itself; the configuration's
-    ``fsdp_reshard_after_forward`` and ``fsdp_offload_params`` apply.
+    ``fsdp_reshard_after_forward`` and ``fsdp_offload_params`` apply. Returns how many
+    modules were sharded.
 
     Raises:
         ValueError: an FSDP configuration of version 1 (FSDP1 wraps the model in a new
             module; Focus needs FSDP2's in-place sharding), or no layer class to shard.
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
     plugin = FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
@@ -343,11 +355,12 @@ def shard_base_model(base_model: torch.nn.Module) -> None:
             "fsdp_transformer_layer_cls_to_wrap"
         )
     kwargs: dict[str, Any] = {"reshard_after_forward": bool(plugin.reshard_after_forward)}
-    if plugin.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if isinstance(plugin.cpu_offload, OffloadPolicy):  # CPUOffloadPolicy with offload_params
+        kwargs["offload_policy"] = plugin.cpu_offload
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(base_model, **kwargs)
+    return len(layers) + 1
 
 
 def _join_group(world_size: int, local_rank: int) -> torch.device:

@@ -587,6 +587,7 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
                 "after": sha_after,
                 "equal": sha_before == sha_after,
             },  # fmt: skip
+            **run.dist.describe(),
         },
     )
     doc = {**result.to_dict(), "config": run.cfg.to_dict(),
