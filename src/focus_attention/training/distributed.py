@@ -334,7 +334,8 @@ def shard_base_model(base_model: torch.nn.Module) -> int:
 
     Raises:
         ValueError: an FSDP configuration of version 1 (FSDP1 wraps the model in a new
-            module; Focus needs FSDP2's in-place sharding), or no layer class to shard.
+            module; Focus needs FSDP2's in-place sharding), with activation checkpointing or
+            CPU-RAM-efficient loading, or no layer class to shard.
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
@@ -344,6 +345,14 @@ def shard_base_model(base_model: torch.nn.Module) -> int:
         raise ValueError(
             f"focus train: the accelerate FSDP configuration has fsdp_version "
             f"{plugin.fsdp_version}; set fsdp_version: 2 (configs/accelerate/fsdp.yaml)"
+        )
+    unsupported = [name for name in ("activation_checkpointing", "cpu_ram_efficient_loading")
+                   if getattr(plugin, name, False)]  # fmt: skip
+    if unsupported:
+        raise ValueError(
+            f"focus train: the accelerate FSDP settings {['fsdp_' + n for n in unsupported]} "
+            "are not supported (the frozen base is loaded whole on every process, then "
+            "sharded); set them to false"
         )
     names = set(plugin.transformer_cls_names_to_wrap or [])
     names = names or set(getattr(base_model, "_no_split_modules", None) or [])
@@ -388,12 +397,20 @@ def setup() -> Distributed:
     process group when there is more than one process.
 
     Raises:
-        ValueError: a malformed ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``.
+        ValueError: a malformed ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, or an accelerate
+            configuration asking for mixed precision.
         RuntimeError: the process group cannot be joined (the launcher's rendezvous failed).
     """
     world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
         return Distributed()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    if precision not in ("", "no"):
+        raise ValueError(
+            f"focus train: the accelerate configuration asks for mixed_precision "
+            f"{precision!r}; focus train runs the model in its own dtype with float32 "
+            "routers: set mixed_precision: 'no'"
+        )
     rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank}: expected 0 <= RANK < WORLD_SIZE={world}")
