@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,38 @@ def test_killed_run_resumes_to_the_uninterrupted_result(assets, one_process, tmp
     _assert_same_run(out, one_process[2])
     result = json.loads((out / "train_result.json").read_text())
     assert result["start_step"] == 4 and result["steps"] == 6
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_launcher_resumes_to_the_uninterrupted_result(assets, tmp_path):
+    """SIGINT to the launcher's process group (Ctrl-C in its terminal) during training: rank 0
+    saves the last completed step if it can, else the newest periodic checkpoint stands;
+    ``--resume`` ends equal to an uninterrupted run wherever the signal fell."""
+    settings = {"steps": 40, "eval_every": -1, "save_every": 5, "grad_accum": 2}
+    ref = tmp_path / "reference"
+    train(tiny_config(assets, ref, **settings))
+    out = tmp_path / "run"
+    flags = ["--steps", "40", "--eval-every", "-1", "--save-every", "5"]
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2", *_tiny_cli(assets, out, *flags))
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (out / "checkpoints" / "step-0000005").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint of step 5"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived (machine too fast)")
+    stopped = int(latest_checkpoint(out).name.split("-")[1])
+    assert 5 <= stopped < 40, err[-3000:]
+    resumed = _tiny_cli(assets, out, *flags, "--resume")
+    _run(_torchrun("--standalone", "--nproc-per-node", "2", *resumed), _env())
+    _assert_same_run(out, ref)
 
 
 @pytest.mark.slow

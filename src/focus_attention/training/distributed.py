@@ -89,6 +89,7 @@ class Distributed:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sharded: bool = False
     sharded_layers: int = 0
+    _open_step: int = field(default=-1, repr=False)
     _saved_config: torch.Tensor | None = field(default=None, repr=False)
     _routers: dict[str, Any] = field(default_factory=dict, repr=False)
     _start: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -175,12 +176,14 @@ class Distributed:
         if self.is_main:
             torch.distributed.barrier()
 
-    def begin_step(self, routers: Mapping[str, Any]) -> None:
-        """Before the micro-batches of a step: record every ``update_bias`` call of the
-        ``routers`` (``{name: FocusRouter}``) from the step's starting ``routing_bias`` and
-        ``bias_updates``; each call still folds its batch into this rank's bias at once."""
+    def begin_step(self, routers: Mapping[str, Any], step: int) -> None:
+        """Before the micro-batches of step ``step`` (0-based): record every ``update_bias``
+        call of the ``routers`` (``{name: FocusRouter}``) from the step's starting
+        ``routing_bias`` and ``bias_updates``; each call still folds its batch into this
+        rank's bias at once."""
         if not self.active:
             return
+        self._open_step = step
         self._routers = dict(routers.items())
         self._start = {k: (r.routing_bias.clone(), r.bias_updates.clone())
                        for k, r in self._routers.items()}  # fmt: skip
@@ -206,8 +209,7 @@ class Distributed:
         if not self.active:
             return
         self.reduce_gradients(params)
-        for router in self._routers.values():
-            del router.update_bias  # the class's method again
+        self._stop_recording()
         everyone = self.gather_in_order([self._calls])
         for key, router in self._routers.items():
             bias, updates = self._start[key]
@@ -217,6 +219,26 @@ class Distributed:
             for rank_calls in everyone:
                 for column_bias, real in rank_calls[key]:
                     router.update_bias(column_bias, real)
+        self._calls = {}
+
+    def _stop_recording(self) -> None:
+        for router in self._routers.values():
+            router.__dict__.pop("update_bias", None)  # the class's method again
+
+    def abort_step(self, completed_steps: int) -> None:
+        """After an interruption (Ctrl-C): if the step begun by :meth:`begin_step` did not
+        complete (``completed_steps`` is still its index), put the routers' ``routing_bias``
+        and ``bias_updates`` back to the step's starting values, so the checkpoint of the
+        last completed step holds that step's statistics and a resumed run folds the
+        interrupted step's batches once."""
+        if not self.active or not self._routers:
+            return
+        self._stop_recording()
+        if completed_steps == self._open_step:
+            with torch.no_grad():
+                for key, router in self._routers.items():
+                    router.routing_bias.copy_(self._start[key][0])
+                    router.bias_updates.copy_(self._start[key][1])
         self._routers, self._start, self._calls = {}, {}, {}
 
     def trainer_state(self) -> dict[str, Any]:

@@ -431,7 +431,7 @@ class _Run:
         cfg = self.cfg
         metrics, doms = [], []
         accum = self.dist.global_accum(cfg.grad_accum)  # micro-batches per step, all ranks
-        self.dist.begin_step(self.model.routers)
+        self.dist.begin_step(self.model.routers, self.step)
         for micro in self.dist.local_micro_batches(cfg.grad_accum):
             idx = block_indices(self.step, micro, batch_size=cfg.batch_size,
                                 grad_accum=accum, num_blocks=self.num_blocks,
@@ -519,6 +519,7 @@ class _Run:
                 self.loop(guard, log, pbar, callback)
             except KeyboardInterrupt:
                 pbar.close()
+                self.dist.abort_step(self.step)  # multi-process: the step's routing statistics
                 self.save(guard, log, final=True)
                 print(
                     f"\nfocus train: interrupted after step {self.step}; adapter saved in "
