@@ -22,8 +22,10 @@ What each process does with world size ``W`` and ``grad_accum`` ``G`` (rank ``r`
 - routing statistics: the Sinkhorn column biases each rank folds into ``routing_bias``
   (:meth:`FocusRouter.update_bias`) are recorded, gathered from every rank and folded again,
   from the step's starting value, in the one-process order (rank 0's micro-batches first),
-  on every rank (:meth:`Distributed.routing_statistics`): ``routing_bias`` and
-  ``bias_updates`` end bit-for-bit as in the one-process run.
+  on every rank (:meth:`Distributed.begin_step`, :meth:`Distributed.end_step`):
+  ``routing_bias`` and ``bias_updates`` end bit-for-bit as in the one-process run. The top-k
+  diagnostics a micro-batch logs use the bias that rank sees during the step, so on ranks
+  ``r > 0`` they can differ slightly from the one-process log; the trained tensors do not.
 - metrics: the per-micro-batch losses and dominance values are gathered in the same order,
   so rank 0 logs the one-process step record.
 - files: only rank 0 writes (log, checkpoints, adapter, plot, results); every rank reads a
