@@ -32,6 +32,7 @@ __all__ = [
     "LOG_NAME",
     "RESULT_NAME",
     "STATE_NAME",
+    "checkpoint_path",
     "latest_checkpoint",
     "load_state",
     "prepare_out",
@@ -123,6 +124,11 @@ def latest_checkpoint(out: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
+def checkpoint_path(out: Path, step: int) -> Path:
+    """The directory of the checkpoint of ``step``: ``out/checkpoints/step-NNNNNNN``."""
+    return out / CHECKPOINT_DIR / f"step-{step:07d}"
+
+
 def save_checkpoint(
     model: Any, trainer_state: dict[str, Any], step: int, out: Path, keep: int
 ) -> Path:
@@ -133,7 +139,7 @@ def save_checkpoint(
     kept as it is (a directory without a state there is replaced)."""
     root = out / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
+    final = checkpoint_path(out, step)
     if not (final / STATE_NAME).is_file():
         with staged_directory(final, root, prefix=f".tmp-step-{step:07d}-") as tmp:
             model.save_pretrained(tmp)

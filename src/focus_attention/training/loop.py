@@ -46,6 +46,7 @@ from .checkpoint import (
     LOG_NAME,
     PLOT_NAME,
     RESULT_NAME,
+    checkpoint_path,
     latest_checkpoint,
     load_state,
     prepare_out,
@@ -56,6 +57,8 @@ from .checkpoint import (
     truncate_log,
 )
 from .config import RESUME_LOCKED_WHY, TrainConfig
+from .distributed import Distributed
+from .distributed import setup as setup_distributed
 from .methods import (
     Trainee,
     build_trainee,
@@ -320,11 +323,17 @@ class _Run:
 
     The steps of :func:`train` are its methods, so that each one reads at once."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None, step: int, digests: dict[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Path | None, step: int,
+        digests: dict[str, str], dist: Distributed | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.out, self.data = cfg, out, data
+        self.dist = dist or Distributed()
         self.digests = digests  # of the untouched base, per tensor
         self.phase1_report: dict[str, Any] | None = None
         self.use(build_trainee(cfg, data.model, data.tokenizer, ckpt, step))
+        focus = self.trainee.focus
+        self.dist.place(focus if focus is not None else self.trainee.model)  # device, sharding
         self.step, self.elapsed = 0, 0.0
         self.start_step = 0
         self.losses: list[float] = []
@@ -332,7 +341,7 @@ class _Run:
         self.last_checkpoint: Path | None = ckpt
         self.log_path = out / LOG_NAME
         self.num_blocks = int(data.train_blocks.shape[0])
-        self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum
+        self.tokens_per_step = cfg.seq_len * cfg.batch_size * self.dist.global_accum(cfg.grad_accum)
 
     def use(self, trainee: Trainee) -> None:
         """Train ``trainee`` from now on: its parameters, a fresh AdamW and the schedule of
@@ -370,7 +379,8 @@ class _Run:
         """Continue from a trainer state (optimizer, schedule, RNG, step, seconds), dropping
         the log records after its step; without one, start a fresh log."""
         if state is None:
-            self.log_path.unlink(missing_ok=True)
+            if self.dist.is_main:
+                self.log_path.unlink(missing_ok=True)
             return
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -378,7 +388,8 @@ class _Run:
         restore_rng_state(state["rng"])
         self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
         self.start_step = self.step
-        truncate_log(self.log_path, self.step)
+        if self.dist.is_main:
+            truncate_log(self.log_path, self.step)
 
     def announce(self, corpus_name: str) -> None:
         """What is about to train, on stderr."""
@@ -436,15 +447,20 @@ class _Run:
             "scheduler": self.sched.state_dict(),
             "config": self.cfg.to_dict(),
             "trainable_parameters": self.num_trainable,
+            **self.dist.trainer_state(),
         }
         if self.phase1_report is not None:
             state["phase1_base_weights"] = self.phase1_report
         with guard.critical():
+            if not self.dist.is_main:  # rank 0 writes the files
+                self.last_checkpoint = checkpoint_path(self.out, self.step)
+                return
+            saver = self.dist.saver(self.trainee.focus) if self.dist.sharded else self.trainee
             self.last_checkpoint = save_checkpoint(
-                self.trainee, state, self.step, self.out, self.cfg.keep_checkpoints
+                saver, state, self.step, self.out, self.cfg.keep_checkpoints
             )
             if final:
-                self.trainee.save_pretrained(self.out)
+                saver.save_pretrained(self.out)
                 log.flush()
                 write_plot(self.log_path, self.out / PLOT_NAME)
 
@@ -453,23 +469,27 @@ class _Run:
         the objective's own) and the routing dominance of each."""
         cfg = self.cfg
         metrics, doms = [], []
-        for micro in range(cfg.grad_accum):
+        accum = self.dist.global_accum(cfg.grad_accum)  # micro-batches per step, all ranks
+        focus = self.trainee.focus
+        self.dist.begin_step(focus.routers if focus is not None else {}, self.step)
+        for micro in self.dist.local_micro_batches(cfg.grad_accum):
             idx = block_indices(self.step, micro, batch_size=cfg.batch_size,
-                                grad_accum=cfg.grad_accum, num_blocks=self.num_blocks,
+                                grad_accum=accum, num_blocks=self.num_blocks,
                                 seed=cfg.seed)  # fmt: skip
-            x = self.data.train_blocks[idx]
+            x = self.dist.to_device(self.data.train_blocks[idx])
             gen = torch.Generator().manual_seed(
-                (cfg.seed * 1_000_003 + self.step * cfg.grad_accum + micro) % (2**63 - 1)
+                (cfg.seed * 1_000_003 + self.step * accum + micro) % (2**63 - 1)
             )
             try:
                 step = step_loss(self.trainee, x, cfg, gen)
             except RuntimeError as err:
                 raise RuntimeError(f"{err} at step {self.step + 1}") from err
-            (step.loss / cfg.grad_accum).backward()
+            (step.loss / accum).backward()
             metrics.append(step.metrics)
             doms.append(routing_dominance(step.records))
             del step
-        return metrics, doms
+        self.dist.end_step(self.params)  # gradients and routing statistics over ranks
+        return self.dist.gather_in_order(metrics), self.dist.gather_in_order(doms)
 
     def optimizer_step(self, guard: SigintGuard) -> tuple[float, float]:
         """Clip, update, advance the schedule and the step: ``(grad_norm, lr used)``."""
@@ -509,7 +529,9 @@ class _Run:
     def loop(self, guard: SigintGuard, log: Any, pbar: Any, callback: Callback | None) -> None:
         """Validate at step 0 (once per run), then step until ``steps``; checkpoints when
         due and a final save."""
-        logged = {r.get("step") for r in read_log(self.log_path) if _val_ppl(r) is not None}
+        logged = self.dist.main_value(
+            lambda: {r.get("step") for r in read_log(self.log_path) if _val_ppl(r) is not None}
+        )
         if self.data.val_blocks is not None and self.step == 0 and 0 not in logged:
             t0 = time.monotonic()
             rec: dict[str, Any] = {"step": 0}
@@ -535,14 +557,15 @@ class _Run:
         """Train to the end or until Ctrl-C (then save); returns whether interrupted."""
         from tqdm.auto import tqdm
 
-        quiet = not self.cfg.progress
+        quiet = not self.cfg.progress or not self.dist.is_main
         pbar = tqdm(total=self.cfg.steps, initial=self.step, disable=quiet, desc="train",
                     dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-        with SigintGuard() as guard, open(self.log_path, "a") as log:
+        with SigintGuard() as guard, self.dist.open_log(self.log_path) as log:
             try:
                 self.loop(guard, log, pbar, callback)
             except KeyboardInterrupt:
                 pbar.close()
+                self.dist.abort_step(self.step)  # multi-process: the step's routing statistics
                 self.save(guard, log, final=True)
                 print(
                     f"\nfocus train: interrupted after step {self.step}; adapter saved in "
@@ -591,7 +614,7 @@ def _weights_record(run: _Run, sha_before: str) -> dict[str, Any]:
     """``base_weights_sha256`` of the result: the SHA-256 of every base tensor before and
     after, whether they are equal, and which tensors changed (LoRA tensors apart)."""
     if run.cfg.method == "focus":
-        sha_after = weights_sha256(run.model.base_model)
+        sha_after = weights_sha256(run.dist.weights_view(run.model.base_model))
         changed = [] if sha_after == sha_before else base_weights_report(run.digests, run.trainee.hf)["changed"]  # fmt: skip
         lora = 0
     else:
@@ -634,6 +657,7 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
             "prepend_bos": run.data.prepend_bos,
             "base_weights_sha256": weights,
             "method": run.trainee.describe(),
+            **run.dist.describe(),
         },
     )
     if run.phase1_report is not None:
@@ -642,7 +666,8 @@ def _finish(run: _Run, sha_before: str, interrupted: bool, t_call: float) -> Tra
     doc = {**result.to_dict(), "config": run.cfg.to_dict(),
            "focus_config": focus.focus_config.to_dict() if focus is not None else None,
            "versions": library_versions(), "environment": environment()}  # fmt: skip
-    write_json_atomic(out / RESULT_NAME, doc)
+    if run.dist.is_main:
+        write_json_atomic(out / RESULT_NAME, doc)
     if sha_after != sha_before and run.cfg.method in FROZEN_BASE_METHODS:
         trained = "Focus parameters" if run.cfg.method == "focus" else "LoRA and Focus parameters"
         raise RuntimeError(
@@ -686,21 +711,29 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     out = cfg.out_dir()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    dist = setup_distributed()  # one process unless started by torchrun / accelerate launch
+    if dist.is_main:
+        prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    dist.barrier()  # the other ranks read out once rank 0 has checked and cleared it
     ckpt, state = _resume_state(cfg, out)
+    dist.check_resume(state, cfg.grad_accum)
+    dist.check_method(cfg.method)
     if state is not None and int(state["step"]) >= cfg.steps:
         return _finished_result(out, ckpt, state, t_call)
-    corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model loads
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
+    with dist.main_first():  # rank 0 prepares the caches, the others then read them
+        corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
     seed_everything(cfg.seed)
-    data = _load_data(cfg, corpus)
+    with dist.main_first():
+        data = _load_data(cfg, corpus)
     sha_before = weights_sha256(data.model)
     step = int(state["step"]) if state is not None else 0
-    run = _Run(cfg, out, data, ckpt, step, tensor_digests(data.model))
+    run = _Run(cfg, out, data, ckpt, step, tensor_digests(data.model), dist)
     run.restore(state)
     run.trainee.train_mode()
-    if cfg.progress:
+    if cfg.progress and dist.is_main:
         run.announce(corpus.name)
     interrupted = run.run(callback)
     result = _finish(run, sha_before, interrupted, t_call)
