@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..hf.config import FocusConfig
@@ -39,6 +40,8 @@ def _run(args: argparse.Namespace) -> int:
     result = train(config_from_args(args))
     if result.extra.get("already_finished"):
         return 0  # train() said "nothing to do"
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # a distributed run's summary is printed by rank 0
     last = result.validation[-1] if result.validation else {}
     print(f"trained {result.steps} steps ({result.train_seconds:.0f} s in the loop, "
           f"{result.seconds:.0f} s in all); final loss {result.final_loss}")  # fmt: skip
