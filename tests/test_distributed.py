@@ -336,3 +336,37 @@ def test_accelerate_launch_with_the_committed_configs(assets, one_process, tmp_p
     layout = json.loads((out / "train_result.json").read_text())["extra"]["distributed"]
     assert layout == {"world_size": 2, "backend": "gloo", "sharded": sharded_layers > 0,
                       "sharded_layers": sharded_layers}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_processes_train_focus_and_lora_as_one_with_twice_the_accumulation(
+    module_assets, assets, tmp_path
+):
+    """Every trained tensor is reduced, not only the routers: LoRA and routers together."""
+    method = ["--method", "focus+lora", "--lora-rank", "2", "--base-lr", "1e-3"]
+    ref = tmp_path / "one"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOCUS_HOME", str(module_assets["home"]))
+        train(tiny_config(module_assets, ref, grad_accum=2, method="focus+lora", lora_rank=2,
+                          base_lr=1e-3))  # fmt: skip
+    out = tmp_path / "run"
+    _run(_torchrun("--standalone", "--nproc-per-node", "2", *_tiny_cli(assets, out, *method)),
+         _env())  # fmt: skip
+    _assert_same_run(out, ref)
+    got = load_file(str(out / "lora" / "adapter_model.safetensors"))
+    want = load_file(str(ref / "lora" / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and got
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    lora_b = [v for k, v in want.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # B starts at zero: LoRA trained
+
+
+def test_sharding_is_refused_for_methods_that_train_base_or_lora_tensors():
+    from focus_attention.training.distributed import Distributed
+
+    Distributed(sharded=True).check_method("focus")
+    for method in ("lora", "full", "focus+lora", "two-phase"):
+        with pytest.raises(ValueError, match="supported for --method focus only"):
+            Distributed(sharded=True).check_method(method)
+    Distributed().check_method("full")  # data-parallel runs take every method
