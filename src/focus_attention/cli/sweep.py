@@ -30,9 +30,10 @@ def register_cli(subparsers: Any) -> None:
         help="ablation grid: train and evaluate every cell, one table and plots",
         description="Train and evaluate every cell of a grid file (the [train], [train.focus] "
         "and [eval] tables of focus train/eval --config, plus [grid] lists whose cartesian "
-        "product are the cells) with the same budget and seed, into OUT/cells/<slug>/. "
-        "Finished cells are skipped, interrupted ones resume. Writes OUT/sweep.json, "
-        "sweep.md, ppl_vs_pairs.png and dominance.png.",
+        "product are the cells, and [[cells]] tables) with the same budget and seed, into "
+        "OUT/cells/<slug>/, each evaluated with [eval] or once per named [[evals]] table. "
+        "Finished cells and evaluations are skipped, interrupted trainings resume. Writes "
+        "OUT/sweep.json, sweep.md, ppl_vs_pairs.png and dominance.png.",
     )
     add_flags(p, SweepConfig)
     p.set_defaults(func=run_guarded(_run))

@@ -78,7 +78,8 @@ class SweepConfig:
     grid: str | None = field(
         default=None,
         metadata={
-            "help": "grid file (TOML: [train], [train.focus], [eval], [grid]; required)",
+            "help": "grid file (TOML: [train], [train.focus], [eval], [grid], [[cells]], "
+            "[[evals]]; required)",
             "metavar": "FILE",
         },
     )
