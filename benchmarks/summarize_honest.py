@@ -2,7 +2,7 @@
 
 usage: python benchmarks/summarize_honest.py [RUNS_DIR] [--json OUT.json] [--plot OUT.png]
 
-Reads ``RUNS_DIR/*/eval-*.json`` (default ``runs/honest``) and prints a markdown table of
+Reads ``RUNS_DIR/*/eval-*.json`` (default ``runs/honest/cells``, where ``benchmarks/honest.sh`` writes them) and prints a markdown table of
 perplexities (token-weighted, the eval's window scheme) and pairs retained; with ``--json``
 also writes the collected evaluations (configuration, versions and hardware included);
 with ``--plot`` a bar chart of perplexity per evaluation (dense base as a line).
@@ -88,7 +88,7 @@ def plot(evals: list[tuple[str, dict]], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="?", default="runs/honest")
+    ap.add_argument("runs", nargs="?", default="runs/honest/cells")
     ap.add_argument("--json", help="also write the collected evaluations here")
     ap.add_argument("--plot", help="also write a bar chart (PNG) here")
     args = ap.parse_args()
