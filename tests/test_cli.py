@@ -18,6 +18,7 @@ from focus_attention.evaluation import EvalConfig
 from focus_attention.evaluation.groups import InspectConfig
 from focus_attention.hf import FocusConfig
 from focus_attention.training import TrainConfig
+from focus_attention.training.pretrain import PretrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -111,7 +112,9 @@ def test_inspect_needs_an_adapter_and_an_output_directory(tmp_path, capsys):
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.name)
 def test_shipped_settings_files_are_valid(path):
     found = 0
-    for table, build in (("train", _train_from_table), ("eval", _eval_from_table)):
+    tables = (("train", _train_from_table), ("eval", _eval_from_table),
+              ("pretrain", PretrainConfig.from_dict))  # fmt: skip
+    for table, build in tables:
         try:
             settings = read_config_table(str(path), table)
         except ValueError as err:
@@ -119,7 +122,7 @@ def test_shipped_settings_files_are_valid(path):
             continue
         build(settings)
         found += 1
-    assert found, f"{path} has neither a [train] nor an [eval] table"
+    assert found, f"{path} has no [train], [eval] or [pretrain] table"
 
 
 def _train_from_table(settings: dict) -> None:
