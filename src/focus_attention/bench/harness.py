@@ -51,6 +51,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ..assets.benchmarks import BENCHMARKS, benchmark_files
 from ..assets.models import DEFAULT_MODEL, prepare_model
+from ..evaluation.positions import context_statistics
 from ..hf import FocusConfig, FocusModel
 from ..utils.io import atomic_write_text, focus_home
 
@@ -127,17 +128,8 @@ def token_statistics(
         ``window + sink_tokens``: the only predictions Focus can change; the others see
         every key).
     """
-    total = sum(histogram.values())
-    out: dict[str, Any] = {
-        "scored_tokens": total,
-        "mean_context": sum(k * n for k, n in histogram.items()) / total if total else 0.0,
-        "max_context": max(histogram, default=0),
-    }
-    if window is not None:
-        for name, limit in (("beyond_window_share", window), ("routed_share", window + sink_tokens)):  # fmt: skip
-            beyond = sum(n for k, n in histogram.items() if k > limit)
-            out[name] = beyond / total if total else 0.0
-    return out
+    stats = context_statistics(histogram, window, sink_tokens)
+    return {"scored_tokens": stats.pop("tokens"), **stats}
 
 
 # ---------------------------------------------------------------------------------------------

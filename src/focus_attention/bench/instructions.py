@@ -25,6 +25,7 @@ from typing import Any
 
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS
 from ..assets.models import DEFAULT_MODEL
+from ..evaluation.positions import context_statistics
 from ..utils.checks import bad, check_int, check_number
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
 
@@ -163,16 +164,7 @@ def token_shares(contexts: Counter, window: int | None, sink_tokens: int = 0) ->
     ``mean_context``, ``max_context`` and, with a window, ``beyond_window_share`` (context
     longer than ``window``) and ``routed_share`` (longer than ``window + sink_tokens``:
     only those can differ from dense attention)."""
-    total = sum(contexts.values())
-    out: dict[str, Any] = {
-        "tokens": total,
-        "mean_context": sum(k * n for k, n in contexts.items()) / total if total else 0.0,
-        "max_context": max(contexts, default=0),
-    }
-    if window is not None:
-        for name, limit in (("beyond_window_share", window), ("routed_share", window + sink_tokens)):  # fmt: skip
-            out[name] = sum(n for k, n in contexts.items() if k > limit) / total if total else 0.0
-    return out
+    return context_statistics(dict(contexts), window, sink_tokens)
 
 
 def _generated_contexts(generations: list[Any]) -> Counter:

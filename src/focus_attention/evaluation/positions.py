@@ -86,3 +86,34 @@ def position_table(by_position: dict[str, Any]) -> list[str]:
     for k, values in by_position["focus_topk"].items():
         lines.append(row(f"Focus top-{k}", values))
     return lines
+
+
+def context_statistics(
+    histogram: dict[int, int], window: int | None, sink_tokens: int = 0
+) -> dict[str, Any]:
+    """Summary of predictions by the number of keys each one sees (docs/method.md §9,
+    "Routing affected share").
+
+    Args:
+        histogram: ``{context length in tokens: predictions}``.
+        window: the Focus local window in tokens (None for a dense model: no shares).
+        sink_tokens: the Focus sink tokens (visible to every query).
+
+    Returns:
+        ``tokens`` (predictions), ``mean_context`` and ``max_context`` (tokens), and with a
+        window ``beyond_window_share`` (share of predictions whose context exceeds
+        ``window``: they have keys outside the local window) and ``routed_share`` (context
+        above ``window + sink_tokens``: the only predictions Focus can change; the others
+        see every key).
+    """
+    total = sum(histogram.values())
+    out: dict[str, Any] = {
+        "tokens": total,
+        "mean_context": sum(k * n for k, n in histogram.items()) / total if total else 0.0,
+        "max_context": max(histogram, default=0),
+    }
+    if window is not None:
+        for name, limit in (("beyond_window_share", window), ("routed_share", window + sink_tokens)):  # fmt: skip
+            beyond = sum(n for k, n in histogram.items() if k > limit)
+            out[name] = beyond / total if total else 0.0
+    return out
