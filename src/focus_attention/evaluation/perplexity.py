@@ -53,7 +53,7 @@ from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.files import CONFIG_NAME
 from ..ops import pairs_retained
-from ..utils.checks import bad, check_int, check_known_keys
+from ..utils.checks import bad, check_int, check_known_keys, comma_ints
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 from .coverage import evenly_spaced_rows, topk_coverage
@@ -105,18 +105,6 @@ def _max_tokens(text: str) -> int | None:
         ) from err
 
 
-def _int_tuple(text: str) -> tuple[int, ...]:
-    """The ``--top-k-values`` flag: comma-separated ints.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from err
-
-
 @dataclass
 class EvalConfig:
     """Settings of one evaluation; every field is a ``focus eval`` flag (``seq_len`` ->
@@ -154,7 +142,7 @@ class EvalConfig:
         default=None,
         metadata={
             "help": "comma-separated top_k values to evaluate (default: every one in 1..K)",
-            "type": _int_tuple,
+            "type": comma_ints,
             "metavar": "K1,K2,...",
         },  # fmt: skip
     )
@@ -188,7 +176,7 @@ class EvalConfig:
         default=POSITION_BUCKETS,
         metadata={
             "help": "starts of the position buckets of the perplexity-by-position table",
-            "type": _int_tuple,
+            "type": comma_ints,
             "metavar": "P0,P1,...",
         },  # fmt: skip
     )

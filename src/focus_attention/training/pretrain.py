@@ -38,7 +38,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..hf.config import FocusConfig
-from ..utils.checks import bad, check_int, check_known_keys, check_number
+from ..utils.checks import bad, check_int, check_known_keys, check_number, comma_ints
 from .scratch_model import SIZES, ModelSize, resolve_size
 
 __all__ = [
@@ -66,16 +66,6 @@ PRETRAIN_NUM_GROUPS = 4
 
 def _default_focus() -> FocusConfig:
     return FocusConfig(num_groups=PRETRAIN_NUM_GROUPS)
-
-
-def _top_k_values(text: str) -> tuple[int, ...]:
-    """``"1,2"`` -> ``(1, 2)`` (the ``--eval-top-k`` flag)."""
-    import argparse
-
-    try:
-        return tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected ints like 1,2, got {text!r}") from err
 
 
 @dataclass
@@ -145,7 +135,7 @@ class PretrainConfig:
         default=(1, 2),
         metadata={
             "help": "Focus top-k values validated besides soft routing",
-            "type": _top_k_values,
+            "type": comma_ints,
             "metavar": "K1,K2",
         },  # fmt: skip
     )

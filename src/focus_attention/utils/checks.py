@@ -74,3 +74,17 @@ def check_number(
     if not is_number(value, low=low, inclusive=inclusive, finite=finite):
         what = f"a finite number {'>=' if inclusive else '>'} {low:g}"
         raise bad(owner, name, value, what if finite else what.replace("finite ", ""))
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """A flag of comma-separated ints: ``"1,2"`` -> ``(1, 2)`` (empty parts skipped).
+
+    Raises:
+        argparse.ArgumentTypeError: a part that is not an int.
+    """
+    import argparse
+
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from err
