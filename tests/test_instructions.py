@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 from test_pipeline import WORDS, make_model_dir
-from tiny import arrow_stream, tiny_llama, word_tokenizer
+from tiny import arrow_stream, tiny_llama, tuned_run, word_tokenizer
 
 from focus_attention import cli
 from focus_attention.bench.instructions import InstructionsBenchConfig, passage_pool, token_shares
@@ -425,6 +425,38 @@ def test_focus_bench_instructions_untouched_model_alone(instruct_home, tmp_path)
                                      prompts=10, limit=2, max_new_tokens=3, progress=False)  # fmt: skip
     result = run_instructions_benchmark(config)
     assert result["models"] == [] and len(result["reference"]["responses"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["lora", "model", "focus+lora"])
+def test_focus_bench_instructions_of_a_tuned_run(instruct_home, tmp_path, kind):
+    """A run that trained LoRA or base weights: the reference is the untouched base (the
+    same responses as the base alone), the evaluated model the tuned one."""
+    pytest.importorskip("peft")
+    from focus_attention.bench.instructions import run_instructions_benchmark
+
+    run = tuned_run(instruct_home["model"], tmp_path / "run", kind)
+    common = dict(model=str(instruct_home["model"]), corpus=str(instruct_home["corpus"]),
+                  prompts=10, limit=3, max_new_tokens=4, progress=False)  # fmt: skip
+    alone = run_instructions_benchmark(InstructionsBenchConfig(**common))
+    result = run_instructions_benchmark(InstructionsBenchConfig(adapter=str(run), **common))
+    assert result["reference"]["responses"] == alone["reference"]["responses"]
+    (model,) = result["models"]
+    assert model["name"] == ("focus top-1 window 4" if kind == "focus+lora" else "tuned dense")
+    assert model["kl"]["mean_per_token"] > 1e-6  # the tuned model drifts from the base
+    if kind != "focus+lora":
+        assert model["settings"]["window"] is None and "routed_share" not in model["kl"]["scored_tokens"]  # fmt: skip
+        with pytest.raises(ValueError, match="without Focus routers"):
+            run_instructions_benchmark(InstructionsBenchConfig(adapter=str(run), top_k=(1,), **common))  # fmt: skip
+
+
+def test_focus_bench_instructions_refuses_an_empty_directory(instruct_home, tmp_path):
+    from focus_attention.bench.instructions import run_instructions_benchmark
+
+    (tmp_path / "empty").mkdir()
+    config = InstructionsBenchConfig(model=str(instruct_home["model"]), adapter=str(tmp_path / "empty"),
+                                     corpus=str(instruct_home["corpus"]), progress=False)  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="no Focus adapter"):
+        run_instructions_benchmark(config)
 
 
 @pytest.mark.parametrize(

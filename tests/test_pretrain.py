@@ -237,6 +237,41 @@ def test_two_processes_under_torchrun_end_with_identical_routers(assets, tmp_pat
     assert int(model.routers["0"].bias_updates) == 3
 
 
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ACCELERATE.is_file(), reason="accelerate is not installed")
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml"])
+def test_accelerate_launch_with_the_committed_configs(assets, tmp_path, config):
+    """``accelerate launch --config_file configs/accelerate/*.yaml -m focus_attention.cli
+    pretrain``: two processes end with identical weights, only rank 0 reports, and the
+    result records whether the model was sharded (accelerate shards only on accelerators,
+    so on CPUs the FSDP file trains data-parallel and says so)."""
+    out = tmp_path / "run"
+    argv = [str(ACCELERATE), "launch", "--config_file", str(REPO / "configs/accelerate" / config),
+            "--num_processes", "2", "--main_process_port", "29613", "-m", "focus_attention.cli",
+            "pretrain", "--attention", "focus", "--corpus", str(assets["corpus"]),
+            "--out", str(out), "--size", "tiny", "--seq-len", "64", "--window", "16",
+            "--num-groups", "4", "--batch-size", "1", "--steps", "2", "--eval-every", "2",
+            "--eval-tokens", "128", "--lr", "1e-2", "--warmup-steps", "0", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FOCUS_NO_EXTENSION": "1",
+           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("output: ") == 1  # rank 0 only
+    result = json.loads((out / "pretrain_result.json").read_text())
+    digests = result["rank_weights_sha256"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    fsdp = config == "fsdp.yaml"
+    layout = result["distributed"]
+    assert layout["world_size"] == 2 and layout["requested"] == fsdp
+    if not torch.cuda.is_available():
+        assert layout["sharded"] is False
+        assert ("enables FSDP only on accelerators" in proc.stderr) == fsdp
+
+
 @pytest.mark.parametrize(
     "path",
     sorted((Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.toml")),

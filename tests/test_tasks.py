@@ -20,7 +20,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from test_pipeline import WORDS, make_model_dir, make_text  # noqa: E402
-from tiny import arrow_stream, piqa_rows  # noqa: E402
+from tiny import arrow_stream, piqa_rows, tuned_run  # noqa: E402
 
 from focus_attention import cli  # noqa: E402
 from focus_attention.assets.benchmarks import BENCHMARKS, benchmark_dir  # noqa: E402
@@ -174,6 +174,50 @@ def test_pretrained_focus_model_object(tiny):
     assert lm.model is fm and fm.focus_config.window == 8
     with pytest.raises(ValueError, match="already a FocusModel"):
         FocusLM(pretrained=fm, tokenizer=tok, adapter=str(adapter))
+
+
+def _tuned_oracle(model_dir, run, kind):
+    """The tuned model of ``run`` built directly with peft / transformers (and the Focus
+    adapter), independently of the loader under test."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    if kind == "model":
+        return AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), run / "lora")  # fmt: skip
+    if kind == "focus+lora":
+        return FocusModel.from_pretrained(model.base_model.model, run).eval()
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["lora", "model", "focus+lora"])
+def test_focus_model_loads_every_kind_of_run(tiny, tmp_path, kind):
+    pytest.importorskip("peft")
+    model_dir, _ = tiny
+    run = tuned_run(model_dir, tmp_path / kind, kind)
+    requests = _requests()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = FocusLM(pretrained=str(model_dir), adapter=str(run), batch_size=4)
+        base = FocusLM(pretrained=str(model_dir), batch_size=4)
+    assert (lm.focus_config is not None) == (kind == "focus+lora")
+    got = [ll for ll, _ in lm.loglikelihood(requests)]
+    base._model = _tuned_oracle(model_dir, run, kind)
+    expected = _direct(base, requests)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+    plain = _direct(FocusLM(pretrained=str(model_dir), batch_size=4), requests)
+    assert max(abs(a - b) for a, b in zip(got, plain, strict=True)) > 1e-3  # the run changed it
+
+
+def test_focus_model_refuses_focus_settings_for_a_dense_run_and_empty_directories(tiny, tmp_path):
+    pytest.importorskip("peft")
+    model_dir, _ = tiny
+    run = tuned_run(model_dir, tmp_path / "lora", "lora")
+    with pytest.raises(ValueError, match="without Focus routers"):
+        FocusLM(pretrained=str(model_dir), adapter=str(run), top_k=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no Focus adapter, LoRA adapter"):
+        FocusLM(pretrained=str(model_dir), adapter=str(tmp_path / "empty"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,3 +260,31 @@ def lambada_requests(texts: list[str]) -> list[dict]:
         out.append({"request_type": "loglikelihood", "doc": {"id": i}, "request": request,
                     "doc_id": i, "task_name": "lambada"})  # fmt: skip
     return out
+
+
+def tuned_run(model_dir, out, kind: str, *, seed: int = 0):
+    """A ``focus train --method`` run directory on the model in ``model_dir`` without
+    training: ``kind`` ``lora`` (a peft LoRA on q and v with random, non-zero B),
+    ``model`` (every base weight perturbed, saved with ``save_pretrained``) or
+    ``focus+lora`` (the LoRA plus fresh Focus routers, window 4, one sink). Returns ``out``."""
+    from pathlib import Path
+
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    if kind == "model":
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        base.save_pretrained(out / "model")
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out / "model")
+        return out
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)  # fmt: skip
+    peft.get_peft_model(base, lora).save_pretrained(out / "lora")
+    if kind == "focus+lora":  # saved on the model with LoRA injected, as focus train does
+        get_focus_model(base, FocusConfig(num_groups=4, window=4, top_k=1, sink_tokens=1, seed=0)).save_pretrained(out)  # fmt: skip
+    return out

@@ -52,6 +52,7 @@ from lm_eval.models.huggingface import HFLM
 from ..assets.benchmarks import BENCHMARKS, benchmark_files
 from ..assets.models import DEFAULT_MODEL, prepare_model
 from ..evaluation.positions import context_statistics
+from ..evaluation.trained import run_parts, tuned_model
 from ..hf import FocusConfig, FocusModel
 from ..utils.io import atomic_write_text, focus_home
 
@@ -141,6 +142,27 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _load_run(model: Any, adapter: str, overrides: dict[str, int]) -> Any:
+    """``model`` with the run in ``adapter`` applied: trained weights or LoRA, then the
+    Focus routers where the run has them (:func:`~focus_attention.evaluation.trained.tuned_model`)."""
+    parts = run_parts(adapter)
+    if not any(parts.values()):
+        raise FileNotFoundError(
+            f"focus model: {adapter} holds no Focus adapter, LoRA adapter (lora/) or trained "
+            "model (model/); expected a FocusModel.save_pretrained or focus train output"
+        )
+    if parts["lora"] or parts["model"]:
+        model = tuned_model(model, adapter)
+    if not parts["focus"]:
+        if overrides:
+            raise ValueError(
+                f"focus model: received {overrides} for {adapter}, a run without Focus routers "
+                "(dense attention); drop top_k and window"
+            )
+        return model
+    return FocusModel.from_pretrained(model, adapter)
+
+
 @register_model(MODEL_NAME)
 class FocusLM(HFLM):
     """lm-eval's ``HFLM`` with a Focus adapter attached (docs/method.md §8-§9).
@@ -151,8 +173,10 @@ class FocusLM(HFLM):
             or a model object (a ``PreTrainedModel``, or a :class:`FocusModel` whose
             settings ``top_k`` / ``window`` then override).
         adapter: a Focus adapter directory (``FocusModel.save_pretrained`` or a
-            ``transformers.Trainer`` output); None: the model as given (dense for a plain
-            model).
+            ``transformers.Trainer`` output) or any ``focus train --method`` run directory
+            (its trained base weights or LoRA are loaded first, then its Focus routers if
+            it has them: a LoRA or full fine-tuning run is evaluated dense); None: the model
+            as given (dense for a plain model).
         top_k, window: override the adapter's ``top_k`` / local ``window`` (for example a
             stressed ``window=32``); None keeps the adapter's.
         device: torch device; None picks ``cuda`` when available, else ``cpu``.
@@ -164,9 +188,12 @@ class FocusLM(HFLM):
             not seen).
 
     Raises:
-        ValueError: ``top_k`` / ``window`` without an adapter or a :class:`FocusModel`, an
-            adapter on a :class:`FocusModel`, invalid settings (from :class:`FocusConfig`),
-            or the errors of loading the model or the adapter.
+        ValueError: ``top_k`` / ``window`` without an adapter or a :class:`FocusModel` (or
+            for a run without Focus routers), an adapter on a :class:`FocusModel`, invalid
+            settings (from :class:`FocusConfig`), or the errors of loading the model or the
+            adapter.
+        FileNotFoundError: ``adapter`` holds neither a Focus adapter nor LoRA or trained
+            weights.
     """
 
     def __init__(
@@ -191,9 +218,7 @@ class FocusLM(HFLM):
             pretrained = str(prepare_model(pretrained, quiet=True))
         super().__init__(pretrained=pretrained, device=device or _default_device(), **kwargs)
         self.adapter = None if adapter is None else str(adapter)
-        model = self._model
-        if adapter is not None:
-            model = FocusModel.from_pretrained(model, adapter)
+        model = self._model if adapter is None else _load_run(self._model, adapter, overrides)
         if isinstance(model, FocusModel):
             if overrides:
                 model.focus_config = model.focus_config.replace(**overrides)

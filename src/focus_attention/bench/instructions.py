@@ -8,7 +8,10 @@ corpus's held-out split (default: *Persuasion*, the test split of ``austen``), e
 or two IFEval instructions. The first ``--limit`` prompts of the fixed set are answered
 greedily, in the tokenizer's chat template, by the untouched model (for an adapter: the same
 base with Focus disabled) and by Focus with hard top-k routing at each ``--top-k`` and
-``--window`` (default the adapter's), and scored strict and loose (IFEval). The drift is the
+``--window`` (default the adapter's), and scored strict and loose (IFEval). For a ``focus
+train --method`` run that trained LoRA or base weights, the evaluated model is the tuned one
+(with its Focus routers where the run has them, else dense attention) and the reference is
+the untouched base. The drift is the
 KL divergence from the untouched model, teacher-forced on its own responses. Every response
 and score is in the JSON, with the share of generated and scored tokens whose context
 exceeds the window (only those can differ from dense attention).
@@ -56,7 +59,9 @@ class InstructionsBenchConfig:
     )  # fmt: skip
     adapter: str | None = field(
         default=None,
-        metadata={"help": "Focus adapter directory (default: none, the untouched model alone)"},
+        metadata={
+            "help": "Focus adapter or focus train run directory (LoRA or trained weights too; default: none, the untouched model alone)"
+        },
     )
     top_k: tuple[int, ...] | None = field(
         default=None, metadata={"help": "Focus top_k values to evaluate (default: the adapter's)"}
@@ -172,24 +177,69 @@ def _generated_contexts(generations: list[Any]) -> Counter:
 
 
 def _models(config: InstructionsBenchConfig) -> tuple[Any, Any, list[tuple[Any, dict]]]:
-    """``(tokenizer, reference, [(evaluated, settings)])`` of the configuration."""
+    """``(tokenizer, reference, [(evaluated, settings)])`` of the configuration.
+
+    Raises:
+        FileNotFoundError: the adapter directory holds no Focus adapter, LoRA or model.
+        ValueError: ``top_k`` / ``window`` for a run without Focus routers.
+    """
     import torch
 
     from ..assets.models import load_model
-    from ..evaluation.instructions import ChatModel, focus_pair
-    from ..hf import FocusModel
+    from ..evaluation.instructions import ChatModel
+    from ..evaluation.trained import run_parts
 
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base, tokenizer = load_model(config.model, device=device, quiet=True)
     if config.adapter is None:
         return tokenizer, ChatModel("reference", base), []
-    fm = FocusModel.from_pretrained(base, config.adapter).eval()
+    parts = run_parts(config.adapter)
+    if not any(parts.values()):
+        raise FileNotFoundError(
+            f"{config.adapter}: no Focus adapter, LoRA adapter (lora/) or trained model (model/); "
+            "expected a FocusModel.save_pretrained or focus train output"
+        )
+    if parts["lora"] or parts["model"]:
+        return (tokenizer, *_tuned_models(config, base, parts["focus"]))
+    return (tokenizer, *_focus_models(config, base, None))
+
+
+def _focus_models(config: InstructionsBenchConfig, model: Any, reference: Any) -> tuple[Any, list[tuple[Any, dict]]]:  # fmt: skip
+    """``(reference, [(evaluated, settings)])`` of the Focus adapter in ``config.adapter``
+    attached to ``model``, one per ``top_k`` x ``window``; ``reference`` None: ``model``
+    with Focus disabled."""
+    from ..evaluation.instructions import focus_pair
+    from ..hf import FocusModel
+
+    fm = FocusModel.from_pretrained(model, config.adapter).eval()
     cfg = fm.focus_config
     evaluated = []
     for k, w in itertools.product(config.top_k or (cfg.top_k,), config.window or (cfg.window,)):
-        chat, reference = focus_pair(fm, top_k=k, window=w)
+        chat, disabled = focus_pair(fm, top_k=k, window=w)
+        reference = reference or disabled
         evaluated.append((chat, {"top_k": k, "window": w, "sink_tokens": cfg.sink_tokens}))
-    return tokenizer, reference, evaluated
+    return reference, evaluated
+
+
+def _tuned_models(config: InstructionsBenchConfig, base: Any, focus: bool) -> tuple[Any, list[tuple[Any, dict]]]:  # fmt: skip
+    """``(reference, [(evaluated, settings)])`` of a run that trained LoRA or base weights:
+    the untouched ``base`` (kept apart) against the tuned model, with the run's Focus
+    routers where it has them, else dense."""
+    import copy
+
+    from ..evaluation.instructions import ChatModel
+    from ..evaluation.trained import tuned_model
+
+    reference = ChatModel("reference", base)
+    tuned = tuned_model(copy.deepcopy(base), config.adapter)
+    if focus:
+        return _focus_models(config, tuned, reference)
+    if config.top_k is not None or config.window is not None:
+        raise ValueError(
+            f"top_k / window given for {config.adapter}, a run without Focus routers (dense "
+            "attention); drop them"
+        )
+    return reference, [(ChatModel("tuned dense", tuned), {"top_k": None, "window": None, "sink_tokens": 0})]  # fmt: skip
 
 
 def _bar(config: InstructionsBenchConfig, total: int, desc: str) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..assets.benchmarks import BENCHMARK_SOURCE, BENCHMARKS
 from ..assets.models import DEFAULT_MODEL
+from ..evaluation.trained import run_parts
 from ..utils.checks import bad, check_int
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
 
@@ -48,7 +49,10 @@ class TasksBenchConfig:
         metadata={"help": "base model: registered name, local directory or hub id"},
     )
     adapter: str | None = field(
-        default=None, metadata={"help": "Focus adapter directory (default: none, the dense model)"}
+        default=None,
+        metadata={
+            "help": "Focus adapter or focus train run directory (LoRA or trained weights too; default: none, the dense model)"
+        },
     )
     top_k: int | None = field(default=None, metadata={"help": "override the adapter's top_k"})
     window: int | None = field(
@@ -188,6 +192,7 @@ def _result(config: TasksBenchConfig, lm: Any, out: dict[str, Any], seconds: flo
         "model": {
             "base": config.model,
             "adapter": config.adapter,
+            "parts": None if config.adapter is None else run_parts(config.adapter),
             "mode": "dense" if focus is None else f"focus top-{focus.top_k}",
             "focus": None
             if focus is None

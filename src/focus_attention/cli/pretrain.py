@@ -4,6 +4,7 @@ attention (:func:`focus_attention.training.pretrain.pretrain`)."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..hf.config import FocusConfig
@@ -40,6 +41,8 @@ def _run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     result = pretrain(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports
     last = result["validation"][-1]
     extra = ", ".join(f"{k} {v:.2f}" for k, v in last.items() if k.startswith("ppl_top"))
     speed = result["throughput"]["tokens_per_second"]

@@ -58,13 +58,7 @@ from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
-from .trained import (
-    apply_lora,
-    base_weights_report,
-    load_trained_weights,
-    run_parts,
-    tensor_digests,
-)
+from .trained import base_weights_report, run_parts, tensor_digests, tuned_model
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -630,7 +624,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
                                   tokens=positions.tokens(bounds))  # fmt: skip
         model = base
         if tuned:
-            model = _tuned_model(base, cfg.adapter)
+            model = tuned_model(base, cfg.adapter)
             loaded = tensor_digests(model)
             _score_dense(model, blocks, "tuned", scores, bar, bounds)
         if saved is not None:
@@ -688,15 +682,6 @@ def _score_dense(model: Any, blocks: torch.Tensor, name: str, scores: _Scores, b
     scores.by_position[name] = positions.perplexities(bounds)
     scores.seconds[name] = time.monotonic() - t
     return n_tok, positions
-
-
-def _tuned_model(base: Any, adapter: str) -> Any:
-    """The tuned model of a run: its trained base weights (a new model) or ``base`` with
-    its LoRA injected in place (after ``base`` was scored), in eval mode."""
-    model = load_trained_weights(base, adapter)
-    if run_parts(adapter)["lora"]:
-        apply_lora(model, adapter)
-    return model.eval()
 
 
 def _unchanged_weights(base: Any, sha_before: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ __all__ = [
     "load_trained_weights",
     "run_parts",
     "tensor_digests",
+    "tuned_model",
 ]
 
 #: sub-directory of a run holding the peft LoRA adapter
@@ -106,6 +107,22 @@ def apply_lora(model: Any, directory: str | Path, *, is_trainable: bool = False)
     if not (path / LORA_CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / LORA_CONFIG_FILE} not found: not a LoRA run")
     return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
+
+
+def tuned_model(base: Any, directory: str | Path) -> Any:
+    """The tuned model of a run without its Focus routers: the run's trained base weights
+    (a new model, ``base`` untouched) or ``base`` with the run's LoRA injected in place, or
+    ``base`` itself for a run that trained neither; in eval mode. Attach the run's Focus
+    adapter, where it has one, with ``FocusModel.from_pretrained(tuned, directory)``.
+
+    Raises:
+        RuntimeError: transformers cannot read ``model/``.
+        ImportError: the run has LoRA and peft is not installed.
+    """
+    model = load_trained_weights(base, directory)
+    if run_parts(directory)["lora"]:
+        apply_lora(model, directory)
+    return model.eval()
 
 
 def base_state(model: Any) -> dict[str, torch.Tensor]:

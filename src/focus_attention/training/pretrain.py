@@ -29,7 +29,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ __all__ = [
     "ROUTERS_MODULE",
     "PretrainConfig",
     "pretrain",
+    "sharding",
 ]
 
 #: attention types of a from-scratch run
@@ -682,6 +685,7 @@ def _result(config: PretrainConfig, run: dict[str, Any]) -> dict[str, Any]:
             "note": "tokens of all ranks per wall second inside optimizer steps (validation "
             "and checkpointing excluded), measured on rank 0",
         },
+        "distributed": run["distributed"],
         "routing_bias_max_rank_gap": run["sync"].max_gap if run["sync"] is not None else None,
         "rank_weights_sha256": run["digests"],
         "versions": library_versions(),
@@ -732,6 +736,7 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         run["resumed_from"] = int(
             json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
         )
+    run["distributed"] = sharding(trainer)
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     run.update(trainer=trainer, runtime=output.metrics.get("train_runtime"))
     if not any(
@@ -745,6 +750,26 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         save_final(llama, focus, tok, out)
         write_json_atomic(out / PRETRAIN_RESULT_NAME, result)
     return result
+
+
+def sharding(trainer: Any) -> dict[str, Any]:
+    """How the Trainer's processes hold the model: ``world_size``, ``requested`` (the launch
+    asked for FSDP: ``ACCELERATE_USE_FSDP``, set by ``accelerate launch`` with an FSDP
+    configuration file) and ``sharded`` (the Trainer shards the model with FSDP).
+
+    accelerate enables FSDP only on accelerators (GPUs and the like): processes on CPUs
+    train data-parallel with the whole model on every rank. A requested but unsharded run
+    warns (``UserWarning``) and records ``sharded: false``; its results are the
+    data-parallel ones."""
+    requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    sharded = bool(getattr(trainer, "is_fsdp_enabled", False))
+    if requested and not sharded:
+        warnings.warn(
+            "focus pretrain: the launch asked for FSDP, but accelerate enables FSDP only on "
+            "accelerators; these CPU processes train data-parallel, each with the whole model",
+            stacklevel=2,
+        )
+    return {"world_size": trainer.args.world_size, "requested": requested, "sharded": sharded}
 
 
 def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:
