@@ -155,3 +155,42 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     assert all(r["seconds"] > 0 and r["speedup_vs_sdpa"] > 0 for r in rows)
     assert result["config"]["windows"] == [8, 16]
     assert "focus top_k=2, window=16" in model_table(result)
+
+
+def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_built):
+    """``focus bench decode`` on a tiny model: per context a dense and a Focus row per top_k
+    at each level, shares of keys seen in (0, 1] and consistent derived columns."""
+    from test_pipeline import make_tiny_assets, use_tiny_assets
+
+    from focus_attention.bench.decode import DecodeBenchConfig, decode_table, run_decode_benchmark
+
+    assets = use_tiny_assets(make_tiny_assets(tmp_path), monkeypatch)
+    cfg = DecodeBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                            contexts=(24, 48), top_k=(1, 2), num_groups=4, window=8, steps=2,
+                            warmup=1, threads=1, progress=False)  # fmt: skip
+    result = run_decode_benchmark(cfg)
+    rows = result["rows"]
+    for level in ("op", "model"):
+        got = sorted((r["N"], r["method"], r["top_k"] or 0) for r in rows if r["level"] == level)
+        assert got == sorted((n, m, k) for n in (24, 48) for m, k in (("dense", 0), ("focus", 1), ("focus", 2)))  # fmt: skip
+    for r in rows:
+        assert 0 < r["share"] <= 1 and r["seconds"] > 0
+        assert r["ideal_speedup"] == pytest.approx(1 / r["share"])
+        assert r["efficiency"] == pytest.approx(r["speedup_vs_dense"] / r["ideal_speedup"])
+        if r["method"] == "focus":
+            assert r["share"] < 1  # the window (8) is far below the context
+    op = {(r["N"], r["top_k"]): r["share"] for r in rows if r["level"] == "op" and r["top_k"]}
+    assert op[(48, 1)] < op[(48, 2)]  # a second group shows more keys
+    assert "| model | 48 | focus top_k=2 |" in decode_table(result)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [(dict(levels=("gpu",)), "levels"), (dict(contexts=()), "contexts"), (dict(steps=0), "steps"),
+     (dict(top_k=(0,)), "top_k")],
+)  # fmt: skip
+def test_decode_benchmark_rejects_bad_settings(changes, match):
+    from focus_attention.bench.decode import DecodeBenchConfig
+
+    with pytest.raises(ValueError, match=match):
+        DecodeBenchConfig(**changes)

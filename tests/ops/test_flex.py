@@ -48,7 +48,7 @@ CUDA = torch.device("cuda")
 
 
 def _request(**kw) -> SparseRequest:
-    base = dict(device=CPU, dtype=torch.float32, needs_grad=False, num_groups=4)
+    base = dict(device=CPU, dtype=torch.float32, needs_grad=False, num_groups=4, num_queries=512)
     return SparseRequest(**{**base, **kw})
 
 
@@ -58,8 +58,8 @@ def _request(**kw) -> SparseRequest:
 
 
 def test_flex_is_registered_between_the_cpu_kernels_and_math():
-    assert BACKENDS == ("auto", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:4] == ("cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "gather", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:5] == ("gather", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(
@@ -94,6 +94,14 @@ def test_auto_chooses_flex_on_cuda(request_kw, monkeypatch):
     flex for CUDA calls, gradients and soft-capping included."""
     monkeypatch.setattr(flex, "triton_available", lambda: True)
     assert resolve_backend("auto", _request(device=CUDA, **request_kw)).name == "flex"
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("queries", [1, 8, 9])
+def test_auto_chooses_gather_for_decoding_sized_calls_on_cuda(device, queries, monkeypatch):
+    monkeypatch.setattr(flex, "triton_available", lambda: True)
+    got = resolve_backend("auto", _request(device=device, num_queries=queries)).name
+    assert (got == "gather") == (queries <= 8 and device == CUDA)
 
 
 @pytest.mark.parametrize(

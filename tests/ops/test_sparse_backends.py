@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 
 
 def _request(**kw) -> SparseRequest:
-    base = dict(device=CPU, dtype=torch.float32, needs_grad=False, num_groups=4)
+    base = dict(device=CPU, dtype=torch.float32, needs_grad=False, num_groups=4, num_queries=512)
     return SparseRequest(**{**base, **kw})
 
 
@@ -47,8 +47,8 @@ def _spy_fused(monkeypatch) -> list[bool]:
 
 
 def test_backends_are_listed_in_autos_order():
-    assert BACKENDS == ("auto", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:4] == ("cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "gather", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:5] == ("gather", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|needle|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|decode|needle|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from ..bench.instructions import InstructionsBenchConfig
 from ..bench.kernel import KernelBenchConfig
+from ..bench.decode import DecodeBenchConfig
 from ..bench.model import ModelBenchConfig
 from ..bench.needle import NeedleBenchConfig
 from ..bench.tasks import TasksBenchConfig
@@ -58,6 +59,16 @@ def _model(args: argparse.Namespace) -> int:
     _set_threads(config.threads)
     result = run_model_benchmark(config)
     print(model_table(result))
+    _write(result, args)
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from ..bench.decode import decode_table, run_decode_benchmark
+
+    config = DecodeBenchConfig(**flag_values(args, DecodeBenchConfig))
+    result = run_decode_benchmark(config)
+    print(decode_table(result))
     _write(result, args)
     return 0
 
@@ -121,6 +132,15 @@ def register_cli(subparsers: Any) -> None:
         description="Times a prefill forward (logits for the last token only) of the model "
         "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
         "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "decode", DecodeBenchConfig, _decode, None,
+        help="one decoding step with a KV cache: dense against Focus top-k, op and model level",
+        description="Times single-token decoding steps with N cached tokens: at the op level "
+        "(one query, the model's attention shape, random memberships) dense SDPA against "
+        "sparse_attention, and end to end (the model prefilled with Focus on real text, then "
+        "steps through the model with its cache) stock sdpa against Focus top-k. Reports "
+        "ms per step, tokens/s, the share of keys seen, speed-up and the ideal 1/share.",
     )  # fmt: skip
     _add_benchmark(
         sub, "needle", NeedleBenchConfig, _needle,

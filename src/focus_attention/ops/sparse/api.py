@@ -15,7 +15,7 @@ from .dispatch import SparseInputs, backend_names, run_differentiable, sparse_at
 
 __all__ = ["Backend", "sparse_attention"]
 
-Backend = Literal["auto", "cpu_fused", "cpu_flash", "flex", "math"]
+Backend = Literal["auto", "gather", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
 @without_autocast
@@ -51,7 +51,12 @@ def sparse_attention(
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
         backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first that
-            can run the call in the order ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``:
+            can run the call in the order ``gather``, ``cpu_fused``, ``cpu_flash``, ``flex``,
+            ``math``:
+
+            - ``"gather"``: gathers the keys visible to the queries and attends only those
+              (chosen by ``"auto"`` on CUDA for calls of at most 8 queries: decoding); any
+              device and floating dtype, applies ``softcap``, differentiable.
 
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.

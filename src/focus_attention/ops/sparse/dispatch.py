@@ -6,7 +6,8 @@ declares it can do (devices, dtypes, gradients, soft-capping, at most how many g
 an optional check of its own, e.g. whether a kernel could be built). From these
 :meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
 :func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
-backend that can run the call in increasing ``priority``: ``cpu_fused`` (10),
+backend that can run the call in increasing ``priority``: ``gather`` (8, chosen by ``"auto"``
+on CUDA for calls of at most 8 queries: decoding), ``cpu_fused`` (10),
 ``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100).
 A backend may restrict where ``"auto"`` chooses it (``auto_devices``) while still running
 elsewhere when asked for by name.
@@ -65,6 +66,8 @@ class SparseRequest:
     needs_grad: bool
     num_groups: int
     softcap: bool = False
+    #: queries in the call (0: not said; backends that decide by shape then decline)
+    num_queries: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class SparseInputs:
     def request(self) -> SparseRequest:
         q = self.query
         k = self.query_groups.shape[-1]
-        return SparseRequest(q.device, q.dtype, self.needs_grad, k, self.softcap is not None)
+        return SparseRequest(q.device, q.dtype, self.needs_grad, k, self.softcap is not None,
+                             q.shape[2])  # fmt: skip
 
 
 #: ``run(inputs) -> (out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``: token-major
@@ -117,6 +121,8 @@ class SparseBackend:
         auto_devices: device types on which ``"auto"`` may choose it, None for wherever it
             can run (a backend that is exact but slow on some device runs there only when
             asked for by name).
+        auto_check: ``auto_check(request) -> reason or None``: calls ``"auto"`` leaves to
+            other backends although this one can run them (e.g. shapes it is slow on).
     """
 
     name: str
@@ -130,6 +136,7 @@ class SparseBackend:
     check: Callable[[SparseRequest], str | None] | None = None
     summary: str = ""
     auto_devices: tuple[str, ...] | None = None
+    auto_check: Callable[[SparseRequest], str | None] | None = None
 
     def why_not(self, request: SparseRequest) -> str | None:
         """Why this backend cannot run ``request`` (one sentence), or None if it can."""
@@ -149,12 +156,15 @@ class SparseBackend:
 
     def why_not_auto(self, request: SparseRequest) -> str | None:
         """Why ``"auto"`` does not choose this backend for ``request``, or None if it may:
-        :meth:`why_not`, or a device outside ``auto_devices``."""
+        :meth:`why_not`, a device outside ``auto_devices``, or ``auto_check``'s reason."""
         devices = self.auto_devices
         if devices is not None and request.device.type not in devices:
             where = "/".join(devices)
             return f"is chosen by 'auto' on {where} only (ask for it by name on {request.device})"
-        return self.why_not(request)
+        reason = self.why_not(request)
+        if reason is None and self.auto_check is not None:
+            reason = self.auto_check(request)
+        return reason
 
 
 _REGISTRY: dict[str, SparseBackend] = {}

@@ -1,0 +1,287 @@
+"""``focus bench decode``: latency of one decoding step with a KV cache, dense attention
+against Focus top-k, at the op level and end to end on a real model (docs/method.md §5,
+"KV-cache decoding").
+
+* ``op``: one query against ``N`` cached keys in the model's attention shape (query heads,
+  key-value heads, head_dim), dense ``scaled_dot_product_attention`` (GQA) against
+  ``sparse_attention`` (``"auto"``) with seeded random top-k memberships of ``K`` groups and
+  the window; the share of keys the query sees gives the ideal speed-up ``1 / share``.
+* ``model``: the model prefilled once on the first ``N`` tokens of real text with Focus
+  top-k (which fills the cache with the memberships of every cached key), then
+  ``steps`` single-token steps through the model with that cache, each timed; dense
+  decodes the same cached keys and values (a plain ``DynamicCache`` over the same tensors)
+  with the stock ``sdpa`` attention. The share is that of the decoded tokens' visible keys,
+  averaged over the Focus layers.
+
+Each latency is the median over the timed calls (seconds), after ``warmup`` untimed ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..assets.corpora import DEFAULT_CORPUS
+from ..assets.models import DEFAULT_MODEL
+from ..utils.checks import bad, check_int
+from ..utils.env import environment
+
+__all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
+
+#: cached tokens of the default run
+DECODE_CONTEXTS = (4096, 16384, 32768)
+LEVELS = ("op", "model")
+
+
+@dataclass
+class DecodeBenchConfig:
+    """Settings of the decoding benchmark (each field a ``focus bench decode`` flag)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model (its attention shape for the op level)"})  # fmt: skip
+    adapter: str | None = field(
+        default=None, metadata={"help": "trained Focus adapter directory (default: fresh routers)"}
+    )
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "text of the model level: its test split"})  # fmt: skip
+    contexts: tuple[int, ...] = field(default=DECODE_CONTEXTS, metadata={"help": "cached tokens"})
+    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
+    levels: tuple[str, ...] = field(default=LEVELS, metadata={"help": "op and/or model"})
+    num_groups: int = field(default=8, metadata={"help": "K of fresh routers and of the op level"})  # fmt: skip
+    window: int = field(default=128, metadata={"help": "local window of fresh routers and of the op level (tokens)"})  # fmt: skip
+    steps: int = field(default=16, metadata={"help": "timed decoding steps (median)"})
+    warmup: int = field(default=2, metadata={"help": "untimed steps before them"})
+    seed: int = field(default=0, metadata={"help": "seed of the op level's inputs"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bar"})
+
+    def __post_init__(self) -> None:
+        owner = "DecodeBenchConfig"
+        for name, low in (("num_groups", 1), ("window", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):  # fmt: skip
+            check_int(owner, name, getattr(self, name), low)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        self.contexts, self.top_k, self.levels = tuple(self.contexts), tuple(self.top_k), tuple(self.levels)  # fmt: skip
+        for name in ("contexts", "top_k"):
+            values = getattr(self, name)
+            if not values:
+                raise bad(owner, name, values, "one or more ints >= 1")
+            for v in values:
+                check_int(owner, name, v, 1)
+        unknown = [x for x in self.levels if x not in LEVELS]
+        if unknown or not self.levels:
+            raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
+
+
+def _median_call(fn: Any, steps: int, warmup: int) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+def _random_groups(n: int, k: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """bool ``[1, n, k]``: ``top_k`` distinct groups per token, uniformly at random."""
+    order = torch.rand(1, n, k, generator=gen).argsort(dim=-1)[..., :top_k]
+    return torch.zeros(1, n, k, dtype=torch.bool).scatter_(-1, order, True)
+
+
+def _op_rows(config: DecodeBenchConfig, shape: dict[str, int]) -> list[dict[str, Any]]:
+    """The op level: one query against ``N`` cached keys, dense then each top_k."""
+    from ..ops import sparse_attention
+    from .kernel import sparse_backend_name
+
+    gen = torch.Generator().manual_seed(config.seed)
+    h, h_kv, d, k = shape["heads"], shape["kv_heads"], shape["head_dim"], config.num_groups
+    rows = []
+    for n in config.contexts:
+        q = torch.randn(1, h, 1, d, generator=gen)
+        key, value = (torch.randn(1, h_kv, n, d, generator=gen) for _ in range(2))
+        with torch.inference_mode():
+            dense = lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, key, value, enable_gqa=True
+            )  # noqa: E731
+            sec, _ = _median_call(dense, config.steps, config.warmup)
+            rows.append({"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": sec, "share": 1.0})  # fmt: skip
+            for top_k in config.top_k:
+                kg = _random_groups(n, k, min(top_k, k), gen)
+                qg = kg[:, -1:]
+                share = _share(qg[0, 0], kg[0], config.window)
+
+                def call(qg=qg, kg=kg):
+                    return sparse_attention(q, key, value, qg, kg, config.window)
+
+                sec, _ = _median_call(call, config.steps, config.warmup)
+                rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
+                             "seconds": sec, "share": share,
+                             "backend": sparse_backend_name("auto", k)})  # fmt: skip
+    return rows
+
+
+def _share(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> float:
+    """Share of the ``N`` keys (``key_groups [N, K]``, the query last) that the query sees."""
+    n = key_groups.shape[0]
+    visible = (key_groups & query_groups).any(dim=-1)
+    visible[max(0, n - window) :] = True
+    return float(visible.float().mean())
+
+
+def _model_shape(model: Any) -> dict[str, int]:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {"heads": heads, "kv_heads": getattr(cfg, "num_key_value_heads", heads), "head_dim": head_dim}  # fmt: skip
+
+
+def _input_ids(config: DecodeBenchConfig, tokenizer: Any, total: int) -> torch.Tensor:
+    """The first ``total`` tokens of the corpus's test split (repeated if shorter)."""
+    from ..assets.corpora import load_corpus
+
+    text = "\n\n".join(load_corpus(config.corpus).texts("test"))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < total:
+        ids = ids.repeat(1, -(-total // ids.shape[1]))
+    return ids[:, :total]
+
+
+def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
+    from ..hf import FocusConfig, FocusModel, get_focus_model
+
+    if config.adapter:
+        return FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k).eval()
+    cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
+    return get_focus_model(model, cfg).eval()
+
+
+def _decode(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBenchConfig) -> tuple[float, list[float]]:  # fmt: skip
+    """Median seconds of single-token steps after ``n`` cached tokens (the cache grows by
+    one token per step: at most ``warmup + steps`` tokens past ``n``)."""
+    position = [n]
+
+    def step():
+        i = position[0]
+        model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
+        position[0] += 1
+
+    return _median_call(step, config.steps, config.warmup)
+
+
+def _decoded_share(cache: Any, n: int, window: int, layers: list[int]) -> float:
+    """Mean over the Focus layers and the decoded tokens of the share of keys they see."""
+    shares = []
+    for idx in layers:
+        groups = cache.layers[idx].groups[0]
+        for t in range(n, groups.shape[0]):
+            shares.append(_share(groups[t], groups[: t + 1], window))
+    return sum(shares) / len(shares)
+
+
+def _dense_cache(cache: Any, n: int) -> Any:
+    """A plain ``DynamicCache`` over the first ``n`` cached keys and values of ``cache``."""
+    from transformers import DynamicCache
+
+    dense = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        dense.update(layer.keys[:, :, :n], layer.values[:, :, :n], idx)
+    return dense
+
+
+def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """The model level: per context, Focus top-k decoding after a Focus prefill, and
+    dense decoding over the first prefill's keys and values."""
+    extra = config.warmup + config.steps + 1
+    ids = _input_ids(config, tokenizer, max(config.contexts) + extra)
+    rows = []
+    for n in config.contexts:
+        dense_done = False
+        for top_k in config.top_k:
+            bar.set_postfix(N=n, top_k=top_k)
+            runner = _attach(model, config, top_k)
+            with torch.inference_mode():
+                out = runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1)
+                cache = out.past_key_values
+                sec, _ = _decode(runner, ids, n, cache, config)
+            share = _decoded_share(cache, n, runner.focus_config.window, runner.focus_layers)
+            rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
+                         "seconds": sec, "share": share})  # fmt: skip
+            model = runner.unload()
+            model.config._attn_implementation = "sdpa"
+            if not dense_done:
+                with torch.inference_mode():
+                    sec, _ = _decode(model, ids, n, _dense_cache(cache, n), config)
+                rows.append({"level": "model", "N": n, "method": "dense", "top_k": None,
+                             "seconds": sec, "share": 1.0})  # fmt: skip
+                dense_done = True
+            del cache, out
+            bar.update(1)
+    return rows
+
+
+def _finish(rows: list[dict[str, Any]]) -> None:
+    """Tokens per second, speed-up against dense and the ideal ``1 / share`` per row."""
+    for row in rows:
+        ref = next(r for r in rows if r["level"] == row["level"] and r["N"] == row["N"] and r["method"] == "dense")  # fmt: skip
+        row["tokens_per_second"] = 1.0 / row["seconds"]
+        row["speedup_vs_dense"] = ref["seconds"] / row["seconds"]
+        row["ideal_speedup"] = 1.0 / row["share"]
+        row["efficiency"] = row["speedup_vs_dense"] / row["ideal_speedup"]
+
+
+def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, Any]:
+    """Decoding-step latency, dense against Focus top-k (module docstring).
+
+    Returns:
+        ``{"benchmark": "decode", "config", "environment", "rows"}``; each row: ``level``
+        (``op`` or ``model``), ``N`` (cached tokens), ``method`` (``dense`` or ``focus``),
+        ``top_k``, ``seconds`` (median per step), ``tokens_per_second``, ``share`` (keys
+        seen), ``speedup_vs_dense``, ``ideal_speedup`` (``1 / share``) and ``efficiency``
+        (speed-up / ideal).
+
+    Raises:
+        ValueError: the errors of loading the model, the adapter or the corpus.
+    """
+    from tqdm.auto import tqdm
+
+    from ..assets.models import load_model
+
+    config = config or DecodeBenchConfig()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    model, tokenizer = load_model(config.model, quiet=True)
+    model.config._attn_implementation = "sdpa"
+    shape = _model_shape(model)
+    rows = _op_rows(config, shape) if "op" in config.levels else []
+    if "model" in config.levels:
+        total = len(config.contexts) * len(config.top_k)
+        with tqdm(total=total, desc="decode", disable=not config.progress) as bar:
+            rows += _model_rows(config, model, tokenizer, bar)
+    _finish(rows)
+    record = {
+        "model": config.model, "adapter": config.adapter, "corpus": config.corpus,
+        "contexts": list(config.contexts), "top_ks": list(config.top_k),
+        "levels": list(config.levels), "num_groups": config.num_groups, "window": config.window,
+        "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
+        "attention_shape": shape, "dtype": "float32", "batch_size": 1,
+    }  # fmt: skip
+    return {"benchmark": "decode", "config": record, "environment": environment(), "rows": rows}
+
+
+def decode_table(result: dict[str, Any]) -> str:
+    """Markdown table of a decoding benchmark result."""
+    lines = [
+        "| level | cached tokens | attention | ms per step | tokens/s | keys seen | speedup vs dense | ideal | efficiency |",  # fmt: skip
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        name = "dense" if r["method"] == "dense" else f"focus top_k={r['top_k']}"
+        lines.append(
+            f"| {r['level']} | {r['N']} | {name} | {1e3 * r['seconds']:.2f} | {r['tokens_per_second']:.1f} "
+            f"| {100 * r['share']:.1f}% | {r['speedup_vs_dense']:.2f}x | {r['ideal_speedup']:.2f}x "
+            f"| {r['efficiency']:.2f} |"
+        )  # fmt: skip
+    return "\n".join(lines)
