@@ -93,33 +93,40 @@ def _random_groups(n: int, k: int, top_k: int, gen: torch.Generator) -> torch.Te
 
 def _op_rows(config: DecodeBenchConfig, shape: dict[str, int]) -> list[dict[str, Any]]:
     """The op level: one query against ``N`` cached keys, dense then each top_k."""
+    gen = torch.Generator().manual_seed(config.seed)
+    rows = []
+    for n in config.contexts:
+        h, h_kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        q = torch.randn(1, h, 1, d, generator=gen)
+        key, value = (torch.randn(1, h_kv, n, d, generator=gen) for _ in range(2))
+        rows += _op_context(config, q, key, value, gen)
+    return rows
+
+
+def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gen: torch.Generator) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows of one context: dense SDPA, then ``sparse_attention`` at each top_k."""
     from ..ops import sparse_attention
     from .kernel import sparse_backend_name
 
-    gen = torch.Generator().manual_seed(config.seed)
-    h, h_kv, d, k = shape["heads"], shape["kv_heads"], shape["head_dim"], config.num_groups
-    rows = []
-    for n in config.contexts:
-        q = torch.randn(1, h, 1, d, generator=gen)
-        key, value = (torch.randn(1, h_kv, n, d, generator=gen) for _ in range(2))
-        with torch.inference_mode():
-            dense = lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, key, value, enable_gqa=True
-            )  # noqa: E731
-            sec, _ = _median_call(dense, config.steps, config.warmup)
-            rows.append({"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": sec, "share": 1.0})  # fmt: skip
-            for top_k in config.top_k:
-                kg = _random_groups(n, k, min(top_k, k), gen)
-                qg = kg[:, -1:]
-                share = _share(qg[0, 0], kg[0], config.window)
+    n, k = key.shape[2], config.num_groups
 
-                def call(qg=qg, kg=kg):
-                    return sparse_attention(q, key, value, qg, kg, config.window)
+    def dense():
+        return torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)
 
-                sec, _ = _median_call(call, config.steps, config.warmup)
-                rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
-                             "seconds": sec, "share": share,
-                             "backend": sparse_backend_name("auto", k)})  # fmt: skip
+    with torch.inference_mode():
+        sec, _ = _median_call(dense, config.steps, config.warmup)
+        rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": sec, "share": 1.0}]  # fmt: skip
+        for top_k in config.top_k:
+            kg = _random_groups(n, k, min(top_k, k), gen)
+            qg = kg[:, -1:]
+
+            def call(qg=qg, kg=kg):
+                return sparse_attention(q, key, value, qg, kg, config.window)
+
+            sec, _ = _median_call(call, config.steps, config.warmup)
+            rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k, "seconds": sec,
+                         "share": _share(qg[0, 0], kg[0], config.window),
+                         "backend": sparse_backend_name("auto", k)})  # fmt: skip
     return rows
 
 

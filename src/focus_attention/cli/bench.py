@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..bench.decode import DecodeBenchConfig
 from ..bench.instructions import InstructionsBenchConfig
 from ..bench.kernel import KernelBenchConfig
-from ..bench.decode import DecodeBenchConfig
 from ..bench.model import ModelBenchConfig
 from ..bench.needle import NeedleBenchConfig
 from ..bench.tasks import TasksBenchConfig
