@@ -154,6 +154,7 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     )
     assert all(r["seconds"] > 0 and r["speedup_vs_sdpa"] > 0 for r in rows)
     assert result["config"]["windows"] == [8, 16]
+    assert result["config"]["routers"] == {"adapter": None, "fresh": True}
     assert "focus top_k=2, window=16" in model_table(result)
 
 
@@ -194,3 +195,20 @@ def test_decode_benchmark_rejects_bad_settings(changes, match):
 
     with pytest.raises(ValueError, match=match):
         DecodeBenchConfig(**changes)
+
+
+def test_routers_record_names_the_adapter_its_weights_and_training(tmp_path):
+    import hashlib
+    import json
+
+    from tiny import tiny_llama_focus
+
+    from focus_attention.bench.model import routers_record
+
+    tiny_llama_focus().save_pretrained(tmp_path / "a")
+    digest = hashlib.sha256((tmp_path / "a" / "focus_model.safetensors").read_bytes()).hexdigest()
+    assert routers_record(str(tmp_path / "a")) == {"adapter": str(tmp_path / "a"), "fresh": False,
+                                                   "weights_sha256": digest}  # fmt: skip
+    (tmp_path / "a" / "train_result.json").write_text(json.dumps({"steps": 80, "config": {"method": "focus"}}))  # fmt: skip
+    record = routers_record(str(tmp_path / "a"))
+    assert record["steps"] == 80 and record["method"] == "focus"

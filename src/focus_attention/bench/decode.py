@@ -29,6 +29,7 @@ from ..assets.corpora import DEFAULT_CORPUS
 from ..assets.models import DEFAULT_MODEL
 from ..utils.checks import bad, check_int
 from ..utils.env import environment
+from .model import routers_record
 
 __all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
 
@@ -274,6 +275,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         "levels": list(config.levels), "num_groups": config.num_groups, "window": config.window,
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
         "attention_shape": shape, "dtype": "float32", "batch_size": 1,
+        "routers": routers_record(config.adapter),
     }  # fmt: skip
     return {"benchmark": "decode", "config": record, "environment": environment(), "rows": rows}
 

@@ -14,7 +14,13 @@ from ..utils.env import environment
 from .kernel import sparse_backend_name
 from .timing import median_seconds
 
-__all__ = ["MODEL_LENGTHS", "ModelBenchConfig", "model_table", "run_model_benchmark"]
+__all__ = [
+    "MODEL_LENGTHS",
+    "ModelBenchConfig",
+    "model_table",
+    "routers_record",
+    "run_model_benchmark",
+]
 
 #: prefill lengths of the README's end-to-end table (tokens)
 MODEL_LENGTHS = (4096, 16384)
@@ -67,6 +73,31 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int) -> An
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
     return runner.eval()
+
+
+def routers_record(adapter: str | None) -> dict[str, Any]:
+    """Which routers a benchmark ran: ``{"adapter": None, "fresh": True}`` for freshly
+    initialised ones, else the adapter directory, the SHA-256 of its weights file and, for a
+    ``focus train`` output, its method and optimizer steps (``train_result.json``)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from ..hf.files import WEIGHTS_NAME
+
+    if adapter is None:
+        return {"adapter": None, "fresh": True}
+    path = Path(adapter)
+    record: dict[str, Any] = {"adapter": str(path), "fresh": False}
+    weights = path / WEIGHTS_NAME
+    if weights.is_file():
+        record["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    result = path / "train_result.json"
+    if result.is_file():
+        trained = json.loads(result.read_text())
+        record["steps"] = trained.get("steps")
+        record["method"] = trained.get("config", {}).get("method", "focus")
+    return record
 
 
 def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any]:
@@ -129,6 +160,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "dtype": "float32",
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
         "sparse_backend": sparse_backend_name("auto"),
+        "routers": routers_record(config.adapter),
     }
     return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
