@@ -43,7 +43,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=Path("benchmarks/results/pretrain"))
     p.add_argument("--logs", type=Path, default=Path("/tmp"), help="one pretrain-*.log per run")
     p.add_argument("--paired-steps", type=int, default=6,
-                   help="steps of the paired throughput measurement per attention type (0: skip)")  # fmt: skip
+                   help="steps of the paired throughput measurement per attention type (0: keep "
+                        "the one in --results/pretrain.json, if any)")  # fmt: skip
     return p.parse_args()
 
 
@@ -205,6 +206,18 @@ def _plot(runs: dict[int, dict[str, dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def _previous_paired(path: Path) -> dict | None:
+    """The paired throughput of an earlier ``pretrain.json`` (``--paired-steps 0`` keeps
+    it, marked with the date it was measured), or None."""
+    if not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    paired = old.get("comparison", {}).get("paired_throughput")
+    if paired is not None:
+        paired = {**paired, "measured": paired.get("measured", old["environment"].get("date"))}
+    return paired
+
+
 def main() -> None:
     a = _args()
     a.runs.mkdir(parents=True, exist_ok=True)
@@ -220,6 +233,8 @@ def main() -> None:
     comparison = _compare(runs)
     if a.paired_steps > 0:
         comparison["paired_throughput"] = _paired_throughput(a, tokenizer)
+    elif (previous := _previous_paired(a.results / "pretrain.json")) is not None:
+        comparison["paired_throughput"] = previous  # kept from the run that measured it
     a.results.mkdir(parents=True, exist_ok=True)
     write_json_atomic(a.results / "pretrain.json", {
         "command": " ".join(sys.argv), "config_file": str(a.config), "seeds": seeds,

@@ -103,6 +103,30 @@ def _instructions(results: str, name: str) -> dict | None:
             "kl_tokens": m["kl"]["tokens"]}  # fmt: skip
 
 
+def _untouched(results: str) -> tuple[dict | None, dict | None]:
+    """The untouched model's domain perplexity and instruction scores, from the first
+    method's files (every run measures the same untouched model; checked equal)."""
+    domains = [d for name, _ in METHODS[1:] if (d := _domain(results, name))]
+    instructions = [i for name, _ in METHODS[1:] if (i := _instructions(results, name))]
+    domain = None
+    if domains:
+        ppl = domains[0]["untouched"]
+        assert all(abs(d["untouched"] - ppl) < 1e-9 for d in domains), (
+            "untouched perplexities differ"
+        )
+        domain = {"untouched": ppl, "ppl": ppl, "mode": "dense", "relative": 0.0,
+                  "pairs_retained": None, "tokens": domains[0]["tokens"]}  # fmt: skip
+    ins = None
+    if instructions:
+        ref = instructions[0]["untouched"]
+        assert all(i["untouched"] == ref for i in instructions), (
+            "untouched instruction scores differ"
+        )
+        ins = {"model": "untouched", "prompts": instructions[0]["prompts"], "untouched": ref,
+               "accuracy": ref, "difference": None, "kl_per_token": None, "kl_tokens": None}  # fmt: skip
+    return domain, ins
+
+
 def collect(results: str, runs: str) -> dict:
     """The retention record: per method, its parameters, domain, benchmarks, instructions."""
     rows = []
@@ -112,6 +136,8 @@ def collect(results: str, runs: str) -> dict:
                "trainable_parameters": tr.get("trainable_parameters") if tr else (0 if name == "untouched" else None),
                "domain": _domain(results, name), "instructions": _instructions(results, name),
                "benchmarks": {}}  # fmt: skip
+        if name == "untouched":
+            row["domain"], row["instructions"] = _untouched(results)
         for task, metric in BENCHMARKS:
             ref, got = _task_entry(results, "untouched", task), _task_entry(results, name, task)
             if got is None:
@@ -148,6 +174,9 @@ def _summary_line(row: dict) -> str:
     cells.append(_pp(row["benchmarks"].get("lambada_openai", {}).get("difference")))
     if ins is None:
         cells += ["-", "-"]
+    elif ins["difference"] is None:  # the untouched model
+        acc = ins["accuracy"]
+        cells += [f"{100 * acc['instruction_loose']:.1f} ± {100 * acc['instruction_loose_stderr']:.1f}", "-"]  # fmt: skip
     else:
         acc = ins["accuracy"]["instruction_loose"]
         diff = {"mean": ins["difference"]["instruction_loose"],
