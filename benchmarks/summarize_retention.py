@@ -216,7 +216,9 @@ def plot(record: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharex=True)
+    palette = plt.get_cmap("tab10")
+    colors = {name: palette(i) for i, (name, _) in enumerate(METHODS)}
     panels = (("mean_benchmark_difference", "zero-shot benchmarks: mean Δ accuracy (pp)"),
               ("instructions", "instruction following: Δ loose accuracy (pp)"))  # fmt: skip
     for ax, (key, label) in zip(axes, panels, strict=True):
@@ -232,9 +234,8 @@ def plot(record: dict, path: str) -> None:
             if d is None:
                 continue
             x = 100 * r["domain"]["relative"]
-            ax.errorbar(x, 100 * d["mean"], yerr=100 * Z95 * d["stderr"], fmt="o", capsize=3)
-            ax.annotate(r["title"], (x, 100 * d["mean"]), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")  # fmt: skip
+            ax.errorbar(x, 100 * d["mean"], yerr=100 * Z95 * d["stderr"], fmt="o", capsize=3,
+                        color=colors[r["name"]], label=r["title"])  # fmt: skip
         ax.axhline(0, color="grey", lw=0.8)
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_xlabel("Persuasion perplexity vs untouched (%; left = domain gain)")
@@ -242,7 +243,9 @@ def plot(record: dict, path: str) -> None:
     fig.suptitle(
         "Retention at the same data and budget (smollm2-135m, 80 steps x 512 tokens; 95% CI)"
     )
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png")
     os.close(fd)
     fig.savefig(tmp, dpi=130)
