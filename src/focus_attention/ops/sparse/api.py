@@ -50,23 +50,18 @@ def sparse_attention(
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
-        backend: a registered backend (:func:`backend_names`) or ``"auto"``, the first that
-            can run the call in the order ``gather``, ``cpu_fused``, ``cpu_flash``, ``flex``,
-            ``math``:
+        backend: ``"auto"`` (the first that can run the call, in the order ``gather``,
+            ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``) or a registered backend
+            (:func:`backend_names`); inputs that require grad need a differentiable one:
 
-            - ``"gather"``: gathers the keys visible to the queries and attends only those
-              (chosen by ``"auto"`` on CUDA for calls of at most 8 queries: decoding); any
-              device and floating dtype, applies ``softcap``, differentiable.
-
+            - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
+              queries: decoding); any device and dtype, ``softcap``, differentiable.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
             - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.
             - ``"flex"``: PyTorch's FlexAttention, applies ``softcap``; compiled and
               differentiable on CUDA; eager and inference only on CPU (not for ``"auto"``).
-            - ``"math"``: blocked PyTorch code; differentiable, any device and floating
-              dtype, applies ``softcap``.
-
-            Inputs that require grad (with grad mode on) need a differentiable backend.
+            - ``"math"``: blocked PyTorch code; differentiable, any device and dtype, ``softcap``.
         return_lse: also return the log-sum-exp of the visible logits.
 
     Returns:
