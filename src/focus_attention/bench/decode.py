@@ -18,8 +18,6 @@ Each latency is the median over the timed calls (seconds), after ``warmup`` unti
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +28,7 @@ from ..assets.models import DEFAULT_MODEL
 from ..utils.checks import bad, check_int
 from ..utils.env import environment
 from .model import routers_record
+from .timing import median_seconds
 
 __all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
 
@@ -75,17 +74,6 @@ class DecodeBenchConfig:
             raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
 
 
-def _median_call(fn: Any, steps: int, warmup: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), times
-
-
 def _random_groups(n: int, k: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
     """bool ``[1, n, k]``: ``top_k`` distinct groups per token, uniformly at random."""
     order = torch.rand(1, n, k, generator=gen).argsort(dim=-1)[..., :top_k]
@@ -115,7 +103,7 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
         return torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)
 
     with torch.inference_mode():
-        sec, _ = _median_call(dense, config.steps, config.warmup)
+        sec, _ = median_seconds(dense, config.steps, config.warmup)
         rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": sec, "share": 1.0}]  # fmt: skip
         for top_k in config.top_k:
             kg = _random_groups(n, k, min(top_k, k), gen)
@@ -124,7 +112,7 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
             def call(qg=qg, kg=kg):
                 return sparse_attention(q, key, value, qg, kg, config.window)
 
-            sec, _ = _median_call(call, config.steps, config.warmup)
+            sec, _ = median_seconds(call, config.steps, config.warmup)
             rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k, "seconds": sec,
                          "share": _share(qg[0, 0], kg[0], config.window),
                          "backend": sparse_backend_name("auto", k)})  # fmt: skip
@@ -176,7 +164,7 @@ def _decode(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBen
         model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
         position[0] += 1
 
-    return _median_call(step, config.steps, config.warmup)
+    return median_seconds(step, config.steps, config.warmup)
 
 
 def _decoded_share(cache: Any, n: int, window: int, layers: list[int]) -> float:
