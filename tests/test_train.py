@@ -114,6 +114,62 @@ def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
     _same_log(_log(out), _log(reference.out))
 
 
+def _resume_equals_reference(assets, reference, out, stopped: int) -> None:
+    assert latest_checkpoint(out).name == f"step-{stopped:07d}"
+    assert [r["step"] for r in _log(out)] == list(range(stopped + 1))  # the stopped step too
+    resumed = train(tiny_config(assets, out, resume=True))
+    assert resumed.start_step == stopped and resumed.losses == reference.losses[stopped:]
+    for k, v in _weights(reference.out).items():
+        assert torch.equal(v, _weights(out)[k]), k
+
+
+def test_ctrl_c_right_after_the_update_still_logs_the_step(assets, reference, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """A SIGINT between the optimizer update and the step's log record waits for the record:
+    the checkpoint's step is always in the log."""
+    from focus_attention.training.loop import _Run
+
+    original = _Run.optimizer_step
+
+    def optimizer_step(self, guard):
+        out = original(self, guard)
+        if self.step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(_Run, "optimizer_step", optimizer_step)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(assets, out))
+    monkeypatch.undo()
+    _resume_equals_reference(assets, reference, out, 4)
+    _same_log(_log(out), _log(reference.out))
+
+
+def test_ctrl_c_during_validation_logs_the_step_without_it(assets, reference, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """Ctrl-C while the step-3 validation runs: step 3 is completed, so it is checkpointed and
+    logged, without the validation it did not finish."""
+    from focus_attention.training import loop
+
+    original = loop.validation_perplexity
+
+    def validation(model, blocks, *, base=False):
+        if not base:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(model, blocks, base=base)
+
+    monkeypatch.setattr(loop, "validation_perplexity", validation)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(assets, out))
+    monkeypatch.undo()
+    assert "val_ppl_topk" not in _log(out)[3] and "loss" in _log(out)[3]
+    _resume_equals_reference(assets, reference, out, 3)
+    ref = _log(reference.out)
+    assert [r["step"] for r in _log(out)] == [r["step"] for r in ref]
+
+
 def _crash_at(assets, out, crash_step: int) -> None:
     """A run of the reference settings into ``out`` that crashes after step ``crash_step``."""
 

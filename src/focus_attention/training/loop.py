@@ -14,7 +14,8 @@ AdamW, the learning-rate schedule (:mod:`.schedule`), a log record, validation w
 (top-k and soft perplexity on the validation split) and a checkpoint when due
 (:mod:`.checkpoint`). Ctrl-C (SIGINT) between or during steps saves a checkpoint of the last
 completed step and the adapter, then re-raises; a SIGINT arriving during the optimizer update
-or a save waits until that finishes.
+(and the building of its record) or a save waits until that finishes. A completed step is
+always in the log: stopped during its validation, it is logged without the validation.
 """
 
 from __future__ import annotations
@@ -340,6 +341,8 @@ class _Run:
         self.validation: list[dict[str, Any]] = []
         self.last_checkpoint: Path | None = ckpt
         self.log_path = out / LOG_NAME
+        self.unlogged: dict[str, Any] | None = None  # a completed step's record, not yet logged
+        self.step_started = time.monotonic()
         self.num_blocks = int(data.train_blocks.shape[0])
         self.tokens_per_step = cfg.seq_len * cfg.batch_size * self.dist.global_accum(cfg.grad_accum)
 
@@ -422,6 +425,7 @@ class _Run:
         rec["seconds"] = round(self.elapsed, 3)
         log.write(json.dumps(rec) + "\n")
         log.flush()
+        self.unlogged = None
 
     def validate(self, rec: dict[str, Any], *, base: bool = False) -> None:
         """Score the validation blocks into ``rec`` and keep them in ``validation``."""
@@ -509,7 +513,16 @@ class _Run:
         self.enter_phase()
         self.opt.zero_grad(set_to_none=True)
         metrics, doms = self.forward_backward()
-        grad_norm, lr_now = self.optimizer_step(guard)
+        with guard.critical():  # the update and its record: a Ctrl-C cannot fall between
+            grad_norm, lr_now = self.optimizer_step(guard)
+            rec = self.step_record(metrics, doms, grad_norm, lr_now)
+            self.unlogged = rec
+        return rec
+
+    def step_record(self, metrics: list[dict[str, float]], doms: list[dict[str, float]],
+                    grad_norm: float, lr_now: float) -> dict[str, Any]:  # fmt: skip
+        """The log record of the step just taken: the micro-batches' mean metrics, rates,
+        gradient norm, routing dominance and tokens seen."""
         rec: dict[str, Any] = {"step": self.step}
         for key in metrics[0]:
             rec[key] = sum(m[key] for m in metrics) / len(metrics)
@@ -539,7 +552,7 @@ class _Run:
             self.emit(log, rec, t0)
             pbar.set_postfix(val_ppl=f"{_val_ppl(rec):.2f}")
         while self.step < self.cfg.steps:
-            t0 = time.monotonic()
+            t0 = self.step_started = time.monotonic()
             rec = self.train_step(guard)
             if self.validation_due():
                 self.validate(rec)
@@ -565,6 +578,8 @@ class _Run:
                 self.loop(guard, log, pbar, callback)
             except KeyboardInterrupt:
                 pbar.close()
+                if self.unlogged is not None:  # stopped in the step's validation or log
+                    self.emit(log, self.unlogged, self.step_started)
                 self.dist.abort_step(self.step)  # multi-process: the step's routing statistics
                 self.save(guard, log, final=True)
                 print(
