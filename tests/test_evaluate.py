@@ -97,6 +97,30 @@ def test_window_override_trades_sparsity_for_quality(assets, adapter):
         _evaluate(assets, adapter, window=0)
 
 
+def test_dense_layers_override(assets, adapter):
+    """Every Focus layer dense: top-k and soft are the base model and keep every pair; one
+    dense layer (the last: the layers before it see the same inputs) counts as keeping its
+    pairs, the others as routed."""
+    kw = dict(top_k_values=[1], window=4, max_tokens=128)
+    plain = _evaluate(assets, adapter, **kw)
+    layers = plain["config"]["focus_layers"]
+    assert len(layers) >= 2 and plain["pairs_retained"]["1"] < 0.9
+    dense = _evaluate(assets, adapter, dense_layers=layers, **kw)
+    assert dense["config"]["overrides"]["dense_layers"] == list(layers)
+    assert dense["config"]["focus"]["dense_layers"] == list(layers)
+    assert dense["ppl"]["focus_topk"]["1"] == pytest.approx(dense["ppl"]["base"], rel=1e-5)
+    assert dense["ppl"]["focus_soft"] == pytest.approx(dense["ppl"]["base"], rel=1e-5)
+    assert dense["pairs_retained"]["1"] == 1.0
+    one = _evaluate(assets, adapter, dense_layers=[layers[-1]], **kw)
+    by_layer = one["pairs_retained_by_layer"]["1"]
+    assert by_layer[str(layers[-1])] == 1.0
+    for k in layers[:-1]:
+        assert by_layer[str(k)] == pytest.approx(plain["pairs_retained_by_layer"]["1"][str(k)])
+    assert one["pairs_retained"]["1"] == pytest.approx(sum(by_layer.values()) / len(layers))
+    with pytest.raises(ValueError, match=r"dense_layers.*are not"):
+        _evaluate(assets, adapter, dense_layers=[99], **kw)
+
+
 @pytest.mark.filterwarnings("ignore::focus_attention.hf.FocusBaseMismatchWarning")
 def test_base_weights_changed_during_eval_fail_loudly(assets, adapter, monkeypatch):
     import focus_attention.evaluation.perplexity as ev
@@ -123,6 +147,17 @@ def test_routing_stats():
     assert s["pairs_retained"] == 1.0 and s["dominance"] == 1.0  # everything in group 0
     with pytest.raises(RuntimeError, match="no routing"):
         ok.add(1, [])
+    # a dense layer records nothing and keeps every pair: the mean over layers
+    half = groups.clone()
+    half[:, 3:, 0], half[:, 3:, 1] = False, True  # two groups of three tokens
+    mixed = RoutingStats(window=1, num_groups=4, dense_layers=(1,))
+    mixed.add(0, [{**rec, "query_groups": half, "key_groups": half}])
+    mixed.add(1, [])  # a window where only dense layers ran is no error
+    s = mixed.summary()
+    routed = s["pairs_retained_by_layer"]["0"]
+    assert routed == pytest.approx(12 / 21)  # (6 + 3 + 3) of 21 causal pairs
+    assert s["pairs_retained_by_layer"]["1"] == 1.0
+    assert s["pairs_retained"] == pytest.approx((routed + 1.0) / 2)
 
 
 def test_argument_errors(assets, adapter, tmp_path):

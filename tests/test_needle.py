@@ -126,3 +126,79 @@ def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
             out = base.generate(case.input_ids, attention_mask=torch.ones_like(case.input_ids),
                                 max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)  # fmt: skip
         assert tok.decode(out[0, 64:], skip_special_tokens=True) == cell["generated"]
+
+
+def test_needle_attention_equals_the_eager_attention_maps(tiny, monkeypatch):
+    """The share per layer equals the base model's own eager attention maps (the last
+    query's row, the best head, summed over the span), also while layers are dense."""
+    from transformers import AutoModelForCausalLM
+
+    from focus_attention.assets.models import load_model
+    from focus_attention.evaluation.retrieval import needle_attention
+    from focus_attention.hf import FocusModel
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    base, _ = load_model(str(assets["model"]), quiet=True)
+    fm = FocusModel.from_pretrained(base, adapter).eval()
+    fm.focus_config = fm.focus_config.replace(dense_layers=fm.focus_layers[:1])
+    x = torch.randint(
+        3, base.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(0)
+    )
+    got = needle_attention(fm, x, (10, 17))
+    assert fm.focus_config.dense_layers == tuple(fm.focus_layers[:1])  # put back
+    eager = AutoModelForCausalLM.from_pretrained(str(assets["model"]), attn_implementation="eager")
+    with torch.no_grad():
+        maps = eager(input_ids=x, output_attentions=True).attentions
+    assert sorted(got) == fm.focus_layers
+    for layer, share in got.items():
+        want = maps[layer][0, :, -1, 10:17].sum(-1).max()
+        assert share == pytest.approx(float(want), abs=1e-5)
+    with pytest.raises(ValueError, match="expected \\[1, N\\]"):
+        needle_attention(fm, x.repeat(2, 1), (10, 17))
+    with pytest.raises(ValueError, match="outside"):
+        needle_attention(fm, x, (10, 50))
+
+
+def test_retrieval_layers_rank_and_suggest(tiny, monkeypatch, tmp_path):
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    out = tmp_path / "layers.json"
+    rc = cli.main(["bench", "retrieval-layers", "--model", str(assets["model"]), "--adapter",
+                   str(adapter), "--corpus", str(assets["corpus"]), "--lengths", "64",
+                   "--trials", "1", "--count", "1", "--json", str(out), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["split"] == "validation" and result["prompts"] == 2 * 3
+    by_layer = result["by_layer"]
+    means = [float(v) for v in by_layer.values()]
+    assert all(0 <= v <= 1 for v in means)
+    assert [by_layer[str(k)] for k in result["ranking"]] == sorted(means, reverse=True)
+    assert result["dense_layers"] == result["ranking"][:1]
+    for k, v in by_layer.items():
+        per_hay = [result["by_haystack"][h][k] for h in ("passkey", "book")]
+        assert v == pytest.approx(sum(per_hay) / 2)
+    with pytest.raises(ValueError, match="count"):
+        needle.rank_retrieval_layers(needle.RetrievalLayersConfig(
+            model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
+            lengths=(64,), count=99, progress=False))  # fmt: skip
+
+
+def test_needle_with_every_layer_dense_answers_as_dense(tiny, monkeypatch):
+    """--dense-layers: with every Focus layer dense, each top-k answer is the dense one."""
+    from focus_attention.assets.models import load_model
+    from focus_attention.hf import FocusModel
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    base, _ = load_model(str(assets["model"]), quiet=True)
+    layers = FocusModel.from_pretrained(base, adapter).focus_layers
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), lengths=(64,), depths=(0.5,),
+                               trials=1, top_k=(1,), max_new_tokens=4, dense_layers=layers,
+                               progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(config)
+    cells = {(c["haystack"], c["mode"]): c["generated"] for c in result["cells"]}
+    for hay in ("passkey", "book"):
+        assert cells[(hay, "top-1")] == cells[(hay, "dense")]
+    assert result["config"]["dense_layers"] == layers

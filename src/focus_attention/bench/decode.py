@@ -51,6 +51,11 @@ class DecodeBenchConfig:
     levels: tuple[str, ...] = field(default=LEVELS, metadata={"help": "op and/or model"})
     num_groups: int = field(default=8, metadata={"help": "K of fresh routers and of the op level"})  # fmt: skip
     window: int = field(default=128, metadata={"help": "local window of fresh routers and of the op level (tokens)"})  # fmt: skip
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
+                  "none for fresh routers)"},
+    )  # fmt: skip
     steps: int = field(default=16, metadata={"help": "timed decoding steps (median)"})
     warmup: int = field(default=2, metadata={"help": "untimed steps before them"})
     seed: int = field(default=0, metadata={"help": "seed of the op level's inputs"})
@@ -149,9 +154,13 @@ def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     from ..hf import FocusConfig, FocusModel, get_focus_model
 
     if config.adapter:
-        return FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k).eval()
-    cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
-    return get_focus_model(model, cfg).eval()
+        runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
+    else:
+        cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
+        runner = get_focus_model(model, cfg)
+    if config.dense_layers is not None:
+        runner.focus_config = runner.focus_config.replace(dense_layers=config.dense_layers)
+    return runner.eval()
 
 
 def _decode(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBenchConfig) -> tuple[float, list[float]]:  # fmt: skip
@@ -167,10 +176,14 @@ def _decode(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBen
     return median_seconds(step, config.steps, config.warmup)
 
 
-def _decoded_share(cache: Any, n: int, window: int, layers: list[int]) -> float:
-    """Mean over the Focus layers and the decoded tokens of the share of keys they see."""
+def _decoded_share(cache: Any, n: int, window: int, layers: list[int], dense: tuple[int, ...] = ()) -> float:  # fmt: skip
+    """Mean over the Focus layers and the decoded tokens of the share of keys they see (every
+    key on the ``dense`` layers)."""
     shares = []
     for idx in layers:
+        if idx in dense:
+            shares += [1.0] * (cache.layers[idx].get_seq_length() - n)
+            continue
         groups = cache.layers[idx].groups[0]
         for t in range(n, groups.shape[0]):
             shares.append(_share(groups[t], groups[: t + 1], window))
@@ -202,7 +215,8 @@ def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any)
                 out = runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values
                 sec, _ = _decode(runner, ids, n, cache, config)
-            share = _decoded_share(cache, n, runner.focus_config.window, runner.focus_layers)
+            fc = runner.focus_config
+            share = _decoded_share(cache, n, fc.window, runner.focus_layers, fc.dense_layers)
             rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
                          "seconds": sec, "share": share})  # fmt: skip
             model = runner.unload()

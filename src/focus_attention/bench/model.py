@@ -45,6 +45,11 @@ class ModelBenchConfig:
         metadata={"help": "local windows in tokens (fresh routers; with --adapter they "
                   "override its window, the routers as trained)"},
     )  # fmt: skip
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
+                  "none for fresh routers)"},
+    )  # fmt: skip
     repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
     warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -72,6 +77,8 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int) -> An
     else:
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
+    if config.dense_layers is not None:
+        runner.focus_config = runner.focus_config.replace(dense_layers=config.dense_layers)
     return runner.eval()
 
 

@@ -31,10 +31,13 @@ __all__ = [
     "NEEDLE_LENGTHS",
     "NeedleBenchConfig",
     "NeedleCase",
+    "RetrievalLayersConfig",
     "answer_of",
     "build_case",
     "needle_table",
     "plot_needle",
+    "rank_retrieval_layers",
+    "retrieval_layers_table",
     "run_needle_benchmark",
 ]
 
@@ -81,6 +84,11 @@ class NeedleBenchConfig:
     )
     trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
     top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "Focus top_k values"})
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "override the adapter's dense_layers: Focus layers that run dense "
+                  "attention (see focus bench retrieval-layers)"},
+    )  # fmt: skip
     max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
     seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -100,10 +108,47 @@ class NeedleBenchConfig:
             raise bad(owner, "depths", self.depths, "fractions in [0, 1]")
 
 
+@dataclass
+class RetrievalLayersConfig:
+    """Settings of the retrieval-layer ranking (each field a ``focus bench retrieval-layers``
+    flag): needle prompts of the validation split, scored on the dense model."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model"})
+    adapter: str = field(default="runs/austen", metadata={"help": "Focus adapter directory"})
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the book haystack"})
+    split: str = field(
+        default="validation",
+        metadata={"help": "its split (keep the test split for the benchmark)", "choices": SPLITS},
+    )
+    haystacks: tuple[str, ...] = field(
+        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
+    )
+    lengths: tuple[int, ...] = field(default=(2048,), metadata={"help": "prompt lengths in tokens"})
+    depths: tuple[float, ...] = field(
+        default=(0.25, 0.5, 0.75), metadata={"help": "needle depths, 0 (start) to 1 (end)"}
+    )
+    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
+    count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
+    seed: int = field(default=1, metadata={"help": "seed of the needles and book offsets"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "one line per prompt"})
+
+    def __post_init__(self) -> None:
+        owner = "RetrievalLayersConfig"
+        for name in ("trials", "count"):
+            check_int(owner, name, getattr(self, name), 1)
+        for n in self.lengths:
+            check_int(owner, "lengths", n, 64)
+        if not self.haystacks or any(h not in HAYSTACKS for h in self.haystacks):
+            raise bad(owner, "haystacks", self.haystacks, f"some of {HAYSTACKS}")
+        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
+            raise bad(owner, "depths", self.depths, "fractions in [0, 1]")
+
+
 @dataclass(frozen=True)
 class NeedleCase:
     """One prompt: ``input_ids`` ``[1, length]`` long, the needle's number ``answer`` and the
-    token index where the needle starts."""
+    token indices where the needle starts and ends (excluded)."""
 
     haystack: str
     length: int
@@ -112,6 +157,7 @@ class NeedleCase:
     input_ids: torch.Tensor
     answer: str
     needle_start: int
+    needle_end: int
 
 
 def answer_of(text: str) -> str | None:
@@ -159,12 +205,15 @@ def build_case(
     filler = haystack_ids[start : start + room]
     cut = round(depth * room)
     ids = head + filler[:cut] + needle + filler[cut:] + question
+    at = len(head) + cut
     return NeedleCase(
-        kind, length, float(depth), trial, torch.tensor([ids]), number, len(head) + cut
+        kind, length, float(depth), trial, torch.tensor([ids]), number, at, at + len(needle)
     )
 
 
-def _haystack_ids(config: NeedleBenchConfig, tokenizer: Any, kind: str) -> list[int]:
+def _haystack_ids(
+    config: NeedleBenchConfig | RetrievalLayersConfig, tokenizer: Any, kind: str
+) -> list[int]:
     """Token ids the haystack of ``kind`` is cut from (long enough for the longest prompt)."""
     need = max(config.lengths)
     if kind == "passkey":
@@ -176,7 +225,9 @@ def _haystack_ids(config: NeedleBenchConfig, tokenizer: Any, kind: str) -> list[
     return _ids(tokenizer, text)
 
 
-def _cases(config: NeedleBenchConfig, tokenizer: Any, bos_id: int | None) -> list[NeedleCase]:
+def _cases(
+    config: NeedleBenchConfig | RetrievalLayersConfig, tokenizer: Any, bos_id: int | None
+) -> list[NeedleCase]:
     """Every prompt of the benchmark, deterministic in ``config.seed``."""
     rng = random.Random(config.seed)
     cases = []
@@ -235,17 +286,9 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
         ValueError: a length above the model's ``max_position_embeddings``, a haystack too
             short, or the errors of loading the model or adapter.
     """
-    from ..assets.models import auto_prepend_bos, load_model
-    from ..hf import FocusModel
-
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    base, tokenizer = load_model(config.model, quiet=not config.progress)
-    limit = getattr(base.config, "max_position_embeddings", None)
-    if limit is not None and max(config.lengths) > limit:
-        raise bad("NeedleBenchConfig", "lengths", config.lengths, f"at most {limit} tokens")
-    fm = FocusModel.from_pretrained(base, config.adapter).eval()
-    bos_id = tokenizer.bos_token_id if auto_prepend_bos(base) else None
+    fm, tokenizer, bos_id = _load(config)
+    if config.dense_layers is not None:
+        fm.focus_config = fm.focus_config.replace(dense_layers=config.dense_layers)
     cells = []
     for case in _cases(config, tokenizer, bos_id):
         for mode, enter in _modes(fm, config.top_k):
@@ -264,6 +307,91 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
         "versions": library_versions(),
         "environment": environment(),
     }
+
+
+def _load(config: NeedleBenchConfig | RetrievalLayersConfig) -> tuple[Any, Any, int | None]:
+    """``(Focus model in eval mode, tokenizer, BOS id or None)`` of a configuration.
+
+    Raises:
+        ValueError: a length above the model's ``max_position_embeddings``, or the errors of
+            loading the model or adapter.
+    """
+    from ..assets.models import auto_prepend_bos, load_model
+    from ..hf import FocusModel
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    base, tokenizer = load_model(config.model, quiet=not config.progress)
+    limit = getattr(base.config, "max_position_embeddings", None)
+    if limit is not None and max(config.lengths) > limit:
+        raise bad(type(config).__name__, "lengths", config.lengths, f"at most {limit} tokens")
+    fm = FocusModel.from_pretrained(base, config.adapter).eval()
+    return fm, tokenizer, tokenizer.bos_token_id if auto_prepend_bos(base) else None
+
+
+def rank_retrieval_layers(config: RetrievalLayersConfig) -> dict[str, Any]:
+    """Rank the Focus layers by the attention the dense model's strongest head of the last
+    query gives the needle (:func:`~focus_attention.evaluation.retrieval.needle_attention`),
+    averaged over the needle prompts of ``config`` (module docstring; docs/method.md §9).
+
+    Returns:
+        JSON-able dict: ``config``, ``ranking`` (layers, most attentive first), ``by_layer``
+        ``{layer: mean share}``, ``by_haystack`` ``{haystack: {layer: mean share}}``,
+        ``dense_layers`` (the first ``count`` of the ranking, sorted: the value for
+        ``FocusConfig.dense_layers`` or ``--dense-layers``), ``prompts``, ``seconds``,
+        ``versions`` and ``environment``.
+
+    Raises:
+        ValueError: as :func:`run_needle_benchmark`; ``count`` above the Focus layers.
+    """
+    from ..evaluation.retrieval import needle_attention
+
+    fm, tokenizer, bos_id = _load(config)
+    if config.count > len(fm.focus_layers):
+        raise bad("RetrievalLayersConfig", "count", config.count,
+                  f"at most the {len(fm.focus_layers)} Focus layers")  # fmt: skip
+    t = time.monotonic()
+    sums: dict[str, dict[int, list[float]]] = {}
+    cases = _cases(config, tokenizer, bos_id)
+    for i, case in enumerate(cases):
+        shares = needle_attention(fm, case.input_ids, (case.needle_start, case.needle_end))
+        for layer, share in shares.items():
+            sums.setdefault(case.haystack, {}).setdefault(layer, []).append(share)
+        if config.progress:
+            print(f"[retrieval-layers] prompt {i + 1}/{len(cases)} ({case.haystack}, "
+                  f"{case.length} tokens, depth {case.depth:.2f})", file=sys.stderr)  # fmt: skip
+    by_haystack = {h: {k: sum(v) / len(v) for k, v in sorted(d.items())} for h, d in sums.items()}
+    layers = sorted(next(iter(by_haystack.values())))
+    by_layer = {k: sum(d[k] for d in by_haystack.values()) / len(by_haystack) for k in layers}
+    ranking = sorted(layers, key=lambda k: -by_layer[k])
+    return {
+        "config": asdict(config),
+        "ranking": ranking,
+        "by_layer": {str(k): v for k, v in by_layer.items()},
+        "by_haystack": {h: {str(k): v for k, v in d.items()} for h, d in by_haystack.items()},
+        "dense_layers": sorted(ranking[: config.count]),
+        "prompts": len(cases),
+        "seconds": time.monotonic() - t,
+        "versions": library_versions(),
+        "environment": environment(),
+    }
+
+
+def retrieval_layers_table(result: dict[str, Any]) -> str:
+    """A markdown table of the ranking (a row per layer, most attentive first) and the
+    suggested ``--dense-layers``."""
+    hays = list(result["by_haystack"])
+    lines = ["| rank | layer | mean | " + " | ".join(hays) + " |",
+             "|---:|---:|---:|" + "---:|" * len(hays)]  # fmt: skip
+    for rank, layer in enumerate(result["ranking"], 1):
+        key = str(layer)
+        cells = [f"{result['by_haystack'][h][key]:.3f}" for h in hays]
+        lines.append(
+            f"| {rank} | {layer} | {result['by_layer'][key]:.3f} | " + " | ".join(cells) + " |"
+        )
+    dense = " ".join(str(k) for k in result["dense_layers"])
+    lines += ["", f"suggested: --dense-layers {dense}"]
+    return "\n".join(lines)
 
 
 def _cell(case: NeedleCase, mode: str, text: str, seconds: float) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|decode|needle|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|decode|needle|retrieval-layers|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..bench.decode import DecodeBenchConfig
 from ..bench.instructions import InstructionsBenchConfig
 from ..bench.kernel import KernelBenchConfig
 from ..bench.model import ModelBenchConfig
-from ..bench.needle import NeedleBenchConfig
+from ..bench.needle import NeedleBenchConfig, RetrievalLayersConfig
 from ..bench.tasks import TasksBenchConfig
 from ..utils.io import write_json_atomic
 from .common import run_guarded
@@ -83,6 +83,16 @@ def _needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retrieval_layers(args: argparse.Namespace) -> int:
+    from ..bench.needle import rank_retrieval_layers, retrieval_layers_table
+
+    config = RetrievalLayersConfig(**flag_values(args, RetrievalLayersConfig))
+    result = rank_retrieval_layers(config)
+    print(retrieval_layers_table(result))
+    _write(result, args)
+    return 0
+
+
 def _tasks(args: argparse.Namespace) -> int:
     from ..bench.tasks import run_tasks_benchmark, tasks_table
 
@@ -150,6 +160,15 @@ def register_cli(subparsers: Any) -> None:
         "repeated filler paragraph, or held-out book text), asks for it at the end, and "
         "scores the greedy answer exactly, for the dense model and Focus at every top_k. "
         "Needs the prepared assets (focus setup) and a trained adapter.",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "retrieval-layers", RetrievalLayersConfig, _retrieval_layers, None,
+        help="rank the layers that retrieve from far back (candidates for --dense-layers)",
+        description="Builds needle prompts as focus bench needle does, from the validation "
+        "split by default, and ranks the Focus layers by the share of attention the dense "
+        "model's strongest head of the last query gives the needle. The top --count layers "
+        "are the suggested FocusConfig.dense_layers (--dense-layers of focus eval and the "
+        "benchmarks): layers that keep dense attention so that retrieval survives.",
     )  # fmt: skip
     _add_benchmark(
         sub, "tasks", TasksBenchConfig, _tasks, None,

@@ -77,7 +77,7 @@ def add_flags(
         default = _default(field)
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
         joiner = "," if "type" in meta else " "  # a custom type parses one comma-separated value
-        shown = "" if default is None else f" (default {_shown(default, joiner)})"
+        shown = "" if default in (None, ()) else f" (default {_shown(default, joiner)})"
         kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse, several = _scalar(hints[field.name])
         parse = meta.get("type", parse)

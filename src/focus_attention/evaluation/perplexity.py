@@ -155,6 +155,11 @@ class EvalConfig:
     sink_tokens: int | None = field(
         default=None, metadata={"help": "override the adapter's sink_tokens"}
     )
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "override the adapter's dense_layers: Focus layers that run dense "
+                  "attention (the retrieval layers that focus bench retrieval-layers ranks)"},
+    )  # fmt: skip
     prepend_bos: bool | None = field(
         default=None,
         metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
@@ -338,11 +343,14 @@ def score_windows(
 
 class RoutingStats:
     """Routing statistics of one routing setting, accumulated over windows: pairs retained
-    (top-k), group shares and dominance per layer (docs/method.md §2, §9)."""
+    (top-k), group shares and dominance per layer (docs/method.md §2, §9). The layers in
+    ``dense_layers`` run dense attention and record nothing: they count as keeping every
+    pair."""
 
-    def __init__(self, window: int, num_groups: int) -> None:
+    def __init__(self, window: int, num_groups: int, dense_layers: tuple[int, ...] = ()) -> None:
         self.window = window
         self.num_groups = num_groups
+        self.dense_layers = tuple(dense_layers)
         self.kept = 0.0
         self.pairs = 0.0
         self.layer_mass: dict[int, Any] = {}
@@ -365,7 +373,7 @@ class RoutingStats:
         Raises:
             RuntimeError: no record (Focus is not attached or is disabled).
         """
-        if not records:
+        if not records and not self.dense_layers:
             raise RuntimeError("no routing was recorded: is Focus attached and enabled?")
         for r in records:
             layer = int(r["layer"])
@@ -379,7 +387,8 @@ class RoutingStats:
 
     def summary(self) -> dict[str, Any]:
         """``dominance``, ``dominance_max``, ``group_shares`` and, for top-k routing,
-        ``pairs_retained`` and ``pairs_retained_by_layer``."""
+        ``pairs_retained`` and ``pairs_retained_by_layer`` (the dense layers at 1.0; every
+        Focus layer has the same causal pairs, so the overall share is the layers' mean)."""
         shares = {}
         for layer in sorted(self.layer_mass):
             m = self.layer_mass[layer]
@@ -390,11 +399,15 @@ class RoutingStats:
             "dominance_max": max(doms) if doms else None,
             "group_shares": shares,
         }
-        if self.pairs:
-            out["pairs_retained"] = self.kept / self.pairs
-            out["pairs_retained_by_layer"] = {
-                str(k): v[0] / v[1] for k, v in sorted(self.layer_pairs.items())
-            }
+        if self.pairs or self.dense_layers:
+            by_layer = {k: v[0] / v[1] for k, v in self.layer_pairs.items()}
+            by_layer.update({k: 1.0 for k in self.dense_layers})
+            out["pairs_retained"] = (
+                sum(by_layer.values()) / len(by_layer)
+                if self.dense_layers
+                else self.kept / self.pairs
+            )
+            out["pairs_retained_by_layer"] = {str(k): v for k, v in sorted(by_layer.items())}
         return out
 
 
@@ -418,6 +431,7 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
             )
         asked = {"top_k_values": cfg.top_k_values, "inference_routing": cfg.inference_routing,
                  "window": cfg.window, "sink_tokens": cfg.sink_tokens,
+                 "dense_layers": cfg.dense_layers,
                  "calibrate_blocks": cfg.calibrate_blocks or None,
                  "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
         given = sorted(k for k, v in asked.items() if v is not None)
@@ -471,7 +485,7 @@ def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any, bounds: list) -> tupl
     of the adapter in its current routing."""
     t = time.monotonic()
     cfg = fm.focus_config
-    stats = RoutingStats(cfg.window, cfg.num_groups)
+    stats = RoutingStats(cfg.window, cfg.num_groups, cfg.dense_layers)
     positions = PositionNLL(blocks.shape[1])
     nll, n = score_windows(
         fm, blocks, recorder=fm, on_window=stats.add, progress=bar, positions=positions
@@ -487,7 +501,7 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
 
     fm = FocusModel.from_pretrained(base, cfg.adapter)
     overrides = {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens,
-                 "window": cfg.window}  # fmt: skip
+                 "window": cfg.window, "dense_layers": cfg.dense_layers}  # fmt: skip
     fm.focus_config = fm.focus_config.replace(
         **{k: v for k, v in overrides.items() if v is not None}
     )
@@ -538,6 +552,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
             "inference_routing": cfg.inference_routing,
             "sink_tokens": cfg.sink_tokens,
             "window": cfg.window,
+            "dense_layers": cfg.dense_layers,
         },  # fmt: skip
         "calibrate_blocks": cfg.calibrate_blocks,
         "window_scheme": WINDOW_SCHEME,

@@ -61,6 +61,17 @@ class LayerHandle:
     bias_call: int = -1
     hook: Any = field(default=None, repr=False)
 
+    @property
+    def routed(self) -> bool:
+        """Whether this call of the layer goes through Focus: a router, Focus enabled and the
+        layer not among ``FocusConfig.dense_layers``."""
+        runtime = self.runtime
+        return (
+            self.router is not None
+            and runtime.enabled
+            and self.layer_idx not in runtime.focus_config.dense_layers
+        )
+
     def __setstate__(self, state: dict) -> None:
         # an unpickled model in a fresh process needs "focus" registered with transformers
         self.__dict__.update(state)
@@ -91,7 +102,7 @@ def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     Runs eagerly under ``torch.compile`` (``torch.compiler.disable``), like the Focus layer
     itself: see :func:`focus_attention_forward`."""
     handle = handle_of(module)
-    if handle is None or handle.router is None or not handle.runtime.enabled:
+    if handle is None or not handle.routed:
         return
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(hidden, torch.Tensor):
@@ -191,9 +202,9 @@ def focus_attention_forward(
     if handle is None:
         raise _no_adapter_error()
     runtime = handle.runtime
-    if handle.router is not None and runtime.enabled and runtime.dense_recorder is not None:
+    if handle.routed and runtime.dense_recorder is not None:
         _record_dense(handle, module, query, key, attention_mask, scaling, kwargs)
-    elif handle.router is not None and runtime.enabled:
+    elif handle.routed:
         return _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
     impl = runtime.base_impl
     mask = attention_mask
@@ -330,7 +341,8 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     if past_len + nq != nk:
         raise ValueError(
             f"Focus layer {handle.layer_idx}: {nk} keys but {past_len} cached group rows + "
-            f"{nq} new tokens (keys without a Focus cache layer?)"
+            f"{nq} new tokens (keys without a Focus cache layer, or added while the layer was "
+            "in FocusConfig.dense_layers?); start from an empty cache"
         )
     real_q = None if real is None else real[:, nk - nq :]
     return LayerCall(

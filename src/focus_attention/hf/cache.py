@@ -130,7 +130,8 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
         if layer.group_length != layer.get_seq_length():
             raise ValueError(
                 f"KV cache layer {layer_idx} holds {layer.get_seq_length()} keys but "
-                f"{layer.group_length} Focus group rows (was it filled with Focus disabled?)"
+                f"{layer.group_length} Focus group rows (keys added with Focus disabled or "
+                "while the layer was in FocusConfig.dense_layers?); start from an empty cache"
             )
         return layer
     if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
@@ -138,7 +139,8 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
         if held:
             raise ValueError(
                 f"KV cache layer {layer_idx} already holds {held} keys computed without Focus "
-                "(filled with Focus disabled or by another model); start from an empty cache"
+                "(filled with Focus disabled, with the layer in FocusConfig.dense_layers, or by "
+                "another model); start from an empty cache"
             )
         fresh = FocusCacheLayer()
         cache.layers[layer_idx] = fresh

@@ -69,6 +69,14 @@ class FocusConfig:
             of ints is accepted); ``None`` = every full-attention layer (layers a model
             declares as sliding-window in ``config.layer_types`` are left as they are). An
             explicitly listed sliding-window layer gets Focus and a full cache.
+        dense_layers: Focus layers that run the base model's own attention (dense: every
+            earlier key, or the base layer's own sliding window where it has one) instead of
+            routing through their groups, stored as a sorted tuple; default none. For the layers that retrieve from far back (a needle, a fact
+            given early): :func:`focus_attention.evaluation.retrieval.retrieval_layers`
+            ranks them (docs/method.md §9). Their routers are kept, so the set can change
+            at any time, but get no gradient while their layer is dense. A KV cache filled
+            earlier keeps the layout it was filled with (a layer switched mid-generation
+            raises ``ValueError``).
         seed: seed of the deterministic router initialisation.
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
@@ -110,6 +118,11 @@ class FocusConfig:
     layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers that get Focus (default: every full layer)"}
     )
+    dense_layers: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "Focus layers that run dense attention, e.g. the retrieval layers "
+                  "(default: none)"},
+    )  # fmt: skip
     seed: int = field(default=0, metadata={"help": "seed of the router initialisation"})
     bias_momentum: float = field(
         default=0.01, metadata={"help": "momentum of the calibrated causal routing bias"}
@@ -144,17 +157,16 @@ class FocusConfig:
         if self.inference_routing not in INFERENCE_ROUTINGS:
             raise _bad("inference_routing", self.inference_routing, f"one of {INFERENCE_ROUTINGS}")
         if self.layers is not None:
-            if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
-                raise _bad("layers", self.layers, "None or a list of layer indices")
-            layers = list(self.layers)
-            for i in layers:
-                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                    raise _bad("layers", self.layers, "a list of ints >= 0")
-            if len(set(layers)) != len(layers):
-                raise _bad("layers", self.layers, "distinct layer indices")
+            layers = _layer_indices("layers", self.layers)
             if not layers:
                 raise _bad("layers", self.layers, "None or a non-empty list of layer indices")
-            object.__setattr__(self, "layers", tuple(sorted(layers)))  # frozen dataclass
+            object.__setattr__(self, "layers", layers)  # frozen dataclass
+        object.__setattr__(self, "dense_layers", _layer_indices("dense_layers", self.dense_layers))
+        if self.layers is not None and not set(self.dense_layers) <= set(self.layers):
+            outside = sorted(set(self.dense_layers) - set(self.layers))
+            raise _bad(
+                "dense_layers", self.dense_layers, f"Focus layers (layers {outside} are not)"
+            )
         _int("seed", self.seed)
         if (
             isinstance(self.bias_momentum, bool)
@@ -283,3 +295,17 @@ def _refuse_assignment(self: FocusConfig, name: str, value: object) -> None:
 # The frozen dataclass's own __setattr__ only says "cannot assign to field": replace it with
 # one that says what to do instead (construction does not go through __setattr__).
 FocusConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assign]
+
+
+def _layer_indices(name: str, value: Any) -> tuple[int, ...]:
+    """``value`` as a sorted tuple of distinct layer indices; ``ValueError`` naming ``name``
+    otherwise."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise _bad(name, value, "a list of layer indices")
+    layers = list(value)
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise _bad(name, value, "a list of ints >= 0")
+    if len(set(layers)) != len(layers):
+        raise _bad(name, value, "distinct layer indices")
+    return tuple(sorted(layers))

@@ -83,15 +83,16 @@ def switched_implementation_error(current: Any) -> ValueError:
 
 def attention_maps_error(runtime: FocusRuntime) -> ValueError | None:
     """Why this call cannot return one attention map per layer, or None when it can."""
-    soft = [i for i, r in runtime.routers.items() if runtime.mode(r) == "soft"]
+    dense = set(runtime.focus_config.dense_layers)
+    soft = [i for i, r in runtime.routers.items() if runtime.mode(r) == "soft" and i not in dense]
     if soft:
         return ValueError(
             "output_attentions=True: soft-routed (training-mode) Focus layers compute a gated "
             f"dense attention whose maps are not exposed (layers {soft}); call the model in "
             "eval() or with set_routing('topk') to get the top-k layers' maps"
         )
-    if runtime.base_impl != "eager" and len(runtime.focus_layers) < runtime.num_layers:
-        others = sorted(set(range(runtime.num_layers)) - set(runtime.focus_layers))
+    others = sorted(set(range(runtime.num_layers)) - set(runtime.focus_layers) | dense)
+    if runtime.base_impl != "eager" and others:
         return ValueError(
             f"output_attentions=True: layers {others} run the base implementation "
             f"{runtime.base_impl!r}, which returns no attention maps, so the maps would not "
