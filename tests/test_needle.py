@@ -196,9 +196,11 @@ def test_needle_with_every_layer_dense_answers_as_dense(tiny, monkeypatch):
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
                                corpus=str(assets["corpus"]), lengths=(64,), depths=(0.5,),
                                trials=1, top_k=(1,), max_new_tokens=4, dense_layers=layers,
-                               progress=False)  # fmt: skip
+                               window=2, progress=False)  # fmt: skip
     result = needle.run_needle_benchmark(config)
     cells = {(c["haystack"], c["mode"]): c["generated"] for c in result["cells"]}
     for hay in ("passkey", "book"):
         assert cells[(hay, "top-1")] == cells[(hay, "dense")]
-    assert result["config"]["dense_layers"] == layers
+    assert result["config"]["dense_layers"] == layers and result["config"]["window"] == 2
+    with pytest.raises(ValueError, match="window"):
+        NeedleBenchConfig(window=0)

@@ -89,6 +89,9 @@ class NeedleBenchConfig:
         metadata={"help": "override the adapter's dense_layers: Focus layers that run dense "
                   "attention (see focus bench retrieval-layers)"},
     )  # fmt: skip
+    window: int | None = field(
+        default=None, metadata={"help": "override the adapter's local window in tokens"}
+    )
     max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
     seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -98,6 +101,7 @@ class NeedleBenchConfig:
         owner = "NeedleBenchConfig"
         for name in ("trials", "max_new_tokens"):
             check_int(owner, name, getattr(self, name), 1)
+        check_int(owner, "window", self.window, 1, optional=True)
         for n in self.lengths:
             check_int(owner, "lengths", n, 64)
         for k in self.top_k:
@@ -287,8 +291,10 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
             short, or the errors of loading the model or adapter.
     """
     fm, tokenizer, bos_id = _load(config)
-    if config.dense_layers is not None:
-        fm.focus_config = fm.focus_config.replace(dense_layers=config.dense_layers)
+    overrides = {"dense_layers": config.dense_layers, "window": config.window}
+    fm.focus_config = fm.focus_config.replace(
+        **{k: v for k, v in overrides.items() if v is not None}
+    )
     cells = []
     for case in _cases(config, tokenizer, bos_id):
         for mode, enter in _modes(fm, config.top_k):
