@@ -178,3 +178,15 @@ def test_a_bf16_model_routes_like_the_fp32_model(params_dtype):
     assert topk_memberships(scores, 1)[0, 0].tolist() == [False, True]
     in_bf16 = (hidden @ torch.eye(2, dtype=torch.bfloat16)) @ cents.to(torch.bfloat16).t()
     assert in_bf16[0, 0, 0] == in_bf16[0, 0, 1]  # bf16 routing would have tied (and lost)
+
+
+@pytest.mark.parametrize("k", [8, 33, 64])
+def test_top_1_ties_go_to_the_lowest_index_on_wide_rows(k):
+    """top_k = 1 over many tokens and wide score rows (the vectorised reductions): of tied
+    maxima the lowest index wins, as for top_k > 1."""
+    g = gen(k)
+    scores = torch.randint(0, 2, (3, 257, k), generator=g).float()
+    scores[0, 0] = 1.0  # every group tied
+    got = topk_memberships(scores, 1)
+    assert torch.equal(got, _brute_topk(scores, 1))
+    assert got[0, 0, 0] and got[0, 0].sum() == 1

@@ -398,7 +398,11 @@ def _topk_groups(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
         q_groups = router.causal_groups(scores, cfg.top_k)
     if call.real_q is not None:
         q_groups = q_groups & call.real_q[..., None]
-    k_groups = q_groups if call.past is None else torch.cat([call.past, q_groups], dim=1)
+    if call.cache_layer is not None:  # the cache then holds every key's groups: no second copy
+        call.cache_layer.append_groups(q_groups)
+        k_groups = call.cache_layer.groups
+    else:
+        k_groups = q_groups
     if call.sinks is not None:
         k_groups = k_groups | call.sinks[..., None]
     return q_groups, k_groups
@@ -463,7 +467,7 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
         out, q_groups = _soft_attention(handle, call, scores, record)
     else:
         out, q_groups, k_groups, maps = _topk_attention(handle, call, scores)
-    if call.cache_layer is not None:
+    if call.cache_layer is not None and mode == "soft":  # top-k appended its own
         call.cache_layer.append_groups(q_groups)
     if runtime.recorder is not None:
         record.update(

@@ -146,6 +146,8 @@ def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     k = scores.shape[-1]
     check_count("topk_memberships", "top_k", top_k, 1, k)
     check_finite("scores", scores)
-    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if top_k == 1:  # argmax returns the first of tied maxima: the same rule, without a sort
+        return out.scatter_(-1, scores.float().argmax(dim=-1, keepdim=True), True)
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
     return out.scatter_(-1, order[..., :top_k], True)
