@@ -185,6 +185,33 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
     assert "| model | 48 | focus top_k=2 |" in decode_table(result)
 
 
+def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, kernel_built):
+    """``--dense-layers``: recorded in the config and named in the table; a dense layer sees
+    every cached key, so with every layer dense the decoded share is 1."""
+    from test_pipeline import make_tiny_assets, use_tiny_assets
+
+    from focus_attention.bench.decode import DecodeBenchConfig, run_decode_benchmark
+    from focus_attention.bench.model import ModelBenchConfig, model_table, run_model_benchmark
+
+    assets = use_tiny_assets(make_tiny_assets(tmp_path), monkeypatch)
+    shares = {}
+    for dense in ((1,), (0, 1)):
+        cfg = DecodeBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                                contexts=(24,), top_k=(1,), levels=("model",), num_groups=4,
+                                window=4, steps=2, warmup=1, threads=1, dense_layers=dense,
+                                progress=False)  # fmt: skip
+        result = run_decode_benchmark(cfg)
+        assert result["config"]["dense_layers"] == list(dense)
+        shares[dense] = next(r["share"] for r in result["rows"] if r["method"] == "focus")
+    assert shares[(1,)] < 1 and shares[(0, 1)] == 1.0
+    cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                           lengths=(32,), top_k=(1,), windows=(8,), num_groups=4,
+                           warmup_tokens=8, threads=1, dense_layers=(1,), progress=False)  # fmt: skip
+    result = run_model_benchmark(cfg)
+    assert result["config"]["dense_layers"] == [1]
+    assert "focus top_k=1, window=8, dense layers 1" in model_table(result)
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [(dict(levels=("gpu",)), "levels"), (dict(contexts=()), "contexts"), (dict(steps=0), "steps"),

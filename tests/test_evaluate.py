@@ -119,6 +119,8 @@ def test_dense_layers_override(assets, adapter):
     assert one["pairs_retained"]["1"] == pytest.approx(sum(by_layer.values()) / len(layers))
     with pytest.raises(ValueError, match=r"dense_layers.*are not"):
         _evaluate(assets, adapter, dense_layers=[99], **kw)
+    with pytest.raises(ValueError, match="no routed Focus layer to measure"):
+        _evaluate(assets, adapter, dense_layers=layers, coverage_queries=4, **kw)
 
 
 @pytest.mark.filterwarnings("ignore::focus_attention.hf.FocusBaseMismatchWarning")

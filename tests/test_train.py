@@ -411,3 +411,25 @@ def test_settings_saved_before_methods_existed_resume_as_focus():
     cfg = TrainConfig.from_dict(old)
     assert cfg.method == "focus" and cfg.lr == 3e-2
     assert cfg.locked_differences(now) == {}
+
+
+def test_dense_layers_train_the_other_routers_only(assets, tmp_path):
+    """A dense layer's router stays as initialised (two learning rates leave it equal, and
+    its bias is never updated); with every layer dense there is nothing to train, and the
+    run says so before the first step."""
+    from focus_attention.hf import FocusConfig
+
+    runs = {}
+    for lr in (1e-2, 5e-2):
+        out = tmp_path / f"lr{lr}"
+        train(tiny_config(assets, out, steps=2, lr=lr, eval_every=-1, save_every=0,
+                          dense_layers=[1]))  # fmt: skip
+        runs[lr] = _weights(out)
+    assert FocusConfig.from_json_file(out / "focus_config.json").dense_layers == (1,)
+    a, b = runs.values()
+    for name in ("proj", "centroids", "routing_bias", "bias_updates"):
+        assert torch.equal(a[f"layer.1.{name}"], b[f"layer.1.{name}"]), name
+    assert not torch.equal(a["layer.0.proj"], b["layer.0.proj"])
+    assert float(a["layer.1.bias_updates"]) == 0 < float(a["layer.0.bias_updates"])
+    with pytest.raises(ValueError, match="every Focus layer runs dense.*nothing to train"):
+        train(tiny_config(assets, tmp_path / "all", steps=1, dense_layers=[0, 1]))

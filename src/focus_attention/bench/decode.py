@@ -278,6 +278,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
         "attention_shape": shape, "dtype": "float32", "batch_size": 1,
         "routers": routers_record(config.adapter),
+        "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
     }  # fmt: skip
     return {"benchmark": "decode", "config": record, "environment": environment(), "rows": rows}
 

@@ -168,6 +168,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
         "sparse_backend": sparse_backend_name("auto"),
         "routers": routers_record(config.adapter),
+        "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
     }
     return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
@@ -184,6 +185,8 @@ def model_table(result: dict[str, Any]) -> str:
             name = f"focus top_k={r['top_k']}"
             if r.get("window") is not None:
                 name += f", window={r['window']}"
+            if result["config"].get("dense_layers"):
+                name += ", dense layers " + ",".join(map(str, result["config"]["dense_layers"]))
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
             f"| {r['speedup_vs_sdpa']:.2f}x |"

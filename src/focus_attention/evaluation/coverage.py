@@ -74,10 +74,11 @@ def topk_coverage(
         ``{"topk": {k: share}, "by_layer": {k: {layer: share}}, "distant_share": float}``:
         kept distant mass over all distant mass, pooled over windows and queries (layers
         averaged with equal weight), and the dense model's attention share beyond the window
-        (mean over the measured queries and layers).
+        (mean over the measured queries and layers). The layers in ``dense_layers`` keep
+        all their attention and are left out.
 
     Raises:
-        ValueError: a ``top_k`` outside ``1..num_groups``.
+        ValueError: a ``top_k`` outside ``1..num_groups``; every Focus layer dense.
     """
     cfg = fm.focus_config
     bad = [k for k in top_ks if not 1 <= k <= cfg.num_groups]
@@ -96,6 +97,11 @@ def topk_coverage(
                 if k == top_ks[0]:
                     total[layer] = total.get(layer, 0.0) + tt
         del records
+    if not total:
+        raise ValueError(
+            "attention coverage: no routed Focus layer to measure (every Focus layer is in "
+            f"dense_layers {list(cfg.dense_layers)}, where all attention is kept)"
+        )
     by_layer = {str(k): {str(i): kept[k][i] / max(total[i], 1e-30) for i in total} for k in top_ks}
     n_rows = blocks.shape[1] if rows is None else rows.numel()
     return {

@@ -14,14 +14,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["needle_attention"]
+__all__ = ["base_sliding_window", "needle_attention"]
+
+
+def base_sliding_window(model_config: Any, layer: int) -> int | None:
+    """The sliding window (tokens, the query included) of the base model's attention in
+    ``layer``, or None for full attention: layers that ``config.layer_types`` marks
+    ``"sliding_attention"`` (Gemma-2/3), or every layer of a model with a model-wide
+    ``sliding_window`` and no layer types (Mistral)."""
+    sliding = getattr(model_config, "sliding_window", None)
+    if sliding is None:
+        return None
+    types = getattr(model_config, "layer_types", None)
+    if types is None or types[layer] == "sliding_attention":
+        return int(sliding)
+    return None
 
 
 @torch.no_grad()
 def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) -> dict[int, float]:
     """Per Focus layer, the largest share of its attention that one head of the prompt's last
-    query gives the tokens ``span = (start, end)`` (end excluded), in the dense model (Focus
-    disabled for the call, through ``FocusModel.record_dense_attention``).
+    query gives the tokens ``span = (start, end)`` (end excluded), in the dense model (the
+    base model's own attention, through ``FocusModel.record_dense_attention``, so a base
+    layer's sliding window applies: the attention a dense layer would have).
 
     Args:
         fm: a :class:`~focus_attention.hf.FocusModel`.
@@ -33,7 +48,8 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
         of the best head; logit soft-capping applied where the layer has it).
 
     Raises:
-        ValueError: a batch other than one prompt, or a span outside ``0 <= start < end < N``.
+        ValueError: a batch other than one prompt, a span outside ``0 <= start < end < N``,
+            or Focus disabled (nothing recorded).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"needle_attention: input_ids {tuple(input_ids.shape)}, expected [1, N]")
@@ -48,6 +64,11 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
             fm(input_ids=input_ids, use_cache=False)
     finally:
         fm.focus_config = saved
+    if not records:
+        raise ValueError(
+            "needle_attention: no Focus layer recorded its attention (called inside "
+            "disable_focus(), or on an unloaded model?)"
+        )
     out = {}
     for rec in records:
         query = rec["query"][:, :, -1:].float()  # [1, H, 1, D]
@@ -56,6 +77,9 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
         logits = (query @ key.transpose(-1, -2)) * rec["scale"]
         if rec["softcap"] is not None:
             logits = rec["softcap"] * torch.tanh(logits / rec["softcap"])
+        window = base_sliding_window(fm.base_model.config, int(rec["layer"]))
+        if window is not None:  # the base layer sees only its last ``window`` keys
+            logits[..., : max(0, n - window)] = -torch.inf
         probs = logits.softmax(dim=-1)[0, :, 0]  # [H, N]
         out[int(rec["layer"])] = float(probs[:, start:end].sum(dim=-1).max())
     return out

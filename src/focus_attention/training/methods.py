@@ -353,6 +353,12 @@ def _with_focus(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any, ph
     elif full and ckpt is not None:
         hf = load_trained_weights(hf, ckpt)
     fm = _focus(hf, cfg, ckpt)
+    if set(fm.focus_layers) <= set(fm.focus_config.dense_layers):
+        raise ValueError(
+            f"dense_layers {list(fm.focus_config.dense_layers)}: every Focus layer runs dense "
+            "attention, so the routers get no gradient and there is nothing to train; leave "
+            "at least one Focus layer routed"
+        )
     groups = [{"name": "routers", "params": trainable_parameters(fm), "lr": cfg.lr}]
     if lora:
         groups.append({"name": "lora", "params": _lora_params(hf), "lr": cfg.base_lr})
@@ -372,7 +378,8 @@ def build_trainee(cfg: TrainConfig, base: Any, tokenizer: Any, ckpt: Path | None
     its optimizer state fits).
 
     Raises:
-        ValueError: LoRA targets that name no projection.
+        ValueError: LoRA targets that name no projection; every Focus layer in
+            ``dense_layers``.
         RuntimeError: a parameter that is frozen or trainable against the method.
     """
     phase = phase_at(cfg, max(0, step - 1))
