@@ -65,6 +65,21 @@ PROMPTS = {
 }
 
 
+def _check_prompts(owner: str, config: Any) -> None:
+    """The prompt settings shared by the needle configs: ``lengths`` (ints >= 64 tokens),
+    ``haystacks`` (some of :data:`HAYSTACKS`) and ``depths`` (fractions in [0, 1]).
+
+    Raises:
+        ValueError: the first bad one, named with ``owner``.
+    """
+    for n in config.lengths:
+        check_int(owner, "lengths", n, 64)
+    if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
+        raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")
+    if not config.depths or any(not 0.0 <= float(d) <= 1.0 for d in config.depths):
+        raise bad(owner, "depths", config.depths, "fractions in [0, 1]")
+
+
 @dataclass
 class NeedleBenchConfig:
     """Settings of the retrieval benchmark (each field a ``focus bench needle`` flag)."""
@@ -102,14 +117,9 @@ class NeedleBenchConfig:
         for name in ("trials", "max_new_tokens"):
             check_int(owner, name, getattr(self, name), 1)
         check_int(owner, "window", self.window, 1, optional=True)
-        for n in self.lengths:
-            check_int(owner, "lengths", n, 64)
         for k in self.top_k:
             check_int(owner, "top_k", k, 1)
-        if not self.haystacks or any(h not in HAYSTACKS for h in self.haystacks):
-            raise bad(owner, "haystacks", self.haystacks, f"some of {HAYSTACKS}")
-        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
-            raise bad(owner, "depths", self.depths, "fractions in [0, 1]")
+        _check_prompts(owner, self)
 
 
 @dataclass
@@ -141,12 +151,7 @@ class RetrievalLayersConfig:
         owner = "RetrievalLayersConfig"
         for name in ("trials", "count"):
             check_int(owner, name, getattr(self, name), 1)
-        for n in self.lengths:
-            check_int(owner, "lengths", n, 64)
-        if not self.haystacks or any(h not in HAYSTACKS for h in self.haystacks):
-            raise bad(owner, "haystacks", self.haystacks, f"some of {HAYSTACKS}")
-        if not self.depths or any(not 0.0 <= float(d) <= 1.0 for d in self.depths):
-            raise bad(owner, "depths", self.depths, "fractions in [0, 1]")
+        _check_prompts(owner, self)
 
 
 @dataclass(frozen=True)

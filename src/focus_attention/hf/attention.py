@@ -266,7 +266,7 @@ class LayerCall:
     """The inputs of one Focus-layer call, resolved (shapes as in :func:`focus_attention_forward`).
 
     ``real`` bool ``[B, Nk]`` (True = real key) or None; ``real_q`` its query rows; ``sinks``
-    bool ``[B, Nk]`` or None; ``past`` the cached keys' groups ``[B, Nk - Nq, K]`` or None."""
+    bool ``[B, Nk]`` or None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -279,7 +279,6 @@ class LayerCall:
     softcap: float | None
     cache_layer: FocusCacheLayer | None
     has_cache: bool
-    past: torch.Tensor | None
 
 
 def _take_captured(handle: LayerHandle, query: torch.Tensor) -> Captured:
@@ -336,8 +335,7 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     real, sinks = _key_masks(attention_mask, nk, bsz, cfg.sink_tokens, query.device)
     scale = scaling if scaling is not None else getattr(module, "scaling", None)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    past = None if cache_layer is None else cache_layer.groups
-    past_len = 0 if past is None else past.shape[1]
+    past_len = 0 if cache_layer is None else cache_layer.group_length
     if past_len + nq != nk:
         raise ValueError(
             f"Focus layer {handle.layer_idx}: {nk} keys but {past_len} cached group rows + "
@@ -347,7 +345,7 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     real_q = None if real is None else real[:, nk - nq :]
     return LayerCall(
         query, key, value, hidden, real, real_q, sinks, scale, kwargs.get("softcap"),
-        cache_layer, has_cache, past,
+        cache_layer, has_cache,
     )  # fmt: skip
 
 
