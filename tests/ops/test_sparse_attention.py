@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from focus_attention.ops import dense_attention, focus_mask, sparse_attention
+from focus_attention.ops.sparse import cpu_fused
 
 from .helpers import (
     BACKENDS,
@@ -357,6 +358,36 @@ def test_non_contiguous_inputs(mode, backend):
     kpm = torch.stack([case.kpm, case.kpm], dim=-1)[..., 0]
     out = sparse_attention(q, k, v, qg, kg, case.window, key_padding_mask=kpm, backend=backend)
     assert_matches_oracle(case, out)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "chunk", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_as_prefix_views_of_a_cache_buffer(mode, dtype, backend):
+    """A KV cache that appends into a preallocated buffer hands over ``buffer[:, :, :Nk]``:
+    rows contiguous along Nk, batch and head strides of the whole buffer. The spare rows
+    hold NaN, so reading past Nk would show."""
+    nk = 150
+    nq = {"prefill": nk, "chunk": 40, "decode": 1}[mode]
+    case = make_case(nk=nk, nq=nq, batch=2, heads=6, kv_heads=3, top_k=2, padding="left")
+    case = case.to(dtype) if dtype != torch.float32 else case
+    k_buf, v_buf = (torch.full((2, 3, nk + 37, 16), math.nan, dtype=dtype) for _ in range(2))
+    k_buf[:, :, :nk], v_buf[:, :, :nk] = case.k, case.v
+    k, v = k_buf[:, :, :nk], v_buf[:, :, :nk]
+    assert not k.is_contiguous()
+    out = sparse_attention(case.q, k, v, case.qg, case.kg, case.window,
+                           key_padding_mask=case.kpm, backend=backend)  # fmt: skip
+    torch.testing.assert_close(out, case.sparse(backend), rtol=0, atol=0)
+    if dtype == torch.float32:
+        assert_matches_oracle(case, out)
+
+
+def test_the_fused_kernel_reads_a_cache_buffer_without_copying_it():
+    buf = torch.randn(2, 3, 80, 16)
+    rows = buf[:, :, :50]
+    assert cpu_fused.rows_contiguous(rows) is rows
+    transposed = torch.randn(2, 50, 3, 16).transpose(1, 2)  # stride along N is H * D
+    copied = cpu_fused.rows_contiguous(transposed)
+    assert copied.is_contiguous() and torch.equal(copied, transposed)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from .attention import (
     focus_attention_forward,
     register_focus_attention,
 )
-from .cache import FocusCacheLayer, check_dynamic_cache
+from .cache import BufferedDynamicLayer, FocusCacheLayer, check_dynamic_cache
 from .config import FocusConfig
 from .files import (
     CONFIG_NAME,
@@ -37,6 +37,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "TRAINER_WEIGHTS_NAME",
     "WEIGHTS_NAME",
+    "BufferedDynamicLayer",
     "FocusAttentionDropoutWarning",
     "FocusBaseMismatchWarning",
     "FocusCacheLayer",

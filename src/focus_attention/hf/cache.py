@@ -13,11 +13,102 @@ from transformers.cache_utils import (
     EncoderDecoderCache,
 )
 
+#: spare rows a cache buffer gets when it grows, as a share of the rows it holds (and at
+#: least :data:`MIN_SPARE_ROWS`): appending one token then costs no copy of the cache,
+#: and a buffer holds at most about 1/8 more rows than it is filled with.
+SPARE_SHARE = 8
+MIN_SPARE_ROWS = 256
 
-class FocusCacheLayer(DynamicLayer):
+
+def _is_prefix(storage: torch.Tensor | None, held: torch.Tensor, dim: int) -> bool:
+    """Whether ``held`` is ``storage.narrow(dim, 0, n)``, a prefix view of the buffer."""
+    if storage is None or held.dim() != storage.dim() or held.data_ptr() != storage.data_ptr():
+        return False
+    if held.dtype != storage.dtype or held.stride() != storage.stride():
+        return False
+    return all(
+        a == b for i, (a, b) in enumerate(zip(held.shape, storage.shape, strict=True)) if i != dim
+    )
+
+
+def append_rows(
+    storage: torch.Tensor | None, held: torch.Tensor | None, new: torch.Tensor, dim: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Append ``new`` to ``held`` along ``dim`` in a preallocated buffer.
+
+    Args:
+        storage: the buffer ``held`` may be a prefix view of (or None).
+        held: the rows held so far (None or empty: none).
+        new: rows to append, shaped as ``held`` but along ``dim``.
+        dim: the sequence dimension.
+
+    Returns:
+        ``(storage, rows)``: ``rows`` equals ``torch.cat([held, new], dim)`` and is a prefix
+        view of ``storage``. The buffer is reused while ``held`` is still its prefix (not
+        replaced by a beam reordering, a batch selection, an offload...) and has room;
+        otherwise a new one with spare rows is allocated and ``held`` copied once. Under
+        autograd (``new`` or ``held`` requiring grad) it is ``torch.cat`` and no buffer.
+    """
+    if held is None or held.dim() != new.dim():  # DynamicLayer starts from an empty 1-D tensor
+        held = new.narrow(dim, 0, 0)
+    if torch.is_grad_enabled() and (new.requires_grad or held.requires_grad):
+        return None, torch.cat([held, new], dim=dim)
+    n, m = held.shape[dim], new.shape[dim]
+    reusable = _is_prefix(storage, held, dim) and n + m <= storage.shape[dim]
+    if reusable and storage.is_inference() and not torch.is_inference_mode_enabled():
+        reusable = False  # an inference tensor cannot be written outside inference mode
+    if not reusable:
+        shape = list(new.shape)
+        shape[dim] = n + m + max(MIN_SPARE_ROWS, (n + m) // SPARE_SHARE)
+        storage = new.new_empty(shape)
+        storage.narrow(dim, 0, n).copy_(held)
+    storage.narrow(dim, n, m).copy_(new)
+    return storage, storage.narrow(dim, 0, n + m)
+
+
+class BufferedDynamicLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are prefix views of buffers with spare rows
+    (:func:`append_rows`), so a decoding step appends its token without copying the cache
+    (a ``DynamicLayer`` concatenates: a copy of every cached key and value per step). Rows
+    once returned are never written again (after a ``crop`` the next append copies), so
+    tensors handed out earlier keep their values, as with a ``DynamicLayer``. Usable by any
+    model: ``cache.layers[i] = BufferedDynamicLayer()`` on an empty ``DynamicCache``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._storage: dict[str, torch.Tensor | None] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states`` / ``value_states [B, H_kv, N_new, D]``; returns every cached
+        ``(keys, values) [B, H_kv, N_cached, D]`` (prefix views of the layer's buffers)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._append("keys", self.keys, key_states, 2)
+        self.values = self._append("values", self.values, value_states, 2)
+        return self.keys, self.values
+
+    def _append(self, name: str, held, new: torch.Tensor, dim: int) -> torch.Tensor:
+        self._storage[name], rows = append_rows(self._storage.get(name), held, new, dim)
+        return rows
+
+    def reset(self) -> None:
+        super().reset()
+        self._storage = {}
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove:
+            self._storage = {}  # rows handed out before the crop are never written again
+
+
+class FocusCacheLayer(BufferedDynamicLayer):
     """A full (never window-truncated) dynamic cache layer that also keeps the top-k group
     memberships of its cached keys, bool ``[B, N_cached, K]`` in ``groups`` (docs/method.md
-    §5). Cropping, beam reordering and batch selection apply to the groups as to the keys."""
+    §5). Cropping, beam reordering and batch selection apply to the groups as to the keys.
+    Keys, values and groups are appended without copying the cache
+    (:class:`BufferedDynamicLayer`)."""
 
     is_sliding = False
 
@@ -32,8 +123,7 @@ class FocusCacheLayer(DynamicLayer):
 
     def append_groups(self, groups: torch.Tensor) -> None:
         """Append the memberships bool ``[B, N_new, K]`` of the tokens just cached."""
-        groups = groups.detach()
-        self.groups = groups if self.groups is None else torch.cat([self.groups, groups], dim=1)
+        self.groups = self._append("groups", self.groups, groups.detach(), 1)
 
     def reset(self) -> None:
         super().reset()
@@ -65,6 +155,8 @@ class FocusCacheLayer(DynamicLayer):
 DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded")
 #: the cache layer types a Focus layer can take over (FocusCacheLayer is a DynamicLayer)
 DYNAMIC_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+#: empty cache layers a Focus layer replaces by a :class:`FocusCacheLayer`
+_REPLACEABLE = (DynamicLayer, DynamicSlidingWindowLayer, BufferedDynamicLayer)
 
 
 def check_dynamic_cache(cache: Any = None, cache_implementation: str | None = None) -> None:
@@ -104,9 +196,9 @@ def check_dynamic_cache(cache: Any = None, cache_implementation: str | None = No
 def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
     """Make layer ``layer_idx`` of ``cache`` a :class:`FocusCacheLayer` and return it.
 
-    An empty ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` (transformers builds the
-    latter for layers its config marks sliding, e.g. Mistral with ``sliding_window``) is
-    replaced, so a Focus layer keeps every key.
+    An empty ``DynamicLayer``, ``BufferedDynamicLayer`` or ``DynamicSlidingWindowLayer``
+    (transformers builds the latter for layers its config marks sliding, e.g. Mistral with
+    ``sliding_window``) is replaced, so a Focus layer keeps every key.
 
     Raises:
         ValueError: a cache that is not a dynamic ``Cache`` (static, quantized, ...), or a
@@ -134,7 +226,7 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
                 "while the layer was in FocusConfig.dense_layers?); start from an empty cache"
             )
         return layer
-    if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+    if type(layer) in _REPLACEABLE:
         held = layer.get_seq_length()
         if held:
             raise ValueError(

@@ -24,6 +24,7 @@ __all__ = [
     "FUSED_ROWS",
     "fused_kernel_available",
     "launch_kernel",
+    "rows_contiguous",
     "run_cpu_fused",
 ]
 
@@ -49,8 +50,19 @@ def fused_kernel_available() -> bool:
     return extension.load() is not None
 
 
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, N, D]`` itself where its rows of ``D`` elements follow one another along
+    ``N`` (any batch and head strides, as in a prefix view of a preallocated KV cache),
+    else a contiguous copy."""
+    n, d = t.shape[-2:]
+    if (d <= 1 or t.stride(3) == 1) and (n <= 1 or t.stride(2) == d):
+        return t
+    return t.contiguous()
+
+
 def launch_kernel(kernel, inputs: SparseInputs, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Run the loaded kernel module on contiguous ``inputs`` into the token-major float32
+    """Run the loaded kernel module on ``inputs`` (a contiguous query; key and value rows
+    contiguous along ``Nk``, see :func:`rows_contiguous`) into the token-major float32
     buffers ``out [B, Nq, H, D]`` and ``lse [B, Nq, H]``."""
     rep = inputs.query.shape[1] // inputs.key.shape[1]
     kpm = inputs.key_padding_mask
@@ -77,8 +89,10 @@ def run_cpu_fused(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     [B, Nq, H] float32)``, token-major. Inputs are converted to float32 row by row."""
     kernel = extension.load()
     assert kernel is not None  # why_not() refused the call otherwise
-    # one copy into [B, H, N, D] rows (transformers hands over transposed views)
-    q, k, v = (t.contiguous() for t in (inputs.query, inputs.key, inputs.value))
+    # one copy into [B, H, N, D] rows where the rows are not already contiguous along N
+    # (transformers hands over transposed views; a KV cache's prefix view is taken as it is)
+    q = inputs.query.contiguous()
+    k, v = (rows_contiguous(t) for t in (inputs.key, inputs.value))
     b, h, nq, d = q.shape
     out = torch.empty(b, nq, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, nq, h, dtype=torch.float32, device=q.device)

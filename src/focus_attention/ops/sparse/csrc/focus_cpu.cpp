@@ -287,6 +287,7 @@ struct Kernel {
   const bool* real;  // [B, Nk] or null
   float *out, *lse;  // [B, Nq, H, D], [B, Nq, H]
   int64_t b, h, hkv, nq, nk, d, rep, window, offset, tile_q, tile_k, tile_band;
+  int64_t k_batch_stride, k_head_stride, v_batch_stride, v_head_stride;  // rows are contiguous
   float scale;
   std::vector<Plan<C>> plans;
 
@@ -294,10 +295,10 @@ struct Kernel {
     return q + ((bi * h + head) * nq + i) * d;
   }
   const T* k_row(int64_t bi, int64_t head, int64_t j) const {
-    return k + ((bi * hkv + head) * nk + j) * d;
+    return k + bi * k_batch_stride + head * k_head_stride + j * d;
   }
   const T* v_row(int64_t bi, int64_t head, int64_t j) const {
-    return v + ((bi * hkv + head) * nk + j) * d;
+    return v + bi * v_batch_stride + head * v_head_stride + j * d;
   }
 
   // logits of the tile's rows against the block's nk keys, scaled, into ts.s
@@ -471,15 +472,23 @@ struct Kernel {
   }
 };
 
-// query [B, H, Nq, D], key/value [B, H_kv, Nk, D] (contiguous, same dtype), query_groups
+// Whether t [B, H, N, D] has contiguous rows of D elements, one after the other along N (its
+// batch and head strides may be larger: a prefix of a KV cache buffer).
+bool rows_contiguous(const at::Tensor& t) {
+  return t.dim() == 4 && (t.size(3) <= 1 || t.stride(3) == 1) &&
+         (t.size(2) <= 1 || t.stride(2) == t.size(3));
+}
+
+// query [B, H, Nq, D] (contiguous), key/value [B, H_kv, Nk, D] (rows contiguous along Nk,
+// any batch and head strides; same dtype), query_groups
 // bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64), real bool [B, Nk] or empty;
 // writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H].
 void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const at::Tensor& query_groups, const at::Tensor& key_groups,
                    const at::Tensor& real, int64_t window, double scale, at::Tensor out,
                    at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band) {
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
-              "focus_forward: query/key/value must be contiguous");
+  TORCH_CHECK(query.is_contiguous() && rows_contiguous(key) && rows_contiguous(value),
+              "focus_forward: query must be contiguous, key/value rows contiguous along Nk");
   TORCH_CHECK(query_groups.is_contiguous() && key_groups.is_contiguous(),
               "focus_forward: group masks must be contiguous");
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && out.scalar_type() == at::kFloat &&
@@ -503,6 +512,10 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
       ker.d = query.size(3);
       ker.hkv = key.size(1);
       ker.nk = key.size(2);
+      ker.k_batch_stride = key.stride(0);
+      ker.k_head_stride = key.stride(1);
+      ker.v_batch_stride = value.stride(0);
+      ker.v_head_stride = value.stride(1);
       ker.rep = ker.h / ker.hkv;
       ker.window = window;
       ker.offset = ker.nk - ker.nq;
