@@ -160,7 +160,8 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
 
 def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_built):
     """``focus bench decode`` on a tiny model: per context a dense and a Focus row per top_k
-    at each level, shares of keys seen in (0, 1] and consistent derived columns."""
+    at each level (two dense rows at the model level: stock and buffered cache), shares of
+    keys seen in (0, 1] and consistent derived columns."""
     from test_pipeline import make_tiny_assets, use_tiny_assets
 
     from focus_attention.bench.decode import DecodeBenchConfig, decode_table, run_decode_benchmark
@@ -171,18 +172,28 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
                             warmup=1, threads=1, progress=False)  # fmt: skip
     result = run_decode_benchmark(cfg)
     rows = result["rows"]
+    methods = {"op": (("dense", 0), ("focus", 1), ("focus", 2)),
+               "model": (("dense", 0), ("dense", 0), ("focus", 1), ("focus", 2))}  # fmt: skip
     for level in ("op", "model"):
         got = sorted((r["N"], r["method"], r["top_k"] or 0) for r in rows if r["level"] == level)
-        assert got == sorted((n, m, k) for n in (24, 48) for m, k in (("dense", 0), ("focus", 1), ("focus", 2)))  # fmt: skip
+        assert got == sorted((n, m, k) for n in (24, 48) for m, k in methods[level])
+    model_rows = [r for r in rows if r["level"] == "model"]
+    assert sorted(r["cache"] for r in model_rows if r["N"] == 24) == ["buffered", "dynamic", "focus", "focus"]  # fmt: skip
+    dense = {(r["N"], r["cache"]): r["seconds"] for r in model_rows if r["method"] == "dense"}
     for r in rows:
         assert 0 < r["share"] <= 1 and r["seconds"] > 0
         assert r["ideal_speedup"] == pytest.approx(1 / r["share"])
-        assert r["efficiency"] == pytest.approx(r["speedup_vs_dense"] / r["ideal_speedup"])
+        same_cache = r["speedup_vs_dense"] if r["level"] == "op" else r["speedup_vs_buffered_dense"]
+        assert r["efficiency"] == pytest.approx(same_cache / r["ideal_speedup"])
+        if r["level"] == "model":
+            assert r["speedup_vs_dense"] == pytest.approx(dense[(r["N"], "dynamic")] / r["seconds"])
+            assert r["speedup_vs_buffered_dense"] == pytest.approx(dense[(r["N"], "buffered")] / r["seconds"])  # fmt: skip
         if r["method"] == "focus":
             assert r["share"] < 1  # the window (8) is far below the context
     op = {(r["N"], r["top_k"]): r["share"] for r in rows if r["level"] == "op" and r["top_k"]}
     assert op[(48, 1)] < op[(48, 2)]  # a second group shows more keys
-    assert "| model | 48 | focus top_k=2 |" in decode_table(result)
+    assert "| model | 48 | focus top_k=2 | focus |" in decode_table(result)
+    assert "| model | 48 | dense | buffered |" in decode_table(result)
 
 
 def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, kernel_built):

@@ -36,6 +36,7 @@ TINY_BLOCKS = dict(
     FUSED_ROWS=6,
     FUSED_KEYS=5,
     FUSED_BAND=3,
+    FUSED_SEGMENT_KEYS=7,
 )
 
 #: hypothesis settings: reproducible in CI (derandomize), no per-example deadline (the CPUs

@@ -5,6 +5,7 @@ backend choice in test_sparse_backends.py."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -677,3 +678,52 @@ def test_same_shapes_with_new_memberships_give_new_results(backend):
     assert_matches_oracle(a, out_a)
     assert_matches_oracle(b, out_b)
     assert (out_a - out_b).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------
+# decoding: the fused kernel splits a step's keys into segments (split-K)
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("nq", [1, 2, 5])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(top_k=1), dict(top_k=2, padding="left"), dict(membership="random", used_groups=3),
+     dict(kv_heads=1, top_k=2, padding="random"), dict(membership="none")],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_steps_split_into_key_segments_equal_oracle(nq, kw, dtype, fused_kernel, monkeypatch):  # fmt: skip
+    """With few query rows per call the fused kernel splits each tile's keys into position
+    segments merged by log-sum-exp; with 3-key segments every case splits into many, with
+    segments that see no key and classes whose keys sit in one segment only."""
+    monkeypatch.setattr(cpu_fused, "FUSED_SEGMENT_KEYS", 3)
+    base = dict(batch=1, heads=6, kv_heads=3, groups=4, window=5, nk=77, nq=nq, seed=31)
+    case = make_case(**{**base, **kw}, dtype=dtype)
+    with _threads(4):  # 4 threads want 16 items: up to 16 segments per tile
+        out, lse = case.sparse("cpu_fused", return_lse=True)
+    assert_matches_oracle(case, out, lse)
+
+
+@pytest.mark.parametrize("where", ["query", "early key", "late key"])
+def test_segmented_decoding_propagates_nan(where, fused_kernel, monkeypatch):
+    monkeypatch.setattr(cpu_fused, "FUSED_SEGMENT_KEYS", 4)
+    case = make_case(nk=60, nq=1, heads=2, kv_heads=1, groups=2, top_k=2, window=4, seed=5)
+    if where == "query":
+        case.q[0, 0, 0] = math.nan
+    else:
+        case.k[0, 0, 3 if where == "early key" else 50] = math.nan
+    with _threads(4):
+        out = case.sparse("cpu_fused")
+    ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
+    assert torch.isnan(ref).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))

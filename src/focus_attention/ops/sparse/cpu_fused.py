@@ -22,6 +22,7 @@ __all__ = [
     "FUSED_KEYS",
     "FUSED_MAX_GROUPS",
     "FUSED_ROWS",
+    "FUSED_SEGMENT_KEYS",
     "fused_kernel_available",
     "launch_kernel",
     "rows_contiguous",
@@ -36,6 +37,9 @@ FUSED_ROWS = 384
 FUSED_KEYS = 128
 #: queries per local tile.
 FUSED_BAND = 32
+#: fewest keys per phase-1 segment when a call has too few tiles for the threads (decoding
+#: steps: the keys of a tile are split by position, merged by log-sum-exp).
+FUSED_SEGMENT_KEYS = 2048
 #: most groups the kernel takes (its membership codes are at most 64-bit integers).
 FUSED_MAX_GROUPS = 64
 
@@ -81,6 +85,7 @@ def launch_kernel(kernel, inputs: SparseInputs, out: torch.Tensor, lse: torch.Te
         max(1, FUSED_ROWS // rep),
         FUSED_KEYS,
         FUSED_BAND,
+        FUSED_SEGMENT_KEYS,
     )
 
 

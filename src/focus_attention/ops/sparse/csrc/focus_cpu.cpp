@@ -12,6 +12,9 @@
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
 // gathered rows, with MKL's sgemm for the two products; nothing of size Nq x Nk exists.
+// With few query rows (a decoding step: one tile per key head) phase 1 also splits each
+// tile's keys into position segments, merged by log-sum-exp before phase 2, so that every
+// thread has work (split-K, as in flash-decoding).
 // Work items are sorted by estimated cost and pulled from an atomic counter by every
 // thread (a causal workload is triangular: static splits would be unbalanced).
 // Product decision: written for the CPU machines this project runs on; the Python side
@@ -216,6 +219,7 @@ struct TileState {
 struct Item {
   int64_t batch, problem, row0, row1, head_kv;
   double cost;
+  int64_t segment = 0, key_lo = 0, key_hi = 0;  // phase 1: keys [key_lo, key_hi) only
 };
 
 // Per batch element: classes (query lists by exact membership code) and bit codes.
@@ -288,6 +292,9 @@ struct Kernel {
   float *out, *lse;  // [B, Nq, H, D], [B, Nq, H]
   int64_t b, h, hkv, nq, nk, d, rep, window, offset, tile_q, tile_k, tile_band;
   int64_t k_batch_stride, k_head_stride, v_batch_stride, v_head_stride;  // rows are contiguous
+  int64_t segment_keys = 0;  // phase 1 splits the keys into segments of at least this many
+  int64_t segments = 1;      // when it has too few items for the threads (decoding)
+  mutable std::vector<float> part_out, part_lse;  // [segments, B, Nq, H, (D)] partial results
   float scale;
   std::vector<Plan<C>> plans;
 
@@ -325,8 +332,12 @@ struct Kernel {
     const int64_t bi = it.batch, hk = it.head_kv;
     ts.start(rep * n);
     load_queries(ts, bi, hk, rows, 0, n);
-    const int64_t first_pos = offset + rows[0], last_pos = offset + rows[n - 1];
+    const int64_t first_pos = offset + rows[0];
+    const int64_t last_pos = std::min(offset + rows[n - 1], it.key_hi - 1);
     KeyUnion<C> keys(p.kcode, p.class_code[it.problem]);
+    keys.j = it.key_lo;
+    float* out_base = segments > 1 ? part_out.data() + it.segment * b * nq * h * d : out;
+    float* lse_base = segments > 1 ? part_lse.data() + it.segment * b * nq * h : lse;
     while (true) {
       int64_t nkb = 0;
       for (; nkb < tile_k; ++nkb) {
@@ -355,9 +366,9 @@ struct Kernel {
     for (int64_t r = 0; r < rep; ++r)
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = r * n + i, head = hk * rep + r;
-        float* o = out + ((bi * nq + rows[i]) * h + head) * d;
+        float* o = out_base + ((bi * nq + rows[i]) * h + head) * d;
         const float* a = ts.acc.data() + row * d;
-        float& ls = lse[(bi * nq + rows[i]) * h + head];
+        float& ls = lse_base[(bi * nq + rows[i]) * h + head];
         if (ts.l[row] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
           const float inv = 1.f / ts.l[row];
           for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
@@ -443,6 +454,51 @@ struct Kernel {
     });
   }
 
+  // phase 1's segments of one query row and head, merged by log-sum-exp into out / lse
+  void merge_segments(int64_t bi, int64_t qi, int64_t head) const {
+    const int64_t row = (bi * nq + qi) * h + head, seg_rows = b * nq * h;
+    float* o = out + row * d;
+    float mx = kNegInf;
+    bool nan = false;
+    for (int64_t sg = 0; sg < segments; ++sg) {
+      const float ls = part_lse[sg * seg_rows + row];
+      nan |= ls != ls;
+      mx = std::max(mx, ls);
+    }
+    std::fill(o, o + d, 0.f);
+    if (nan || mx == kNegInf) {
+      if (nan) std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
+      lse[row] = nan ? std::numeric_limits<float>::quiet_NaN() : kNegInf;
+      return;
+    }
+    float tot = 0.f;
+    for (int64_t sg = 0; sg < segments; ++sg) {
+      const float ls = part_lse[sg * seg_rows + row];
+      if (ls == kNegInf) continue;
+      const float w = std::exp(ls - mx);
+      const float* po = part_out.data() + (sg * seg_rows + row) * d;
+      for (int64_t e = 0; e < d; ++e) o[e] += w * po[e];
+      tot += w;
+    }
+    for (int64_t e = 0; e < d; ++e) o[e] /= tot;
+    lse[row] = mx + std::log(tot);
+  }
+
+  // Segments of phase 1: with fewer work items than about 4 per thread (a decoding step is
+  // one item per key head), each item's keys are split so that every thread gets work.
+  void plan_segments(int64_t group_items) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    segments = 1;
+    if (segment_keys <= 0 || group_items == 0 || group_items >= 4 * threads) return;
+    const int64_t wanted = (4 * threads + group_items - 1) / group_items;
+    segments = std::max<int64_t>(1, std::min<int64_t>(wanted, nk / segment_keys));
+    if (segments * b * nq * h * d > (int64_t{1} << 22)) segments = 1;  // partials <= 16 MiB
+    if (segments > 1) {
+      part_out.assign(segments * b * nq * h * d, 0.f);
+      part_lse.assign(segments * b * nq * h, kNegInf);
+    }
+  }
+
   void run() {
     std::vector<Item> items;
     for (int64_t bi = 0; bi < b; ++bi) {
@@ -454,9 +510,23 @@ struct Kernel {
           const int64_t r1 = std::min(p.class_start[c + 1], r0 + tile_q);
           const double cost = static_cast<double>(r1 - r0) *
                               static_cast<double>(offset + p.class_rows[r1 - 1] + 1) * groups;
-          for (int64_t hk = 0; hk < hkv; ++hk) items.push_back({bi, c, r0, r1, hk, cost});
+          for (int64_t hk = 0; hk < hkv; ++hk) items.push_back({bi, c, r0, r1, hk, cost, 0, 0, nk});
         }
       }
+    }
+    plan_segments(static_cast<int64_t>(items.size()));
+    if (segments > 1) {
+      std::vector<Item> split;
+      for (const Item& it : items)
+        for (int64_t sg = 0; sg < segments; ++sg) {
+          Item part = it;
+          part.segment = sg;
+          part.key_lo = sg * nk / segments;
+          part.key_hi = (sg + 1) * nk / segments;
+          part.cost = it.cost / static_cast<double>(segments);
+          split.push_back(part);
+        }
+      items.swap(split);
     }
     // costliest first: the pull order then balances the triangular workload
     std::sort(items.begin(), items.end(),
@@ -464,6 +534,15 @@ struct Kernel {
     pull(static_cast<int64_t>(items.size()), rep * tile_q,
          [&](TileState& ts, int64_t t) { group_tile(ts, items[t]); });
     std::vector<Item>().swap(items);
+    if (segments > 1) {
+      at::parallel_for(0, b * nq, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) {
+          const int64_t bi = t / nq, qi = t % nq;
+          if (plans[bi].qcode[qi] == 0) continue;  // no group part: phase 2 alone
+          for (int64_t head = 0; head < h; ++head) merge_segments(bi, qi, head);
+        }
+      });
+    }
     const int64_t tiles = (nq + tile_band - 1) / tile_band;  // per batch element and head
     pull(b * tiles * hkv, rep * tile_band, [&](TileState& ts, int64_t t) {
       const int64_t bi = t / (tiles * hkv), r0 = (t / hkv) % tiles * tile_band;
@@ -486,7 +565,8 @@ bool rows_contiguous(const at::Tensor& t) {
 void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const at::Tensor& query_groups, const at::Tensor& key_groups,
                    const at::Tensor& real, int64_t window, double scale, at::Tensor out,
-                   at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band) {
+                   at::Tensor lse, int64_t tile_q, int64_t tile_k, int64_t tile_band,
+                   int64_t segment_keys) {
   TORCH_CHECK(query.is_contiguous() && rows_contiguous(key) && rows_contiguous(value),
               "focus_forward: query must be contiguous, key/value rows contiguous along Nk");
   TORCH_CHECK(query_groups.is_contiguous() && key_groups.is_contiguous(),
@@ -523,6 +603,7 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
       ker.tile_q = tile_q;
       ker.tile_k = tile_k;
       ker.tile_band = tile_band;
+      ker.segment_keys = segment_keys;
       const bool* qg = query_groups.data_ptr<bool>();
       const bool* kg = key_groups.data_ptr<bool>();
       for (int64_t bi = 0; bi < ker.b; ++bi) {
