@@ -175,3 +175,17 @@ def test_a_plain_model_decodes_through_buffered_layers_as_through_a_dynamic_cach
         assert kinds == ({BufferedDynamicLayer} if buffered else {DynamicLayer})
         results.append(torch.cat(logits, dim=1))
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
+
+
+def test_cached_key_groups_hold_the_sinks_and_another_sink_count_is_refused():
+    """The cache keeps the key groups the op reads (sink keys in every group), so a step
+    ORs nothing of size N_cached; groups cached under another sink_tokens are refused."""
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8, sink_tokens=3)
+    x = ids(1, 40, seed=8)
+    with torch.no_grad():
+        cache = fm(x[:, :30], use_cache=True).past_key_values
+        layer = cache.layers[fm.focus_layers[0]]
+        assert layer.groups[0, :3].all() and not layer.groups[0, 3:].all()
+        fm.focus_config = fm.focus_config.replace(sink_tokens=2)
+        with pytest.raises(ValueError, match="sink_tokens=3.*sink_tokens=2"):
+            fm(x[:, 30:31], cache=cache, use_cache=True)

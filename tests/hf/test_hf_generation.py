@@ -68,7 +68,9 @@ def test_chunked_prefill_equals_full_forward(arch):
             [next(r["query_groups"] for r in rec if r["layer"] == layer) for rec in chunk_rec], 1
         )
         assert torch.equal(got, want), layer
-        assert torch.equal(cache.layers[layer].groups, want)
+        key_groups = next(r["key_groups"] for r in full_rec if r["layer"] == layer)
+        assert torch.equal(cache.layers[layer].groups, key_groups)  # sink keys in every group
+        assert not torch.equal(key_groups, want)  # (there are sink tokens)
 
 
 def test_mistral_sliding_window_config_keeps_every_key_on_focus_layers():

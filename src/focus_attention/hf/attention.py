@@ -266,7 +266,7 @@ class LayerCall:
     """The inputs of one Focus-layer call, resolved (shapes as in :func:`focus_attention_forward`).
 
     ``real`` bool ``[B, Nk]`` (True = real key) or None; ``real_q`` its query rows; ``sinks``
-    bool ``[B, Nk]`` or None."""
+    bool ``[B, Nk]`` or None, from the first ``sink_tokens`` real tokens."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -279,6 +279,7 @@ class LayerCall:
     softcap: float | None
     cache_layer: FocusCacheLayer | None
     has_cache: bool
+    sink_tokens: int
 
 
 def _take_captured(handle: LayerHandle, query: torch.Tensor) -> Captured:
@@ -345,7 +346,7 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     real_q = None if real is None else real[:, nk - nq :]
     return LayerCall(
         query, key, value, hidden, real, real_q, sinks, scale, kwargs.get("softcap"),
-        cache_layer, has_cache,
+        cache_layer, has_cache, cfg.sink_tokens,
     )  # fmt: skip
 
 
@@ -396,14 +397,19 @@ def _topk_groups(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
         q_groups = router.causal_groups(scores, cfg.top_k)
     if call.real_q is not None:
         q_groups = q_groups & call.real_q[..., None]
-    if call.cache_layer is not None:  # the cache then holds every key's groups: no second copy
-        call.cache_layer.append_groups(q_groups)
-        k_groups = call.cache_layer.groups
-    else:
-        k_groups = q_groups
-    if call.sinks is not None:
-        k_groups = k_groups | call.sinks[..., None]
-    return q_groups, k_groups
+    if call.cache_layer is None:
+        return q_groups, _key_groups(call, q_groups)
+    # the cache then holds every key's groups, sinks included: nothing of size Nk is copied
+    call.cache_layer.append_groups(_key_groups(call, q_groups), call.sink_tokens)
+    return q_groups, call.cache_layer.groups
+
+
+def _key_groups(call: LayerCall, q_groups: torch.Tensor) -> torch.Tensor:
+    """The groups whose queries see this call's new tokens as keys, bool ``[B, Nq, K]``:
+    their memberships, and every group for a sink token (docs/method.md §3)."""
+    if call.sinks is None:
+        return q_groups
+    return q_groups | call.sinks[:, call.sinks.shape[1] - q_groups.shape[1] :, None]
 
 
 def attention_probs(
@@ -466,7 +472,7 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     else:
         out, q_groups, k_groups, maps = _topk_attention(handle, call, scores)
     if call.cache_layer is not None and mode == "soft":  # top-k appended its own
-        call.cache_layer.append_groups(q_groups)
+        call.cache_layer.append_groups(_key_groups(call, q_groups), call.sink_tokens)
     if runtime.recorder is not None:
         record.update(
             query_groups=q_groups.detach(),

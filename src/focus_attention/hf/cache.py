@@ -104,10 +104,11 @@ class BufferedDynamicLayer(DynamicLayer):
 
 
 class FocusCacheLayer(BufferedDynamicLayer):
-    """A full (never window-truncated) dynamic cache layer that also keeps the top-k group
-    memberships of its cached keys, bool ``[B, N_cached, K]`` in ``groups`` (docs/method.md
-    §5). Cropping, beam reordering and batch selection apply to the groups as to the keys.
-    Keys, values and groups are appended without copying the cache
+    """A full (never window-truncated) dynamic cache layer that also keeps, per cached key,
+    the groups whose queries see it, bool ``[B, N_cached, K]`` in ``groups``: the key's
+    top-k memberships, and every group for one of the first ``sink_tokens`` real tokens
+    (docs/method.md §3 and §5). Cropping, beam reordering and batch selection apply to the
+    groups as to the keys. Keys, values and groups are appended without copying the cache
     (:class:`BufferedDynamicLayer`)."""
 
     is_sliding = False
@@ -115,19 +116,32 @@ class FocusCacheLayer(BufferedDynamicLayer):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.groups: torch.Tensor | None = None
+        self.sink_tokens: int | None = None
 
     @property
     def group_length(self) -> int:
         """Number of cached tokens whose groups are held."""
         return 0 if self.groups is None else int(self.groups.shape[1])
 
-    def append_groups(self, groups: torch.Tensor) -> None:
-        """Append the memberships bool ``[B, N_new, K]`` of the tokens just cached."""
+    def append_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
+        """Append the key groups bool ``[B, N_new, K]`` of the tokens just cached, computed
+        with ``sink_tokens`` sink tokens.
+
+        Raises:
+            ValueError: the cached groups were computed with another ``sink_tokens``.
+        """
+        if self.group_length and self.sink_tokens != sink_tokens:
+            raise ValueError(
+                f"the KV cache holds Focus groups computed with sink_tokens={self.sink_tokens}, "
+                f"this call has sink_tokens={sink_tokens}; start from an empty cache"
+            )
+        self.sink_tokens = sink_tokens
         self.groups = self._append("groups", self.groups, groups.detach(), 1)
 
     def reset(self) -> None:
         super().reset()
         self.groups = None
+        self.sink_tokens = None
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
