@@ -727,3 +727,16 @@ def test_segmented_decoding_propagates_nan(where, fused_kernel, monkeypatch):
     ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
     assert torch.isnan(ref).any()
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+@pytest.mark.parametrize("groups", [8, 9, 12, 17, 33, 64])
+@pytest.mark.parametrize("nq", [1, 40])
+def test_every_membership_code_width_equals_oracle(groups, nq, backend):
+    """Memberships of 8 to 64 groups: the fused kernel packs them into 8- to 64-bit codes,
+    eight groups at a time; the groups past each 8 must count as the first ones do."""
+    case = make_case(nk=90, nq=nq, batch=2, heads=4, kv_heads=2, groups=groups, top_k=3,
+                     membership="random", padding="left", seed=groups)  # fmt: skip
+    case.kg[:, :, -1] |= torch.arange(90) % 3 == 0  # the last group is never empty
+    case.qg[:, :, -1] |= True
+    out, lse = case.sparse(backend, return_lse=True)
+    assert_matches_oracle(case, out, lse)
