@@ -12,7 +12,7 @@ mkdir -p "$out"
 contexts="${CONTEXTS:-1024 4096 16384 32768}"
 # shellcheck disable=SC2086  # contexts is a list of words
 .venv/bin/focus bench decode --adapter "$adapter" --contexts $contexts --levels op \
-  --steps 32 --warmup 3 --threads 2 --no-progress --json "$out/op.json" > "$out/op.md"
+  --steps 32 --warmup 3 --threads 2 --no-progress --json "$out/op.json" | grep -v "^wrote " > "$out/op.md"
 # shellcheck disable=SC2086
 .venv/bin/focus bench decode --adapter "$adapter" --contexts $contexts --levels model \
-  --steps 16 --warmup 2 --threads 2 --no-progress --json "$out/model.json" > "$out/model.md"
+  --steps 16 --warmup 2 --threads 2 --no-progress --json "$out/model.json" | grep -v "^wrote " > "$out/model.md"
