@@ -50,6 +50,7 @@ __all__ = [
     "resolve_backend",
     "run_backend",
     "run_differentiable",
+    "run_inference",
     "sparse_attention_op",
 ]
 
@@ -264,7 +265,13 @@ def sparse_attention_op(
     """``run_backend(backend, ...)`` without gradients, as an opaque operator: token-major
     ``(out [B, Nq, H, D], lse [B, Nq, H])``, contiguous as the fake implementation says."""
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
-    out, lse = run_backend(backend, SparseInputs(*args, softcap, needs_grad=False))
+    return run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
+
+
+def run_inference(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operator's implementation: :func:`run_backend` with contiguous results, as its
+    fake implementation says."""
+    out, lse = run_backend(name, inputs)
     return out.contiguous(), lse.contiguous()
 
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -169,12 +170,23 @@ inline void load_row(float* dst, const T* src, int64_t d) {
   }
 }
 
+// An uninitialised array (a std::vector would zero it: for a decoding step the tile buffers
+// of every thread and call would be cleared, many times the work of the step itself).
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> p;
+  void resize(int64_t n) { p.reset(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]); }
+  T* data() const { return p.get(); }
+  T* begin() const { return p.get(); }
+  T& operator[](int64_t i) const { return p[i]; }
+};
+
 // Running state of one tile: rows = rep heads x n queries (row r*n + i is head hk*rep+r,
 // query i of the tile).
 struct TileState {
   int64_t rows = 0, d = 0, tile_k = 0;
-  std::vector<float> q, k, v, s, acc, m, l;
-  std::vector<int64_t> kpos;
+  Buffer<float> q, k, v, s, acc, m, l;
+  Buffer<int64_t> kpos;
   void reserve(int64_t max_rows, int64_t head_dim, int64_t tk) {
     d = head_dim;
     tile_k = tk;
@@ -536,7 +548,9 @@ struct Kernel {
     // costliest first: the pull order then balances the triangular workload
     std::sort(items.begin(), items.end(),
               [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    pull(static_cast<int64_t>(items.size()), rep * tile_q,
+    int64_t widest = 1;  // most class queries in one tile: the tile buffers' rows / rep
+    for (const Item& it : items) widest = std::max(widest, it.row1 - it.row0);
+    pull(static_cast<int64_t>(items.size()), rep * widest,
          [&](TileState& ts, int64_t t) { group_tile(ts, items[t]); });
     std::vector<Item>().swap(items);
     if (segments > 1) {
@@ -549,7 +563,7 @@ struct Kernel {
       });
     }
     const int64_t tiles = (nq + tile_band - 1) / tile_band;  // per batch element and head
-    pull(b * tiles * hkv, rep * tile_band, [&](TileState& ts, int64_t t) {
+    pull(b * tiles * hkv, rep * std::min(tile_band, nq), [&](TileState& ts, int64_t t) {
       const int64_t bi = t / (tiles * hkv), r0 = (t / hkv) % tiles * tile_band;
       band_tile(ts, Item{bi, 0, r0, std::min(nq, r0 + tile_band), t % hkv, 1.0});
     });
