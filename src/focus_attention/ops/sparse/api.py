@@ -97,16 +97,22 @@ def sparse_attention(
         query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap
     )
     _check_backend(backend)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
-    if needs_grad:
-        out, lse = run_differentiable(backend, SparseInputs(*args, softcap, needs_grad=True))
-    elif _plain_eager(query):  # what the operator would run, without its dispatch
-        out, lse = run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
-    else:
-        out, lse = sparse_attention_op(*args, softcap, backend)
+    out, lse = _run(backend, args, softcap)
     out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def _run(backend: str, args: tuple, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major ``(out, lse)`` of checked arguments: with autograd in Python, in plain eager
+    calls by the backend directly (what the operator would run, without its dispatch), else
+    through the custom operator."""
+    query, key, value = args[:3]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return run_differentiable(backend, SparseInputs(*args, softcap, needs_grad=True))
+    if _plain_eager(query):
+        return run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
+    return sparse_attention_op(*args, softcap, backend)
 
 
 def _plain_eager(query: torch.Tensor) -> bool:
