@@ -38,7 +38,8 @@ def append_rows(
 
     Args:
         storage: the buffer ``held`` may be a prefix view of (or None).
-        held: the rows held so far (None or empty: none).
+        held: the rows held so far; None, or ``DynamicLayer``'s empty 1-D placeholder,
+            for none.
         new: rows to append, shaped as ``held`` but along ``dim``.
         dim: the sequence dimension.
 
@@ -170,7 +171,7 @@ DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded")
 #: the cache layer types a Focus layer can take over (FocusCacheLayer is a DynamicLayer)
 DYNAMIC_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 #: empty cache layers a Focus layer replaces by a :class:`FocusCacheLayer`
-_REPLACEABLE = (DynamicLayer, DynamicSlidingWindowLayer, BufferedDynamicLayer)
+_REPLACEABLE = (*DYNAMIC_LAYERS, BufferedDynamicLayer)
 
 
 def check_dynamic_cache(cache: Any = None, cache_implementation: str | None = None) -> None:

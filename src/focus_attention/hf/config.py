@@ -71,14 +71,15 @@ class FocusConfig:
             explicitly listed sliding-window layer gets Focus and a full cache.
         dense_layers: Focus layers that run the base model's own attention (dense: every
             earlier key, or the base layer's own sliding window where it has one) instead of
-            routing through their groups, stored as a sorted tuple; default none. For the layers that retrieve from far back (a needle, a fact
-            given early): ``focus bench retrieval-layers``
+            routing through their groups, stored as a sorted tuple; default none. For the
+            layers that retrieve from far back (a needle, a fact given early):
+            ``focus bench retrieval-layers``
             (:func:`focus_attention.bench.needle.rank_retrieval_layers`) ranks them
             (docs/method.md §9). Their routers are kept, so the set can change at any time,
             but while their layer is dense they get no gradient, no routing-bias update (in
-            soft training or :meth:`FocusModel.calibrate`) and no routing record. A KV cache filled
-            earlier keeps the layout it was filled with (a layer switched mid-generation
-            raises ``ValueError``).
+            soft training or :meth:`FocusModel.calibrate`) and no routing record. A KV cache
+            filled earlier keeps the layout it was filled with (a layer switched
+            mid-generation raises ``ValueError``).
         seed: seed of the deterministic router initialisation.
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then

@@ -275,9 +275,10 @@ class FocusModel(nn.Module):
 
         Assigning a config makes the next forward use it: ``top_k``, ``window``,
         ``temperature``, ``sinkhorn_iters``, ``gate``, ``gate_sharpness``, ``sink_tokens``,
-        ``inference_routing``, ``dense_layers`` and ``bias_momentum`` take effect; ``routing``, when it differs
-        from the current config's, acts like :meth:`set_routing`. ``layers=None`` means this
-        model's default layers. A KV cache filled earlier keeps the groups it was filled with.
+        ``inference_routing``, ``dense_layers`` and ``bias_momentum`` take effect;
+        ``routing``, when it differs from the current config's, acts like
+        :meth:`set_routing`. ``layers=None`` means this model's default layers. A KV cache
+        filled earlier keeps the groups it was filled with.
 
         Raises (on assignment):
             ValueError: not a :class:`FocusConfig`; an invalid one; a change to a field in
@@ -479,10 +480,11 @@ class FocusModel(nn.Module):
 
     @contextlib.contextmanager
     def record_routing(self) -> Iterator[list[dict[str, Any]]]:
-        """Collect one record per routed Focus-layer call (none from ``dense_layers``): ``layer``, ``mode``, ``query_groups``
-        bool ``[B, Nq, K]``, ``key_groups`` bool ``[B, Nk, K]`` (top-k; sinks included),
-        ``key_padding`` bool ``[B, Nk]`` or None, ``sinks``, ``num_keys`` and, in soft mode,
-        ``probs`` ``[B, N, K]``. For tests and analysis."""
+        """Collect one record per routed Focus-layer call (none from ``dense_layers``):
+        ``layer``, ``mode``, ``query_groups`` bool ``[B, Nq, K]``, ``key_groups`` bool
+        ``[B, Nk, K]`` (top-k; sinks included), ``key_padding`` bool ``[B, Nk]`` or None,
+        ``sinks``, ``num_keys`` and, in soft mode, ``probs`` ``[B, N, K]``. For tests and
+        analysis."""
         with self._recording("recorder") as records:
             yield records
 
@@ -490,10 +492,11 @@ class FocusModel(nn.Module):
     def record_dense_attention(self) -> Iterator[list[dict[str, Any]]]:
         """Context in which the model computes exactly the base model (every layer runs the
         base attention implementation) while each routed Focus layer (not those in
-        ``dense_layers``) records the inputs of its dense attention: ``layer``, ``hidden`` ``[B, N, d_model]`` (the hidden state its
-        router reads), ``query`` ``[B, H, N, D]`` and ``key`` ``[B, H_kv, N, D]`` (after the
-        rotary embedding), ``scale``, ``softcap``, ``key_padding`` bool ``[B, N]`` or None and
-        ``sinks`` bool ``[B, N]`` or None, all detached. The dense teacher of the coverage
+        ``dense_layers``) records the inputs of its dense attention: ``layer``, ``hidden``
+        ``[B, N, d_model]`` (the hidden state its router reads), ``query`` ``[B, H, N, D]``
+        and ``key`` ``[B, H_kv, N, D]`` (after the rotary embedding), ``scale``,
+        ``softcap``, ``key_padding`` bool ``[B, N]`` or None and ``sinks`` bool ``[B, N]``
+        or None, all detached. The dense teacher of the coverage
         objective (docs/method.md §6).
 
         Raises:
