@@ -250,3 +250,26 @@ def test_routers_record_names_the_adapter_its_weights_and_training(tmp_path):
     (tmp_path / "a" / "train_result.json").write_text(json.dumps({"steps": 80, "config": {"method": "focus"}}))  # fmt: skip
     record = routers_record(str(tmp_path / "a"))
     assert record["steps"] == 80 and record["method"] == "focus"
+
+
+def test_interleaved_timing_calls_in_turns_inside_their_contexts():
+    """Each round calls every function once, in order, inside its context; warm-up rounds
+    are not timed."""
+    import contextlib
+
+    from focus_attention.bench.timing import interleaved_median_seconds
+
+    log = []
+
+    @contextlib.contextmanager
+    def ctx():
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    calls = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+    timed = interleaved_median_seconds(calls, repeats=3, warmup=2, contexts={"b": ctx})
+    assert log == ["a", "enter", "b", "exit"] * 5
+    assert set(timed) == {"a", "b"}
+    for median, times in timed.values():
+        assert len(times) == 3 and min(times) <= median <= max(times)

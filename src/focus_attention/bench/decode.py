@@ -9,7 +9,8 @@ against Focus top-k, at the op level and end to end on a real model (docs/method
 * ``model``: the model prefilled once on the first ``N`` tokens of real text with Focus
   top-k (which fills the cache with the memberships of every cached key), then
   ``steps`` single-token steps through the model with that cache, each timed; dense
-  decodes the same cached keys and values with the stock ``sdpa`` attention twice: through
+  decodes the same cached keys and values with the base model's own ``sdpa`` attention
+  (``FocusModel.disable_focus``) twice: through
   a plain ``DynamicCache`` (what ``generate`` uses; it concatenates, copying every cached
   key and value per step) and through the same cache with
   :class:`~focus_attention.hf.BufferedDynamicLayer` layers (appends without a copy, as
@@ -17,10 +18,16 @@ against Focus top-k, at the op level and end to end on a real model (docs/method
   The share is that of the decoded tokens' visible keys, averaged over the Focus layers.
 
 Each latency is the median over the timed calls (seconds), after ``warmup`` untimed ones.
+The rows of one context are timed in turns (one call of each per round,
+:func:`~focus_attention.bench.timing.interleaved_median_seconds`), so that a slow spell of a
+shared machine falls on dense and Focus alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +38,7 @@ from ..assets.models import DEFAULT_MODEL
 from ..utils.checks import bad, check_int
 from ..utils.env import environment
 from .model import routers_record
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 
 __all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
 
@@ -101,29 +108,25 @@ def _op_rows(config: DecodeBenchConfig, shape: dict[str, int]) -> list[dict[str,
 
 
 def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gen: torch.Generator) -> list[dict[str, Any]]:  # fmt: skip
-    """Rows of one context: dense SDPA, then ``sparse_attention`` at each top_k."""
+    """Rows of one context: dense SDPA and ``sparse_attention`` at each top_k, timed in turns."""
     from ..ops import sparse_attention
     from .kernel import sparse_backend_name
 
     n, k = key.shape[2], config.num_groups
-
-    def dense():
-        return torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)
-
+    calls = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)}  # fmt: skip
+    groups = {}
+    for top_k in config.top_k:
+        kg = _random_groups(n, k, min(top_k, k), gen)
+        groups[top_k] = (kg[:, -1:], kg)
+        calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.window)  # fmt: skip
     with torch.inference_mode():
-        sec, _ = median_seconds(dense, config.steps, config.warmup)
-        rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": sec, "share": 1.0}]  # fmt: skip
-        for top_k in config.top_k:
-            kg = _random_groups(n, k, min(top_k, k), gen)
-            qg = kg[:, -1:]
-
-            def call(qg=qg, kg=kg):
-                return sparse_attention(q, key, value, qg, kg, config.window)
-
-            sec, _ = median_seconds(call, config.steps, config.warmup)
-            rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k, "seconds": sec,
-                         "share": _share(qg[0, 0], kg[0], config.window),
-                         "backend": sparse_backend_name("auto", k)})  # fmt: skip
+        timed = interleaved_median_seconds(calls, config.steps, config.warmup)
+    rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0}]  # fmt: skip
+    for top_k, (qg, kg) in groups.items():
+        rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
+                     "seconds": timed[f"focus-{top_k}"][0],
+                     "share": _share(qg[0, 0], kg[0], config.window),
+                     "backend": sparse_backend_name("auto", k)})  # fmt: skip
     return rows
 
 
@@ -166,19 +169,6 @@ def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     return runner.eval()
 
 
-def _decode(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBenchConfig) -> tuple[float, list[float]]:  # fmt: skip
-    """Median seconds of single-token steps after ``n`` cached tokens (the cache grows by
-    one token per step: at most ``warmup + steps`` tokens past ``n``)."""
-    position = [n]
-
-    def step():
-        i = position[0]
-        model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
-        position[0] += 1
-
-    return median_seconds(step, config.steps, config.warmup)
-
-
 def _decoded_share(cache: Any, n: int, window: int, layers: list[int], dense: tuple[int, ...] = ()) -> float:  # fmt: skip
     """Mean over the Focus layers and the decoded tokens of the share of keys they see (every
     key on the ``dense`` layers)."""
@@ -213,43 +203,64 @@ def _dense_cache(cache: Any, n: int, kind: str = "dynamic") -> Any:
     return dense
 
 
-def _dense_rows(model: Any, ids: torch.Tensor, n: int, cache: Any, config: DecodeBenchConfig) -> list[dict[str, Any]]:  # fmt: skip
-    """Dense decoding over the first ``n`` keys and values of ``cache``, per dense cache."""
+class _Stepper:
+    """Single-token decoding steps of one row from its cache (one token further each call)."""
+
+    def __init__(self, model: Any, ids: torch.Tensor, n: int, cache: Any) -> None:
+        self.model, self.ids, self.position, self.cache = model, ids, n, cache
+
+    def __call__(self) -> None:
+        i = self.position
+        self.model(input_ids=self.ids[:, i : i + 1], cache=self.cache, use_cache=True)
+        self.position += 1
+
+
+def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The model rows of one context: a Focus prefill per top_k, dense caches over the first
+    one's keys and values, then every row's steps timed in turns."""
+    runner = _attach(model, config, config.top_k[0])
+    calls: dict[str, Any] = {}
+    contexts: dict[str, Any] = {}
+    caches = {}
+    with torch.inference_mode():
+        for top_k in config.top_k:
+            runner.set_top_k(top_k)
+            caches[top_k] = runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values  # fmt: skip
+            calls[f"focus-{top_k}"] = _Stepper(runner, ids, n, caches[top_k])
+            contexts[f"focus-{top_k}"] = functools.partial(_with_top_k, runner, top_k)
+        for kind in DENSE_CACHES:
+            calls[kind] = _Stepper(runner, ids, n, _dense_cache(caches[config.top_k[0]], n, kind))
+            contexts[kind] = runner.disable_focus
+        timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts)
+    fc = runner.focus_config
     rows = []
+    for top_k, cache in caches.items():
+        share = _decoded_share(cache, n, fc.window, runner.focus_layers, fc.dense_layers)
+        rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
+                     "cache": "focus", "seconds": timed[f"focus-{top_k}"][0], "share": share})  # fmt: skip
     for kind in DENSE_CACHES:
-        with torch.inference_mode():
-            sec, _ = _decode(model, ids, n, _dense_cache(cache, n, kind), config)
         rows.append({"level": "model", "N": n, "method": "dense", "top_k": None,
-                     "cache": kind, "seconds": sec, "share": 1.0})  # fmt: skip
+                     "cache": kind, "seconds": timed[kind][0], "share": 1.0})  # fmt: skip
+    runner.unload()
     return rows
 
 
+@contextlib.contextmanager
+def _with_top_k(runner: Any, top_k: int) -> Iterator[None]:
+    runner.set_top_k(top_k)
+    yield
+
+
 def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """The model level: per context, Focus top-k decoding after a Focus prefill, and
-    dense decoding over the first prefill's keys and values."""
+    """The model level, one context after another (see :func:`_model_context`)."""
     extra = config.warmup + config.steps + 1
     ids = _input_ids(config, tokenizer, max(config.contexts) + extra)
     rows = []
     for n in config.contexts:
-        dense_done = False
-        for top_k in config.top_k:
-            bar.set_postfix(N=n, top_k=top_k)
-            runner = _attach(model, config, top_k)
-            with torch.inference_mode():
-                out = runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                sec, _ = _decode(runner, ids, n, cache, config)
-            fc = runner.focus_config
-            share = _decoded_share(cache, n, fc.window, runner.focus_layers, fc.dense_layers)
-            rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
-                         "cache": "focus", "seconds": sec, "share": share})  # fmt: skip
-            model = runner.unload()
-            model.config._attn_implementation = "sdpa"
-            if not dense_done:
-                rows += _dense_rows(model, ids, n, cache, config)
-                dense_done = True
-            del cache, out
-            bar.update(1)
+        bar.set_postfix(N=n)
+        rows += _model_context(config, model, ids, n)
+        model.config._attn_implementation = "sdpa"
+        bar.update(1)
     return rows
 
 
@@ -304,7 +315,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     shape = _model_shape(model)
     rows = _op_rows(config, shape) if "op" in config.levels else []
     if "model" in config.levels:
-        total = len(config.contexts) * len(config.top_k)
+        total = len(config.contexts)
         with tqdm(total=total, desc="decode", disable=not config.progress) as bar:
             rows += _model_rows(config, model, tokenizer, bar)
     _finish(rows)

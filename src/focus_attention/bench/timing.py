@@ -3,6 +3,7 @@ their JSON results, never in pass/fail tests."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 import statistics
@@ -10,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cuda_peak_extra_bytes", "median_seconds", "peak_extra_bytes"]
+__all__ = ["cuda_peak_extra_bytes", "interleaved_median_seconds", "median_seconds", "peak_extra_bytes"]
 
 
 def _no_sync() -> None:
@@ -39,6 +40,35 @@ def median_seconds(
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+def interleaved_median_seconds(
+    calls: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    contexts: dict[str, Callable[[], Any]] | None = None,
+) -> dict[str, tuple[float, list]]:
+    """:func:`median_seconds` of several calls timed in turns: each of ``warmup + repeats``
+    rounds calls every one once, in order, so that a slow spell of a shared machine falls on
+    all of them alike rather than on whichever ran then.
+
+    ``contexts`` maps a name to a context-manager factory entered around that call (its
+    set-up, outside the clock; e.g. a model switched to the call's settings).
+
+    Returns:
+        ``{name: (median seconds, every timed call's seconds)}``.
+    """
+    contexts = contexts or {}
+    times: dict[str, list] = {name: [] for name in calls}
+    for round_ in range(warmup + repeats):
+        for name, fn in calls.items():
+            with contexts.get(name, contextlib.nullcontext)():
+                start = time.perf_counter()
+                fn()
+                seconds = time.perf_counter() - start
+            if round_ >= warmup:
+                times[name].append(seconds)
+    return {name: (statistics.median(t), t) for name, t in times.items()}
 
 
 def _status_kib(key: str) -> int | None:

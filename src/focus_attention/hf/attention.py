@@ -407,8 +407,9 @@ def _topk_groups(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
 def _key_groups(call: LayerCall, q_groups: torch.Tensor) -> torch.Tensor:
     """The groups whose queries see this call's new tokens as keys, bool ``[B, Nq, K]``:
     their memberships, and every group for a sink token (docs/method.md §3)."""
-    if call.sinks is None:
-        return q_groups
+    nq, nk = q_groups.shape[1], call.key.shape[2]
+    if call.sinks is None or (call.real is None and nk - nq >= call.sink_tokens):
+        return q_groups  # without padding the sinks are the first positions: none is new
     return q_groups | call.sinks[:, call.sinks.shape[1] - q_groups.shape[1] :, None]
 
 

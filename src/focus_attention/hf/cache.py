@@ -32,7 +32,12 @@ def _is_prefix(storage: torch.Tensor | None, held: torch.Tensor, dim: int) -> bo
 
 
 def append_rows(
-    storage: torch.Tensor | None, held: torch.Tensor | None, new: torch.Tensor, dim: int
+    storage: torch.Tensor | None,
+    held: torch.Tensor | None,
+    new: torch.Tensor,
+    dim: int,
+    *,
+    known_prefix: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Append ``new`` to ``held`` along ``dim`` in a preallocated buffer.
 
@@ -42,6 +47,8 @@ def append_rows(
             for none.
         new: rows to append, shaped as ``held`` but along ``dim``.
         dim: the sequence dimension.
+        known_prefix: the caller knows ``held`` is the rows this function last returned for
+            ``storage`` (the same tensor object), so the prefix test is skipped.
 
     Returns:
         ``(storage, rows)``: ``rows`` equals ``torch.cat([held, new], dim)`` and is a prefix
@@ -55,7 +62,8 @@ def append_rows(
     if torch.is_grad_enabled() and (new.requires_grad or held.requires_grad):
         return None, torch.cat([held, new], dim=dim)
     n, m = held.shape[dim], new.shape[dim]
-    reusable = _is_prefix(storage, held, dim) and n + m <= storage.shape[dim]
+    prefix = storage is not None and (known_prefix or _is_prefix(storage, held, dim))
+    reusable = prefix and n + m <= storage.shape[dim]
     if reusable and storage.is_inference() and not torch.is_inference_mode_enabled():
         reusable = False  # an inference tensor cannot be written outside inference mode
     if not reusable:
@@ -78,6 +86,7 @@ class BufferedDynamicLayer(DynamicLayer):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._storage: dict[str, torch.Tensor | None] = {}
+        self._rows: dict[str, torch.Tensor] = {}  # what _append last returned, per name
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -91,17 +100,21 @@ class BufferedDynamicLayer(DynamicLayer):
         return self.keys, self.values
 
     def _append(self, name: str, held, new: torch.Tensor, dim: int) -> torch.Tensor:
-        self._storage[name], rows = append_rows(self._storage.get(name), held, new, dim)
+        known = held is not None and held is self._rows.get(name)
+        self._storage[name], rows = append_rows(
+            self._storage.get(name), held, new, dim, known_prefix=known
+        )
+        self._rows[name] = rows
         return rows
 
     def reset(self) -> None:
         super().reset()
-        self._storage = {}
+        self._storage, self._rows = {}, {}
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if tokens_to_remove:
-            self._storage = {}  # rows handed out before the crop are never written again
+        if tokens_to_remove:  # rows handed out before the crop are never written again
+            self._storage, self._rows = {}, {}
 
 
 class FocusCacheLayer(BufferedDynamicLayer):

@@ -10,8 +10,6 @@ most 64 groups (membership codes are at most 64-bit integers); the fastest CPU p
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from . import extension
@@ -64,25 +62,37 @@ def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def launch_kernel(kernel, inputs: SparseInputs, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Run the loaded kernel module on ``inputs`` (a contiguous query; key and value rows
-    contiguous along ``Nk``, see :func:`rows_contiguous`) into the token-major float32
-    buffers ``out [B, Nq, H, D]`` and ``lse [B, Nq, H]``."""
-    rep = inputs.query.shape[1] // inputs.key.shape[1]
+#: the kernel's "no padding" argument (an empty bool tensor), made once
+_NO_PADDING = torch.empty(0, dtype=torch.bool)
+
+
+def launch_kernel(
+    kernel,
+    inputs: SparseInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Run the loaded kernel module on ``inputs`` into the token-major float32 buffers
+    ``out [B, Nq, H, D]`` and ``lse [B, Nq, H]``.
+
+    ``qkv`` replaces the query, key and value of ``inputs`` (default: theirs). The query
+    must be contiguous; key and value rows contiguous along ``Nk`` (see
+    :func:`rows_contiguous`)."""
+    q, k, v = (inputs.query, inputs.key, inputs.value) if qkv is None else qkv
     kpm = inputs.key_padding_mask
-    real = torch.empty(0, dtype=torch.bool) if kpm is None else kpm.contiguous()
     kernel.focus_forward(
-        inputs.query,
-        inputs.key,
-        inputs.value,
+        q,
+        k,
+        v,
         inputs.query_groups.contiguous(),
         inputs.key_groups.contiguous(),
-        real,
+        _NO_PADDING if kpm is None else kpm.contiguous(),
         inputs.window,
         inputs.scale,
         out,
         lse,
-        max(1, FUSED_ROWS // rep),
+        max(1, FUSED_ROWS // (q.shape[1] // k.shape[1])),
         FUSED_KEYS,
         FUSED_BAND,
         FUSED_SEGMENT_KEYS,
@@ -97,11 +107,11 @@ def run_cpu_fused(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     # one copy into [B, H, N, D] rows where the rows are not already contiguous along N
     # (transformers hands over transposed views; a KV cache's prefix view is taken as it is)
     q = inputs.query.contiguous()
-    k, v = (rows_contiguous(t) for t in (inputs.key, inputs.value))
+    k, v = rows_contiguous(inputs.key), rows_contiguous(inputs.value)
     b, h, nq, d = q.shape
     out = torch.empty(b, nq, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, nq, h, dtype=torch.float32, device=q.device)
-    launch_kernel(kernel, replace(inputs, query=q, key=k, value=v), out, lse)
+    launch_kernel(kernel, inputs, out, lse, (q, k, v))
     return out.to(q.dtype), lse
 
 

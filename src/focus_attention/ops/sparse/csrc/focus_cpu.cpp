@@ -181,6 +181,68 @@ struct Buffer {
   T& operator[](int64_t i) const { return p[i]; }
 };
 
+// a . b over d floats
+inline float dot(const float* a, const float* b, int64_t d) {
+  int64_t e = 0;
+  float s = 0.f;
+#ifdef __AVX2__
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; e + 16 <= d; e += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), s1);
+  }
+  for (; e + 8 <= d; e += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
+  s = hsum8(_mm256_add_ps(s0, s1));
+#endif
+  for (; e < d; ++e) s += a[e] * b[e];
+  return s;
+}
+
+// Group bools of one token as 8-byte chunks (bools are bytes of 0 or 1, so the AND of two
+// tokens' chunks is nonzero exactly where they share a group). Returns the chunk count.
+inline int64_t bool_chunks(const bool* b, int64_t kgroups, uint64_t* chunks) {
+  int64_t c = 0;
+  for (int64_t g0 = 0; g0 < kgroups; g0 += 8, ++c) {
+    chunks[c] = 0;
+    std::memcpy(&chunks[c], b + g0, static_cast<size_t>(std::min<int64_t>(8, kgroups - g0)));
+  }
+  return c;
+}
+
+// Whether a key's group bools share a group with the query's chunks.
+inline bool shares_group(const bool* key, const uint64_t* qchunks, int64_t kgroups) {
+  for (int64_t g0 = 0, c = 0; g0 < kgroups; g0 += 8, ++c) {
+    uint64_t x = 0;
+    if (g0 + 8 <= kgroups) {
+      std::memcpy(&x, key + g0, 8);
+    } else {
+      std::memcpy(&x, key + g0, static_cast<size_t>(kgroups - g0));
+    }
+    if (x & qchunks[c]) return true;
+  }
+  return false;
+}
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < static_cast<int64_t>(sizeof(T)) * d; off += 64) __builtin_prefetch(p + off);
+}
+
+// Scratch of one thread in a decoding step: the visible keys of one segment, the logits of
+// the rep query rows against them, and fp32 rows.
+struct DecodeScratch {
+  Buffer<int64_t> idx;
+  Buffer<float> s, q, acc, row;
+  void reserve(int64_t keys, int64_t rows, int64_t d) {
+    idx.resize(keys);
+    s.resize(rows * keys);
+    q.resize(rows * d);
+    acc.resize(rows * d);
+    row.resize(d);
+  }
+};
+
 // Running state of one tile: rows = rep heads x n queries (row r*n + i is head hk*rep+r,
 // query i of the tile).
 struct TileState {
@@ -458,17 +520,23 @@ struct Kernel {
       }
   }
 
-  // Runs body(tile state, t) for t in [0, total), pulled from an atomic counter by every
-  // thread (each with its own tile buffers for max_rows query rows).
-  template <typename F>
-  void pull(int64_t total, int64_t max_rows, F&& body) const {
+  // Runs body(scratch, t) for t in [0, total), pulled from an atomic counter by every
+  // thread, each with its own scratch S prepared by init(scratch).
+  template <typename S, typename Init, typename F>
+  void pull(int64_t total, Init&& init, F&& body) const {
     std::atomic<int64_t> next{0};
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      TileState ts;
-      ts.reserve(max_rows, d, tile_k);
-      for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) body(ts, t);
+      S scratch;
+      init(scratch);
+      for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) body(scratch, t);
     });
+  }
+
+  // pull() with tile buffers for max_rows query rows
+  template <typename F>
+  void pull_tiles(int64_t total, int64_t max_rows, F&& body) const {
+    pull<TileState>(total, [&](TileState& ts) { ts.reserve(max_rows, d, tile_k); }, body);
   }
 
   // phase 1's segments of one query row and head, merged by log-sum-exp into out / lse
@@ -516,6 +584,118 @@ struct Kernel {
     }
   }
 
+  // ---- decoding (Nq == 1): the query at position nk - 1 sees the real keys of its window
+  // and, before it, the real keys that share one of its groups. Each (batch, key head,
+  // position segment) reads its visible key and value rows once, in place (no tile
+  // copies), with a two-pass softmax; segments merge by log-sum-exp (merge_segments).
+  const bool *qg_bools = nullptr, *kg_bools = nullptr;  // [B, 1, K], [B, Nk, K]
+  int64_t kgroups = 0;
+
+  // visible keys in [lo, hi) of batch element bi, increasing, into idx; returns the count
+  int64_t decode_keys(int64_t bi, int64_t lo, int64_t hi, int64_t* idx) const {
+    const int64_t local_lo = std::max<int64_t>(0, nk - window);
+    const bool* rl = real ? real + bi * nk : nullptr;
+    uint64_t qchunks[8];
+    const int64_t chunks = bool_chunks(qg_bools + bi * kgroups, kgroups, qchunks);
+    uint64_t any = 0;
+    for (int64_t c = 0; c < chunks; ++c) any |= qchunks[c];
+    int64_t n = 0;
+    const bool* kg = kg_bools + bi * nk * kgroups;
+    if (any)
+      for (int64_t j = lo, stop = std::min(hi, local_lo); j < stop; ++j)
+        if ((rl == nullptr || rl[j]) && shares_group(kg + j * kgroups, qchunks, kgroups)) idx[n++] = j;
+    for (int64_t j = std::max(lo, local_lo); j < hi; ++j)
+      if (rl == nullptr || rl[j]) idx[n++] = j;
+    return n;
+  }
+
+  // the rep query rows' logits against the n keys idx[0..n), scaled, into sc.s (row r at r * n)
+  void decode_logits(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + 4 < n) prefetch_row(k_row(bi, hk, sc.idx[t + 4]), d);
+      const T* src = k_row(bi, hk, sc.idx[t]);
+      const float* kr;
+      if constexpr (std::is_same_v<T, float>) {
+        kr = src;
+      } else {
+        load_row(sc.row.data(), src, d);
+        kr = sc.row.data();
+      }
+      for (int64_t r = 0; r < rep; ++r) sc.s[r * n + t] = dot(sc.q.data() + r * d, kr, d) * scale;
+    }
+  }
+
+  // acc[r] = sum_t p[r][t] * value[idx[t]] for the rep rows
+  void decode_values(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
+    std::fill(sc.acc.begin(), sc.acc.begin() + rep * d, 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + 4 < n) prefetch_row(v_row(bi, hk, sc.idx[t + 4]), d);
+      const T* src = v_row(bi, hk, sc.idx[t]);
+      const float* vr;
+      if constexpr (std::is_same_v<T, float>) {
+        vr = src;
+      } else {
+        load_row(sc.row.data(), src, d);
+        vr = sc.row.data();
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        const float p = sc.s[r * n + t];
+        float* a = sc.acc.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) a[e] += p * vr[e];
+      }
+    }
+  }
+
+  // one (batch, key head, segment) of a decoding step, into out / lse or the segment's partials
+  void decode_item(DecodeScratch& sc, int64_t t) const {
+    const int64_t seg = t % segments, hk = (t / segments) % hkv, bi = t / (segments * hkv);
+    const int64_t lo = seg * nk / segments, hi = (seg + 1) * nk / segments;
+    float* out_base = segments > 1 ? part_out.data() + seg * b * h * d : out;
+    float* lse_base = segments > 1 ? part_lse.data() + seg * b * h : lse;
+    const int64_t n = decode_keys(bi, lo, hi, sc.idx.data());
+    for (int64_t r = 0; r < rep; ++r) load_row(sc.q.data() + r * d, q_row(bi, hk * rep + r, 0), d);
+    decode_logits(sc, bi, hk, n);
+    float mx[64], sum[64];  // rep <= 64 (checked by the caller)
+    for (int64_t r = 0; r < rep; ++r) {
+      float* srow = sc.s.data() + r * n;
+      mx[r] = n ? row_max(srow, n) : kNegInf;
+      if (mx[r] == kNegInf) {  // nothing visible: P = 0
+        std::fill(srow, srow + n, 0.f);
+        sum[r] = 0.f;
+      } else {
+        sum[r] = exp_shift_sum(srow, n, mx[r]);
+      }
+    }
+    decode_values(sc, bi, hk, n);
+    for (int64_t r = 0; r < rep; ++r) {
+      const int64_t head = hk * rep + r;
+      float* o = out_base + (bi * h + head) * d;
+      float& ls = lse_base[bi * h + head];
+      if (sum[r] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
+        const float inv = 1.f / sum[r];
+        const float* a = sc.acc.data() + r * d;
+        for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
+        ls = mx[r] + std::log(sum[r]);
+      } else {
+        std::fill(o, o + d, 0.f);
+        ls = kNegInf;
+      }
+    }
+  }
+
+  void run_decode() {
+    plan_segments(b * hkv);
+    const int64_t longest = (nk + segments - 1) / segments + 1;
+    pull<DecodeScratch>(
+        b * hkv * segments, [&](DecodeScratch& sc) { sc.reserve(longest, rep, d); },
+        [&](DecodeScratch& sc, int64_t t) { decode_item(sc, t); });
+    if (segments > 1) {
+      at::parallel_for(0, b * h, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; ++t) merge_segments(t / h, 0, t % h);
+      });
+    }
+  }
+
   void run() {
     std::vector<Item> items;
     for (int64_t bi = 0; bi < b; ++bi) {
@@ -550,7 +730,7 @@ struct Kernel {
               [](const Item& x, const Item& y) { return x.cost > y.cost; });
     int64_t widest = 1;  // most class queries in one tile: the tile buffers' rows / rep
     for (const Item& it : items) widest = std::max(widest, it.row1 - it.row0);
-    pull(static_cast<int64_t>(items.size()), rep * widest,
+    pull_tiles(static_cast<int64_t>(items.size()), rep * widest,
          [&](TileState& ts, int64_t t) { group_tile(ts, items[t]); });
     std::vector<Item>().swap(items);
     if (segments > 1) {
@@ -563,7 +743,7 @@ struct Kernel {
       });
     }
     const int64_t tiles = (nq + tile_band - 1) / tile_band;  // per batch element and head
-    pull(b * tiles * hkv, rep * std::min(tile_band, nq), [&](TileState& ts, int64_t t) {
+    pull_tiles(b * tiles * hkv, rep * std::min(tile_band, nq), [&](TileState& ts, int64_t t) {
       const int64_t bi = t / (tiles * hkv), r0 = (t / hkv) % tiles * tile_band;
       band_tile(ts, Item{bi, 0, r0, std::min(nq, r0 + tile_band), t % hkv, 1.0});
     });
@@ -625,6 +805,13 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
       ker.segment_keys = segment_keys;
       const bool* qg = query_groups.data_ptr<bool>();
       const bool* kg = key_groups.data_ptr<bool>();
+      if (ker.nq == 1 && ker.rep <= 64) {  // a decoding step: no classes to plan
+        ker.qg_bools = qg;
+        ker.kg_bools = kg;
+        ker.kgroups = kgroups;
+        ker.run_decode();
+        return;
+      }
       for (int64_t bi = 0; bi < ker.b; ++bi) {
         ker.plans.push_back(make_plan<C>(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
                                          ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq,
