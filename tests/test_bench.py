@@ -147,7 +147,15 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
                            warmup_tokens=8, threads=1, progress=False)  # fmt: skip
     result = run_model_benchmark(cfg)
     rows = result["rows"]
-    assert len(rows) == 2 * (1 + 2 * 2)
+    assert len(rows) == 2 * (2 + 2 * 2)  # sdpa, the floor and (window, top_k) per length
+    floors = [r for r in rows if r["method"] == "none"]
+    assert sorted(r["N"] for r in floors) == [48, 64]
+    for r in rows:
+        if r["method"] not in ("none", "sdpa"):
+            continue
+        floor = next(f for f in floors if f["N"] == r["N"])
+        spent = r["seconds"] - floor["seconds"]
+        assert r.get("attention_seconds") == (None if r["method"] == "none" else spent)
     focus_rows = [(r["N"], r["top_k"], r["window"]) for r in rows if r["method"] == "focus"]
     assert sorted(focus_rows) == sorted(
         (n, k, w) for n in (48, 64) for k in (1, 2) for w in (8, 16)
@@ -156,6 +164,7 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     assert result["config"]["windows"] == [8, 16]
     assert result["config"]["routers"] == {"adapter": None, "fresh": True}
     assert "focus top_k=2, window=16" in model_table(result)
+    assert "none (floor)" in model_table(result)
 
 
 def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_built):

@@ -50,6 +50,11 @@ class ModelBenchConfig:
         metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
                   "none for fresh routers)"},
     )  # fmt: skip
+    floor: bool = field(
+        default=True,
+        metadata={"help": "also time the model without attention (the floor no attention "
+                  "kernel can go below)"},
+    )  # fmt: skip
     repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
     warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -107,6 +112,39 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
     return record
 
 
+#: attention implementation of the floor rows: no attention at all (see _no_attention)
+FLOOR_IMPLEMENTATION = "focus_bench_no_attention"
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that attends nothing: the query's layout ``[B, N, H, D]``
+    returned as the output (one copy), so the rest of the model runs as with attention."""
+    return query.transpose(1, 2).contiguous(), None
+
+
+def _floor_model(model: Any) -> Any:
+    """``model`` switched to :func:`_no_attention` (registered once with transformers)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(FLOOR_IMPLEMENTATION, _no_attention)
+    model.config._attn_implementation = FLOOR_IMPLEMENTATION
+    return model
+
+
+def _attention_speedups(rows: list[dict[str, Any]]) -> None:
+    """Speed-ups against sdpa, whole and (where a floor row exists) of the attention time
+    alone: ``(sdpa - floor) / (row - floor)``."""
+    for row in rows:
+        same = [r for r in rows if r["N"] == row["N"]]
+        ref = next(r for r in same if r["method"] == "sdpa")
+        row["speedup_vs_sdpa"] = ref["seconds"] / row["seconds"]
+        floor = next((r for r in same if r["method"] == "none"), None)
+        if floor is not None and row["method"] != "none":
+            spent = row["seconds"] - floor["seconds"]
+            row["attention_seconds"] = spent
+            row["attention_speedup"] = (ref["seconds"] - floor["seconds"]) / spent if spent > 0 else None  # fmt: skip
+
+
 def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any]:
     """End-to-end prefill of a real model: stock ``sdpa`` attention against Focus top-k.
 
@@ -115,11 +153,15 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     the vocabulary projection does not dominate). Focus uses ``config.adapter`` if given,
     else freshly initialised routers (speed depends on the group sizes, not on training).
     Seconds are the median of ``repeats`` runs after one warm-up forward of
-    ``warmup_tokens`` tokens.
+    ``warmup_tokens`` tokens. With ``config.floor`` a ``none`` row times the model with
+    attention replaced by a copy of the query (the projections, MLPs and norms alone): the
+    time no attention kernel can go below, from which each row's attention time follows.
 
     Returns:
         ``{"benchmark": "model", "config", "environment", "rows"}``: seconds, tokens per
-        second and speedup against sdpa per ``(N, method, top_k)``.
+        second and speedup against sdpa per ``(N, method, top_k)``; with a floor also
+        ``attention_seconds`` (row minus floor) and ``attention_speedup`` (sdpa's attention
+        seconds over the row's).
     """
     from tqdm.auto import tqdm
 
@@ -135,25 +177,25 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
             return m(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
 
     rows = []
-    methods = [("sdpa", None, None)]
+    methods = [("sdpa", None, None)] + ([("none", None, None)] if config.floor else [])
     methods += [("focus", k, w) for w in config.windows for k in config.top_k]
     cells = [(n, m) for n in config.lengths for m in methods]
     bar = tqdm(cells, desc="model", disable=not config.progress)
     for n, (method, top_k, window) in bar:
         bar.set_postfix(N=n, method=method, top_k=top_k, window=window)
-        runner = model if method == "sdpa" else _attach(model, config, top_k, window)
+        runner = _attach(model, config, top_k, window) if method == "focus" else model
+        if method == "none":
+            runner = _floor_model(model)
         prefill(runner, config.warmup_tokens)
         seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), config.repeats,
                                        warmup=0)  # fmt: skip
         if method == "focus":
             model = runner.unload()
-            model.config._attn_implementation = "sdpa"
+        model.config._attn_implementation = "sdpa"
         rows.append({"N": n, "method": method, "top_k": top_k, "window": window,
                      "seconds": seconds,
                      "runs_s": runs, "tokens_per_second": n / seconds})  # fmt: skip
-    for row in rows:
-        ref = next(r for r in rows if r["N"] == row["N"] and r["method"] == "sdpa")
-        row["speedup_vs_sdpa"] = ref["seconds"] / row["seconds"]
+    _attention_speedups(rows)
     record = {
         "model": config.model,
         "adapter": config.adapter,
@@ -163,6 +205,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "num_groups": config.num_groups,
         "windows": list(config.windows),
         "repeats": config.repeats,
+        "floor": config.floor,
         "warmup_tokens": config.warmup_tokens,
         "dtype": "float32",
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
@@ -176,19 +219,21 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
 def model_table(result: dict[str, Any]) -> str:
     """Markdown table of an end-to-end model benchmark result."""
     lines = [
-        "| N | attention | seconds | tokens/s | speedup vs sdpa |",
-        "|---:|---|---:|---:|---:|",
+        "| N | attention | seconds | tokens/s | speedup vs sdpa | attention seconds | attention speedup |",  # fmt: skip
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        name = "sdpa (stock)"
-        if r["method"] != "sdpa":
+        name = {"sdpa": "sdpa (stock)", "none": "none (floor)"}.get(r["method"], "")
+        if r["method"] == "focus":
             name = f"focus top_k={r['top_k']}"
             if r.get("window") is not None:
                 name += f", window={r['window']}"
             if result["config"].get("dense_layers"):
                 name += ", dense layers " + ",".join(map(str, result["config"]["dense_layers"]))
+        spent, gain = r.get("attention_seconds"), r.get("attention_speedup")
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
-            f"| {r['speedup_vs_sdpa']:.2f}x |"
+            f"| {r['speedup_vs_sdpa']:.2f}x | {'-' if spent is None else f'{spent:.2f}'} "
+            f"| {'-' if gain is None else f'{gain:.2f}x'} |"
         )
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..ops import focus_mask, gated_attention, sparse_attention, topk_memberships
+from ..utils.compile import eager_only
 from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
@@ -94,7 +95,7 @@ def handle_of(module: torch.nn.Module) -> LayerHandle | None:
     return module.__dict__.get(HANDLE_ATTR)
 
 
-@torch.compiler.disable
+@eager_only
 def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a Focus attention module: capture the hidden state entering it
     (``[B, N, d_model]``) and prepare its KV-cache layer (docs/method.md §8).
@@ -230,7 +231,7 @@ def _focus_call(handle, module, query, key, value, attention_mask, dropout, scal
     return out.transpose(1, 2).contiguous(), maps
 
 
-@torch.compiler.disable
+@eager_only
 def _record_dense(handle, module, query, key, attention_mask, scaling, kwargs) -> None:
     """Append the inputs of this layer's dense attention to the runtime's dense recorder
     (see ``FocusModel.record_dense_attention``); the caller then runs the base attention."""
@@ -459,7 +460,7 @@ def _topk_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
     return out, q_groups, k_groups, maps
 
 
-@torch.compiler.disable
+@eager_only
 def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwargs):
     """One Focus-layer call: ``(out [B, H, Nq, D], maps or None)``."""
     call = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)

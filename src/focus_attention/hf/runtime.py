@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..utils.compile import eager_only
+
 ATTN_IMPLEMENTATION = "focus"
 #: attribute (in ``module.__dict__``) holding the runtime on the hooked PreTrainedModels
 RUNTIME_ATTR = "_focus_runtime"
@@ -101,7 +103,7 @@ def attention_maps_error(runtime: FocusRuntime) -> ValueError | None:
     return None
 
 
-@torch.compiler.disable
+@eager_only
 def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on every ``PreTrainedModel`` of a wrapped model: counts calls, notes
     whether attention maps are asked for, and refuses a model whose attention implementation

@@ -12,9 +12,14 @@
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
 // gathered rows, with MKL's sgemm for the two products; nothing of size Nq x Nk exists.
-// With few query rows (a decoding step: one tile per key head) phase 1 also splits each
-// tile's keys into position segments, merged by log-sum-exp before phase 2, so that every
-// thread has work (split-K, as in flash-decoding).
+// With few query rows phase 1 also splits each tile's keys into position segments, merged
+// by log-sum-exp before phase 2, so that every thread has work (split-K, as in
+// flash-decoding).
+// A call with one query (a decoding step) takes a shorter path: no classes are planned;
+// per batch element, key head and position segment, the visible keys (the window's, and
+// before it those sharing a group, found from the bool masks directly) are listed, their
+// key and value rows read in place (no tile copies) with a two-pass softmax, and the
+// segments merged by log-sum-exp.
 // Work items are sorted by estimated cost and pulled from an atomic counter by every
 // thread (a causal workload is triangular: static splits would be unbalanced).
 // Product decision: written for the CPU machines this project runs on; the Python side
@@ -229,13 +234,12 @@ inline void prefetch_row(const T* row, int64_t d) {
   for (int64_t off = 0; off < static_cast<int64_t>(sizeof(T)) * d; off += 64) __builtin_prefetch(p + off);
 }
 
-// Scratch of one thread in a decoding step: the visible keys of one segment, the logits of
-// the rep query rows against them, and fp32 rows.
+// Scratch of one thread in a decoding step: the logits of the rep query rows against the
+// visible keys of one segment, and fp32 rows.
 struct DecodeScratch {
-  Buffer<int64_t> idx;
+  const int64_t* idx = nullptr;  // the visible keys of the item's segment
   Buffer<float> s, q, acc, row;
   void reserve(int64_t keys, int64_t rows, int64_t d) {
-    idx.resize(keys);
     s.resize(rows * keys);
     q.resize(rows * d);
     acc.resize(rows * d);
@@ -590,29 +594,31 @@ struct Kernel {
   // copies), with a two-pass softmax; segments merge by log-sum-exp (merge_segments).
   const bool *qg_bools = nullptr, *kg_bools = nullptr;  // [B, 1, K], [B, Nk, K]
   int64_t kgroups = 0;
+  static constexpr int64_t kAhead = 8;  // rows prefetched ahead of the one being read
+  std::vector<std::vector<int64_t>> visible;  // [B * segments]: the keys each query sees
 
-  // visible keys in [lo, hi) of batch element bi, increasing, into idx; returns the count
-  int64_t decode_keys(int64_t bi, int64_t lo, int64_t hi, int64_t* idx) const {
+  // visible keys in [lo, hi) of batch element bi, increasing, into idx
+  void decode_keys(int64_t bi, int64_t lo, int64_t hi, std::vector<int64_t>& idx) const {
     const int64_t local_lo = std::max<int64_t>(0, nk - window);
     const bool* rl = real ? real + bi * nk : nullptr;
     uint64_t qchunks[8];
     const int64_t chunks = bool_chunks(qg_bools + bi * kgroups, kgroups, qchunks);
     uint64_t any = 0;
     for (int64_t c = 0; c < chunks; ++c) any |= qchunks[c];
-    int64_t n = 0;
     const bool* kg = kg_bools + bi * nk * kgroups;
+    idx.clear();
     if (any)
       for (int64_t j = lo, stop = std::min(hi, local_lo); j < stop; ++j)
-        if ((rl == nullptr || rl[j]) && shares_group(kg + j * kgroups, qchunks, kgroups)) idx[n++] = j;
+        if ((rl == nullptr || rl[j]) && shares_group(kg + j * kgroups, qchunks, kgroups))
+          idx.push_back(j);
     for (int64_t j = std::max(lo, local_lo); j < hi; ++j)
-      if (rl == nullptr || rl[j]) idx[n++] = j;
-    return n;
+      if (rl == nullptr || rl[j]) idx.push_back(j);
   }
 
   // the rep query rows' logits against the n keys idx[0..n), scaled, into sc.s (row r at r * n)
   void decode_logits(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
     for (int64_t t = 0; t < n; ++t) {
-      if (t + 4 < n) prefetch_row(k_row(bi, hk, sc.idx[t + 4]), d);
+      if (t + kAhead < n) prefetch_row(k_row(bi, hk, sc.idx[t + kAhead]), d);
       const T* src = k_row(bi, hk, sc.idx[t]);
       const float* kr;
       if constexpr (std::is_same_v<T, float>) {
@@ -629,7 +635,7 @@ struct Kernel {
   void decode_values(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
     std::fill(sc.acc.begin(), sc.acc.begin() + rep * d, 0.f);
     for (int64_t t = 0; t < n; ++t) {
-      if (t + 4 < n) prefetch_row(v_row(bi, hk, sc.idx[t + 4]), d);
+      if (t + kAhead < n) prefetch_row(v_row(bi, hk, sc.idx[t + kAhead]), d);
       const T* src = v_row(bi, hk, sc.idx[t]);
       const float* vr;
       if constexpr (std::is_same_v<T, float>) {
@@ -649,10 +655,11 @@ struct Kernel {
   // one (batch, key head, segment) of a decoding step, into out / lse or the segment's partials
   void decode_item(DecodeScratch& sc, int64_t t) const {
     const int64_t seg = t % segments, hk = (t / segments) % hkv, bi = t / (segments * hkv);
-    const int64_t lo = seg * nk / segments, hi = (seg + 1) * nk / segments;
     float* out_base = segments > 1 ? part_out.data() + seg * b * h * d : out;
     float* lse_base = segments > 1 ? part_lse.data() + seg * b * h : lse;
-    const int64_t n = decode_keys(bi, lo, hi, sc.idx.data());
+    const std::vector<int64_t>& keys = visible[bi * segments + seg];
+    const int64_t n = static_cast<int64_t>(keys.size());
+    sc.idx = keys.data();
     for (int64_t r = 0; r < rep; ++r) load_row(sc.q.data() + r * d, q_row(bi, hk * rep + r, 0), d);
     decode_logits(sc, bi, hk, n);
     float mx[64], sum[64];  // rep <= 64 (checked by the caller)
@@ -686,6 +693,14 @@ struct Kernel {
   void run_decode() {
     plan_segments(b * hkv);
     const int64_t longest = (nk + segments - 1) / segments + 1;
+    visible.assign(b * segments, {});  // listed once, read by every key head
+    at::parallel_for(0, b * segments, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t bi = t / segments, seg = t % segments;
+        visible[t].reserve(static_cast<size_t>(longest));
+        decode_keys(bi, seg * nk / segments, (seg + 1) * nk / segments, visible[t]);
+      }
+    });
     pull<DecodeScratch>(
         b * hkv * segments, [&](DecodeScratch& sc) { sc.reserve(longest, rep, d); },
         [&](DecodeScratch& sc, int64_t t) { decode_item(sc, t); });
