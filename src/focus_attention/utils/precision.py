@@ -1,11 +1,10 @@
-"""``torch.autocast`` helpers: which dtype an autocast region computes in, and a context that
+"""``torch.autocast`` helpers: which dtype an autocast region computes in, and a decorator that
 switches autocast off where an op must compute in its inputs' dtype."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -24,16 +23,6 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-@contextlib.contextmanager
-def autocast_disabled(device_type: str) -> Iterator[None]:
-    """Run the body with autocast off on ``device_type`` (nothing to do when it is off)."""
-    if autocast_dtype(device_type) is None:
-        yield
-        return
-    with torch.autocast(device_type, enabled=False):
-        yield
-
-
 def without_autocast(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorate an op taking tensors so that it computes as written (in its inputs' dtype,
     or the dtype it casts to) also when called inside ``torch.autocast``; autocast is
@@ -41,10 +30,14 @@ def without_autocast(fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
-        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        first = next(tensors, None)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None:
+            tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            first = next(tensors, None)
         device = first.device.type if first is not None else "cpu"
-        with autocast_disabled(device):
+        if autocast_dtype(device) is None:  # the common case: no context to enter
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
             return fn(*args, **kwargs)
 
     return wrapper
