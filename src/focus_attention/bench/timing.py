@@ -11,7 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cuda_peak_extra_bytes", "interleaved_median_seconds", "median_seconds", "peak_extra_bytes"]
+__all__ = [
+    "cuda_peak_extra_bytes",
+    "interleaved_median_seconds",
+    "median_seconds",
+    "peak_extra_bytes",
+]
 
 
 def _no_sync() -> None:
