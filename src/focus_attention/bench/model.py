@@ -183,9 +183,10 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     bar = tqdm(cells, desc="model", disable=not config.progress)
     for n, (method, top_k, window) in bar:
         bar.set_postfix(N=n, method=method, top_k=top_k, window=window)
-        runner = _attach(model, config, top_k, window) if method == "focus" else model
-        if method == "none":
-            runner = _floor_model(model)
+        if method == "focus":
+            runner = _attach(model, config, top_k, window)
+        else:
+            runner = _floor_model(model) if method == "none" else model
         prefill(runner, config.warmup_tokens)
         seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), config.repeats,
                                        warmup=0)  # fmt: skip

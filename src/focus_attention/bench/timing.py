@@ -34,17 +34,7 @@ def median_seconds(
 
     ``synchronize`` (for example ``torch.cuda.synchronize``) is called before the clock
     starts and before it stops, so that asynchronous device work is inside each timing."""
-    sync = synchronize or _no_sync
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
+    return interleaved_median_seconds({"call": fn}, repeats, warmup, synchronize=synchronize)["call"]  # fmt: skip
 
 
 def interleaved_median_seconds(
@@ -52,6 +42,7 @@ def interleaved_median_seconds(
     repeats: int,
     warmup: int = 1,
     contexts: dict[str, Callable[[], Any]] | None = None,
+    synchronize: Callable[[], Any] | None = None,
 ) -> dict[str, tuple[float, list]]:
     """:func:`median_seconds` of several calls timed in turns: each of ``warmup + repeats``
     rounds calls every one once, in order, so that a slow spell of a shared machine falls on
@@ -59,17 +50,21 @@ def interleaved_median_seconds(
 
     ``contexts`` maps a name to a context-manager factory entered around that call (its
     set-up, outside the clock; e.g. a model switched to the call's settings).
+    ``synchronize`` is called as in :func:`median_seconds`.
 
     Returns:
         ``{name: (median seconds, every timed call's seconds)}``.
     """
     contexts = contexts or {}
+    sync = synchronize or _no_sync
     times: dict[str, list] = {name: [] for name in calls}
     for round_ in range(warmup + repeats):
         for name, fn in calls.items():
             with contexts.get(name, contextlib.nullcontext)():
+                sync()
                 start = time.perf_counter()
                 fn()
+                sync()
                 seconds = time.perf_counter() - start
             if round_ >= warmup:
                 times[name].append(seconds)

@@ -411,7 +411,7 @@ def _key_groups(call: LayerCall, q_groups: torch.Tensor) -> torch.Tensor:
     nq, nk = q_groups.shape[1], call.key.shape[2]
     if call.sinks is None or (call.real is None and nk - nq >= call.sink_tokens):
         return q_groups  # without padding the sinks are the first positions: none is new
-    return q_groups | call.sinks[:, call.sinks.shape[1] - q_groups.shape[1] :, None]
+    return q_groups | call.sinks[:, nk - nq :, None]
 
 
 def attention_probs(

@@ -203,31 +203,6 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// Group bools of one token as 8-byte chunks (bools are bytes of 0 or 1, so the AND of two
-// tokens' chunks is nonzero exactly where they share a group). Returns the chunk count.
-inline int64_t bool_chunks(const bool* b, int64_t kgroups, uint64_t* chunks) {
-  int64_t c = 0;
-  for (int64_t g0 = 0; g0 < kgroups; g0 += 8, ++c) {
-    chunks[c] = 0;
-    std::memcpy(&chunks[c], b + g0, static_cast<size_t>(std::min<int64_t>(8, kgroups - g0)));
-  }
-  return c;
-}
-
-// Whether a key's group bools share a group with the query's chunks.
-inline bool shares_group(const bool* key, const uint64_t* qchunks, int64_t kgroups) {
-  for (int64_t g0 = 0, c = 0; g0 < kgroups; g0 += 8, ++c) {
-    uint64_t x = 0;
-    if (g0 + 8 <= kgroups) {
-      std::memcpy(&x, key + g0, 8);
-    } else {
-      std::memcpy(&x, key + g0, static_cast<size_t>(kgroups - g0));
-    }
-    if (x & qchunks[c]) return true;
-  }
-  return false;
-}
-
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -589,7 +564,8 @@ struct Kernel {
   }
 
   // ---- decoding (Nq == 1): the query at position nk - 1 sees the real keys of its window
-  // and, before it, the real keys that share one of its groups. Each (batch, key head,
+  // and, before it, the real keys that share one of its groups (their bit codes AND the
+  // query's). Each (batch, key head,
   // position segment) reads its visible key and value rows once, in place (no tile
   // copies), with a two-pass softmax; segments merge by log-sum-exp (merge_segments).
   const bool *qg_bools = nullptr, *kg_bools = nullptr;  // [B, 1, K], [B, Nk, K]
@@ -601,32 +577,36 @@ struct Kernel {
   void decode_keys(int64_t bi, int64_t lo, int64_t hi, std::vector<int64_t>& idx) const {
     const int64_t local_lo = std::max<int64_t>(0, nk - window);
     const bool* rl = real ? real + bi * nk : nullptr;
-    uint64_t qchunks[8];
-    const int64_t chunks = bool_chunks(qg_bools + bi * kgroups, kgroups, qchunks);
-    uint64_t any = 0;
-    for (int64_t c = 0; c < chunks; ++c) any |= qchunks[c];
+    const uint64_t qcode = pack_bools(qg_bools + bi * kgroups, kgroups);
     const bool* kg = kg_bools + bi * nk * kgroups;
     idx.clear();
-    if (any)
+    if (qcode)
       for (int64_t j = lo, stop = std::min(hi, local_lo); j < stop; ++j)
-        if ((rl == nullptr || rl[j]) && shares_group(kg + j * kgroups, qchunks, kgroups))
+        if ((rl == nullptr || rl[j]) && (pack_bools(kg + j * kgroups, kgroups) & qcode))
           idx.push_back(j);
     for (int64_t j = std::max(lo, local_lo); j < hi; ++j)
       if (rl == nullptr || rl[j]) idx.push_back(j);
   }
 
+  // row idx[t] of rows(j) as fp32 (in place for float inputs, else converted into sc.row),
+  // with the row kAhead further on prefetched
+  template <typename Rows>
+  const float* visible_row(DecodeScratch& sc, int64_t t, int64_t n, Rows rows) const {
+    if (t + kAhead < n) prefetch_row(rows(sc.idx[t + kAhead]), d);
+    const T* src = rows(sc.idx[t]);
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      load_row(sc.row.data(), src, d);
+      return sc.row.data();
+    }
+  }
+
   // the rep query rows' logits against the n keys idx[0..n), scaled, into sc.s (row r at r * n)
   void decode_logits(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
+    const auto keys = [&](int64_t j) { return k_row(bi, hk, j); };
     for (int64_t t = 0; t < n; ++t) {
-      if (t + kAhead < n) prefetch_row(k_row(bi, hk, sc.idx[t + kAhead]), d);
-      const T* src = k_row(bi, hk, sc.idx[t]);
-      const float* kr;
-      if constexpr (std::is_same_v<T, float>) {
-        kr = src;
-      } else {
-        load_row(sc.row.data(), src, d);
-        kr = sc.row.data();
-      }
+      const float* kr = visible_row(sc, t, n, keys);
       for (int64_t r = 0; r < rep; ++r) sc.s[r * n + t] = dot(sc.q.data() + r * d, kr, d) * scale;
     }
   }
@@ -634,16 +614,9 @@ struct Kernel {
   // acc[r] = sum_t p[r][t] * value[idx[t]] for the rep rows
   void decode_values(DecodeScratch& sc, int64_t bi, int64_t hk, int64_t n) const {
     std::fill(sc.acc.begin(), sc.acc.begin() + rep * d, 0.f);
+    const auto values = [&](int64_t j) { return v_row(bi, hk, j); };
     for (int64_t t = 0; t < n; ++t) {
-      if (t + kAhead < n) prefetch_row(v_row(bi, hk, sc.idx[t + kAhead]), d);
-      const T* src = v_row(bi, hk, sc.idx[t]);
-      const float* vr;
-      if constexpr (std::is_same_v<T, float>) {
-        vr = src;
-      } else {
-        load_row(sc.row.data(), src, d);
-        vr = sc.row.data();
-      }
+      const float* vr = visible_row(sc, t, n, values);
       for (int64_t r = 0; r < rep; ++r) {
         const float p = sc.s[r * n + t];
         float* a = sc.acc.data() + r * d;
