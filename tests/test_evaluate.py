@@ -226,6 +226,20 @@ def test_position_buckets_are_checked():
         acc.add(torch.zeros(5))
 
 
+def test_without_soft_routing(assets, adapter):
+    """``soft=False`` skips the soft model: no soft entry anywhere, the same top-k and base
+    scores, and tables without a soft row."""
+    full = _evaluate(assets, adapter, top_k_values=[1, 2])
+    lean = _evaluate(assets, adapter, top_k_values=[1, 2], soft=False)
+    assert lean["config"]["soft"] is False and full["config"]["soft"] is True
+    assert "focus_soft" not in lean["ppl"] and "focus_soft" not in lean["ppl_by_position"]
+    assert "soft" not in lean["dominance"] and "soft" not in lean["seconds"]
+    assert lean["ppl"]["base"] == full["ppl"]["base"]
+    assert lean["ppl"]["focus_topk"] == full["ppl"]["focus_topk"]
+    table = markdown_table(lean)
+    assert "Focus soft" not in table and table.count("| Focus top-k |") == 2
+
+
 def test_calibrating_the_bias_on_validation_blocks(assets, adapter):
     """``calibrate_blocks`` re-collects the causal routing bias from validation blocks before
     scoring: the dense and soft scores stay, the top-k scores use the new bias, the result

@@ -187,6 +187,13 @@ class EvalConfig:
             "costs one more dense forward per window)"
         },
     )
+    soft: bool = field(
+        default=True,
+        metadata={
+            "help": "also score Focus with soft routing, the training-time model (at long "
+            "context it costs about as much as the base model and two top-k values together)"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
     json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
     markdown: str | None = field(
@@ -235,7 +242,8 @@ class EvalResult:
     Attributes:
         ppl: ``{"base": float, "focus_soft": float, "focus_topk": {"k": float}}``; a run
             that trained LoRA or base weights adds ``"tuned"`` (dense), and one without
-            Focus has only ``base`` and ``tuned``.
+            Focus has only ``base`` and ``tuned``; ``focus_soft`` (and every other ``soft``
+            entry below) is absent when the config's ``soft`` is False.
         pairs_retained: ``{"k": share}`` of the causal pairs kept by top-k routing.
         tokens: scored tokens; windows: evaluated windows.
         base_weights_sha256: ``{"before", "after", "equal"}``; for a run that trained LoRA
@@ -509,10 +517,11 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     for i, block in enumerate(calib if calib is not None else []):
         fm.calibrate(block[None], reset=i == 0)
     fm.eval()
-    bar.set_description("eval Focus soft")
-    fm.set_routing("soft")
     bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
-    scores.add_soft(*_score_routed(fm, blocks, bar, bounds))
+    if cfg.soft:
+        bar.set_description("eval Focus soft")
+        fm.set_routing("soft")
+        scores.add_soft(*_score_routed(fm, blocks, bar, bounds))
     fm.set_routing("topk")
     for k in ks:
         bar.set_description(f"eval Focus top-{k}")
@@ -555,6 +564,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
             "dense_layers": cfg.dense_layers,
         },  # fmt: skip
         "calibrate_blocks": cfg.calibrate_blocks,
+        "soft": cfg.soft,
         "window_scheme": WINDOW_SCHEME,
         "focus": focus,
         "focus_layers": layers,
@@ -628,7 +638,7 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
     digests = tensor_digests(base) if tuned else None
     scores.seconds["load"] = time.monotonic() - t
     n_win = int(blocks.shape[0])
-    rows = 1 + int(tuned) + (1 + len(ks) if saved is not None else 0)
+    rows = 1 + int(tuned) + (int(cfg.soft) + len(ks) if saved is not None else 0)
     bar = tqdm(total=n_win * rows, disable=not cfg.progress, desc="eval",
                dynamic_ncols=True, file=sys.stderr)  # fmt: skip
     bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)

@@ -82,7 +82,8 @@ def position_table(by_position: dict[str, Any]) -> list[str]:
         return f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |"
 
     lines.append(row("base (dense)", by_position["base"]))
-    lines.append(row("Focus soft", by_position["focus_soft"]))
+    if "focus_soft" in by_position:
+        lines.append(row("Focus soft", by_position["focus_soft"]))
     for k, values in by_position["focus_topk"].items():
         lines.append(row(f"Focus top-{k}", values))
     return lines
