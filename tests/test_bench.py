@@ -226,10 +226,11 @@ def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, ke
     assert shares[(1,)] < 1 and shares[(0, 1)] == 1.0
     cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
                            lengths=(32,), top_k=(1,), windows=(8,), num_groups=4,
-                           warmup_tokens=8, threads=1, dense_layers=(1,), progress=False)  # fmt: skip
+                           warmup_tokens=8, threads=1, dense_layers=(1,), sink_tokens=3,
+                           progress=False)  # fmt: skip
     result = run_model_benchmark(cfg)
-    assert result["config"]["dense_layers"] == [1]
-    assert "focus top_k=1, window=8, dense layers 1" in model_table(result)
+    assert result["config"]["dense_layers"] == [1] and result["config"]["sink_tokens"] == 3
+    assert "focus top_k=1, window=8, dense layers 1, 3 sink tokens" in model_table(result)
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,31 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
+    """``window``, ``sink_tokens`` and ``dense_layers`` override the adapter's settings in
+    every Focus mode, and the JSON records them; a negative sink count is refused."""
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    seen = set()
+
+    def fake_answer(model, tokenizer, case, max_new_tokens):
+        if model._runtime.enabled:
+            cfg = model.focus_config
+            seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k))
+        return " 1.", 0.01
+
+    monkeypatch.setattr(needle, "_answer", fake_answer)
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), haystacks=("passkey",),
+                               lengths=(64,), depths=(0.5,), trials=1, top_k=(1, 2), window=5,
+                               sink_tokens=3, dense_layers=(1,), progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(config)
+    assert seen == {(5, 3, (1,), 1), (5, 3, (1,), 2)}
+    assert result["config"]["sink_tokens"] == 3 and result["config"]["window"] == 5
+    with pytest.raises(ValueError, match="sink_tokens"):
+        NeedleBenchConfig(sink_tokens=-1)
+
+
 def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
     """Without stand-ins: the tiny model answers every prompt (wrongly, it is random) and
     dense answers equal the base model's own greedy generation."""

@@ -50,6 +50,11 @@ class ModelBenchConfig:
         metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
                   "none for fresh routers)"},
     )  # fmt: skip
+    sink_tokens: int | None = field(
+        default=None,
+        metadata={"help": "sink_tokens of the Focus rows (default: the adapter's; the "
+                  "FocusConfig default for fresh routers)"},
+    )  # fmt: skip
     floor: bool = field(
         default=True,
         metadata={"help": "also time the model without attention (the floor no attention "
@@ -84,6 +89,8 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int) -> An
         runner = get_focus_model(model, cfg)
     if config.dense_layers is not None:
         runner.focus_config = runner.focus_config.replace(dense_layers=config.dense_layers)
+    if config.sink_tokens is not None:
+        runner.focus_config = runner.focus_config.replace(sink_tokens=config.sink_tokens)
     return runner.eval()
 
 
@@ -213,6 +220,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "sparse_backend": sparse_backend_name("auto"),
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
+        "sink_tokens": config.sink_tokens,
     }
     return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
@@ -231,6 +239,8 @@ def model_table(result: dict[str, Any]) -> str:
                 name += f", window={r['window']}"
             if result["config"].get("dense_layers"):
                 name += ", dense layers " + ",".join(map(str, result["config"]["dense_layers"]))
+            if result["config"].get("sink_tokens") is not None:
+                name += f", {result['config']['sink_tokens']} sink tokens"
         spent, gain = r.get("attention_seconds"), r.get("attention_speedup")
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "

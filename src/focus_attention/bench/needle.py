@@ -107,6 +107,11 @@ class NeedleBenchConfig:
     window: int | None = field(
         default=None, metadata={"help": "override the adapter's local window in tokens"}
     )
+    sink_tokens: int | None = field(
+        default=None,
+        metadata={"help": "override the adapter's sink_tokens (the first tokens every query "
+                  "sees)"},
+    )  # fmt: skip
     max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
     seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -117,6 +122,7 @@ class NeedleBenchConfig:
         for name in ("trials", "max_new_tokens"):
             check_int(owner, name, getattr(self, name), 1)
         check_int(owner, "window", self.window, 1, optional=True)
+        check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
         for k in self.top_k:
             check_int(owner, "top_k", k, 1)
         _check_prompts(owner, self)
@@ -296,7 +302,8 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
             short, or the errors of loading the model or adapter.
     """
     fm, tokenizer, bos_id = _load(config)
-    overrides = {"dense_layers": config.dense_layers, "window": config.window}
+    overrides = {"dense_layers": config.dense_layers, "window": config.window,
+                 "sink_tokens": config.sink_tokens}  # fmt: skip
     fm.focus_config = fm.focus_config.replace(
         **{k: v for k, v in overrides.items() if v is not None}
     )
