@@ -250,7 +250,7 @@ def test_calibrating_the_bias_on_validation_blocks(assets, adapter):
     assert calibrated["ppl"]["base"] == plain["ppl"]["base"]
     assert calibrated["ppl"]["focus_soft"] == plain["ppl"]["focus_soft"]
     assert calibrated["ppl"]["focus_topk"]["1"] != plain["ppl"]["focus_topk"]["1"]
-    with pytest.raises(ValueError, match="calibrate_blocks=9999"):
+    with pytest.raises(ValueError, match="9999 blocks: the validation split"):
         _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=9999)
 
 

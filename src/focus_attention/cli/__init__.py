@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "focus_attention.cli.train",
     "focus_attention.cli.pretrain",
     "focus_attention.cli.eval",
+    "focus_attention.cli.calibrate",
     "focus_attention.cli.inspect",
     "focus_attention.cli.sweep",
     "focus_attention.cli.bench",

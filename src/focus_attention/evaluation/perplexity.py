@@ -56,6 +56,7 @@ from ..ops import pairs_retained
 from ..utils.checks import bad, check_int, check_known_keys, comma_ints
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
+from .calibration import calibrate_on, calibration_blocks
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
 from .trained import base_weights_report, run_parts, tensor_digests, tuned_model
@@ -514,8 +515,8 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
         **{k: v for k, v in overrides.items() if v is not None}
     )
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
-    for i, block in enumerate(calib if calib is not None else []):
-        fm.calibrate(block[None], reset=i == 0)
+    if calib is not None:
+        calibrate_on(fm, calib)
     fm.eval()
     bounds = bucket_bounds(cfg.position_buckets, cfg.seq_len)
     if cfg.soft:
@@ -592,14 +593,8 @@ def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool, torch.Tensor | None
                           prepend_bos=bos)  # fmt: skip
     calib = None
     if cfg.calibrate_blocks:
-        n = cfg.calibrate_blocks
-        calib = token_blocks(tokenizer, load_corpus(cfg.corpus, quiet=quiet).texts("validation"),
-                             cfg.seq_len, max_tokens=n * cfg.seq_len, prepend_bos=bos)  # fmt: skip
-        if calib.shape[0] < n:
-            raise ValueError(
-                f"calibrate_blocks={n}: the validation split has {calib.shape[0]} blocks of "
-                f"{cfg.seq_len} tokens"
-            )
+        calib = calibration_blocks(tokenizer, cfg.corpus, "validation", cfg.seq_len,
+                                   cfg.calibrate_blocks, bos, quiet)  # fmt: skip
     return base, blocks, bos, calib
 
 

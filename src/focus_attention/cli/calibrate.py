@@ -1,0 +1,47 @@
+"""``focus calibrate``: an adapter set up for long inputs
+(:func:`focus_attention.evaluation.calibration.calibrate_adapter`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..evaluation.calibration import CalibrateConfig
+from .common import run_guarded
+from .flags import add_config_flag, add_flags, flag_values, read_config_table
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..evaluation.calibration import CALIBRATION_NAME, calibrate_adapter
+
+    settings = read_config_table(args.config, "calibrate")
+    settings.update(flag_values(args, CalibrateConfig))
+    for name in ("adapter", "out"):
+        if not settings.get(name):
+            raise ValueError(f"--{name} is required (or `{name}` in the [calibrate] table of --config)")  # fmt: skip
+    config = CalibrateConfig.from_dict(settings)
+    record = calibrate_adapter(config)
+    focus = record["focus"]
+    print(f"wrote {config.out}: window {focus['window']}, sink_tokens {focus['sink_tokens']}, "
+          f"dense_layers {focus['dense_layers']}, top_k {focus['top_k']}; bias from "
+          f"{record['tokens']:,} tokens (largest change {record['bias_change']:.4f}); "
+          f"{record['seconds']:.0f} s; record: {config.out}/{CALIBRATION_NAME}")  # fmt: skip
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``focus calibrate``: flags from :class:`CalibrateConfig`."""
+    p = subparsers.add_parser(
+        "calibrate",
+        help="an adapter for long inputs: the routing bias collected at that length, and new "
+        "window / sink tokens / dense layers / top_k",
+        description="Copy a Focus adapter into --out with its causal routing bias collected "
+        "afresh from --blocks blocks of --seq-len tokens of held-out text (soft routing, no "
+        "gradients; the trained projections and centroids are unchanged) and with the "
+        "inference settings given here written into its config, so that focus eval, focus "
+        "bench and FocusModel.from_pretrained use them without overrides. Writes "
+        "calibration.json beside it.",
+    )
+    add_config_flag(p, "calibrate")
+    add_flags(p, CalibrateConfig)
+    p.set_defaults(func=run_guarded(_run))

@@ -1,0 +1,213 @@
+"""An adapter set up for long inputs (docs/method.md §4 and §9, "Long-context settings"):
+the causal routing bias collected afresh at the evaluation length, and the inference
+settings (window, sink tokens, dense layers, top_k) written into the adapter's config, so
+that every tool that loads it (``focus eval``, ``focus bench``, ``FocusModel.from_pretrained``)
+runs those settings without overrides. The routers' trained projections and centroids are
+copied unchanged; only ``routing_bias`` and ``bias_updates`` change."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..assets.corpora import DEFAULT_CORPUS, SPLITS
+from ..assets.models import DEFAULT_MODEL
+from ..hf.config import INFERENCE_ROUTINGS
+from ..hf.files import CONFIG_NAME, TRAINER_WEIGHTS_NAME, WEIGHTS_NAME
+from ..utils.checks import bad, check_int, check_known_keys
+from ..utils.env import environment, library_versions
+from ..utils.io import write_json_atomic
+
+__all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks"]  # fmt: skip
+
+#: the record :func:`calibrate_adapter` writes beside the adapter
+CALIBRATION_NAME = "calibration.json"
+
+
+@dataclass
+class CalibrateConfig:
+    """Settings of ``focus calibrate`` (each field a flag: ``seq_len`` -> ``--seq-len``).
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    adapter: str | None = field(default=None, metadata={"help": "Focus adapter directory to start from (required)"})  # fmt: skip
+    out: str | None = field(default=None, metadata={"help": "directory of the new adapter (required)"})  # fmt: skip
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model of the adapter"})
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the calibration text"})  # fmt: skip
+    split: str = field(
+        default="validation",
+        metadata={"help": "its split (keep the test split for evaluation)", "choices": SPLITS},
+    )
+    seq_len: int = field(
+        default=4096, metadata={"help": "tokens per calibration block: the length to serve"}
+    )
+    blocks: int = field(
+        default=4,
+        metadata={"help": "blocks the bias is collected from (0: keep the bias as trained "
+                  "and change only the settings)"},
+    )  # fmt: skip
+    window: int | None = field(default=None, metadata={"help": "new local window in tokens"})
+    sink_tokens: int | None = field(default=None, metadata={"help": "new sink_tokens"})
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "new dense_layers: Focus layers that run dense attention (see "
+                  "focus bench retrieval-layers)"},
+    )  # fmt: skip
+    top_k: int | None = field(default=None, metadata={"help": "new top_k"})
+    inference_routing: str | None = field(
+        default=None, metadata={"help": "new inference routing", "choices": INFERENCE_ROUTINGS}
+    )
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start blocks with BOS (default: automatic, on for Gemma), as "
+                  "focus eval does"},
+    )  # fmt: skip
+    overwrite: bool = field(default=False, metadata={"help": "replace an adapter already in --out"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
+    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
+
+    def __post_init__(self) -> None:
+        owner = "CalibrateConfig"
+        for name in ("adapter", "out"):
+            if not getattr(self, name):
+                raise bad(owner, name, getattr(self, name), "a directory")
+        self.adapter, self.out = str(self.adapter), str(self.out)
+        if self.split not in SPLITS:
+            raise bad(owner, "split", self.split, f"one of {SPLITS}")
+        check_int(owner, "seq_len", self.seq_len, 2)
+        check_int(owner, "blocks", self.blocks, 0)
+        check_int(owner, "threads", self.threads, 1, optional=True)
+        if self.dense_layers is not None:
+            self.dense_layers = tuple(int(i) for i in self.dense_layers)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CalibrateConfig:
+        """A :class:`CalibrateConfig` from a dict of its fields.
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        check_known_keys("CalibrateConfig", data, cls)
+        return cls(**data)
+
+    def overrides(self) -> dict[str, Any]:
+        """The Focus settings this calibration changes (those not None)."""
+        values = {"window": self.window, "sink_tokens": self.sink_tokens,
+                  "dense_layers": self.dense_layers, "top_k": self.top_k,
+                  "inference_routing": self.inference_routing}  # fmt: skip
+        return {k: v for k, v in values.items() if v is not None}
+
+
+def calibration_blocks(tokenizer: Any, corpus: str, split: str, seq_len: int, count: int, prepend_bos: bool, quiet: bool = True) -> torch.Tensor:  # fmt: skip
+    """The first ``count`` blocks of ``seq_len`` tokens of ``corpus``'s ``split``, long
+    ``[count, seq_len]``, cut as ``focus eval`` cuts its windows.
+
+    Raises:
+        ValueError: the split has fewer than ``count`` such blocks.
+    """
+    from ..assets.corpora import load_corpus, token_blocks
+
+    texts = load_corpus(corpus, quiet=quiet).texts(split)
+    blocks = token_blocks(tokenizer, texts, seq_len, max_tokens=count * seq_len,
+                          prepend_bos=prepend_bos)  # fmt: skip
+    if blocks.shape[0] < count:
+        raise ValueError(
+            f"calibration with {count} blocks: the {split} split of {corpus} has "
+            f"{blocks.shape[0]} blocks of {seq_len} tokens"
+        )
+    return blocks
+
+
+def calibrate_on(model: Any, blocks: torch.Tensor, progress: Any = None) -> None:
+    """Collect every router's causal bias afresh from ``blocks`` ``[n, N]`` (one sequence at
+    a time, the first forgetting the bias as trained; :meth:`FocusModel.calibrate`)."""
+    for i, block in enumerate(blocks):
+        model.calibrate(block[None], reset=i == 0)
+        if progress is not None:
+            progress.update(1)
+
+
+def _weights_sha256(adapter: Path) -> str | None:
+    """SHA-256 of an adapter's weights file (either layout), None when there is none."""
+    for name in (WEIGHTS_NAME, TRAINER_WEIGHTS_NAME):
+        if (adapter / name).is_file():
+            return hashlib.sha256((adapter / name).read_bytes()).hexdigest()
+    return None
+
+
+def _check_out(config: CalibrateConfig) -> Path:
+    """The output directory, refused when it is the source or already holds an adapter
+    (without ``overwrite``)."""
+    out = Path(config.out)
+    if out.resolve() == Path(config.adapter).resolve():
+        raise ValueError(f"--out {out} is the source adapter: write the new adapter elsewhere")
+    if (out / CONFIG_NAME).exists() and not config.overwrite:
+        raise FileExistsError(f"{out} already holds an adapter: pass --overwrite to replace it")
+    return out
+
+
+def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
+    """Write the adapter of ``config.adapter`` with the new settings and, unless
+    ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
+    tokens, into ``config.out`` (atomically, file by file), with a :data:`CALIBRATION_NAME`
+    record.
+
+    Returns:
+        The record: ``config``, the ``source`` adapter and the SHA-256 of its weights,
+        ``focus`` (the new adapter's settings), ``bias_change`` (largest absolute change of a
+        router's ``routing_bias``), ``tokens`` calibrated on, ``seconds``, ``versions``,
+        ``environment``.
+
+    Raises:
+        ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` equal to the
+            source, too few blocks in the split.
+        FileExistsError: ``out`` already holds an adapter and ``overwrite`` is False.
+        FileNotFoundError: the source adapter is missing.
+    """
+    from tqdm.auto import tqdm
+
+    from ..assets.models import auto_prepend_bos, load_model
+    from ..hf import FocusModel
+
+    t0 = time.monotonic()
+    out = _check_out(config)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    quiet = not config.progress
+    base, tokenizer = load_model(config.model, quiet=quiet)
+    fm = FocusModel.from_pretrained(base, config.adapter)
+    fm.focus_config = fm.focus_config.replace(**config.overrides())
+    before = {i: r.routing_bias.clone() for i, r in fm.routers.items()}
+    tokens = 0
+    if config.blocks:
+        bos = auto_prepend_bos(base) if config.prepend_bos is None else config.prepend_bos
+        blocks = calibration_blocks(tokenizer, config.corpus, config.split, config.seq_len,
+                                    config.blocks, bos, quiet)  # fmt: skip
+        with tqdm(total=config.blocks, disable=quiet, desc="calibrate", dynamic_ncols=True) as bar:
+            calibrate_on(fm, blocks, bar)
+        tokens = int(blocks.numel())
+    change = max((float((r.routing_bias - before[i]).abs().max()) for i, r in fm.routers.items()),
+                 default=0.0)  # fmt: skip
+    fm.save_pretrained(out)
+    record = {
+        "config": asdict(config),
+        "source": {
+            "adapter": config.adapter,
+            "weights_sha256": _weights_sha256(Path(config.adapter)),
+        },  # fmt: skip
+        "focus": fm.focus_config.to_dict(),
+        "bias_change": change,
+        "tokens": tokens,
+        "seconds": time.monotonic() - t0,
+        "versions": library_versions(),
+        "environment": environment(),
+    }
+    write_json_atomic(out / CALIBRATION_NAME, record)
+    return record

@@ -1,0 +1,100 @@
+"""``focus calibrate``: an adapter whose routing bias was collected at a length and whose
+config carries new inference settings. It must equal the source adapter with the same
+overrides and ``focus eval --calibrate-blocks``, copy the trained routers unchanged, and
+refuse outputs that would lose an adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from focus_attention import cli
+from focus_attention.evaluation import evaluate
+from focus_attention.evaluation.calibration import (  # fmt: skip
+    CALIBRATION_NAME,
+    CalibrateConfig,
+    calibrate_adapter,
+)
+from focus_attention.hf.files import WEIGHTS_NAME
+
+SETTINGS = dict(window=5, sink_tokens=2, top_k=1)
+
+
+def _calibrate(assets, adapter, out, **kw):
+    kw.setdefault("seq_len", 64)
+    return calibrate_adapter(CalibrateConfig(model=str(assets["model"]), adapter=str(adapter),
+                                             out=str(out), corpus=str(assets["corpus"]),
+                                             progress=False, **kw))  # fmt: skip
+
+
+def _evaluate(assets, adapter, **kw):
+    return evaluate(model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
+                    split="test", seq_len=64, max_tokens=192, top_k_values=[1, 2], soft=False,
+                    threads=1, progress=False, **kw).to_dict()  # fmt: skip
+
+
+def test_a_calibrated_adapter_equals_evaluating_with_calibration(assets, adapter, tmp_path):
+    """The new adapter scores exactly what ``focus eval`` scores with the same overrides and
+    calibration blocks; its projections and centroids are the source's, its bias is not."""
+    out = tmp_path / "calibrated"
+    record = _calibrate(assets, adapter, out, blocks=2, **SETTINGS)
+    assert record["tokens"] == 2 * 64 and record["bias_change"] > 0
+    assert {k: record["focus"][k] for k in SETTINGS} == SETTINGS
+    saved = json.loads((out / CALIBRATION_NAME).read_text())
+    assert saved["source"]["weights_sha256"] == record["source"]["weights_sha256"]
+    new, old = load_file(str(out / WEIGHTS_NAME)), load_file(str(adapter / WEIGHTS_NAME))
+    assert new.keys() == old.keys()
+    for name in new:
+        same = torch.equal(new[name], old[name])
+        assert same != name.endswith(("routing_bias", "bias_updates")), name
+    direct = _evaluate(assets, out)
+    overridden = _evaluate(assets, adapter, calibrate_blocks=2, window=5, sink_tokens=2)
+    assert direct["ppl"] == overridden["ppl"]
+    assert direct["config"]["focus"]["window"] == 5
+
+
+def test_no_blocks_changes_only_the_settings(assets, adapter, tmp_path):
+    out = tmp_path / "settings"
+    record = _calibrate(assets, adapter, out, blocks=0, dense_layers=(1,))
+    assert record["tokens"] == 0 and record["bias_change"] == 0.0
+    assert record["focus"]["dense_layers"] == [1]
+    new, old = load_file(str(out / WEIGHTS_NAME)), load_file(str(adapter / WEIGHTS_NAME))
+    assert all(torch.equal(new[k], old[k]) for k in new)
+    assert _evaluate(assets, out)["ppl"] == _evaluate(assets, adapter, dense_layers=(1,))["ppl"]
+
+
+def test_outputs_that_would_lose_an_adapter_are_refused(assets, adapter, tmp_path):
+    with pytest.raises(ValueError, match="is the source adapter"):
+        _calibrate(assets, adapter, adapter, blocks=0)
+    out = tmp_path / "once"
+    _calibrate(assets, adapter, out, blocks=0)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _calibrate(assets, adapter, out, blocks=0, window=3)
+    assert _calibrate(assets, adapter, out, blocks=0, window=3, overwrite=True)["focus"]["window"] == 3  # fmt: skip
+    with pytest.raises(ValueError, match="9999 blocks"):
+        _calibrate(assets, adapter, tmp_path / "long", blocks=9999)
+    assert not (tmp_path / "long").exists()
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [(dict(adapter=None), "adapter"), (dict(out=""), "out"), (dict(blocks=-1), "blocks"),
+     (dict(seq_len=1), "seq_len"), (dict(split="dev"), "split")],
+)  # fmt: skip
+def test_bad_settings_are_refused(changes, match):
+    settings = dict(adapter="a", out="b") | changes
+    with pytest.raises(ValueError, match=match):
+        CalibrateConfig(**settings)
+
+
+def test_the_command_line(assets, adapter, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = cli.main(["calibrate", "--model", str(assets["model"]), "--adapter", str(adapter),
+                   "--out", str(out), "--corpus", str(assets["corpus"]), "--seq-len", "64",
+                   "--blocks", "1", "--window", "6", "--no-progress"])  # fmt: skip
+    assert rc == 0 and "window 6" in capsys.readouterr().out
+    assert json.loads((out / CALIBRATION_NAME).read_text())["config"]["blocks"] == 1
+    assert cli.main(["calibrate", "--adapter", str(adapter)]) != 0
