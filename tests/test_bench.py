@@ -283,3 +283,22 @@ def test_interleaved_timing_calls_in_turns_inside_their_contexts():
     assert set(timed) == {"a", "b"}
     for median, times in timed.values():
         assert len(times) == 3 and min(times) <= median <= max(times)
+
+
+def test_model_benchmark_runs_the_adapters_own_window_by_default(assets, adapter, kernel_built):
+    """Without ``windows`` an adapter runs with its own window (a calibrated adapter's
+    settings are not replaced) and fresh routers with 128; given windows override both."""
+    from focus_attention.bench.model import FRESH_WINDOW, ModelBenchConfig, run_model_benchmark
+
+    def focus_windows(**kw):
+        cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                               lengths=(32,), top_k=(1,), num_groups=4, floor=False,
+                               warmup_tokens=8, threads=1, progress=False, **kw)  # fmt: skip
+        result = run_model_benchmark(cfg)
+        rows = [r["window"] for r in result["rows"] if r["method"] == "focus"]
+        assert result["config"]["windows"] == sorted(set(rows))
+        return rows
+
+    assert focus_windows(adapter=str(adapter)) == [8]  # tiny_config's window
+    assert focus_windows(adapter=str(adapter), windows=(5, 6)) == [5, 6]
+    assert focus_windows() == [FRESH_WINDOW]

@@ -22,6 +22,8 @@ __all__ = [
     "run_model_benchmark",
 ]
 
+#: local window of fresh routers when no window is asked for (tokens)
+FRESH_WINDOW = 128
 #: prefill lengths of the README's end-to-end table (tokens)
 MODEL_LENGTHS = (4096, 16384)
 
@@ -40,10 +42,11 @@ class ModelBenchConfig:
     )
     top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
     num_groups: int = field(default=8, metadata={"help": "K of fresh routers"})
-    windows: tuple[int, ...] = field(
-        default=(128,),
-        metadata={"help": "local windows in tokens (fresh routers; with --adapter they "
-                  "override its window, the routers as trained)"},
+    windows: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "local windows in tokens (default: the adapter's own, 128 for "
+                  "fresh routers; with --adapter they override its window, the routers as "
+                  "trained)"},
     )  # fmt: skip
     dense_layers: tuple[int, ...] | None = field(
         default=None,
@@ -77,14 +80,17 @@ def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
     return ids
 
 
-def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int) -> Any:
-    """Focus on ``model`` in eval mode: the adapter (with ``window``), or fresh routers."""
+def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None) -> Any:
+    """Focus on ``model`` in eval mode: the adapter (with ``window`` unless None), or fresh
+    routers (window ``window`` or :data:`FRESH_WINDOW`)."""
     from ..hf import FocusConfig, FocusModel, get_focus_model
 
     if config.adapter:
         runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
-        runner.focus_config = runner.focus_config.replace(window=window)
+        if window is not None:
+            runner.focus_config = runner.focus_config.replace(window=window)
     else:
+        window = FRESH_WINDOW if window is None else window
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
     if config.dense_layers is not None:
@@ -185,13 +191,14 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
 
     rows = []
     methods = [("sdpa", None, None)] + ([("none", None, None)] if config.floor else [])
-    methods += [("focus", k, w) for w in config.windows for k in config.top_k]
+    methods += [("focus", k, w) for w in (config.windows or (None,)) for k in config.top_k]
     cells = [(n, m) for n in config.lengths for m in methods]
     bar = tqdm(cells, desc="model", disable=not config.progress)
     for n, (method, top_k, window) in bar:
         bar.set_postfix(N=n, method=method, top_k=top_k, window=window)
         if method == "focus":
             runner = _attach(model, config, top_k, window)
+            window = runner.focus_config.window
         else:
             runner = _floor_model(model) if method == "none" else model
         prefill(runner, config.warmup_tokens)
@@ -211,7 +218,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "lengths": list(config.lengths),
         "top_ks": list(config.top_k),
         "num_groups": config.num_groups,
-        "windows": list(config.windows),
+        "windows": sorted({r["window"] for r in rows if r["window"] is not None}),
         "repeats": config.repeats,
         "floor": config.floor,
         "warmup_tokens": config.warmup_tokens,
