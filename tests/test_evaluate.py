@@ -238,6 +238,9 @@ def test_without_soft_routing(assets, adapter):
     assert lean["ppl"]["focus_topk"] == full["ppl"]["focus_topk"]
     table = markdown_table(lean)
     assert "Focus soft" not in table and table.count("| Focus top-k |") == 2
+    assert "dense_layers" not in table
+    dense = _evaluate(assets, adapter, top_k_values=[1], soft=False, dense_layers=[1])
+    assert "inference_routing=causal, dense_layers=1)" in markdown_table(dense)
 
 
 def test_calibrating_the_bias_on_validation_blocks(assets, adapter):

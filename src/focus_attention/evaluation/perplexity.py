@@ -756,7 +756,9 @@ def _title(r: dict[str, Any]) -> str:
     if focus:
         text += (f" (K={focus['num_groups']}, window={focus['window']}, gate={focus['gate']}, "
                  f"sink_tokens={focus['sink_tokens']}, "
-                 f"inference_routing={focus['inference_routing']})")  # fmt: skip
+                 f"inference_routing={focus['inference_routing']}")  # fmt: skip
+        dense = focus.get("dense_layers")
+        text += f", dense_layers={','.join(map(str, dense))})" if dense else ")"
     return text
 
 
