@@ -8,18 +8,13 @@ from typing import Any
 
 from ..evaluation.calibration import CalibrateConfig
 from .common import run_guarded
-from .flags import add_config_flag, add_flags, flag_values, read_config_table
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation.calibration import CALIBRATION_NAME, calibrate_adapter
 
-    settings = read_config_table(args.config, "calibrate")
-    settings.update(flag_values(args, CalibrateConfig))
-    for name in ("adapter", "out"):
-        if not settings.get(name):
-            raise ValueError(f"--{name} is required (or `{name}` in the [calibrate] table of --config)")  # fmt: skip
-    config = CalibrateConfig.from_dict(settings)
+    config = command_config(args, CalibrateConfig, "calibrate", required=("adapter", "out"))
     record = calibrate_adapter(config)
     focus = record["focus"]
     print(f"wrote {config.out}: window {focus['window']}, sink_tokens {focus['sink_tokens']}, "

@@ -8,20 +8,13 @@ from typing import Any
 
 from ..evaluation.perplexity import EvalConfig
 from .common import run_guarded
-from .flags import add_config_flag, add_flags, flag_values, read_config_table
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation import evaluate, markdown_table
 
-    settings = read_config_table(args.config, "eval")
-    settings.update(flag_values(args, EvalConfig))
-    if "adapter" not in settings:
-        raise ValueError("--adapter is required (or `adapter` in the [eval] table of --config)")
-    try:
-        config = EvalConfig.from_dict(settings)
-    except ValueError as err:
-        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
+    config = command_config(args, EvalConfig, "eval", required=("adapter",))
     result = evaluate(config)
     print(markdown_table(result))
     weights = result.base_weights_sha256

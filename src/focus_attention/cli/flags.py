@@ -124,6 +124,30 @@ def add_config_flag(parser: Any, table: str) -> None:
     )
 
 
+def command_config(
+    args: argparse.Namespace, cls: type, table: str, *, required: Iterable[str] = ()
+) -> Any:
+    """The settings dataclass ``cls`` of a command: its defaults, then table ``[table]`` of
+    ``--config``, then the flags given; the fields in ``required`` must come from one of the
+    two (``cls.from_dict`` builds it).
+
+    Raises:
+        ValueError: a required field given nowhere; unknown or invalid settings (the message
+            names the file).
+    """
+    settings = read_config_table(args.config, table)
+    settings.update(flag_values(args, cls))
+    for name in required:
+        if settings.get(name) is None:
+            raise ValueError(
+                f"{flag_name(name)} is required (or `{name}` in the [{table}] table of --config)"
+            )
+    try:
+        return cls.from_dict(settings)
+    except ValueError as err:
+        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
+
+
 def read_config_table(path: str | None, table: str) -> dict[str, Any]:
     """Table ``[table]`` of the TOML file ``path`` as a dict (``{}`` when ``path`` is None).
 

@@ -8,21 +8,13 @@ from typing import Any
 
 from ..evaluation.groups import InspectConfig
 from .common import run_guarded
-from .flags import add_config_flag, add_flags, flag_values, read_config_table
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation.groups import inspect_groups
 
-    settings = read_config_table(args.config, "inspect")
-    settings.update(flag_values(args, InspectConfig))
-    for name in ("adapter", "out"):
-        if settings.get(name) is None:
-            raise ValueError(f"--{name} is required (or `{name}` in the [inspect] table of --config)")  # fmt: skip
-    try:
-        config = InspectConfig.from_dict(settings)
-    except ValueError as err:
-        raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
+    config = command_config(args, InspectConfig, "inspect", required=("adapter", "out"))
     result = inspect_groups(config)
     s = result["summary"]
     print(f"{result['tokens']:,d} tokens, {len(result['layers'])} Focus layers")
