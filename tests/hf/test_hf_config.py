@@ -35,6 +35,12 @@ def test_json_round_trip(tmp_path):
     assert FocusConfig.from_json_file(tmp_path / "c.json") == c
     assert FocusConfig.from_dict(c.to_dict()) == c
     assert c.replace(window=64).window == 64
+    # override: None keeps the field, anything else replaces it (and is validated)
+    o = c.override(window=64, sink_tokens=None, dense_layers=None)
+    assert o == c.replace(window=64) and o.sink_tokens == c.sink_tokens
+    assert c.override() == c
+    with pytest.raises(ValueError, match="window"):
+        c.override(window=0)
 
 
 @pytest.mark.parametrize(

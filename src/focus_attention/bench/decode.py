@@ -164,8 +164,7 @@ def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     else:
         cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
         runner = get_focus_model(model, cfg)
-    if config.dense_layers is not None:
-        runner.focus_config = runner.focus_config.replace(dense_layers=config.dense_layers)
+    runner.focus_config = runner.focus_config.override(dense_layers=config.dense_layers)
     return runner.eval()
 
 

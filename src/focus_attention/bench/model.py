@@ -93,10 +93,9 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None
         window = FRESH_WINDOW if window is None else window
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
-    if config.dense_layers is not None:
-        runner.focus_config = runner.focus_config.replace(dense_layers=config.dense_layers)
-    if config.sink_tokens is not None:
-        runner.focus_config = runner.focus_config.replace(sink_tokens=config.sink_tokens)
+    runner.focus_config = runner.focus_config.override(
+        dense_layers=config.dense_layers, sink_tokens=config.sink_tokens
+    )
     return runner.eval()
 
 

@@ -302,10 +302,8 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
             short, or the errors of loading the model or adapter.
     """
     fm, tokenizer, bos_id = _load(config)
-    overrides = {"dense_layers": config.dense_layers, "window": config.window,
-                 "sink_tokens": config.sink_tokens}  # fmt: skip
-    fm.focus_config = fm.focus_config.replace(
-        **{k: v for k, v in overrides.items() if v is not None}
+    fm.focus_config = fm.focus_config.override(
+        dense_layers=config.dense_layers, window=config.window, sink_tokens=config.sink_tokens
     )
     cells = []
     for case in _cases(config, tokenizer, bos_id):

@@ -98,11 +98,10 @@ class CalibrateConfig:
         return cls(**data)
 
     def overrides(self) -> dict[str, Any]:
-        """The Focus settings this calibration changes (those not None)."""
-        values = {"window": self.window, "sink_tokens": self.sink_tokens,
-                  "dense_layers": self.dense_layers, "top_k": self.top_k,
-                  "inference_routing": self.inference_routing}  # fmt: skip
-        return {k: v for k, v in values.items() if v is not None}
+        """The Focus settings this calibration may change (None: keep the adapter's)."""
+        return {"window": self.window, "sink_tokens": self.sink_tokens,
+                "dense_layers": self.dense_layers, "top_k": self.top_k,
+                "inference_routing": self.inference_routing}  # fmt: skip
 
 
 def calibration_blocks(tokenizer: Any, corpus: str, split: str, seq_len: int, count: int, prepend_bos: bool, quiet: bool = True) -> torch.Tensor:  # fmt: skip
@@ -183,7 +182,7 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     quiet = not config.progress
     base, tokenizer = load_model(config.model, quiet=quiet)
     fm = FocusModel.from_pretrained(base, config.adapter)
-    fm.focus_config = fm.focus_config.replace(**config.overrides())
+    fm.focus_config = fm.focus_config.override(**config.overrides())
     before = {i: r.routing_bias.clone() for i, r in fm.routers.items()}
     tokens = 0
     if config.blocks:

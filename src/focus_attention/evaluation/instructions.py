@@ -460,8 +460,7 @@ def focus_pair(fm: Any, *, top_k: int | None = None, window: int | None = None) 
     @contextlib.contextmanager
     def focus_on() -> Iterator[None]:
         previous = fm.focus_config
-        changes = {k: v for k, v in (("top_k", top_k), ("window", window)) if v is not None}
-        fm.focus_config = previous.replace(**changes)
+        fm.focus_config = previous.override(top_k=top_k, window=window)
         try:
             yield
         finally:

@@ -509,11 +509,10 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     from ..hf import FocusModel
 
     fm = FocusModel.from_pretrained(base, cfg.adapter)
-    overrides = {"inference_routing": cfg.inference_routing, "sink_tokens": cfg.sink_tokens,
-                 "window": cfg.window, "dense_layers": cfg.dense_layers}  # fmt: skip
-    fm.focus_config = fm.focus_config.replace(
-        **{k: v for k, v in overrides.items() if v is not None}
-    )
+    fm.focus_config = fm.focus_config.override(
+        inference_routing=cfg.inference_routing, sink_tokens=cfg.sink_tokens,
+        window=cfg.window, dense_layers=cfg.dense_layers,
+    )  # fmt: skip
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
     if calib is not None:
         calibrate_on(fm, calib)

@@ -242,6 +242,11 @@ class FocusConfig:
         data.update(changes)
         return FocusConfig(**data)
 
+    def override(self, **settings: Any) -> FocusConfig:
+        """:meth:`replace` with the settings that are not None (an override left unset, as
+        a command-line flag not given, keeps the field)."""
+        return self.replace(**{k: v for k, v in settings.items() if v is not None})
+
 
 #: top-level keys of a saved ``focus_config.json`` that are not FocusConfig fields
 SAVED_EXTRA_KEYS = ("base_model_fingerprint", "library")
