@@ -103,19 +103,18 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
     """Which routers a benchmark ran: ``{"adapter": None, "fresh": True}`` for freshly
     initialised ones, else the adapter directory, the SHA-256 of its weights file and, for a
     ``focus train`` output, its method and optimizer steps (``train_result.json``)."""
-    import hashlib
     import json
     from pathlib import Path
 
-    from ..hf.files import WEIGHTS_NAME
+    from ..hf.files import weights_file_sha256
 
     if adapter is None:
         return {"adapter": None, "fresh": True}
     path = Path(adapter)
     record: dict[str, Any] = {"adapter": str(path), "fresh": False}
-    weights = path / WEIGHTS_NAME
-    if weights.is_file():
-        record["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    digest = weights_file_sha256(path)
+    if digest is not None:
+        record["weights_sha256"] = digest
     result = path / "train_result.json"
     if result.is_file():
         trained = json.loads(result.read_text())

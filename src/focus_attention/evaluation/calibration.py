@@ -7,7 +7,6 @@ copied unchanged; only ``routing_bias`` and ``bias_updates`` change."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS
 from ..assets.models import DEFAULT_MODEL
 from ..hf.config import INFERENCE_ROUTINGS
-from ..hf.files import CONFIG_NAME, TRAINER_WEIGHTS_NAME, WEIGHTS_NAME
+from ..hf.files import CONFIG_NAME, weights_file_sha256
 from ..utils.checks import bad, check_int, check_known_keys
 from ..utils.env import environment, library_versions
 from ..utils.io import write_json_atomic
@@ -133,14 +132,6 @@ def calibrate_on(model: Any, blocks: torch.Tensor, progress: Any = None) -> None
             progress.update(1)
 
 
-def _weights_sha256(adapter: Path) -> str | None:
-    """SHA-256 of an adapter's weights file (either layout), None when there is none."""
-    for name in (WEIGHTS_NAME, TRAINER_WEIGHTS_NAME):
-        if (adapter / name).is_file():
-            return hashlib.sha256((adapter / name).read_bytes()).hexdigest()
-    return None
-
-
 def _check_out(config: CalibrateConfig) -> Path:
     """The output directory, refused when it is the source or already holds an adapter
     (without ``overwrite``)."""
@@ -199,7 +190,7 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         "config": asdict(config),
         "source": {
             "adapter": config.adapter,
-            "weights_sha256": _weights_sha256(Path(config.adapter)),
+            "weights_sha256": weights_file_sha256(config.adapter),
         },  # fmt: skip
         "focus": fm.focus_config.to_dict(),
         "bias_change": change,

@@ -195,6 +195,17 @@ def adapter_layout(directory: Path) -> str:
     )
 
 
+def weights_file_sha256(directory: str | Path) -> str | None:
+    """SHA-256 (hex) of the weights file of the adapter in ``directory``: :data:`WEIGHTS_NAME`,
+    else :data:`TRAINER_WEIGHTS_NAME`; None when it holds neither. The file is read whole
+    (a Focus adapter is a few MiB)."""
+    for name in (WEIGHTS_NAME, TRAINER_WEIGHTS_NAME):
+        path = Path(directory) / name
+        if path.is_file():
+            return hashlib.sha256(path.read_bytes()).hexdigest()
+    return None
+
+
 def to_file_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``routers.{i}.{name}`` state-dict tensors as the adapter file's ``layer.{i}.{name}``
     (detached, CPU, contiguous, 0-d tensors as shape ``[1]``)."""
