@@ -223,3 +223,35 @@ def test_generate_with_a_static_cache_is_refused_early():
         assert fm.generate(x, max_new_tokens=2, do_sample=False).shape == (1, 12)
     out = fm.generate(x, max_new_tokens=2, do_sample=False, cache_implementation="dynamic")
     assert out.shape == (1, 12)
+
+
+def test_decoding_steps_route_in_one_fused_call(kernel_built, monkeypatch):
+    """On the CPU a decoding step routes its token through the fused kernel (one call per
+    Focus layer), the prefill through the PyTorch ops, and the cached decode still equals
+    the full forward."""
+    if not kernel_built:
+        pytest.skip("the cpu_fused kernel is not available here")
+    from focus_attention.ops import routing
+
+    real, routed = routing.extension.load, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def focus_route(self, hidden, *args):
+            routed.append(hidden.shape[1])
+            return real().focus_route(hidden, *args)
+
+    monkeypatch.setattr(routing.extension, "load", lambda: Spy())
+    _, fm = focus("llama", num_groups=4, top_k=2, window=16)
+    x = ids(1, 80, seed=3)
+    with torch.no_grad():
+        full = fm(x).logits
+        out = fm(x[:, :70], use_cache=True)
+        assert routed == []  # 70 tokens: the matrix products
+        for t in range(70, 80):
+            step = fm(x[:, t : t + 1], cache=out.past_key_values, use_cache=True)
+            torch.testing.assert_close(step.logits[:, -1], full[:, t], atol=1e-4, rtol=0)
+            out = step
+    assert routed == [1] * (10 * len(fm.focus_layers))

@@ -151,3 +151,23 @@ def test_topk_of_scores_plus_column_bias_is_topk_of_sinkhorn_rows():
         assert torch.equal(
             topk_memberships(probs, k), topk_memberships(scores + bias[:, None, :], k)
         )
+
+
+def test_topk_groups_are_the_causal_groups_of_the_scores(kernel_built):
+    """The router's one-call routing (fused on the CPU for a decoding step) gives the
+    groups of causal_groups(scores(hidden)) for one token, a few and many."""
+    router = FocusRouter(48, 8, 16, 0.1, layer_idx=2, seed=5)
+    with torch.no_grad():
+        router.routing_bias.copy_(0.2 * torch.randn(8, generator=torch.Generator().manual_seed(4)))
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 7, 64):
+        hidden = 3 * torch.randn(2, n, 48, generator=gen)
+        for top_k in (1, 2):
+            with torch.no_grad():
+                got = router.topk_groups(hidden, top_k)
+                scores = router.scores(hidden) + router.routing_bias
+                expected = router.causal_groups(router.scores(hidden), top_k)
+            ordered = scores.sort(dim=-1, descending=True).values
+            clear = (ordered[..., top_k - 1] - ordered[..., top_k]) > 1e-3
+            assert clear.float().mean() > 0.5
+            assert torch.equal(got[clear], expected[clear])

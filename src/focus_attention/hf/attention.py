@@ -384,7 +384,7 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
     return out, q_groups
 
 
-def _topk_groups(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
+def _topk_groups(handle: LayerHandle, call: LayerCall):
     """``(query groups [B, Nq, K], key groups [B, Nk, K])`` of top-k routing (docs/method.md
     §4): causal (own scores + calibrated bias) or the paper's sequence-wide Sinkhorn."""
     router, cfg = handle.router, handle.runtime.focus_config
@@ -392,10 +392,11 @@ def _topk_groups(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
         if call.has_cache:
             raise ValueError("inference_routing='sequence' cannot use a KV cache")
         # top-k of the Sinkhorn rows == top-k of scores + the sequence's column bias
+        scores = router.scores(call.hidden)
         _, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
         q_groups = topk_memberships(scores + column_bias[:, None, :], cfg.top_k)
     else:
-        q_groups = router.causal_groups(scores, cfg.top_k)
+        q_groups = router.topk_groups(call.hidden, cfg.top_k)
     if call.real_q is not None:
         q_groups = q_groups & call.real_q[..., None]
     if call.cache_layer is None:
@@ -444,11 +445,11 @@ def attention_probs(
     return probs.masked_fill(~visible, 0.0).to(query.dtype)
 
 
-def _topk_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor):
+def _topk_attention(handle: LayerHandle, call: LayerCall):
     """Top-k routing and exact sparse attention (docs/method.md §4-§5); returns
     ``(out [B, H, Nq, D], query groups, key groups, maps or None)``."""
     cfg = handle.runtime.focus_config
-    q_groups, k_groups = _topk_groups(handle, call, scores)
+    q_groups, k_groups = _topk_groups(handle, call)
     out = sparse_attention(
         call.query, call.key, call.value, q_groups, k_groups, cfg.window,
         scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
@@ -466,13 +467,13 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     call = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
     runtime = handle.runtime
     mode = runtime.mode(handle.router)
-    scores = handle.router.scores(call.hidden)  # [B, Nq, K] fp32
     record: dict[str, Any] = {"layer": handle.layer_idx, "mode": mode}
     maps = k_groups = None
     if mode == "soft":
+        scores = handle.router.scores(call.hidden)  # [B, Nq, K] fp32
         out, q_groups = _soft_attention(handle, call, scores, record)
     else:
-        out, q_groups, k_groups, maps = _topk_attention(handle, call, scores)
+        out, q_groups, k_groups, maps = _topk_attention(handle, call)
     if call.cache_layer is not None and mode == "soft":  # top-k appended its own
         call.cache_layer.append_groups(_key_groups(call, q_groups), call.sink_tokens)
     if runtime.recorder is not None:

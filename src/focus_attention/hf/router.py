@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import group_scores, sinkhorn, topk_memberships
+from ..ops import causal_topk_groups, group_scores, sinkhorn, topk_memberships
 
 #: dtype of every router parameter and buffer, whatever the model's dtype (docs/method.md §1:
 #: scores are computed in fp32); casts of the model leave the routers in it.
@@ -186,6 +186,14 @@ class FocusRouter(nn.Module):
         lowest group index.
         """
         return topk_memberships(scores + self.routing_bias.float(), top_k)
+
+    def topk_groups(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Causal top-k memberships bool ``[B, N, K]`` of ``hidden`` ``[B, N, d_model]``:
+        ``causal_groups(scores(hidden), top_k)``, in one fused call for a decoding step on
+        the CPU (:func:`~focus_attention.ops.causal_topk_groups`, docs/method.md §4)."""
+        return causal_topk_groups(
+            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_k
+        )
 
     @torch.no_grad()
     def update_bias(self, column_bias: torch.Tensor, real: torch.Tensor | None) -> None:

@@ -8,6 +8,12 @@ import torch
 from ..utils.checks import check_int
 from ..utils.precision import without_autocast
 from .checks import check_count, check_finite, check_shape, check_tensor, fail
+from .sparse import extension
+
+#: most tokens per call that :func:`causal_topk_groups` routes with the fused CPU kernel (a
+#: decoding step, a short chunk); longer inputs go through matrix products, which are
+#: faster there
+FUSED_ROUTE_TOKENS = 16
 
 
 @without_autocast
@@ -151,3 +157,66 @@ def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
         return out.scatter_(-1, scores.float().argmax(dim=-1, keepdim=True), True)
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
     return out.scatter_(-1, order[..., :top_k], True)
+
+
+def causal_topk_groups(
+    hidden: torch.Tensor,
+    proj: torch.Tensor,
+    centroids: torch.Tensor,
+    bias: torch.Tensor,
+    temperature: float,
+    top_k: int,
+) -> torch.Tensor:
+    """Causal top-k memberships of tokens from their hidden states (docs/method.md §1, §4):
+    ``topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias, top_k)``.
+
+    Without gradients, for at most :data:`FUSED_ROUTE_TOKENS` tokens on the CPU (a
+    decoding step), the fused kernel of ``cpu_fused`` computes it in one call instead of a
+    dozen small PyTorch calls (each several microseconds, which at decoding cost as much as
+    sparse attention saves). It computes the same float32 arithmetic in another order, so
+    scores agree to float32 rounding (about 1e-6 relative), as those of a token computed
+    alone and within a batch already do; only a near-tie between groups can fall the
+    other way. Elsewhere (gradients, longer inputs, other devices, no kernel) the two ops
+    above run.
+
+    Args:
+        hidden: ``[B, N, d_model]`` any float dtype; proj: ``[d_model, d_g]``; centroids:
+            ``[K, d_g]``; bias: ``[K]`` float, added to the scores (the calibrated routing
+            bias); temperature: ``tau > 0``; top_k: ``1 <= top_k <= K``.
+
+    Returns:
+        bool ``[B, N, K]`` with exactly ``top_k`` True per token, ties to the lowest index.
+
+    Raises:
+        ValueError: the errors of :func:`group_scores` and :func:`topk_memberships`
+            (wrong ranks or sizes, ``top_k`` outside ``1..K``, NaN scores).
+    """
+    if not _fused_routing(hidden, proj, centroids, bias, temperature, top_k):
+        return topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias.float(), top_k)  # fmt: skip
+    groups, has_nan = extension.load().focus_route(
+        hidden.contiguous(), proj, centroids, bias, float(temperature), top_k
+    )
+    if has_nan:
+        fail("scores", "a tensor containing NaN", "finite scores")
+    return groups
+
+
+def _fused_routing(hidden, proj, centroids, bias, temperature, top_k) -> bool:
+    """Whether :func:`causal_topk_groups` can run the fused kernel on these inputs (anything
+    it would refuse goes to the checked ops, which raise the documented errors)."""
+    if torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return False
+    if hidden.shape[1] > FUSED_ROUTE_TOKENS or hidden.device.type != "cpu":
+        return False
+    if not hidden.is_floating_point() or hidden.numel() == 0:
+        return False
+    router = (proj, centroids, bias)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in router):  # fmt: skip
+        return False
+    k = centroids.shape[0]
+    shapes_ok = proj.dim() == 2 and centroids.dim() == 2 and bias.shape == (k,)
+    shapes_ok = shapes_ok and proj.shape[0] == hidden.shape[2] and centroids.shape[1] == proj.shape[1]  # fmt: skip
+    positive = isinstance(temperature, (int, float)) and temperature > 0
+    if not (shapes_ok and positive and isinstance(top_k, int) and 1 <= top_k <= k):
+        return False
+    return extension.load() is not None

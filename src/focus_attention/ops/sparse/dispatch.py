@@ -169,6 +169,18 @@ class SparseBackend:
 
 
 _REGISTRY: dict[str, SparseBackend] = {}
+#: ``(registry key, backends in increasing priority)``: ``"auto"``'s order, sorted again only
+#: when the registry changes
+_ORDER: list = [None, ()]
+
+
+def _ordered() -> tuple[SparseBackend, ...]:
+    """The registered backends in increasing priority."""
+    # the held tuple keeps the backends alive, so their ids cannot be reused by others
+    key = tuple(map(id, _REGISTRY.values()))
+    if _ORDER[0] != key:
+        _ORDER[:] = [key, tuple(sorted(_REGISTRY.values(), key=lambda b: b.priority))]
+    return _ORDER[1]
 
 
 def register_backend(backend: SparseBackend) -> None:
@@ -184,7 +196,7 @@ def register_backend(backend: SparseBackend) -> None:
 
 def backend_names() -> tuple[str, ...]:
     """The registered backends in ``"auto"``'s order (increasing priority)."""
-    return tuple(b.name for b in sorted(_REGISTRY.values(), key=lambda b: b.priority))
+    return tuple(b.name for b in _ordered())
 
 
 def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
@@ -210,11 +222,11 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
             fail("backend", f"{name!r}, which cannot run this call: it {reason}", _hint(name))
         return backend
     reasons = []
-    for candidate in backend_names():
-        reason = _REGISTRY[candidate].why_not_auto(request)
+    for candidate in _ordered():
+        reason = candidate.why_not_auto(request)
         if reason is None:
-            return _REGISTRY[candidate]
-        reasons.append(f"{candidate!r} {reason}")
+            return candidate
+        reasons.append(f"{candidate.name!r} {reason}")
     fail("backend", "'auto', but no backend can run this call: " + "; ".join(reasons), _hint(""))
     raise AssertionError  # unreachable: fail() raised
 

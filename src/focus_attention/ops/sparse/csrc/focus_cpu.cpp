@@ -36,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX2__
@@ -819,8 +820,86 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
   });
 }
 
+// ---- routing of a few tokens (a decoding step), spec sections 1 and 4: the causal top-k
+// memberships of each token, top_k of
+//   normalize(hidden @ proj) . normalize(centroids)^T / temperature + bias
+// (unit vectors with the norm clamped below at 1e-6, as torch.nn.functional.normalize),
+// in fp32, ties to the lowest group index. One call replaces a dozen small PyTorch calls.
+// Returns whether a score was NaN (the caller raises).
+template <typename T>
+bool route_rows(const T* hidden, const float* proj, const float* centroids, const float* bias,
+                int64_t rows, int64_t d_model, int64_t d_g, int64_t groups, double temperature,
+                int64_t top_k, bool* out) {
+  std::vector<float> unit(groups * d_g), feats(d_g), scores(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* c = centroids + g * d_g;
+    float sq = 0.f;
+    for (int64_t e = 0; e < d_g; ++e) sq += c[e] * c[e];
+    const float denom = std::max(std::sqrt(sq), 1e-6f);
+    for (int64_t e = 0; e < d_g; ++e) unit[g * d_g + e] = c[e] / denom;
+  }
+  const float tau = static_cast<float>(temperature);
+  bool nan = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* h = hidden + r * d_model;
+    std::fill(feats.begin(), feats.end(), 0.f);
+    for (int64_t i = 0; i < d_model; ++i) {
+      const float x = static_cast<float>(h[i]);
+      const float* p = proj + i * d_g;
+      for (int64_t e = 0; e < d_g; ++e) feats[e] += x * p[e];
+    }
+    float sq = 0.f;
+    for (int64_t e = 0; e < d_g; ++e) sq += feats[e] * feats[e];
+    const float denom = std::max(std::sqrt(sq), 1e-6f);
+    for (int64_t e = 0; e < d_g; ++e) feats[e] /= denom;
+    for (int64_t g = 0; g < groups; ++g) {
+      float dotp = 0.f;
+      for (int64_t e = 0; e < d_g; ++e) dotp += feats[e] * unit[g * d_g + e];
+      scores[g] = dotp / tau + bias[g];
+      nan = nan || std::isnan(scores[g]);
+    }
+    bool* o = out + r * groups;
+    std::fill(o, o + groups, false);
+    for (int64_t pick = 0; pick < top_k; ++pick) {  // the highest not yet taken, lowest index
+      int64_t best = -1;
+      for (int64_t g = 0; g < groups; ++g)
+        if (!o[g] && (best < 0 || scores[g] > scores[best])) best = g;
+      o[best] = true;
+    }
+  }
+  return nan;
+}
+
+// memberships bool [B, N, K] of hidden [B, N, d_model] (contiguous; float, double, bf16 or
+// half) with proj [d_model, d_g], centroids [K, d_g] and bias [K] (contiguous float32), and
+// whether a score was NaN
+std::tuple<at::Tensor, bool> focus_route(const at::Tensor& hidden, const at::Tensor& proj,
+                                         const at::Tensor& centroids, const at::Tensor& bias,
+                                         double temperature, int64_t top_k) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous(), "focus_route: contiguous [B, N, d]");
+  TORCH_CHECK(proj.is_contiguous() && centroids.is_contiguous() && bias.is_contiguous() &&
+                  proj.scalar_type() == at::kFloat && centroids.scalar_type() == at::kFloat &&
+                  bias.scalar_type() == at::kFloat,
+              "focus_route: contiguous float32 router tensors");
+  const int64_t d_model = hidden.size(2), d_g = proj.size(1), groups = centroids.size(0);
+  TORCH_CHECK(proj.size(0) == d_model && centroids.size(1) == d_g && bias.numel() == groups &&
+                  top_k >= 1 && top_k <= groups,
+              "focus_route: mismatched shapes or top_k");
+  at::Tensor out = at::empty({hidden.size(0), hidden.size(1), groups},
+                             hidden.options().dtype(at::kBool));
+  bool nan = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "route", [&] {
+    nan = route_rows(hidden.data_ptr<scalar_t>(), proj.data_ptr<float>(),
+                     centroids.data_ptr<float>(), bias.data_ptr<float>(),
+                     hidden.size(0) * hidden.size(1), d_model, d_g, groups, temperature, top_k,
+                     out.data_ptr<bool>());
+  });
+  return {out, nan};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("focus_forward", &focus_forward, "Fused Focus sparse attention forward (CPU)");
+  m.def("focus_route", &focus_route, "Causal top-k routing of a few tokens (CPU)");
 }
