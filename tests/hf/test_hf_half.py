@@ -23,7 +23,7 @@ def pin_groups(fm, records):
     """Make every router of ``fm`` return the query groups of ``records`` (layer order)."""
     for r in records:
         router = fm.routers[str(r["layer"])]
-        router.causal_groups = lambda scores, top_k, g=r["query_groups"]: g.clone()
+        router.topk_groups = lambda hidden, top_k, g=r["query_groups"]: g.clone()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
