@@ -3,7 +3,7 @@
 # sink tokens and routing bias on the validation book, then `focus calibrate` and the
 # test-book rows (perplexity at 4,096 and 8,192 tokens, needles, prefill speed). ADAPTER
 # defaults to the main job's runs/austen; the recipe adapter goes to LONG (runs/austen-4k).
-# About 1.5 hours on 2 cores. Results: benchmarks/results/long_context/recipe-*.
+# About 2 hours on 2 cores. Results: benchmarks/results/long_context/recipe-*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 adapter="${ADAPTER:-runs/austen}"
@@ -30,5 +30,7 @@ for n in 4096 8192; do
 done
 "$focus" bench needle --adapter "$long" --lengths 2048 4096 --depths 0.25 0.5 0.75 --trials 2 "${quiet[@]}" \
   --json "$out/recipe-needle.json"
+"$focus" bench needle --adapter "$long" --lengths 8192 --depths 0.25 0.5 0.75 --trials 2 --threads 1 --no-progress \
+  --json "$out/recipe-needle-8192.json" --plot "$out/recipe-needle-8192.png"
 # timings: on a quiet machine
 "$focus" bench model --adapter "$long" --lengths 4096 16384 --top-k 1 2 "${quiet[@]}" --json "$out/recipe-model.json"
