@@ -191,9 +191,10 @@ def causal_topk_groups(
         ValueError: the errors of :func:`group_scores` and :func:`topk_memberships`
             (wrong ranks or sizes, ``top_k`` outside ``1..K``, NaN scores).
     """
-    if not _fused_routing(hidden, proj, centroids, bias, temperature, top_k):
+    kernel = _routing_kernel(hidden, proj, centroids, bias, temperature, top_k)
+    if kernel is None:
         return topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias.float(), top_k)  # fmt: skip
-    groups, has_nan = extension.load().focus_route(
+    groups, has_nan = kernel.focus_route(
         hidden.contiguous(), proj, centroids, bias, float(temperature), top_k
     )
     if has_nan:
@@ -201,22 +202,23 @@ def causal_topk_groups(
     return groups
 
 
-def _fused_routing(hidden, proj, centroids, bias, temperature, top_k) -> bool:
-    """Whether :func:`causal_topk_groups` can run the fused kernel on these inputs (anything
-    it would refuse goes to the checked ops, which raise the documented errors)."""
+def _routing_kernel(hidden, proj, centroids, bias, temperature, top_k):
+    """The loaded kernel module when :func:`causal_topk_groups` can run it on these inputs,
+    else None (anything it would refuse goes to the checked ops, which raise the documented
+    errors)."""
     if torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-        return False
+        return None
     if hidden.shape[1] > FUSED_ROUTE_TOKENS or hidden.device.type != "cpu":
-        return False
+        return None
     if not hidden.is_floating_point() or hidden.numel() == 0:
-        return False
+        return None
     router = (proj, centroids, bias)
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in router):  # fmt: skip
-        return False
+        return None
     k = centroids.shape[0]
     shapes_ok = proj.dim() == 2 and centroids.dim() == 2 and bias.shape == (k,)
     shapes_ok = shapes_ok and proj.shape[0] == hidden.shape[2] and centroids.shape[1] == proj.shape[1]  # fmt: skip
     positive = isinstance(temperature, (int, float)) and temperature > 0
     if not (shapes_ok and positive and isinstance(top_k, int) and 1 <= top_k <= k):
-        return False
-    return extension.load() is not None
+        return None
+    return extension.load()

@@ -169,18 +169,11 @@ class SparseBackend:
 
 
 _REGISTRY: dict[str, SparseBackend] = {}
-#: ``(registry key, backends in increasing priority)``: ``"auto"``'s order, sorted again only
-#: when the registry changes
-_ORDER: list = [None, ()]
 
 
 def _ordered() -> tuple[SparseBackend, ...]:
-    """The registered backends in increasing priority."""
-    # the held tuple keeps the backends alive, so their ids cannot be reused by others
-    key = tuple(map(id, _REGISTRY.values()))
-    if _ORDER[0] != key:
-        _ORDER[:] = [key, tuple(sorted(_REGISTRY.values(), key=lambda b: b.priority))]
-    return _ORDER[1]
+    """The registered backends in increasing priority (``"auto"``'s order)."""
+    return tuple(sorted(_REGISTRY.values(), key=lambda b: b.priority))
 
 
 def register_backend(backend: SparseBackend) -> None:
