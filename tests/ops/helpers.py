@@ -184,7 +184,10 @@ def make_case(
     group with probability 0.3, so some tokens have no group and some groups are empty) or
     "none" (no token in any group: local attention only).
     query_membership: "aligned" (the queries are the last ``nq`` keys and carry their
-    memberships, as in a model) or "independent" (memberships differ between the lists).
+    memberships, as in a model), "independent" (memberships differ between the lists), or
+    asymmetric top-k as a model routes it (``query_top_k`` differs from ``top_k``): "wider"
+    (each query keeps its key groups and joins one more) or "narrower" (each query keeps
+    one of its key groups).
     """
     g = gen(seed)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -206,10 +209,27 @@ def make_case(
         raise AssertionError(membership)
 
     kg = draw(nk)
-    qg = kg[:, nk - nq :].clone() if query_membership == "aligned" else draw(nq)
+    qg = _query_memberships(g, kg[:, nk - nq :], query_membership, draw)
     kpm = padding_mask(g, batch, nk, padding, lengths)
     case = Case(q, k, v, qg, kg, window, kpm)
     return case.to(dtype) if dtype != torch.float32 else case
+
+
+def _query_memberships(g: torch.Generator, aligned: torch.Tensor, kind: str, draw) -> torch.Tensor:  # fmt: skip
+    """The queries' memberships ``[B, nq, K]`` from the keys' at their positions (see
+    :func:`make_case`)."""
+    if kind == "aligned":
+        return aligned.clone()
+    if kind == "independent":
+        return draw(aligned.shape[1])
+    # a random score per group, the key groups ranked first: the query keeps its best
+    rank = torch.rand(aligned.shape, generator=g) + 2.0 * aligned
+    order = rank.argsort(dim=-1, descending=True)
+    keep = aligned.sum(-1, keepdim=True) + (1 if kind == "wider" else 0)
+    if kind == "narrower":
+        keep = keep.clamp(max=1)
+    taken = torch.arange(aligned.shape[-1]).expand_as(aligned) < keep
+    return torch.zeros_like(aligned).scatter_(-1, order, taken)
 
 
 # --------------------------------------------------------------------------------------

@@ -67,6 +67,12 @@ def _grid() -> list:
     add("independent-queries", nk=150, query_membership="independent", top_k=2)
     add("independent-chunk", nk=150, nq=60, query_membership="independent", top_k=2)
     add("independent-random", nk=120, nq=90, membership="random", query_membership="independent")
+    # asymmetric top-k: queries in more (or fewer) groups than keys, as query_top_k routes
+    add("query-wider", nk=150, top_k=1, query_membership="wider")
+    add("query-wider-decode", nk=300, nq=1, top_k=1, query_membership="wider", seed=3)
+    add("query-wider-chunk-pad", nk=200, nq=37, top_k=2, query_membership="wider", padding="left")
+    add("query-narrower", nk=150, top_k=2, query_membership="narrower")
+    add("query-narrower-decode", nk=300, nq=1, top_k=3, query_membership="narrower", seed=4)
     # many distinct membership sets (C(K, top_k) large): the class-per-membership-set split
     # gives way to a per-group split above some class count; cover both sides of it
     add("many-classes-K10-top3", nk=400, groups=10, top_k=3, window=16)
@@ -99,6 +105,7 @@ HALF_GRID = [
     pytest.param(dict(nk=257, batch=2, padding="left", window=32), id="pad-left"),
     pytest.param(dict(nk=120, batch=2, padding="random", membership="random"), id="pad-random"),
     pytest.param(dict(nk=1), id="n1"),
+    pytest.param(dict(nk=200, top_k=1, query_membership="wider"), id="query-wider"),
 ]
 
 

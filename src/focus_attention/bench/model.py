@@ -58,6 +58,11 @@ class ModelBenchConfig:
         metadata={"help": "sink_tokens of the Focus rows (default: the adapter's; the "
                   "FocusConfig default for fresh routers)"},
     )  # fmt: skip
+    query_top_k: int | None = field(
+        default=None,
+        metadata={"help": "groups each query keeps in the Focus rows (default: the adapter's "
+                  "query_top_k, else top_k; keys keep top_k)"},
+    )  # fmt: skip
     floor: bool = field(
         default=True,
         metadata={"help": "also time the model without attention (the floor no attention "
@@ -94,7 +99,9 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
     runner.focus_config = runner.focus_config.override(
-        dense_layers=config.dense_layers, sink_tokens=config.sink_tokens
+        dense_layers=config.dense_layers,
+        sink_tokens=config.sink_tokens,
+        query_top_k=config.query_top_k,
     )
     return runner.eval()
 
@@ -226,6 +233,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
         "sink_tokens": config.sink_tokens,
+        "query_top_k": config.query_top_k,
     }
     return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
@@ -246,6 +254,8 @@ def model_table(result: dict[str, Any]) -> str:
                 name += ", dense layers " + ",".join(map(str, result["config"]["dense_layers"]))
             if result["config"].get("sink_tokens") is not None:
                 name += f", {result['config']['sink_tokens']} sink tokens"
+            if result["config"].get("query_top_k") is not None:
+                name += f", query_top_k={result['config']['query_top_k']}"
         spent, gain = r.get("attention_seconds"), r.get("attention_speedup")
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "

@@ -112,6 +112,11 @@ class NeedleBenchConfig:
         metadata={"help": "override the adapter's sink_tokens (the first tokens every query "
                   "sees)"},
     )  # fmt: skip
+    query_top_k: int | None = field(
+        default=None,
+        metadata={"help": "override the adapter's query_top_k (groups each query keeps, for "
+                  "every top_k run; keys keep top_k)"},
+    )  # fmt: skip
     max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
     seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -123,6 +128,7 @@ class NeedleBenchConfig:
             check_int(owner, name, getattr(self, name), 1)
         check_int(owner, "window", self.window, 1, optional=True)
         check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
+        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
         for k in self.top_k:
             check_int(owner, "top_k", k, 1)
         _check_prompts(owner, self)
@@ -303,7 +309,10 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
     """
     fm, tokenizer, bos_id = _load(config)
     fm.focus_config = fm.focus_config.override(
-        dense_layers=config.dense_layers, window=config.window, sink_tokens=config.sink_tokens
+        dense_layers=config.dense_layers,
+        window=config.window,
+        sink_tokens=config.sink_tokens,
+        query_top_k=config.query_top_k,
     )
     cells = []
     for case in _cases(config, tokenizer, bos_id):

@@ -60,6 +60,9 @@ class CalibrateConfig:
                   "focus bench retrieval-layers)"},
     )  # fmt: skip
     top_k: int | None = field(default=None, metadata={"help": "new top_k"})
+    query_top_k: int | None = field(
+        default=None, metadata={"help": "new query_top_k (groups each query keeps)"}
+    )
     inference_routing: str | None = field(
         default=None, metadata={"help": "new inference routing", "choices": INFERENCE_ROUTINGS}
     )
@@ -82,6 +85,7 @@ class CalibrateConfig:
             raise bad(owner, "split", self.split, f"one of {SPLITS}")
         check_int(owner, "seq_len", self.seq_len, 2)
         check_int(owner, "blocks", self.blocks, 0)
+        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
         check_int(owner, "threads", self.threads, 1, optional=True)
         if self.dense_layers is not None:
             self.dense_layers = tuple(int(i) for i in self.dense_layers)
@@ -100,6 +104,7 @@ class CalibrateConfig:
         """The Focus settings this calibration may change (None: keep the adapter's)."""
         return {"window": self.window, "sink_tokens": self.sink_tokens,
                 "dense_layers": self.dense_layers, "top_k": self.top_k,
+                "query_top_k": self.query_top_k,
                 "inference_routing": self.inference_routing}  # fmt: skip
 
 

@@ -141,6 +141,11 @@ class EvalConfig:
             "metavar": "K1,K2,...",
         },  # fmt: skip
     )
+    query_top_k: int | None = field(
+        default=None,
+        metadata={"help": "groups each query keeps, for every top_k evaluated (keys keep "
+                  "top_k; default: the adapter's query_top_k, else top_k)"},
+    )  # fmt: skip
     inference_routing: str | None = field(
         default=None,
         metadata={
@@ -210,6 +215,7 @@ class EvalConfig:
         check_int(owner, "seq_len", self.seq_len, 2)
         check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
         check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
+        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
         check_int(owner, "window", self.window, 1, optional=True)
         check_int(owner, "threads", self.threads, 1, optional=True)
         check_int(owner, "calibrate_blocks", self.calibrate_blocks, 0)
@@ -440,7 +446,7 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
             )
         asked = {"top_k_values": cfg.top_k_values, "inference_routing": cfg.inference_routing,
                  "window": cfg.window, "sink_tokens": cfg.sink_tokens,
-                 "dense_layers": cfg.dense_layers,
+                 "dense_layers": cfg.dense_layers, "query_top_k": cfg.query_top_k,
                  "calibrate_blocks": cfg.calibrate_blocks or None,
                  "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
         given = sorted(k for k, v in asked.items() if v is not None)
@@ -453,6 +459,8 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
     outside = [k for k in ks if k not in k_all]
     if outside:
         raise ValueError(f"top_k_values: {outside} outside 1..K={saved.num_groups}")
+    if cfg.query_top_k is not None and cfg.query_top_k not in k_all:
+        raise ValueError(f"query_top_k: {cfg.query_top_k} outside 1..K={saved.num_groups}")
     return saved, ks
 
 
@@ -511,7 +519,7 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     fm = FocusModel.from_pretrained(base, cfg.adapter)
     fm.focus_config = fm.focus_config.override(
         inference_routing=cfg.inference_routing, sink_tokens=cfg.sink_tokens,
-        window=cfg.window, dense_layers=cfg.dense_layers,
+        window=cfg.window, dense_layers=cfg.dense_layers, query_top_k=cfg.query_top_k,
     )  # fmt: skip
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
     if calib is not None:
@@ -562,6 +570,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
             "sink_tokens": cfg.sink_tokens,
             "window": cfg.window,
             "dense_layers": cfg.dense_layers,
+            "query_top_k": cfg.query_top_k,
         },  # fmt: skip
         "calibrate_blocks": cfg.calibrate_blocks,
         "soft": cfg.soft,
@@ -756,6 +765,8 @@ def _title(r: dict[str, Any]) -> str:
         text += (f" (K={focus['num_groups']}, window={focus['window']}, gate={focus['gate']}, "
                  f"sink_tokens={focus['sink_tokens']}, "
                  f"inference_routing={focus['inference_routing']}")  # fmt: skip
+        if focus.get("query_top_k") is not None:
+            text += f", query_top_k={focus['query_top_k']}"
         dense = focus.get("dense_layers")
         text += f", dense_layers={','.join(map(str, dense))})" if dense else ")"
     return text

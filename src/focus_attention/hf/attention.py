@@ -386,7 +386,22 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
 
 def _topk_groups(handle: LayerHandle, call: LayerCall):
     """``(query groups [B, Nq, K], key groups [B, Nk, K])`` of top-k routing (docs/method.md
-    §4): causal (own scores + calibrated bias) or the paper's sequence-wide Sinkhorn."""
+    §4): causal (own scores + calibrated bias) or the paper's sequence-wide Sinkhorn; the
+    new tokens join their ``top_k`` best groups as keys and their ``query_top_k`` best as
+    queries."""
+    cfg = handle.runtime.focus_config
+    top_ks = (cfg.top_k, cfg.resolved_query_top_k)
+    new_groups, q_groups = _new_token_groups(handle, call, top_ks)
+    if call.cache_layer is None:
+        return q_groups, _key_groups(call, new_groups)
+    # the cache then holds every key's groups, sinks included: nothing of size Nk is copied
+    call.cache_layer.append_groups(_key_groups(call, new_groups), call.sink_tokens)
+    return q_groups, call.cache_layer.groups
+
+
+def _new_token_groups(handle: LayerHandle, call: LayerCall, top_ks: tuple[int, int]):
+    """Memberships bool ``[B, Nq, K]`` of this call's tokens for each of ``top_ks`` (the
+    same tensor twice when the two are equal); padding joins no group."""
     router, cfg = handle.router, handle.runtime.focus_config
     if cfg.inference_routing == "sequence":
         if call.has_cache:
@@ -394,16 +409,13 @@ def _topk_groups(handle: LayerHandle, call: LayerCall):
         # top-k of the Sinkhorn rows == top-k of scores + the sequence's column bias
         scores = router.scores(call.hidden)
         _, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
-        q_groups = topk_memberships(scores + column_bias[:, None, :], cfg.top_k)
+        biased = scores + column_bias[:, None, :]
+        groups = {k: topk_memberships(biased, k) for k in set(top_ks)}
     else:
-        q_groups = router.topk_groups(call.hidden, cfg.top_k)
+        groups = {k: router.topk_groups(call.hidden, k) for k in set(top_ks)}
     if call.real_q is not None:
-        q_groups = q_groups & call.real_q[..., None]
-    if call.cache_layer is None:
-        return q_groups, _key_groups(call, q_groups)
-    # the cache then holds every key's groups, sinks included: nothing of size Nk is copied
-    call.cache_layer.append_groups(_key_groups(call, q_groups), call.sink_tokens)
-    return q_groups, call.cache_layer.groups
+        groups = {k: g & call.real_q[..., None] for k, g in groups.items()}
+    return groups[top_ks[0]], groups[top_ks[1]]
 
 
 def _key_groups(call: LayerCall, q_groups: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,14 @@ class FocusConfig:
         group_dim: ``d_g``, the width of the routing projection (paper: 16).
         window: local window in tokens; key ``j`` is local to query ``i`` when
             ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
-        top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``.
+        top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``: the
+            groups a key is a member of (and a query's, unless ``query_top_k`` is set).
+        query_top_k: groups each *query* keeps at inference, ``1..num_groups``, when it
+            should differ from ``top_k`` (default None: ``top_k``). A query then sees the
+            keys of its ``query_top_k`` best groups, each key being a member of its ``top_k``
+            best: ``top_k=1, query_top_k=2`` sees about twice the distant keys of top-1
+            routing and half those of top-2 (docs/method.md §4, "Asymmetric top-k"). Soft
+            routing and the KV cache's key groups do not depend on it.
         temperature: ``tau`` of the routing scores (paper default 0.1).
         sinkhorn_iters: Sinkhorn iterations in soft routing (paper default 10; 0 turns the
             balancing off: a softmax over groups, the paper's group-dominance ablation).
@@ -101,6 +108,11 @@ class FocusConfig:
         default=128, metadata={"help": "local window in tokens, the query included"}
     )
     top_k: int = field(default=2, metadata={"help": "groups each token keeps at inference"})
+    query_top_k: int | None = field(
+        default=None,
+        metadata={"help": "groups each query keeps at inference, if not top_k (keys keep "
+                  "top_k)"},
+    )  # fmt: skip
     temperature: float = field(default=0.1, metadata={"help": "tau of the routing scores"})
     sinkhorn_iters: int = field(
         default=10, metadata={"help": "Sinkhorn iterations of soft routing (0: off, softmax)"}
@@ -148,6 +160,13 @@ class FocusConfig:
         _int("top_k", self.top_k, 1)
         if self.top_k > self.num_groups:
             raise _bad("top_k", self.top_k, f"an int in 1..num_groups={self.num_groups}")
+        _int("query_top_k", self.query_top_k, 1, optional=True)
+        if self.query_top_k is not None and self.query_top_k > self.num_groups:
+            raise _bad(
+                "query_top_k",
+                self.query_top_k,
+                f"None or an int in 1..num_groups={self.num_groups}",
+            )
         _positive_float("temperature", self.temperature)
         _int("sinkhorn_iters", self.sinkhorn_iters, 0)
         if self.gate not in GATES:
@@ -177,6 +196,11 @@ class FocusConfig:
             or not 0 < self.bias_momentum <= 1
         ):
             raise _bad("bias_momentum", self.bias_momentum, "a number in (0, 1]")
+
+    @property
+    def resolved_query_top_k(self) -> int:
+        """Groups each query keeps at inference: ``query_top_k``, or ``top_k`` when unset."""
+        return self.top_k if self.query_top_k is None else self.query_top_k
 
     # --- serialisation -------------------------------------------------------------------
 
