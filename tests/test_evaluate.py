@@ -176,6 +176,22 @@ def test_argument_errors(assets, adapter, tmp_path):
         _evaluate(assets, adapter, max_tokens=32)
 
 
+def test_query_top_k_override(assets, adapter):
+    """Queries in two groups, keys in one: more pairs than top-1, fewer than top-2; recorded
+    in the settings and named in the table; outside 1..K refused."""
+    kw = dict(window=4, max_tokens=128, soft=False)
+    sym = _evaluate(assets, adapter, top_k_values=[1, 2], **kw)
+    wide = _evaluate(assets, adapter, top_k_values=[1], query_top_k=2, **kw)
+    assert wide["config"]["overrides"]["query_top_k"] == 2
+    assert wide["config"]["focus"]["query_top_k"] == 2
+    assert sym["config"]["focus"]["query_top_k"] is None
+    assert sym["pairs_retained"]["1"] < wide["pairs_retained"]["1"] < sym["pairs_retained"]["2"]
+    assert wide["ppl"]["base"] == pytest.approx(sym["ppl"]["base"])
+    assert "query_top_k=2" in markdown_table(wide) and "query_top_k" not in markdown_table(sym)
+    with pytest.raises(ValueError, match="query_top_k"):
+        _evaluate(assets, adapter, query_top_k=9, **kw)
+
+
 def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
     import focus_attention.assets.models
     from focus_attention.hf import FocusConfig

@@ -107,8 +107,9 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
 
 
 def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
-    """``window``, ``sink_tokens`` and ``dense_layers`` override the adapter's settings in
-    every Focus mode, and the JSON records them; a negative sink count is refused."""
+    """``window``, ``sink_tokens``, ``dense_layers`` and ``query_top_k`` override the
+    adapter's settings in every Focus mode, and the JSON records them; a negative sink
+    count is refused."""
     assets, adapter = tiny
     use_tiny_assets(assets, monkeypatch)
     seen = set()
@@ -116,17 +117,22 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
     def fake_answer(model, tokenizer, case, max_new_tokens):
         if model._runtime.enabled:
             cfg = model.focus_config
-            seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k))
+            seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k,
+                      cfg.query_top_k))  # fmt: skip
         return " 1.", 0.01
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
                                corpus=str(assets["corpus"]), haystacks=("passkey",),
                                lengths=(64,), depths=(0.5,), trials=1, top_k=(1, 2), window=5,
-                               sink_tokens=3, dense_layers=(1,), progress=False)  # fmt: skip
+                               sink_tokens=3, dense_layers=(1,), query_top_k=2,
+                               progress=False)  # fmt: skip
     result = needle.run_needle_benchmark(config)
-    assert seen == {(5, 3, (1,), 1), (5, 3, (1,), 2)}
+    assert seen == {(5, 3, (1,), 1, 2), (5, 3, (1,), 2, 2)}
     assert result["config"]["sink_tokens"] == 3 and result["config"]["window"] == 5
+    assert result["config"]["query_top_k"] == 2
+    # the mode of asymmetric routing says so; top-2 with query_top_k 2 is plain top-2
+    assert {c["mode"] for c in result["cells"]} == {"dense", "top-1/q2", "top-2"}
     with pytest.raises(ValueError, match="sink_tokens"):
         NeedleBenchConfig(sink_tokens=-1)
 
@@ -229,3 +235,22 @@ def test_needle_with_every_layer_dense_answers_as_dense(tiny, monkeypatch):
     assert result["config"]["dense_layers"] == layers and result["config"]["window"] == 2
     with pytest.raises(ValueError, match="window"):
         NeedleBenchConfig(window=0)
+
+
+def test_no_dense_runs_only_the_focus_modes(tiny, monkeypatch):
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    modes = []
+
+    def fake_answer(model, tokenizer, case, max_new_tokens):
+        modes.append(model._runtime.enabled)
+        return " 1.", 0.01
+
+    monkeypatch.setattr(needle, "_answer", fake_answer)
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), haystacks=("passkey",),
+                               lengths=(64,), depths=(0.5,), trials=2, top_k=(1,),
+                               dense=False, progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(config)
+    assert modes == [True, True]
+    assert list(result["accuracy"]["passkey"]) == ["top-1"]

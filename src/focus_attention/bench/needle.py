@@ -117,6 +117,7 @@ class NeedleBenchConfig:
         metadata={"help": "override the adapter's query_top_k (groups each query keeps, for "
                   "every top_k run; keys keep top_k)"},
     )  # fmt: skip
+    dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})
     max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
     seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
@@ -281,8 +282,9 @@ def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -
     return text, time.monotonic() - t
 
 
-def _modes(fm: Any, top_k: tuple[int, ...]) -> list[tuple[str, Any]]:
-    """``(name, enter)`` per mode: ``enter()`` sets the model up and returns a context."""
+def _modes(fm: Any, top_k: tuple[int, ...], dense: bool = True) -> list[tuple[str, Any]]:
+    """``(name, enter)`` per mode: ``enter()`` sets the model up and returns a context.
+    A Focus mode is named ``top-K``, or ``top-K/qQ`` when its queries keep ``Q`` groups."""
     import contextlib
 
     def topk(k: int):
@@ -292,7 +294,12 @@ def _modes(fm: Any, top_k: tuple[int, ...]) -> list[tuple[str, Any]]:
 
         return enter
 
-    return [("dense", fm.disable_focus), *[(f"top-{k}", topk(k)) for k in top_k]]
+    def name(k: int) -> str:
+        q = fm.focus_config.query_top_k
+        return f"top-{k}" if q is None or q == k else f"top-{k}/q{q}"
+
+    focus_modes = [(name(k), topk(k)) for k in top_k]
+    return [("dense", fm.disable_focus), *focus_modes] if dense else focus_modes
 
 
 def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
@@ -316,7 +323,7 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
     )
     cells = []
     for case in _cases(config, tokenizer, bos_id):
-        for mode, enter in _modes(fm, config.top_k):
+        for mode, enter in _modes(fm, config.top_k, config.dense):
             with enter():
                 text, seconds = _answer(fm, tokenizer, case, config.max_new_tokens)
             cells.append(_cell(case, mode, text, seconds))
