@@ -1,6 +1,7 @@
 """Benchmark plumbing (no timing assertions: timings are benchmarked, not tested)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -227,10 +228,13 @@ def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, ke
     cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
                            lengths=(32,), top_k=(1,), windows=(8,), num_groups=4,
                            warmup_tokens=8, threads=1, dense_layers=(1,), sink_tokens=3,
-                           progress=False)  # fmt: skip
+                           query_top_k=2, progress=False)  # fmt: skip
     result = run_model_benchmark(cfg)
     assert result["config"]["dense_layers"] == [1] and result["config"]["sink_tokens"] == 3
-    assert "focus top_k=1, window=8, dense layers 1, 3 sink tokens" in model_table(result)
+    assert result["config"]["query_top_k"] == 2
+    assert "focus top_k=1, window=8, dense layers 1, 3 sink tokens, query_top_k=2" in model_table(result)  # fmt: skip
+    with pytest.raises(ValueError, match="query_top_k"):
+        run_model_benchmark(replace(cfg, query_top_k=5))
 
 
 @pytest.mark.parametrize(

@@ -58,12 +58,13 @@ def test_a_calibrated_adapter_equals_evaluating_with_calibration(assets, adapter
 
 def test_no_blocks_changes_only_the_settings(assets, adapter, tmp_path):
     out = tmp_path / "settings"
-    record = _calibrate(assets, adapter, out, blocks=0, dense_layers=(1,))
+    record = _calibrate(assets, adapter, out, blocks=0, dense_layers=(1,), query_top_k=2)
     assert record["tokens"] == 0 and record["bias_change"] == 0.0
-    assert record["focus"]["dense_layers"] == [1]
+    assert record["focus"]["dense_layers"] == [1] and record["focus"]["query_top_k"] == 2
     new, old = load_file(str(out / WEIGHTS_NAME)), load_file(str(adapter / WEIGHTS_NAME))
     assert all(torch.equal(new[k], old[k]) for k in new)
-    assert _evaluate(assets, out)["ppl"] == _evaluate(assets, adapter, dense_layers=(1,))["ppl"]
+    overridden = _evaluate(assets, adapter, dense_layers=(1,), query_top_k=2)
+    assert _evaluate(assets, out)["ppl"] == overridden["ppl"]
 
 
 def test_outputs_that_would_lose_an_adapter_are_refused(assets, adapter, tmp_path):
@@ -82,7 +83,8 @@ def test_outputs_that_would_lose_an_adapter_are_refused(assets, adapter, tmp_pat
 @pytest.mark.parametrize(
     "changes, match",
     [(dict(adapter=None), "adapter"), (dict(out=""), "out"), (dict(blocks=-1), "blocks"),
-     (dict(seq_len=1), "seq_len"), (dict(split="dev"), "split")],
+     (dict(seq_len=1), "seq_len"), (dict(split="dev"), "split"),
+     (dict(query_top_k=0), "query_top_k")],
 )  # fmt: skip
 def test_bad_settings_are_refused(changes, match):
     settings = dict(adapter="a", out="b") | changes
