@@ -39,6 +39,8 @@ needle=(--adapter "$long" --depths 0.25 0.5 0.75 "${quiet[@]}")
   --json "$out/needle-seed2.json"
 "$focus" bench needle "${needle[@]}" --lengths 2048 4096 --trials 2 --seed 2 --top-k 1 --query-top-k 2 \
   --no-dense --json "$out/needle-seed2-k1q2.json"
-# timings: on a quiet machine
-"$focus" bench model --adapter "$long" --lengths 4096 16384 --top-k 1 --query-top-k 2 "${quiet[@]}" \
+# timings: on a quiet machine, the symmetric rows and then the asymmetric one (each against
+# its own run's sdpa)
+"$focus" bench model --adapter "$long" --lengths 4096 16384 --top-k 1 2 "${quiet[@]}" --json "$out/model.json"
+"$focus" bench model --adapter "$long" --lengths 4096 16384 --top-k 1 --query-top-k 2 --no-floor "${quiet[@]}" \
   --json "$out/model-k1q2.json"
