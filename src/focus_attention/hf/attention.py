@@ -391,11 +391,11 @@ def _topk_groups(handle: LayerHandle, call: LayerCall):
     queries."""
     cfg = handle.runtime.focus_config
     top_ks = (cfg.top_k, cfg.resolved_query_top_k)
-    new_groups, q_groups = _new_token_groups(handle, call, top_ks)
+    new_key_groups, q_groups = _new_token_groups(handle, call, top_ks)
     if call.cache_layer is None:
-        return q_groups, _key_groups(call, new_groups)
+        return q_groups, _key_groups(call, new_key_groups)
     # the cache then holds every key's groups, sinks included: nothing of size Nk is copied
-    call.cache_layer.append_groups(_key_groups(call, new_groups), call.sink_tokens)
+    call.cache_layer.append_groups(_key_groups(call, new_key_groups), call.sink_tokens)
     return q_groups, call.cache_layer.groups
 
 
@@ -418,13 +418,14 @@ def _new_token_groups(handle: LayerHandle, call: LayerCall, top_ks: tuple[int, i
     return groups[top_ks[0]], groups[top_ks[1]]
 
 
-def _key_groups(call: LayerCall, q_groups: torch.Tensor) -> torch.Tensor:
+def _key_groups(call: LayerCall, memberships: torch.Tensor) -> torch.Tensor:
     """The groups whose queries see this call's new tokens as keys, bool ``[B, Nq, K]``:
-    their memberships, and every group for a sink token (docs/method.md §3)."""
-    nq, nk = q_groups.shape[1], call.key.shape[2]
+    their ``top_k`` memberships ``memberships``, and every group for a sink token
+    (docs/method.md §3)."""
+    nq, nk = memberships.shape[1], call.key.shape[2]
     if call.sinks is None or (call.real is None and nk - nq >= call.sink_tokens):
-        return q_groups  # without padding the sinks are the first positions: none is new
-    return q_groups | call.sinks[:, nk - nq :, None]
+        return memberships  # without padding the sinks are the first positions: none is new
+    return memberships | call.sinks[:, nk - nq :, None]
 
 
 def attention_probs(
