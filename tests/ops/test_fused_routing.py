@@ -8,7 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from focus_attention.ops import causal_topk_groups, group_scores, topk_memberships
+from focus_attention.ops import (
+    causal_topk_groups,
+    causal_topk_groups_many,
+    group_scores,
+    topk_memberships,
+)
 from focus_attention.ops import routing as routing_module
 from focus_attention.ops.routing import FUSED_ROUTE_TOKENS
 
@@ -171,3 +176,42 @@ def test_bad_arguments_get_the_ops_errors(change, match):
     args.update(change)
     with torch.no_grad(), pytest.raises(ValueError, match=match):
         causal_topk_groups(**args)
+
+
+@pytest.mark.parametrize("n", [1, 3, FUSED_ROUTE_TOKENS + 1, 300])
+@pytest.mark.parametrize("top_ks", [(1, 2), (2, 1), (3, 3), (1, 4, 1)])
+def test_many_top_ks_equal_one_call_per_top_k(n, top_ks):
+    """causal_topk_groups_many is bitwise causal_topk_groups for each entry, fused (a
+    decoding step) or not, with or without gradients."""
+    hidden, proj, cents, bias = _inputs(2, n, 24, 8, 4, torch.float32, seed=n)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = causal_topk_groups_many(hidden, proj, cents, bias, 0.1, top_ks)
+            want = [causal_topk_groups(hidden, proj, cents, bias, 0.1, k) for k in top_ks]
+        assert len(got) == len(top_ks)
+        for g, w, k in zip(got, want, top_ks, strict=True):
+            assert torch.equal(g, w)
+            assert torch.equal(g.sum(-1), torch.full((2, n), k))
+
+
+def test_many_top_ks_score_the_tokens_once(monkeypatch):
+    """Outside the fused kernel the scores are computed once for every top_k."""
+    calls = []
+    real = routing_module.group_scores
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(routing_module, "group_scores", counting)
+    hidden, proj, cents, bias = _inputs(1, FUSED_ROUTE_TOKENS + 5, 16, 8, 8, torch.float32, 5)
+    q_groups, k_groups = causal_topk_groups_many(hidden, proj, cents, bias, 0.1, (2, 1))
+    assert len(calls) == 1
+    assert (q_groups & k_groups).sum() == k_groups.sum()  # a key's best group is a query's too
+
+
+@pytest.mark.parametrize("top_ks,match", [((), "top_ks"), (2, "top_ks"), ((1, 5), "top_k"), ((0,), "top_k")])  # fmt: skip
+def test_many_top_ks_bad_arguments(top_ks, match):
+    hidden, proj, cents, bias = _inputs(1, 2, 16, 8, 4, torch.float32, 4)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        causal_topk_groups_many(hidden, proj, cents, bias, 0.1, top_ks)

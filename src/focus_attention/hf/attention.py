@@ -412,7 +412,7 @@ def _new_token_groups(handle: LayerHandle, call: LayerCall, top_ks: tuple[int, i
         biased = scores + column_bias[:, None, :]
         groups = {k: topk_memberships(biased, k) for k in set(top_ks)}
     else:
-        groups = {k: router.topk_groups(call.hidden, k) for k in set(top_ks)}
+        groups = dict(zip(top_ks, router.topk_group_sets(call.hidden, top_ks), strict=True))
     if call.real_q is not None:
         groups = {k: g & call.real_q[..., None] for k, g in groups.items()}
     return groups[top_ks[0]], groups[top_ks[1]]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import causal_topk_groups, group_scores, sinkhorn, topk_memberships
+from ..ops import (
+    causal_topk_groups,
+    causal_topk_groups_many,
+    group_scores,
+    sinkhorn,
+    topk_memberships,
+)
 
 #: dtype of every router parameter and buffer, whatever the model's dtype (docs/method.md §1:
 #: scores are computed in fp32); casts of the model leave the routers in it.
@@ -193,6 +199,14 @@ class FocusRouter(nn.Module):
         the CPU (:func:`~focus_attention.ops.causal_topk_groups`, docs/method.md §4)."""
         return causal_topk_groups(
             hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_k
+        )
+
+    def topk_group_sets(self, hidden: torch.Tensor, top_ks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """:meth:`topk_groups` for each of ``top_ks``, the scores computed once
+        (:func:`~focus_attention.ops.causal_topk_groups_many`; asymmetric top-k,
+        docs/method.md §4): a tuple of bool ``[B, N, K]`` in the order of ``top_ks``."""
+        return causal_topk_groups_many(
+            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_ks
         )
 
     @torch.no_grad()

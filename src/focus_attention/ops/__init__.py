@@ -6,7 +6,13 @@ from .masks import focus_mask
 from .merge import merge_partials
 from .metrics import dominance, group_shares, pairs_retained
 from .reference import dense_attention, expand_kv_heads
-from .routing import causal_topk_groups, group_scores, sinkhorn, topk_memberships
+from .routing import (
+    causal_topk_groups,
+    causal_topk_groups_many,
+    group_scores,
+    sinkhorn,
+    topk_memberships,
+)
 from .sparse import (
     BACKENDS,
     SparseBackend,
@@ -25,6 +31,7 @@ __all__ = [
     "SparseRequest",
     "backend_names",
     "causal_topk_groups",
+    "causal_topk_groups_many",
     "dense_attention",
     "dominance",
     "expand_kv_heads",

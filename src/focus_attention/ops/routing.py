@@ -202,6 +202,46 @@ def causal_topk_groups(
     return groups
 
 
+def causal_topk_groups_many(
+    hidden: torch.Tensor,
+    proj: torch.Tensor,
+    centroids: torch.Tensor,
+    bias: torch.Tensor,
+    temperature: float,
+    top_ks: tuple[int, ...],
+) -> tuple[torch.Tensor, ...]:
+    """:func:`causal_topk_groups` for several ``top_k`` of the same tokens, the scores
+    computed once (asymmetric top-k, docs/method.md §4: a query's ``query_top_k`` groups and
+    a key's ``top_k`` groups come from the same scores).
+
+    Each result is bitwise the one :func:`causal_topk_groups` gives for its ``top_k``:
+    where the fused kernel routes (a decoding step) it runs once per distinct value, a call
+    of a few microseconds; elsewhere ``group_scores + bias`` is computed once and
+    :func:`topk_memberships` taken for each value.
+
+    Args:
+        hidden, proj, centroids, bias, temperature: as for :func:`causal_topk_groups`.
+        top_ks: one or more ints, each in ``1..K``; repeats are allowed.
+
+    Returns:
+        a tuple of bool ``[B, N, K]``, one per entry of ``top_ks``, in order (the same
+        tensor object for equal entries).
+
+    Raises:
+        ValueError: ``top_ks`` empty, and the errors of :func:`causal_topk_groups`.
+    """
+    if not isinstance(top_ks, (tuple, list)) or len(top_ks) == 0:
+        fail("top_ks", repr(top_ks), "a non-empty tuple of ints in 1..K")
+    distinct = list(dict.fromkeys(top_ks))
+    fused = all(_routing_kernel(hidden, proj, centroids, bias, temperature, k) for k in distinct)
+    if fused:
+        groups = {k: causal_topk_groups(hidden, proj, centroids, bias, temperature, k) for k in distinct}  # fmt: skip
+    else:
+        scores = group_scores(hidden, proj, centroids, temperature) + bias.float()
+        groups = {k: topk_memberships(scores, k) for k in distinct}
+    return tuple(groups[k] for k in top_ks)
+
+
 def _routing_kernel(hidden, proj, centroids, bias, temperature, top_k):
     """The loaded kernel module when :func:`causal_topk_groups` can run it on these inputs,
     else None (anything it would refuse goes to the checked ops, which raise the documented
