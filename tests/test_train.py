@@ -433,3 +433,38 @@ def test_dense_layers_train_the_other_routers_only(assets, tmp_path):
     assert float(a["layer.1.bias_updates"]) == 0 < float(a["layer.0.bias_updates"])
     with pytest.raises(ValueError, match="every Focus layer runs dense.*nothing to train"):
         train(tiny_config(assets, tmp_path / "all", steps=1, dense_layers=[0, 1]))
+
+
+def test_init_adapter_starts_from_its_routers_under_this_runs_settings(assets, reference, tmp_path):  # fmt: skip
+    """--init-adapter: zero steps save exactly the adapter's routers (bias and update count
+    included) with this run's window; a trained step moves them from there; a run from
+    fresh routers starts elsewhere."""
+    from focus_attention.hf import FocusConfig
+
+    src = _weights(reference.out)
+    out = tmp_path / "zero"
+    train(tiny_config(assets, out, steps=0, window=4, init_adapter=str(reference.out)))
+    got = _weights(out)
+    assert got.keys() == src.keys()
+    for k in src:
+        assert torch.equal(got[k], src[k]), k
+    assert FocusConfig.from_json_file(out / "focus_config.json").window == 4
+    fresh = _weights(train(tiny_config(assets, tmp_path / "fresh", steps=0)).out)
+    assert not torch.equal(fresh["layer.0.centroids"], src["layer.0.centroids"])
+    one = _weights(train(tiny_config(assets, tmp_path / "one", steps=1, eval_every=-1, save_every=0,
+                                     init_adapter=str(reference.out))).out)  # fmt: skip
+    assert not torch.equal(one["layer.0.centroids"], src["layer.0.centroids"])
+    torch.testing.assert_close(one["layer.0.centroids"], src["layer.0.centroids"], atol=0.1, rtol=0)
+    assert int(one["layer.0.bias_updates"]) > int(src["layer.0.bias_updates"])
+
+
+def test_init_adapter_errors(assets, reference, tmp_path):
+    with pytest.raises(ValueError, match="num_groups=4, this model 8"):
+        train(tiny_config(assets, tmp_path / "k8", steps=0, num_groups=8, top_k=2,
+                          init_adapter=str(reference.out)))  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="focus_config.json not found"):
+        train(tiny_config(assets, tmp_path / "none", steps=0, init_adapter=str(tmp_path)))
+    with pytest.raises(ValueError, match="init_adapter.*no Focus routers"):
+        train_config(method="lora", init_adapter=str(reference.out))
+    with pytest.raises(ValueError, match="init_adapter"):
+        train_config(init_adapter="")

@@ -691,6 +691,48 @@ class FocusModel(nn.Module):
                 dst.copy_(src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
             router.mark_loaded()
 
+    def load_routers(self, directory: str | os.PathLike) -> FocusModel:
+        """Load the router weights of a saved adapter (projections, centroids, routing bias
+        and its update count) into this model, keeping this model's :class:`FocusConfig`:
+        to continue training an adapter under other settings, for example at another
+        ``window`` or block length (``focus train --init-adapter``, docs/method.md §6).
+
+        Args:
+            directory: a folder written by :meth:`save_pretrained`.
+
+        Returns:
+            this model.
+
+        Raises:
+            FileNotFoundError: no adapter files in ``directory`` (a Trainer output folder is
+                not read here: load it with :meth:`from_pretrained`).
+            ValueError: a corrupt config; another ``num_groups``, ``group_dim`` or set of
+                Focus layers than this model's (the message names the field and both values).
+
+        Warns:
+            FocusBaseMismatchWarning: the adapter was saved on a base model with other weights.
+        """
+        directory = Path(directory)
+        if adapter_layout(directory) != "adapter":
+            raise FileNotFoundError(
+                f"{directory / CONFIG_NAME} not found: load_routers reads an adapter folder "
+                f"({CONFIG_NAME} and {WEIGHTS_NAME}); load a Trainer output folder with "
+                "FocusModel.from_pretrained"
+            )
+        config, extra = read_config_file(directory / CONFIG_NAME)
+        current = self.focus_config
+        for name in ("num_groups", "group_dim", "layers"):
+            saved, here = getattr(config, name), getattr(current, name)
+            if saved is not None and saved != here:
+                raise ValueError(
+                    f"FocusModel.load_routers: the adapter in {directory} has {name}={saved!r}, "
+                    f"this model {here!r}; build the model with the adapter's {name}"
+                )
+        saved_fp = extra.get("base_model_fingerprint") or {}
+        compare_fingerprints(saved_fp, base_model_fingerprint(self.base_model), "FocusModel.load_routers")  # fmt: skip
+        self.load_focus_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+        return self
+
     # --- files ---------------------------------------------------------------------------
 
     def save_pretrained(

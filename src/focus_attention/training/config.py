@@ -264,6 +264,16 @@ class TrainConfig:
             "(0: every query; the cost of the dense attention rows grows with it)"
         },
     )
+    init_adapter: str | None = field(
+        default=None,
+        metadata={
+            "help": "start the Focus routers from this adapter folder (its projections, "
+            "centroids and routing bias) instead of fresh ones, under this run's Focus "
+            "settings: to continue training at another block length or window; its "
+            "num_groups, group_dim and layers must be this run's (default: fresh routers)",
+            "metavar": "DIR",
+        },
+    )
     prepend_bos: bool | None = field(
         default=None,
         metadata={"help": "start every block with BOS (default: automatic, on for Gemma)"},
@@ -302,6 +312,12 @@ class TrainConfig:
             raise bad(owner, "objective", self.objective, f"one of {OBJECTIVES}")
         check_number(owner, "distill_weight", self.distill_weight, inclusive=True)
         check_int(owner, "coverage_queries", self.coverage_queries, 0)
+        if self.init_adapter is not None:
+            if not isinstance(self.init_adapter, str) or not self.init_adapter:
+                raise bad(owner, "init_adapter", self.init_adapter, "an adapter folder path")
+            if self.method not in FOCUS_METHODS:
+                raise bad(owner, "init_adapter", self.init_adapter,
+                          f"None with --method {self.method}, which has no Focus routers")  # fmt: skip
         if self.resume and self.overwrite:
             raise bad(owner, "resume", self.resume, "not both resume and overwrite")
         self._validate_focus()

@@ -300,10 +300,18 @@ def _lora_params(hf: Any) -> list[nn.Parameter]:
 
 
 def _focus(hf: Any, cfg: TrainConfig, ckpt: Path | None) -> FocusModel:
-    """Trainable Focus routers on ``hf``: fresh, or those of ``ckpt``."""
+    """Trainable Focus routers on ``hf``: those of ``ckpt``, else fresh ones or, with
+    ``init_adapter``, those of that adapter under this run's settings."""
     if ckpt is not None:
         return FocusModel.from_pretrained(hf, ckpt, is_trainable=True)
-    return get_focus_model(hf, cfg.focus_config())
+    fm = get_focus_model(hf, cfg.focus_config())
+    if cfg.init_adapter is not None:
+        try:
+            fm.load_routers(cfg.init_adapter)
+        except Exception:
+            fm.unload()
+            raise
+    return fm
 
 
 def _check_only(model: nn.Module, params: list[nn.Parameter], method: str) -> None:
