@@ -24,6 +24,9 @@ def pin_groups(fm, records):
     for r in records:
         router = fm.routers[str(r["layer"])]
         router.topk_groups = lambda hidden, top_k, g=r["query_groups"]: g.clone()
+        router.topk_group_sets = lambda hidden, top_ks, g=r["query_groups"]: tuple(
+            g.clone() for _ in top_ks
+        )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
