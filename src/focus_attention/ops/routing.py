@@ -194,12 +194,7 @@ def causal_topk_groups(
     kernel = _routing_kernel(hidden, proj, centroids, bias, temperature, top_k)
     if kernel is None:
         return topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias.float(), top_k)  # fmt: skip
-    groups, has_nan = kernel.focus_route(
-        hidden.contiguous(), proj, centroids, bias, float(temperature), top_k
-    )
-    if has_nan:
-        fail("scores", "a tensor containing NaN", "finite scores")
-    return groups
+    return _fused_route(kernel, hidden, proj, centroids, bias, temperature, top_k)
 
 
 def causal_topk_groups_many(
@@ -232,14 +227,25 @@ def causal_topk_groups_many(
     """
     if not isinstance(top_ks, (tuple, list)) or len(top_ks) == 0:
         fail("top_ks", repr(top_ks), "a non-empty tuple of ints in 1..K")
-    distinct = list(dict.fromkeys(top_ks))
-    fused = all(_routing_kernel(hidden, proj, centroids, bias, temperature, k) for k in distinct)
-    if fused:
-        groups = {k: causal_topk_groups(hidden, proj, centroids, bias, temperature, k) for k in distinct}  # fmt: skip
+    kernels = {k: _routing_kernel(hidden, proj, centroids, bias, temperature, k) for k in top_ks}
+    if all(kernel is not None for kernel in kernels.values()):
+        groups = {k: _fused_route(kernel, hidden, proj, centroids, bias, temperature, k)
+                  for k, kernel in kernels.items()}  # fmt: skip
     else:
         scores = group_scores(hidden, proj, centroids, temperature) + bias.float()
-        groups = {k: topk_memberships(scores, k) for k in distinct}
+        groups = {k: topk_memberships(scores, k) for k in kernels}
     return tuple(groups[k] for k in top_ks)
+
+
+def _fused_route(kernel, hidden, proj, centroids, bias, temperature, top_k) -> torch.Tensor:
+    """The fused kernel's memberships bool ``[B, N, K]`` on inputs :func:`_routing_kernel`
+    accepted; ``ValueError`` on NaN scores, as :func:`topk_memberships` raises."""
+    groups, has_nan = kernel.focus_route(
+        hidden.contiguous(), proj, centroids, bias, float(temperature), top_k
+    )
+    if has_nan:
+        fail("scores", "a tensor containing NaN", "finite scores")
+    return groups
 
 
 def _routing_kernel(hidden, proj, centroids, bias, temperature, top_k):
