@@ -28,7 +28,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ..ops import focus_mask, gated_attention, sparse_attention, topk_memberships
+from ..ops import focus_mask, gated_attention, sparse_attention, straight_through, topk_memberships
 from ..utils.compile import eager_only
 from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
@@ -364,12 +364,14 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
             "set_routing('topk') to decode"
         )
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
+    rows = _straight_through_rows(router, scores, probs, cfg) if cfg.straight_through else None
     if router.training and handle.bias_call != runtime.calls:
         # once per model call: not again in the recomputed forward of activation checkpointing
         handle.bias_call = runtime.calls
         router.update_bias(column_bias.detach(), call.real_q)
+    query_rows, key_rows = (probs, probs) if rows is None else rows
     out = gated_attention(
-        call.query, call.key, call.value, probs, probs, cfg.window,
+        call.query, call.key, call.value, query_rows, key_rows, cfg.window,
         gate=cfg.gate, sharpness=cfg.gate_sharpness, scale=call.scale, softcap=call.softcap,
         key_padding_mask=call.real, always_visible=call.sinks,
         chunk_size=cfg.soft_chunk_size or None,
@@ -382,6 +384,23 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
             q_groups = q_groups & call.real_q[..., None]
     record["probs"] = probs.detach()
     return out, q_groups
+
+
+def _straight_through_rows(router, scores: torch.Tensor, probs: torch.Tensor, cfg) -> tuple:
+    """``(query rows, key rows)`` float32 ``[B, N, K]`` of straight-through routing
+    (docs/method.md §6): in value the causal top-k memberships (``query_top_k`` groups for
+    the queries, ``top_k`` for the keys, from ``scores + routing_bias`` before this batch's
+    bias update), in gradient the Sinkhorn rows ``probs``.
+
+    Raises:
+        ValueError: settings it cannot run with (:meth:`FocusConfig.check_straight_through`).
+    """
+    cfg.check_straight_through()
+    detached = scores.detach()
+    keys = straight_through(router.causal_groups(detached, cfg.top_k), probs)
+    if cfg.resolved_query_top_k == cfg.top_k:
+        return keys, keys
+    return straight_through(router.causal_groups(detached, cfg.resolved_query_top_k), probs), keys
 
 
 def _topk_groups(handle: LayerHandle, call: LayerCall):

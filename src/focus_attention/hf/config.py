@@ -96,6 +96,14 @@ class FocusConfig:
             layer holds ``O(chunk * N)`` attention floats instead of ``O(N^2)``: long blocks
             train in bounded memory for one extra attention forward. The result is the same
             up to float rounding (docs/method.md §6).
+        straight_through: soft routing with the hard top-k mask in the loop
+            (docs/method.md §6, "Straight-through routing"): the forward pass of a soft layer
+            attends under the causal top-k groups inference uses (``query_top_k`` for the
+            queries, ``top_k`` for the keys, biased by ``routing_bias``), the backward pass
+            takes the gradient of the Sinkhorn rows (straight-through estimator). Needs
+            ``gate="log"`` and ``top_k == 1`` or ``query_top_k == 1``: then the log gate of
+            the hard rows is exactly the inference mask (up to ``eps``); checked when a soft
+            layer runs (:meth:`check_straight_through`). Default False.
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names the
@@ -147,6 +155,11 @@ class FocusConfig:
         metadata={"help": "query rows per chunk of soft attention, recomputed in backward "
                   "(0: no chunking); bounds training memory at long blocks"},
     )  # fmt: skip
+    straight_through: bool = field(
+        default=False,
+        metadata={"help": "soft routing attends under the hard top-k mask (forward) with "
+                  "the Sinkhorn rows' gradient (backward); needs top_k or query_top_k 1"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.validate()
@@ -190,12 +203,47 @@ class FocusConfig:
                 "dense_layers", self.dense_layers, f"Focus layers (layers {outside} are not)"
             )
         _int("seed", self.seed)
+        self._validate_straight_through()
         if (
             isinstance(self.bias_momentum, bool)
             or not isinstance(self.bias_momentum, (int, float))
             or not 0 < self.bias_momentum <= 1
         ):
             raise _bad("bias_momentum", self.bias_momentum, "a number in (0, 1]")
+
+    def _validate_straight_through(self) -> None:
+        """``straight_through`` is a bool (its combination with the routing is checked when
+        it runs: :meth:`check_straight_through`)."""
+        if not isinstance(self.straight_through, bool):
+            raise _bad("straight_through", self.straight_through, "True or False")
+
+    def check_straight_through(self) -> None:
+        """Check that ``straight_through`` can run with these settings: the ``"log"`` gate
+        and ``top_k == 1`` or ``query_top_k == 1``. Checked when a soft layer runs (and by
+        ``focus train``), not on construction, so that an adapter trained this way can
+        still be evaluated at any ``top_k``.
+
+        Raises:
+            ValueError: ``straight_through=True`` with another gate, or with several groups
+                for both queries and keys (the hard affinity would count shared groups).
+        """
+        if not self.straight_through:
+            return
+        if self.gate != "log":
+            raise _bad(
+                "straight_through",
+                True,
+                f"False with gate={self.gate!r} (the hard "
+                "rows give the inference mask through the 'log' gate only)",
+            )
+        if min(self.top_k, self.resolved_query_top_k) != 1:
+            raise _bad(
+                "straight_through",
+                True,
+                f"False with top_k={self.top_k} and query_top_k="
+                f"{self.resolved_query_top_k}: it needs one of them to be 1 (with "
+                "several groups on both sides the hard affinity counts the shared groups)",
+            )
 
     @property
     def resolved_query_top_k(self) -> int:

@@ -1,7 +1,7 @@
 """Focus ops: routing, Sinkhorn, masks, the dense oracle, soft gates, the log-sum-exp merge
 and exact sparse attention."""
 
-from .gates import GATES, gated_attention
+from .gates import GATES, gated_attention, straight_through
 from .masks import focus_mask
 from .merge import merge_partials
 from .metrics import dominance, group_shares, pairs_retained
@@ -46,5 +46,6 @@ __all__ = [
     "resolve_backend",
     "sinkhorn",
     "sparse_attention",
+    "straight_through",
     "topk_memberships",
 ]

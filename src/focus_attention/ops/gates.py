@@ -17,7 +17,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..utils.precision import without_autocast
-from .checks import check_device, check_positive, check_qkv, check_shape, check_tensor, fail
+from .checks import (
+    check_bool,
+    check_device,
+    check_positive,
+    check_qkv,
+    check_shape,
+    check_tensor,
+    fail,
+)
 from .masks import check_groups, effective_window
 from .reference import expand_kv_heads
 from .sparse.flex import causal_block_mask, flex_call
@@ -105,6 +113,28 @@ def gated_attention(
     if backend == "flex" and query.numel() and key.numel():
         return _flex_gated(*args, softcap, key_padding_mask, always_visible)
     return _dense_gated(*args, softcap, key_padding_mask, always_visible, chunk_size)
+
+
+def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """Routing rows that are ``hard`` in value and ``soft`` in gradient (the straight-through
+    estimator; docs/method.md §6, "Straight-through routing").
+
+    Args:
+        hard: bool ``[B, N, K]`` group memberships (top-k routing).
+        soft: float ``[B, N, K]`` routing rows (Sinkhorn output) that carry the gradient.
+
+    Returns:
+        ``soft``'s dtype ``[B, N, K]``: equal to ``hard`` (0.0 / 1.0) in value; the gradient
+        of a loss with respect to it reaches ``soft`` unchanged.
+
+    Raises:
+        ValueError: ``hard`` not bool, ``soft`` not floating, or different shapes.
+    """
+    check_tensor("hard", hard, 3)
+    check_tensor("soft", soft, 3, floating=True)
+    check_bool("hard", hard)
+    check_shape("hard", hard, tuple(soft.shape), "[B, N, K] like soft")
+    return hard.to(soft.dtype) + (soft - soft.detach())
 
 
 def _check_options(query, key, always_visible, chunk_size, backend) -> None:

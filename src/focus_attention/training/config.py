@@ -396,6 +396,14 @@ class TrainConfig:
             self.focus = self.focus.replace(seed=self.seed)
         if self.focus.routing == "topk":
             raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
+        self.focus.check_straight_through()
+        if self.focus.straight_through and self.objective == "coverage":
+            raise bad(
+                owner,
+                "focus.straight_through",
+                True,
+                "False with objective 'coverage' (it computes no soft attention)",
+            )
         window = self.focus.window
         if self.method in FOCUS_METHODS and self.seq_len <= window:
             raise bad(

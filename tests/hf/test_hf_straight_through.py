@@ -1,0 +1,176 @@
+"""Straight-through routing, ``FocusConfig.straight_through`` (docs/method.md §6): soft layers
+attend under the hard top-k mask inference uses, and the gradient reaches the routers through
+the Sinkhorn rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import ARCHS, focus, ids, left_pad, positions
+
+from focus_attention.hf import FocusConfig
+from focus_attention.ops import straight_through
+from focus_attention.training.config import TrainConfig
+
+N = 80
+# (top_k, query_top_k): symmetric top-1 and both asymmetric shapes with one group on a side
+SHAPES = [(1, None), (1, 2), (2, 1)]
+
+
+def _random_bias(fm, seed: int) -> None:
+    """Give every router a distinct routing_bias, so the hard groups depend on it."""
+    g = torch.Generator().manual_seed(seed)
+    for router in fm.routers.values():
+        router.routing_bias.copy_(torch.randn(router.routing_bias.shape, generator=g))
+
+
+def _logits(fm, x, **kw):
+    with torch.no_grad():
+        return fm(input_ids=x, use_cache=False, **kw).logits
+
+
+# --- the op -------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), n=st.integers(1, 12), k=st.integers(1, 6), seed=st.integers(0, 99))
+def test_straight_through_is_hard_in_value_and_soft_in_gradient(b, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    hard = torch.rand(b, n, k, generator=g) < 0.4
+    soft = torch.rand(b, n, k, generator=g, dtype=torch.float64).requires_grad_()
+    rows = straight_through(hard, soft)
+    assert rows.dtype == torch.float64
+    assert torch.equal(rows.detach(), hard.double())
+    upstream = torch.randn(b, n, k, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(rows, soft, upstream)
+    assert torch.equal(grad, upstream)
+
+
+@pytest.mark.parametrize(
+    "hard,soft,match",
+    [
+        (torch.ones(1, 2, 3), torch.rand(1, 2, 3), "torch.bool"),
+        (torch.ones(1, 2, 3, dtype=torch.bool), torch.ones(1, 2, 3, dtype=torch.long), "floating"),
+        (torch.ones(1, 2, 4, dtype=torch.bool), torch.rand(1, 2, 3), r"\[B, N, K\]"),
+        (torch.ones(2, 3, dtype=torch.bool), torch.rand(2, 3), "rank 3"),
+    ],
+)
+def test_straight_through_refuses_bad_rows(hard, soft, match):
+    with pytest.raises(ValueError, match=match):
+        straight_through(hard, soft)
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("top_k,query_top_k", SHAPES)
+def test_soft_forward_is_the_top_k_model(arch, top_k, query_top_k):
+    """With straight_through the soft path's logits are those of hard top-k inference (the
+    log gate leaves ``eps = 1e-6`` of a masked pair's weight), with padding and sinks; without
+    it they are not."""
+    x, mask = left_pad([ids(1, N, seed=41)[0], ids(1, 53, seed=42)[0]])
+    kw = dict(attention_mask=mask, position_ids=positions(mask))
+    cfg = dict(top_k=top_k, query_top_k=query_top_k, window=8, sink_tokens=2)
+    _, fm = focus(arch, straight_through=True, **cfg)
+    _random_bias(fm, seed=43)
+    hard = _logits(fm.set_routing("topk"), x, **kw)
+    through = _logits(fm.set_routing("soft"), x, **kw)
+    real = mask.bool()
+    torch.testing.assert_close(through[real], hard[real], atol=1e-4, rtol=0)
+    fm.focus_config = fm.focus_config.replace(straight_through=False)
+    soft = _logits(fm, x, **kw)
+    assert (soft[real] - hard[real]).abs().max() > 1e-1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_gradient_reaches_the_routers_through_the_sinkhorn_rows(arch):
+    x = ids(2, N, seed=44)
+    _, fm = focus(arch, straight_through=True, top_k=1, window=8, sink_tokens=2)
+    _random_bias(fm, seed=45)
+    fm.train()
+    loss = fm(input_ids=x, labels=x, use_cache=False).loss
+    loss.backward()
+    through = {name: p.grad.clone() for name, p in fm.named_parameters() if p.grad is not None}
+    assert through and all(torch.isfinite(g).all() for g in through.values())
+    assert all("routers" in name for name in through)  # the base model stays frozen
+    assert any(float(g.abs().max()) > 0 for g in through.values())
+    fm.zero_grad(set_to_none=True)
+    fm.focus_config = fm.focus_config.replace(straight_through=False)
+    fm(input_ids=x, labels=x, use_cache=False).loss.backward()
+    soft = {name: p.grad for name, p in fm.named_parameters() if p.grad is not None}
+    assert soft.keys() == through.keys()
+    assert any(not torch.allclose(soft[n], through[n]) for n in soft)
+
+
+def test_the_hard_groups_use_the_bias_before_this_batch_updates_it(monkeypatch):
+    """The training forward routes with the routing_bias as it was when the batch arrived:
+    the forward of a training step equals the eval model's."""
+    x = ids(1, N, seed=46)
+    _, fm = focus("llama", straight_through=True, top_k=1, window=8, sink_tokens=2)
+    _random_bias(fm, seed=47)
+    hard = _logits(fm.set_routing("topk"), x)
+    fm.set_routing("auto").train()
+    before = [r.routing_bias.clone() for r in fm.routers.values()]
+    with torch.no_grad():
+        trained = fm(input_ids=x, use_cache=False).logits
+    assert any(
+        not torch.equal(b, r.routing_bias) for b, r in zip(before, fm.routers.values(), strict=True)
+    )
+    torch.testing.assert_close(trained, hard, atol=1e-4, rtol=0)
+
+
+# --- settings -----------------------------------------------------------------------------
+
+
+def test_config_takes_a_bool_and_round_trips():
+    cfg = FocusConfig(straight_through=True, top_k=1)
+    assert FocusConfig.from_dict(cfg.to_dict()) == cfg
+    assert FocusConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "straight_through"}).straight_through is False  # fmt: skip
+    with pytest.raises(ValueError, match="straight_through.*True or False"):
+        FocusConfig(straight_through=1)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(top_k=2), "top_k=2 and query_top_k=2"),
+        (dict(top_k=2, query_top_k=3), "top_k=2 and query_top_k=3"),
+        (dict(top_k=1, gate="paper"), "gate='paper'"),
+    ],
+)
+def test_settings_it_cannot_run_with_are_refused_when_it_runs(kw, match):
+    cfg = FocusConfig(straight_through=True, **kw)  # an adapter's config stays loadable
+    with pytest.raises(ValueError, match=match):
+        cfg.check_straight_through()
+    _, fm = focus("llama", straight_through=True, window=8, **kw)
+    with pytest.raises(ValueError, match=match):
+        _logits(fm.set_routing("soft"), ids(1, 24, seed=48))
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(focus=FocusConfig(straight_through=True, window=8, **kw), seq_len=64)
+
+
+def test_top_k_inference_of_such_an_adapter_runs_at_any_top_k():
+    _, fm = focus("llama", straight_through=True, top_k=1, window=8)
+    fm.set_top_k(2)  # straight_through only matters to soft routing
+    assert _logits(fm, ids(1, 24, seed=49)).isfinite().all()
+
+
+def test_train_config_refuses_it_with_the_coverage_objective():
+    with pytest.raises(ValueError, match="coverage"):
+        TrainConfig(focus=FocusConfig(straight_through=True, top_k=1), objective="coverage")
+
+
+def test_focus_train_flag_sets_it_and_refuses_two_groups_on_both_sides():
+    from focus_attention.cli import build_parser
+    from focus_attention.cli.train import config_from_args
+
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(["train", "--straight-through", "--top-k", "1"]))
+    assert cfg.focus.straight_through is True and cfg.focus.top_k == 1
+    cfg = config_from_args(parser.parse_args(["train", "--top-k", "1"]))
+    assert cfg.focus.straight_through is False
+    with pytest.raises(ValueError, match="straight_through.*top_k=2 and query_top_k=2"):
+        config_from_args(parser.parse_args(["train", "--straight-through"]))
