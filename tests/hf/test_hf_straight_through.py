@@ -174,3 +174,8 @@ def test_focus_train_flag_sets_it_and_refuses_two_groups_on_both_sides():
     assert cfg.focus.straight_through is False
     with pytest.raises(ValueError, match="straight_through.*top_k=2 and query_top_k=2"):
         config_from_args(parser.parse_args(["train", "--straight-through"]))
+
+
+def test_train_config_refuses_it_for_methods_without_focus():
+    with pytest.raises(ValueError, match="method 'lora'"):
+        TrainConfig(focus=FocusConfig(straight_through=True, top_k=1), method="lora")

@@ -397,6 +397,13 @@ class TrainConfig:
         if self.focus.routing == "topk":
             raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
         self.focus.check_straight_through()
+        if self.focus.straight_through and self.method not in FOCUS_METHODS:
+            raise bad(
+                owner,
+                "focus.straight_through",
+                True,
+                f"False with method {self.method!r} (it trains no Focus routing)",
+            )
         if self.focus.straight_through and self.objective == "coverage":
             raise bad(
                 owner,
