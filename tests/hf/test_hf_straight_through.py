@@ -179,3 +179,42 @@ def test_focus_train_flag_sets_it_and_refuses_two_groups_on_both_sides():
 def test_train_config_refuses_it_for_methods_without_focus():
     with pytest.raises(ValueError, match="method 'lora'"):
         TrainConfig(focus=FocusConfig(straight_through=True, top_k=1), method="lora")
+
+
+def test_sequence_inference_routing_is_refused():
+    _, fm = focus("llama", straight_through=True, top_k=1, window=8, inference_routing="sequence")
+    with pytest.raises(ValueError, match="inference_routing='sequence'"):
+        _logits(fm.set_routing("soft"), ids(1, 24, seed=50))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_activation_checkpointing_gives_the_same_gradients(arch):
+    """The recomputed forward routes with the bias the first forward used, not the one this
+    batch's update left."""
+    x = ids(2, N, seed=51)
+    grads = []
+    for checkpointing in (False, True):
+        _, fm = focus(arch, straight_through=True, top_k=1, window=8, sink_tokens=2)
+        _random_bias(fm, seed=52)
+        if checkpointing:
+            fm.gradient_checkpointing_enable()
+        fm.train()
+        fm(input_ids=x, labels=x, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in fm.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_routing_records_give_the_groups_the_forward_attended_with():
+    x = ids(1, N, seed=53)
+    _, fm = focus("llama", straight_through=True, top_k=1, query_top_k=3, window=8, sink_tokens=2)
+    _random_bias(fm, seed=54)
+    with torch.no_grad(), fm.record_routing() as hard_recs:
+        fm.set_routing("topk")(input_ids=x, use_cache=False)
+    with torch.no_grad(), fm.record_routing() as soft_recs:
+        fm.set_routing("soft")(input_ids=x, use_cache=False)
+    for hard, soft in zip(hard_recs, soft_recs, strict=True):
+        assert bool((soft["query_groups"].sum(-1) == 3).all())
+        assert torch.equal(soft["query_groups"], hard["query_groups"])
+        assert torch.equal(soft["key_groups"], hard["key_groups"])

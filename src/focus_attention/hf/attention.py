@@ -52,7 +52,9 @@ class LayerHandle:
     without Focus. ``pending`` maps a thread to the :class:`Captured` inputs the pre-hook
     took for the one attention call of that thread that follows (consumed by
     :func:`focus_attention_forward`), so threads sharing a model do not see each other's;
-    ``bias_call`` is the model call whose batch last updated the routing bias.
+    ``bias_call`` is the model call whose batch last updated the routing bias and
+    ``bias_before`` the routing bias before that update (straight-through routing reads it
+    in a forward that activation checkpointing recomputes).
     """
 
     layer_idx: int
@@ -60,6 +62,7 @@ class LayerHandle:
     runtime: FocusRuntime
     pending: dict = field(default_factory=dict, repr=False)
     bias_call: int = -1
+    bias_before: torch.Tensor | None = field(default=None, repr=False)
     hook: Any = field(default=None, repr=False)
 
     @property
@@ -352,8 +355,11 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
 
 
 def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, record: dict):
-    """Soft Sinkhorn routing and the soft-gated dense attention (docs/method.md §2-§3);
-    returns ``(out [B, H, Nq, D], query groups or None)``."""
+    """Soft Sinkhorn routing and the soft-gated dense attention (docs/method.md §2-§3, and
+    §6 for straight-through routing); returns ``(out [B, H, Nq, D], query groups, new key
+    groups)``: with ``straight_through`` the hard groups it attended with, otherwise the
+    causal top-``top_k`` groups twice (for the KV cache and the routing records; None when
+    neither needs them)."""
     router, runtime = handle.router, handle.runtime
     cfg = runtime.focus_config
     nq, nk = call.query.shape[2], call.key.shape[2]
@@ -364,43 +370,53 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
             "set_routing('topk') to decode"
         )
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
-    rows = _straight_through_rows(router, scores, probs, cfg) if cfg.straight_through else None
-    if router.training and handle.bias_call != runtime.calls:
+    updated = router.training and handle.bias_call == runtime.calls  # a recomputed forward
+    bias = handle.bias_before if updated else router.routing_bias
+    groups = _straight_through_groups(scores, bias, cfg) if cfg.straight_through else None
+    if router.training and not updated:
         # once per model call: not again in the recomputed forward of activation checkpointing
         handle.bias_call = runtime.calls
+        handle.bias_before = router.routing_bias.detach().clone()
         router.update_bias(column_bias.detach(), call.real_q)
-    query_rows, key_rows = (probs, probs) if rows is None else rows
+    rows = (probs, probs)
+    if groups is not None:
+        rows = (straight_through(groups[0], probs), straight_through(groups[1], probs))
     out = gated_attention(
-        call.query, call.key, call.value, query_rows, key_rows, cfg.window,
+        call.query, call.key, call.value, rows[0], rows[1], cfg.window,
         gate=cfg.gate, sharpness=cfg.gate_sharpness, scale=call.scale, softcap=call.softcap,
         key_padding_mask=call.real, always_visible=call.sinks,
         chunk_size=cfg.soft_chunk_size or None,
     )  # fmt: skip
-    q_groups = None
-    if call.cache_layer is not None or runtime.recorder is not None:
-        # keep the cache consistent should decoding continue in top-k mode
-        q_groups = router.causal_groups(scores.detach(), cfg.top_k)
-        if call.real_q is not None:
-            q_groups = q_groups & call.real_q[..., None]
     record["probs"] = probs.detach()
-    return out, q_groups
+    if groups is not None:  # the groups this forward attended with
+        return out, _real_only(groups[0], call), _real_only(groups[1], call)
+    if call.cache_layer is None and runtime.recorder is None:
+        return out, None, None
+    # keep the cache consistent should decoding continue in top-k mode
+    q_groups = _real_only(router.causal_groups(scores.detach(), cfg.top_k), call)
+    return out, q_groups, q_groups
 
 
-def _straight_through_rows(router, scores: torch.Tensor, probs: torch.Tensor, cfg) -> tuple:
-    """``(query rows, key rows)`` float32 ``[B, N, K]`` of straight-through routing
-    (docs/method.md §6): in value the causal top-k memberships (``query_top_k`` groups for
-    the queries, ``top_k`` for the keys, from ``scores + routing_bias`` before this batch's
-    bias update), in gradient the Sinkhorn rows ``probs``.
+def _real_only(groups: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    """``groups`` bool ``[B, Nq, K]`` with padding queries in no group."""
+    return groups if call.real_q is None else groups & call.real_q[..., None]
+
+
+def _straight_through_groups(scores: torch.Tensor, bias: torch.Tensor, cfg) -> tuple:
+    """``(query groups, key groups)`` bool ``[B, N, K]`` of straight-through routing
+    (docs/method.md §6): the causal top-k memberships of ``scores + bias`` (the routing bias
+    before this batch's update), ``query_top_k`` groups for the queries and ``top_k`` for the
+    keys.
 
     Raises:
         ValueError: settings it cannot run with (:meth:`FocusConfig.check_straight_through`).
     """
     cfg.check_straight_through()
-    detached = scores.detach()
-    keys = straight_through(router.causal_groups(detached, cfg.top_k), probs)
+    biased = scores.detach() + bias.float()
+    keys = topk_memberships(biased, cfg.top_k)
     if cfg.resolved_query_top_k == cfg.top_k:
         return keys, keys
-    return straight_through(router.causal_groups(detached, cfg.resolved_query_top_k), probs), keys
+    return topk_memberships(biased, cfg.resolved_query_top_k), keys
 
 
 def _topk_groups(handle: LayerHandle, call: LayerCall):
@@ -503,11 +519,13 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     maps = k_groups = None
     if mode == "soft":
         scores = handle.router.scores(call.hidden)  # [B, Nq, K] fp32
-        out, q_groups = _soft_attention(handle, call, scores, record)
+        out, q_groups, new_keys = _soft_attention(handle, call, scores, record)
+        if runtime.focus_config.straight_through:  # the key groups it attended with
+            k_groups = _key_groups(call, new_keys)
+        if call.cache_layer is not None:  # top-k appends its own
+            call.cache_layer.append_groups(_key_groups(call, new_keys), call.sink_tokens)
     else:
         out, q_groups, k_groups, maps = _topk_attention(handle, call)
-    if call.cache_layer is not None and mode == "soft":  # top-k appended its own
-        call.cache_layer.append_groups(_key_groups(call, q_groups), call.sink_tokens)
     if runtime.recorder is not None:
         record.update(
             query_groups=q_groups.detach(),

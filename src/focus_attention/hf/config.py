@@ -101,7 +101,8 @@ class FocusConfig:
             attends under the causal top-k groups inference uses (``query_top_k`` for the
             queries, ``top_k`` for the keys, biased by ``routing_bias``), the backward pass
             takes the gradient of the Sinkhorn rows (straight-through estimator). Needs
-            ``gate="log"`` and ``top_k == 1`` or ``query_top_k == 1``: then the log gate of
+            ``inference_routing="causal"``, ``gate="log"`` and ``top_k == 1`` or
+            ``query_top_k == 1``: then the log gate of
             the hard rows is exactly the inference mask (up to ``eps``); checked when a soft
             layer runs (:meth:`check_straight_through`). Default False.
 
@@ -158,7 +159,8 @@ class FocusConfig:
     straight_through: bool = field(
         default=False,
         metadata={"help": "soft routing attends under the hard top-k mask (forward) with "
-                  "the Sinkhorn rows' gradient (backward); needs top_k or query_top_k 1"},
+                  "the Sinkhorn rows' gradient (backward); needs top_k or query_top_k 1, "
+                  "gate log and causal inference routing"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -218,17 +220,25 @@ class FocusConfig:
             raise _bad("straight_through", self.straight_through, "True or False")
 
     def check_straight_through(self) -> None:
-        """Check that ``straight_through`` can run with these settings: the ``"log"`` gate
-        and ``top_k == 1`` or ``query_top_k == 1``. Checked when a soft layer runs (and by
+        """Check that ``straight_through`` can run with these settings: causal inference
+        routing, the ``"log"`` gate and ``top_k == 1`` or ``query_top_k == 1``. Checked when a soft layer runs (and by
         ``focus train``), not on construction, so that an adapter trained this way can
         still be evaluated at any ``top_k``.
 
         Raises:
-            ValueError: ``straight_through=True`` with another gate, or with several groups
-                for both queries and keys (the hard affinity would count shared groups).
+            ValueError: ``straight_through=True`` with ``inference_routing="sequence"``,
+                another gate, or several groups for both queries and keys (the hard
+                affinity would count shared groups).
         """
         if not self.straight_through:
             return
+        if self.inference_routing != "causal":
+            raise _bad(
+                "straight_through",
+                True,
+                f"False with inference_routing={self.inference_routing!r} (it trains "
+                "under the causal groups of inference_routing='causal')",
+            )
         if self.gate != "log":
             raise _bad(
                 "straight_through",
