@@ -372,7 +372,7 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
     updated = router.training and handle.bias_call == runtime.calls  # a recomputed forward
     bias = handle.bias_before if updated else router.routing_bias
-    groups = _straight_through_groups(scores, bias, cfg) if cfg.straight_through else None
+    groups = _straight_through_groups(router, scores, bias, cfg) if cfg.straight_through else None
     if router.training and not updated:
         # once per model call: not again in the recomputed forward of activation checkpointing
         handle.bias_call = runtime.calls
@@ -402,7 +402,7 @@ def _real_only(groups: torch.Tensor, call: LayerCall) -> torch.Tensor:
     return groups if call.real_q is None else groups & call.real_q[..., None]
 
 
-def _straight_through_groups(scores: torch.Tensor, bias: torch.Tensor, cfg) -> tuple:
+def _straight_through_groups(router, scores: torch.Tensor, bias: torch.Tensor, cfg) -> tuple:
     """``(query groups, key groups)`` bool ``[B, N, K]`` of straight-through routing
     (docs/method.md §6): the causal top-k memberships of ``scores + bias`` (the routing bias
     before this batch's update), ``query_top_k`` groups for the queries and ``top_k`` for the
@@ -412,11 +412,10 @@ def _straight_through_groups(scores: torch.Tensor, bias: torch.Tensor, cfg) -> t
         ValueError: settings it cannot run with (:meth:`FocusConfig.check_straight_through`).
     """
     cfg.check_straight_through()
-    biased = scores.detach() + bias.float()
-    keys = topk_memberships(biased, cfg.top_k)
+    keys = router.causal_groups(scores.detach(), cfg.top_k, bias)
     if cfg.resolved_query_top_k == cfg.top_k:
         return keys, keys
-    return topk_memberships(biased, cfg.resolved_query_top_k), keys
+    return router.causal_groups(scores.detach(), cfg.resolved_query_top_k, bias), keys
 
 
 def _topk_groups(handle: LayerHandle, call: LayerCall):
@@ -520,10 +519,11 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     if mode == "soft":
         scores = handle.router.scores(call.hidden)  # [B, Nq, K] fp32
         out, q_groups, new_keys = _soft_attention(handle, call, scores, record)
+        keys = None if new_keys is None else _key_groups(call, new_keys)
         if runtime.focus_config.straight_through:  # the key groups it attended with
-            k_groups = _key_groups(call, new_keys)
+            k_groups = keys
         if call.cache_layer is not None:  # top-k appends its own
-            call.cache_layer.append_groups(_key_groups(call, new_keys), call.sink_tokens)
+            call.cache_layer.append_groups(keys, call.sink_tokens)
     else:
         out, q_groups, k_groups, maps = _topk_attention(handle, call)
     if runtime.recorder is not None:

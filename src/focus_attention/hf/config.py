@@ -102,9 +102,9 @@ class FocusConfig:
             queries, ``top_k`` for the keys, biased by ``routing_bias``), the backward pass
             takes the gradient of the Sinkhorn rows (straight-through estimator). Needs
             ``inference_routing="causal"``, ``gate="log"`` and ``top_k == 1`` or
-            ``query_top_k == 1``: then the log gate of
-            the hard rows is exactly the inference mask (up to ``eps``); checked when a soft
-            layer runs (:meth:`check_straight_through`). Default False.
+            ``query_top_k == 1``: then the log gate of the hard rows is exactly the inference
+            mask (up to ``eps``); checked when a soft layer runs
+            (:meth:`check_straight_through`). Default False.
 
     Raises:
         ValueError: on construction, for any field outside its range (the message names the
@@ -221,9 +221,9 @@ class FocusConfig:
 
     def check_straight_through(self) -> None:
         """Check that ``straight_through`` can run with these settings: causal inference
-        routing, the ``"log"`` gate and ``top_k == 1`` or ``query_top_k == 1``. Checked when a soft layer runs (and by
-        ``focus train``), not on construction, so that an adapter trained this way can
-        still be evaluated at any ``top_k``.
+        routing, the ``"log"`` gate and ``top_k == 1`` or ``query_top_k == 1``. Checked
+        when a soft layer runs (and by ``focus train``), not on construction, so that an
+        adapter trained this way can still be evaluated at any ``top_k``.
 
         Raises:
             ValueError: ``straight_through=True`` with ``inference_routing="sequence"``,
@@ -243,8 +243,8 @@ class FocusConfig:
             raise _bad(
                 "straight_through",
                 True,
-                f"False with gate={self.gate!r} (the hard "
-                "rows give the inference mask through the 'log' gate only)",
+                f"False with gate={self.gate!r} (the hard rows give the inference mask "
+                "through the 'log' gate only)",
             )
         if min(self.top_k, self.resolved_query_top_k) != 1:
             raise _bad(

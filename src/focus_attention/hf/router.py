@@ -185,13 +185,17 @@ class FocusRouter(nn.Module):
         probs, bias = sinkhorn(scores, n_iter, real, return_column_bias=True)
         return probs, bias
 
-    def causal_groups(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
-        """Causal top-k memberships bool ``[B, N, K]``: top-k of ``scores + routing_bias``.
+    def causal_groups(
+        self, scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal top-k memberships bool ``[B, N, K]``: top-k of ``scores + routing_bias``
+        (or of ``scores + bias``, a ``[K]`` bias such as an earlier ``routing_bias``).
 
         A token's groups depend on that token only (docs/method.md §4). Ties go to the
         lowest group index.
         """
-        return topk_memberships(scores + self.routing_bias.float(), top_k)
+        bias = self.routing_bias if bias is None else bias
+        return topk_memberships(scores + bias.float(), top_k)
 
     def topk_groups(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
         """Causal top-k memberships bool ``[B, N, K]`` of ``hidden`` ``[B, N, d_model]``:
