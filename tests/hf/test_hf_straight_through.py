@@ -206,6 +206,55 @@ def test_activation_checkpointing_gives_the_same_gradients(arch):
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def _accumulated_step(arch, checkpointing, backwards, **cfg):
+    """Three forwards of different (left-padded) batches before one backward (or a backward
+    after each, ``backwards="each"``); the routers' gradients, biases and bias counts."""
+    _, fm = focus(arch, window=8, sink_tokens=2, **cfg)
+    _random_bias(fm, seed=55)
+    if checkpointing is not None:
+        fm.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
+    fm.train()
+    losses = []
+    for step in range(3):
+        x, mask = left_pad([ids(1, 40 - 7 * step, seed=56 + step)[0], ids(1, 40, seed=60)[0]])
+        losses.append(fm(input_ids=x, attention_mask=mask, labels=x, use_cache=False).loss)
+    if backwards == "each":
+        for loss in losses:
+            loss.backward()
+    else:
+        sum(losses).backward()
+    grads = {n: p.grad for n, p in fm.routers.named_parameters()}
+    return grads, {n: b.clone() for n, b in fm.routers.named_buffers()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize(
+    "cfg,backwards",
+    [
+        (dict(straight_through=True, top_k=1), "once"),
+        (dict(straight_through=True, top_k=1, query_top_k=2), "each"),
+        (dict(top_k=2), "once"),
+    ],
+    ids=["straight-through", "asymmetric-each", "soft"],
+)
+def test_gradient_accumulation_under_checkpointing_matches_the_plain_step(
+    arch, checkpointing, cfg, backwards
+):
+    """Each forward's recomputation routes with the bias that forward used, however many
+    forwards ran before the backward, and folds its batch into the bias once."""
+    plain_grads, plain_buffers = _accumulated_step(arch, None, backwards, **cfg)
+    grads, buffers = _accumulated_step(arch, checkpointing, backwards, **cfg)
+    assert all(int(b) == 3 for n, b in plain_buffers.items() if n.endswith("bias_updates"))
+    for name, buffer in plain_buffers.items():
+        torch.testing.assert_close(buffers[name], buffer, atol=0, rtol=0, msg=name)
+    for name, grad in plain_grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_routing_records_give_the_groups_the_forward_attended_with():
     x = ids(1, N, seed=53)
     _, fm = focus("llama", straight_through=True, top_k=1, query_top_k=3, window=8, sink_tokens=2)

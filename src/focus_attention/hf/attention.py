@@ -52,17 +52,15 @@ class LayerHandle:
     without Focus. ``pending`` maps a thread to the :class:`Captured` inputs the pre-hook
     took for the one attention call of that thread that follows (consumed by
     :func:`focus_attention_forward`), so threads sharing a model do not see each other's;
-    ``bias_call`` is the model call whose batch last updated the routing bias and
-    ``bias_before`` the routing bias before that update (straight-through routing reads it
-    in a forward that activation checkpointing recomputes).
+    ``unmasked_state`` is ``(model call, routing state)`` of the latest call that passed no
+    :class:`FocusMask` to the layer (see :func:`call_state`).
     """
 
     layer_idx: int
     router: FocusRouter | None
     runtime: FocusRuntime
     pending: dict = field(default_factory=dict, repr=False)
-    bias_call: int = -1
-    bias_before: torch.Tensor | None = field(default=None, repr=False)
+    unmasked_state: tuple[int, dict] = field(default_factory=lambda: (-1, {}), repr=False)
     hook: Any = field(default=None, repr=False)
 
     @property
@@ -270,7 +268,8 @@ class LayerCall:
     """The inputs of one Focus-layer call, resolved (shapes as in :func:`focus_attention_forward`).
 
     ``real`` bool ``[B, Nk]`` (True = real key) or None; ``real_q`` its query rows; ``sinks``
-    bool ``[B, Nk]`` or None, from the first ``sink_tokens`` real tokens."""
+    bool ``[B, Nk]`` or None, from the first ``sink_tokens`` real tokens; ``state`` the
+    routing state of this model call (:func:`call_state`)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -284,6 +283,7 @@ class LayerCall:
     cache_layer: FocusCacheLayer | None
     has_cache: bool
     sink_tokens: int
+    state: dict
 
 
 def _take_captured(handle: LayerHandle, query: torch.Tensor) -> Captured:
@@ -350,7 +350,7 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     real_q = None if real is None else real[:, nk - nq :]
     return LayerCall(
         query, key, value, hidden, real, real_q, sinks, scale, kwargs.get("softcap"),
-        cache_layer, has_cache, cfg.sink_tokens,
+        cache_layer, has_cache, cfg.sink_tokens, call_state(handle, attention_mask),
     )  # fmt: skip
 
 
@@ -370,14 +370,8 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
             "set_routing('topk') to decode"
         )
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, call.real_q)
-    updated = router.training and handle.bias_call == runtime.calls  # a recomputed forward
-    bias = handle.bias_before if updated else router.routing_bias
+    bias = _routing_bias_of_call(handle, call, column_bias)
     groups = _straight_through_groups(router, scores, bias, cfg) if cfg.straight_through else None
-    if router.training and not updated:
-        # once per model call: not again in the recomputed forward of activation checkpointing
-        handle.bias_call = runtime.calls
-        handle.bias_before = router.routing_bias.detach().clone()
-        router.update_bias(column_bias.detach(), call.real_q)
     rows = (probs, probs)
     if groups is not None:
         rows = (straight_through(groups[0], probs), straight_through(groups[1], probs))
@@ -395,6 +389,36 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
     # keep the cache consistent should decoding continue in top-k mode
     q_groups = _real_only(router.causal_groups(scores.detach(), cfg.top_k), call)
     return out, q_groups, q_groups
+
+
+def call_state(handle: LayerHandle, attention_mask: Any) -> dict:
+    """The routing state of the model call ``attention_mask`` belongs to, a dict keyed by
+    layer index: the call's :class:`FocusMask` carries it, so a forward that activation
+    checkpointing recomputes finds its own state however many forwards ran after it. A call
+    without a FocusMask (a model that builds no mask) keeps only the latest call's state."""
+    if isinstance(attention_mask, FocusMask):
+        return attention_mask.routing_state
+    calls = handle.runtime.calls
+    if handle.unmasked_state[0] != calls:
+        handle.unmasked_state = (calls, {})
+    return handle.unmasked_state[1]
+
+
+def _routing_bias_of_call(handle: LayerHandle, call: LayerCall, column_bias: torch.Tensor):
+    """The routing bias ``[K]`` float32 a soft call routes with: in training, the bias before
+    this call's batch is folded in (the fold happens here, once per model call); in the
+    recomputed forward of activation checkpointing, the same bias the first forward used,
+    without folding the batch in again (docs/method.md §6)."""
+    router = handle.router
+    if not router.training:
+        return router.routing_bias
+    saved = call.state.get(handle.layer_idx)
+    if saved is not None:  # the recomputed forward
+        return saved
+    bias = router.routing_bias.detach().clone()
+    call.state[handle.layer_idx] = bias
+    router.update_bias(column_bias.detach(), call.real_q)
+    return bias
 
 
 def _real_only(groups: torch.Tensor, call: LayerCall) -> torch.Tensor:

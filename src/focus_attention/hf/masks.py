@@ -27,6 +27,10 @@ class FocusMask:
         kwargs: the keyword arguments transformers passed to the mask function (batch size,
             lengths, offsets, ``mask_function``, 2-D ``attention_mask``...).
         padding: bool ``[B, L]`` (True = real token) over every token so far, or None.
+        routing_state: per Focus layer index, the routing state of this model call that
+            activation checkpointing's recomputed forward must reuse (the routing bias a
+            soft layer routed with before folding the batch in); one mask per model call,
+            so each forward keeps its own however many run before a backward.
     """
 
     def __init__(self, kwargs: dict) -> None:
@@ -36,6 +40,7 @@ class FocusMask:
         self._base: dict[str, Any] = {}
         self._checked = False
         self._keys: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.routing_state: dict[int, Any] = {}
 
     def base_mask(self, impl: str) -> Any:
         """The mask the implementation ``impl`` (``"eager"``, ``"sdpa"``...) would have
