@@ -40,8 +40,10 @@ __all__ = [
     "expand_grid",
     "sweep_points",
     "load_plan",
+    "plot_sweep_result",
     "run_sweep",
     "sweep_markdown",
+    "sweep_report",
 ]
 
 #: the row of a cell: written when its training ends, completed after each evaluation
@@ -640,3 +642,26 @@ def sweep_markdown(summary: dict[str, Any]) -> str:
                      f"tokens in {cfg['seq_len']}-token windows\n\n"
                      + "\n".join(_eval_lines(summary, name, keys)))  # fmt: skip
     return "\n\n".join(parts)
+
+
+def _result_rows(summary: dict[str, Any]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The rows (in the layout of :func:`run_cell`) and points of a ``sweep.json``."""
+    rows = [_upgrade_row(r) for r in summary["cells"]]
+    return rows, sweep_points(rows)
+
+
+def sweep_report(summary: dict[str, Any]) -> str:
+    """:func:`sweep_markdown` of a ``sweep.json`` read back (either cell layout), from its
+    content alone."""
+    rows, points = _result_rows(summary)
+    return sweep_markdown({**summary, "cells": rows, "points": points})
+
+
+def plot_sweep_result(summary: dict[str, Any], out: str | os.PathLike[str]) -> list[Path]:
+    """The perplexity-against-pairs plot of a ``sweep.json`` read back, into directory
+    ``out`` (:func:`~.sweep_plot.write_pairs_plot`; the dominance plot needs the cells'
+    training logs and is written by :func:`run_sweep` only); returns the paths."""
+    from .sweep_plot import write_pairs_plot
+
+    rows, points = _result_rows(summary)
+    return [write_pairs_plot(rows, points, out)]

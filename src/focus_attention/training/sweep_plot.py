@@ -9,7 +9,7 @@ from typing import Any
 from ..utils.io import atomic_write
 from .checkpoint import LOG_NAME, read_log
 
-__all__ = ["PAIRS_PLOT", "DOMINANCE_PLOT", "write_sweep_plots"]
+__all__ = ["PAIRS_PLOT", "DOMINANCE_PLOT", "write_pairs_plot", "write_sweep_plots"]
 
 #: file names of the two plots in the sweep's directory
 PAIRS_PLOT = "ppl_vs_pairs.png"
@@ -73,27 +73,37 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def write_sweep_plots(
+def write_pairs_plot(
     rows: list[dict[str, Any]], points: dict[str, list[dict[str, Any]]], out: str | Path
-) -> list[Path]:
-    """Write :data:`PAIRS_PLOT` (one panel per evaluation) and :data:`DOMINANCE_PLOT` into
-    ``out`` (matplotlib Agg, atomically) from the sweep's cell rows
-    (:func:`~.sweep.run_cell`) and points (:func:`~.sweep.sweep_points`); returns the
-    paths."""
+) -> Path:
+    """Write :data:`PAIRS_PLOT` (perplexity against pairs retained, one panel per
+    evaluation) into ``out`` (matplotlib Agg, atomically) from the sweep's cell rows and
+    points alone (:func:`~.sweep.sweep_points`); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    out = Path(out)
     labels = {row["slug"]: _label(row) for row in rows}
     names = [n for n in points if points[n]]
     fig, axes = plt.subplots(1, max(1, len(names)), figsize=(7 * max(1, len(names)), 5),
                              squeeze=False)  # fmt: skip
     for ax, name in zip(axes[0], names, strict=False):
         _plot_pairs(ax, name, points[name], labels)
-    paths = [_save(fig, out / PAIRS_PLOT)]
+    return _save(fig, Path(out) / PAIRS_PLOT)
+
+
+def write_sweep_plots(
+    rows: list[dict[str, Any]], points: dict[str, list[dict[str, Any]]], out: str | Path
+) -> list[Path]:
+    """Write :data:`PAIRS_PLOT` (:func:`write_pairs_plot`) and :data:`DOMINANCE_PLOT` (from
+    each cell's ``log.jsonl``) into ``out`` (matplotlib Agg, atomically) from the sweep's
+    cell rows (:func:`~.sweep.run_cell`) and points (:func:`~.sweep.sweep_points`);
+    returns the paths."""
+    import matplotlib.pyplot as plt
+
+    paths = [write_pairs_plot(rows, points, out)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     _plot_dominance(axes, rows)
-    paths.append(_save(fig, out / DOMINANCE_PLOT))
+    paths.append(_save(fig, Path(out) / DOMINANCE_PLOT))
     return paths

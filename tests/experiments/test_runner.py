@@ -1,0 +1,228 @@
+"""``focus sweep --study`` (focus_attention.experiments.runner) on the tiny model: a two-step
+study (two evaluations of a tiny adapter) and its report run and record their settings; a
+rerun skips both; a changed setting reruns only its step; an interrupted run resumes at the
+step that did not finish; the report is rebuilt from the results alone; a dry run runs
+nothing; a step runs in a subprocess of the same interpreter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from focus_attention.cli import build_parser, main
+from focus_attention.evaluation.perplexity import markdown_table
+from focus_attention.experiments import StudyConfig, load_study, run_study, step_status
+
+#: the runs use the portable backends (no kernel build), which say so in a warning
+pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
+
+STUDY = """
+[study]
+title = "Tiny study"
+question = "Does the tiny adapter keep its perplexity at 16 tokens?"
+
+[[steps]]
+name = "eval-32"
+command = "eval"
+[steps.settings]
+model = "{model}"
+corpus = "{corpus}"
+adapter = "{runs}/adapter"
+seq_len = 32
+max_tokens = 64
+top_k_values = "1,2"
+soft = false
+threads = 1
+progress = false
+json = "{{results}}/eval-32.json"
+
+[[steps]]
+name = "eval-16"
+command = "eval"
+[steps.settings]
+model = "{model}"
+corpus = "{corpus}"
+adapter = "{runs}/adapter"
+seq_len = 16
+max_tokens = 64
+top_k_values = "1"
+soft = false
+threads = 1
+progress = false
+json = "{{results}}/eval-16.json"
+
+[[steps]]
+name = "report"
+command = "report"
+"""
+
+
+class Counting:
+    """``focus_attention.cli.main`` that records the command lines it runs and can stop
+    (KeyboardInterrupt, as Ctrl-C would) at a step."""
+
+    def __init__(self, stop_at: str | None = None):
+        self.argvs: list[list[str]] = []
+        self.stop_at = stop_at
+
+    def __call__(self, argv: list[str]) -> int:
+        if self.stop_at is not None and any(a.endswith(self.stop_at) for a in argv):
+            raise KeyboardInterrupt
+        self.argvs.append(argv)
+        return main(argv)
+
+
+def _make_study(root: Path, assets: dict, adapter: Path) -> tuple[Path, Path]:
+    """A study directory with STUDY and a runs directory holding the tiny adapter."""
+    runs = root / "runs"
+    shutil.copytree(adapter, runs / "adapter")
+    study = root / "tiny"
+    study.mkdir()
+    text = STUDY.replace("{runs}", "{{runs}}")
+    (study / "config.toml").write_text(text.format(model=assets["model"], corpus=assets["corpus"]))
+    return study, runs
+
+
+def _run(study: Path, runs: Path, main_fn=main, **kw) -> dict[str, str]:
+    cfg = StudyConfig(study=str(study), runs=str(runs), isolate=False, **kw)
+    return run_study(cfg, build_parser(), main_fn)
+
+
+def _result(study: Path, name: str) -> dict:
+    return json.loads((study / "results" / f"eval-{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def finished(module_assets, adapter, tmp_path_factory):
+    """The tiny study run once to the end."""
+    study, runs = _make_study(tmp_path_factory.mktemp("study"), module_assets, adapter)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOCUS_HOME", str(module_assets["home"]))
+        mp.setenv("FOCUS_NO_EXTENSION", "1")
+        counting = Counting()
+        plan = _run(study, runs, counting)
+    return study, runs, plan, counting
+
+
+def test_a_two_step_study_runs_and_records_its_settings(finished):
+    study, runs, plan, counting = finished
+    assert plan == {"eval-32": "run", "eval-16": "run", "report": "always"}
+    assert [a[a.index("--seq-len") + 1] for a in counting.argvs] == ["32", "16"]
+    for name, seq_len in (("32", 32), ("16", 16)):
+        result = _result(study, name)
+        assert result["config"]["seq_len"] == seq_len  # the command's own result
+        record = result["experiment"]
+        assert record["study"] == "tiny" and record["step"] == f"eval-{name}"
+        assert record["command"] == "eval" and record["settings"]["seq_len"] == seq_len
+        assert record["settings"]["adapter"] == "{runs}/adapter"  # as written in config.toml
+        assert record["argv"][record["argv"].index("--adapter") + 1] == str(runs / "adapter")
+        assert record["versions"]["torch"] and record["environment"]["cpu_count"] >= 1
+        assert "git_commit" in record["environment"]
+    report = (study / "results" / "report.md").read_text()
+    assert report.startswith("# Tiny study\n\nDoes the tiny adapter keep")
+    assert "## eval-32: `focus eval`" in report and "## eval-16: `focus eval`" in report
+    assert markdown_table(_result(study, "16")) in report
+
+
+def test_a_rerun_skips_the_recorded_steps(finished, module_assets, monkeypatch):
+    study, runs, _, _ = finished
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    before = {n: (study / "results" / f"eval-{n}.json").read_text() for n in ("32", "16")}
+    counting = Counting()
+    assert _run(study, runs, counting) == {"eval-32": "done", "eval-16": "done", "report": "always"}
+    assert counting.argvs == []
+    assert {n: (study / "results" / f"eval-{n}.json").read_text() for n in before} == before
+
+
+def test_a_changed_setting_reruns_only_its_step(finished, module_assets, tmp_path, monkeypatch):
+    study, runs, _, _ = finished
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    copy = tmp_path / "tiny"
+    shutil.copytree(study, copy)
+    config = copy / "config.toml"
+    config.write_text(config.read_text().replace("max_tokens = 64\ntop_k_values = \"1\"",
+                                                 "max_tokens = 48\ntop_k_values = \"1\""))  # fmt: skip
+    counting = Counting()
+    assert _run(copy, runs, counting) == {"eval-32": "done", "eval-16": "rerun", "report": "always"}
+    assert len(counting.argvs) == 1 and counting.argvs[0][counting.argvs[0].index("--max-tokens") + 1] == "48"  # fmt: skip
+    assert _result(copy, "16")["experiment"]["settings"]["max_tokens"] == 48
+    assert _result(copy, "16")["config"]["max_tokens"] == 48
+    assert _result(copy, "32") == _result(study, "32")  # untouched
+
+
+def test_an_interrupted_run_resumes_at_the_unfinished_step(module_assets, adapter, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    study, runs = _make_study(tmp_path, module_assets, adapter)
+    with pytest.raises(KeyboardInterrupt):
+        _run(study, runs, Counting(stop_at="eval-16.json"))
+    assert (study / "results" / "eval-32.json").is_file()
+    assert not (study / "results" / "eval-16.json").exists()
+    assert not (study / "results" / "report.md").exists()
+    counting = Counting()
+    assert _run(study, runs, counting) == {"eval-32": "done", "eval-16": "run", "report": "always"}
+    assert [a[a.index("--seq-len") + 1] for a in counting.argvs] == ["16"]
+    assert "## eval-16: `focus eval`" in (study / "results" / "report.md").read_text()
+
+
+def test_the_report_is_rebuilt_from_the_results_alone(finished, tmp_path):
+    """Without the adapter, the models or the runs directory, and with a result measured
+    before the runner (no experiment record), the report step rebuilds the tables."""
+    study, _, _, _ = finished
+    copy = tmp_path / "tiny"
+    shutil.copytree(study, copy)
+    (copy / "results" / "report.md").unlink()
+    legacy = _result(copy, "16")
+    del legacy["experiment"]
+    (copy / "results" / "eval-16.json").write_text(json.dumps(legacy))
+
+    def refuse(argv):
+        raise AssertionError(f"the report ran a command: {argv}")
+
+    plan = _run(copy, tmp_path / "no-runs", refuse, only=("report",))
+    assert plan == {"report": "always"}
+    report = (copy / "results" / "report.md").read_text()
+    assert markdown_table(_result(copy, "32")) in report and markdown_table(legacy) in report
+    assert report.count("carries no `experiment` record") == 1  # eval-16, marked as such
+    loaded = load_study(copy)
+    assert step_status(loaded, loaded.step("eval-16"), str(tmp_path)) == "rerun"
+
+
+def test_a_dry_run_checks_and_runs_nothing(module_assets, adapter, tmp_path, capsys):
+    study, runs = _make_study(tmp_path, module_assets, adapter)
+    assert main(["sweep", "--study", str(study), "--runs", str(runs), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "eval-32: run\neval-16: run\nreport: always" in captured.out
+    assert "tiny: eval-32 (eval): would run" in captured.err
+    assert not (study / "results").exists()
+    (study / "config.toml").write_text(
+        (study / "config.toml").read_text() + "[steps.settings]\nwindow = 0\n"
+    )
+    assert main(["sweep", "--study", str(study), "--dry-run"]) == 1
+    assert "step report (report): unknown settings ['window']" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_grid_and_a_study_together(tmp_path, capsys):
+    assert main(["sweep", "--grid", "g.toml", "--study", str(tmp_path)]) == 1
+    assert "give --grid FILE or --study DIR, not both" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_step_runs_in_a_subprocess(finished, module_assets, tmp_path, monkeypatch):
+    """--isolate (the default): the step runs as ``python -m focus_attention.cli`` of this
+    interpreter and gives the result of the in-process run."""
+    study, runs, _, _ = finished
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    copy = tmp_path / "tiny"
+    shutil.copytree(study, copy)
+    (copy / "results" / "eval-16.json").unlink()
+    plan = run_study(StudyConfig(study=str(copy), runs=str(runs), only=("eval-16",)),
+                     build_parser(), Counting(stop_at=""))  # fmt: skip
+    assert plan == {"eval-16": "run"}
+    assert _result(copy, "16")["ppl"] == _result(study, "16")["ppl"]
