@@ -162,6 +162,32 @@ def test_loglikelihoods_match_a_direct_forward_and_not_the_batch_size(tiny):
     assert max(abs(a - b) for a, b in zip(direct, dense, strict=True)) > 1e-3
 
 
+@pytest.mark.parametrize("routing", ["causal", "sequence", "soft"])
+def test_loglikelihoods_do_not_depend_on_batching_for_any_routing(tiny, routing):
+    """lm-eval right-pads a batch with token 0 and passes no attention mask: a routing that
+    balances over the whole row (Sinkhorn) must not see the pads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, adapter = tiny
+    fm = FocusModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    if routing == "sequence":
+        fm.focus_config = fm.focus_config.replace(inference_routing="sequence")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    requests = _requests()
+    lm = FocusLM(pretrained=fm, tokenizer=tok, batch_size=1)
+    if routing == "soft":
+        fm.set_routing("soft")
+    direct = _direct(lm, requests)
+    for bs, order in [(1, 1), (4, 1), (4, -1), ("auto", 1)]:
+        lm = FocusLM(pretrained=fm, tokenizer=tok, batch_size=bs, max_batch_size=16)
+        got = [ll for ll, _ in lm.loglikelihood(requests[::order], disable_tqdm=True)]
+        assert got[::order] == pytest.approx(direct, abs=1e-4), (bs, order)
+    if routing != "causal":  # the routing is not the causal one on these requests
+        fm.set_routing("auto").focus_config = fm.focus_config.replace(inference_routing="causal")
+        causal = _direct(lm, requests)
+        assert max(abs(a - b) for a, b in zip(direct, causal, strict=True)) > 1e-3
+
+
 def test_pretrained_focus_model_object(tiny):
     model_dir, adapter = tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -182,6 +182,12 @@ class FocusLM(HFLM):
         device: torch device; None picks ``cuda`` when available, else ``cpu``.
         **kwargs: ``HFLM``'s arguments (``batch_size``, ``max_length``, ``dtype``, ...).
 
+    Scores do not depend on the batch size, the order of the requests or padding (up to
+    float rounding): lm-eval right-pads a batch and passes no attention mask, which causal
+    top-k routing and dense attention do not see; with soft routing or
+    ``inference_routing="sequence"`` (the Sinkhorn columns would count the pads) each
+    loglikelihood request is scored alone, whatever ``batch_size`` says.
+
     Attributes:
         context_lengths: ``{task name: Counter{context length: scored tokens}}`` of every
             loglikelihood request scored so far (requests answered from lm-eval's cache are
@@ -252,9 +258,26 @@ class FocusLM(HFLM):
                     counts.update(
                         scored_context_lengths(len(context), len(continuation), self.max_length)
                     )
+        if self._pads_change_routing():
+            # lm-eval right-pads a batch and passes no attention mask: one request per call
+            previous, self.batch_size_per_gpu = self.batch_size_per_gpu, 1
+            try:
+                return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self.batch_size_per_gpu = previous
         return super()._loglikelihood_tokens(
             requests, disable_tqdm=disable_tqdm, override_bs=override_bs
         )
+
+    def _pads_change_routing(self) -> bool:
+        """Whether a padding token would change the routing of the real tokens: soft
+        routing and ``inference_routing="sequence"`` balance their Sinkhorn columns over
+        the whole row (docs/method.md §2, §4); causal top-k routing depends on each token
+        alone, so right padding leaves the real tokens' scores unchanged."""
+        model = self._model
+        if not isinstance(model, FocusModel):
+            return False
+        return model.routing_mode == "soft" or model.focus_config.inference_routing == "sequence"
 
     def token_statistics(self) -> dict[str, dict[str, Any]]:
         """:func:`token_statistics` of every task seen, with this model's window and sink
