@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny import ARCHS, build_model, focus, ids, left_pad
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -189,7 +190,9 @@ def test_bad_weight_files_are_errors(tmp_path, change):
     else:
         tensors["layer.0.proj"] = torch.zeros(3, 16)
         match = "layer.0.proj has shape"
-    save_file(tensors, str(tmp_path / WEIGHTS_NAME))
+    with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
+        metadata = f.metadata()  # the config copy: these files belong together
+    save_file(tensors, str(tmp_path / WEIGHTS_NAME), metadata=metadata)
     base = build_model("llama")
     with pytest.raises(ValueError, match=match):
         FocusModel.from_pretrained(base, tmp_path)

@@ -4,7 +4,10 @@ Two layouts hold the same adapter:
 
 - the adapter folder written by ``FocusModel.save_pretrained``: :data:`CONFIG_NAME` (the
   :class:`FocusConfig`, a fingerprint of the base model, the library name) and
-  :data:`WEIGHTS_NAME` (the router tensors as ``layer.{i}.{name}``);
+  :data:`WEIGHTS_NAME` (the router tensors as ``layer.{i}.{name}``, and a copy of the config
+  document in the safetensors metadata under :data:`WEIGHTS_CONFIG_METADATA`), written
+  together (:func:`write_adapter`) and read back only when they belong together
+  (:func:`read_adapter`);
 - a ``transformers.Trainer`` output or checkpoint folder, :data:`TRAINER_WEIGHTS_NAME`:
   ``FocusModel.state_dict()`` as the Trainer writes it for a model that is not a
   ``PreTrainedModel`` (``routers.{i}.{name}`` plus :data:`STATE_CONFIG_KEY`, the same JSON
@@ -13,6 +16,7 @@ Two layouts hold the same adapter:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -20,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from ..utils.io import UnreadableFileError, atomic_write_files, read_file_bytes, unreadable
 from .architectures import hidden_size
 from .config import FocusConfig, parse_config_document
 
@@ -32,6 +38,18 @@ WEIGHTS_NAME = "focus_model.safetensors"
 TRAINER_WEIGHTS_NAME = "model.safetensors"
 #: key of the config document in ``FocusModel.state_dict()``
 STATE_CONFIG_KEY = "focus_config"
+#: key of the safetensors metadata of :data:`WEIGHTS_NAME` that holds a copy of the config
+#: document of :data:`CONFIG_NAME` (older adapters: the config without the fingerprint)
+WEIGHTS_CONFIG_METADATA = "focus_config"
+#: what each file of an adapter holds, for error messages
+CONFIG_EXPECTED = "the JSON config of a Focus adapter (written by FocusModel.save_pretrained)"
+WEIGHTS_EXPECTED = (
+    "the router weights of a Focus adapter (a safetensors file written by "
+    "FocusModel.save_pretrained)"
+)
+TRAINER_EXPECTED = (
+    "the state of a FocusModel in a safetensors file (written by transformers.Trainer)"
+)
 #: the tensors of one router, in file order
 ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
 #: elements sampled from each of a few base tensors for the weight fingerprint.
@@ -174,17 +192,17 @@ def adapter_layout(directory: Path) -> str:
     Raises:
         FileNotFoundError: neither the adapter files nor a Trainer weights file holding a
             Focus state dict.
+        UnreadableFileError: a damaged or unreadable Trainer weights file.
     """
-    if (directory / CONFIG_NAME).is_file() or (directory / WEIGHTS_NAME).is_file():
+    if (directory / CONFIG_NAME).exists() or (directory / WEIGHTS_NAME).exists():
         for name in (CONFIG_NAME, WEIGHTS_NAME):
-            if not (directory / name).is_file():
+            if not (directory / name).exists():
                 raise FileNotFoundError(f"{directory / name} not found")
         return "adapter"
     trainer = directory / TRAINER_WEIGHTS_NAME
-    if trainer.is_file():
-        with safe_open(str(trainer), framework="pt") as f:
-            if STATE_CONFIG_KEY in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                return "trainer"
+    if trainer.exists():
+        if STATE_CONFIG_KEY in safetensors_keys(trainer, TRAINER_EXPECTED):
+            return "trainer"
         raise FileNotFoundError(
             f"{trainer} holds no Focus state ({STATE_CONFIG_KEY!r} is missing): not written by a "
             "Trainer from a FocusModel"
@@ -216,3 +234,162 @@ def to_file_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         t = t.detach().cpu().contiguous()
         out["layer." + key[len("routers.") :]] = t.reshape(1) if t.ndim == 0 else t
     return out
+
+
+def tensor_layers(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """The sorted layer indices of adapter-file tensors (``layer.{i}.{name}`` keys)."""
+    found = set()
+    for key in tensors:
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "layer" and parts[1].isdigit():
+            found.add(int(parts[1]))
+    return sorted(found)
+
+
+# --------------------------------------------------------------------------------------------
+# reading and writing the files
+# --------------------------------------------------------------------------------------------
+
+
+def safetensors_keys(path: Path, expected: str) -> list[str]:
+    """The tensor names of the safetensors file ``path`` (its header only).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, truncated, garbage, a directory or unreadable; the
+            message names the file and ``expected``.
+    """
+    return list(_open_safetensors(Path(path), expected, tensors=False)[0])
+
+
+def read_safetensors(path: Path, expected: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of the safetensors file ``path`` (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, truncated, garbage, a directory or unreadable; the
+            message names the file and ``expected``.
+    """
+    return _open_safetensors(Path(path), expected, tensors=True)
+
+
+def _open_safetensors(
+    path: Path, expected: str, *, tensors: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``({name: tensor, or None without ``tensors``}, metadata)`` of a safetensors file."""
+    if path.is_dir():
+        raise unreadable(path, "a directory", expected)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            out = {k: f.get_tensor(k) if tensors else None for k in f.keys()}  # noqa: SIM118
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{path} not found; expected {expected}") from err
+    except (SafetensorError, OSError, ValueError) as err:
+        raise unreadable(path, f"not a readable safetensors file ({err})", expected) from err
+    return out, metadata
+
+
+def read_config(path: Path) -> tuple[FocusConfig, dict[str, Any]]:
+    """``(config, extra)`` of the :data:`CONFIG_NAME` file ``path`` (``extra``: the saved
+    fingerprint and library name).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, truncated, not UTF-8 or JSON, invalid settings, another
+            ``format_version``, a directory or unreadable (the message names the file).
+    """
+    raw = read_file_bytes(path, CONFIG_EXPECTED)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise unreadable(path, f"not UTF-8 text ({err.reason})", CONFIG_EXPECTED) from err
+    try:
+        return parse_config_document(text, str(path))
+    except ValueError as err:
+        raise UnreadableFileError(f"{err}; expected {CONFIG_EXPECTED}") from err
+
+
+def read_adapter(directory: Path) -> tuple[FocusConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config, extra, tensors)`` of the adapter folder ``directory``, after checking that
+    its two files belong together: the config copy in the weights file's metadata
+    (:data:`WEIGHTS_CONFIG_METADATA`) must equal :data:`CONFIG_NAME` (settings and, where the
+    copy has one, the base-model fingerprint).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        UnreadableFileError: a damaged or unreadable file, or a weights file without the
+            config copy (the message names the file).
+        ValueError: the two files do not belong together (the message names both and the
+            settings that differ).
+    """
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    config, extra = read_config(config_path)
+    tensors, metadata = read_safetensors(weights_path, WEIGHTS_EXPECTED)
+    copy = metadata.get(WEIGHTS_CONFIG_METADATA)
+    if copy is None:
+        raise unreadable(
+            weights_path,
+            f"its metadata holds no copy of the adapter's config ({WEIGHTS_CONFIG_METADATA!r})",
+            f"{WEIGHTS_EXPECTED}; save the adapter again",
+        )
+    where = f"{weights_path} (metadata {WEIGHTS_CONFIG_METADATA!r})"
+    try:
+        saved, saved_extra = parse_config_document(copy, where)
+    except ValueError as err:
+        raise UnreadableFileError(f"{err}; expected {WEIGHTS_EXPECTED}") from err
+    differ = [
+        f"{f.name}={getattr(config, f.name)!r} in {CONFIG_NAME}, {getattr(saved, f.name)!r} "
+        "in the weights"
+        for f in dataclasses.fields(FocusConfig)
+        if getattr(config, f.name) != getattr(saved, f.name)
+    ]
+    fingerprint = saved_extra.get("base_model_fingerprint")
+    if fingerprint is not None and fingerprint != extra.get("base_model_fingerprint"):
+        differ.append("the base-model fingerprint")
+    if differ:
+        raise ValueError(
+            f"{config_path} and {weights_path} do not belong together: the weights were "
+            f"saved with other settings ({'; '.join(differ)}); a save into {directory} was "
+            "cut short, or one of the files was copied from another adapter. Save the "
+            "adapter again (FocusModel.save_pretrained)"
+        )
+    return config, extra, tensors
+
+
+def read_trainer_state(path: Path) -> tuple[FocusConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config, extra, state)`` of a Trainer weights file (:data:`TRAINER_WEIGHTS_NAME`):
+    ``state`` is the ``FocusModel.state_dict()`` it holds, config entry included.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: damaged, unreadable, without the config entry, or a config
+            entry that is not a valid config (the message names the file).
+    """
+    state, _ = read_safetensors(path, TRAINER_EXPECTED)
+    if STATE_CONFIG_KEY not in state:
+        raise unreadable(path, f"no {STATE_CONFIG_KEY!r} entry", TRAINER_EXPECTED)
+    try:
+        config, extra = tensor_to_document(state[STATE_CONFIG_KEY], f"{path}[{STATE_CONFIG_KEY!r}]")
+    except ValueError as err:
+        raise UnreadableFileError(f"{err}; expected {TRAINER_EXPECTED}") from err
+    return config, extra, state
+
+
+def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], document: str) -> None:
+    """Write an adapter folder all-or-nothing (``utils.io.atomic_write_files``):
+    :data:`WEIGHTS_NAME` (``tensors``, with ``document`` in its metadata) and
+    :data:`CONFIG_NAME` (``document``, from :func:`config_document`). ``directory`` is
+    created if needed; other files in it are left alone.
+
+    Raises:
+        OSError: a write or rename failed (both files are then as they were).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", WEIGHTS_CONFIG_METADATA: document}
+    atomic_write_files(
+        {
+            directory / WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata=metadata),
+            directory / CONFIG_NAME: lambda p: Path(p).write_text(document, encoding="utf-8"),
+        }
+    )

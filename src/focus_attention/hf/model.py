@@ -11,15 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..utils.io import atomic_write
 from .architectures import attention_modules, get_architecture, hidden_size, layer_types
 from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
 from .cache import check_dynamic_cache
-from .config import ROUTINGS, FocusConfig, read_config_file
+from .config import ROUTINGS, FocusConfig
 from .files import (
     CONFIG_NAME,
     ROUTER_TENSORS,
@@ -32,8 +30,12 @@ from .files import (
     compare_fingerprints,
     config_document,
     document_to_tensor,
+    read_adapter,
+    read_trainer_state,
+    tensor_layers,
     tensor_to_document,
     to_file_tensors,
+    write_adapter,
 )
 from .router import FocusRouter
 from .runtime import (
@@ -706,8 +708,11 @@ class FocusModel(nn.Module):
         Raises:
             FileNotFoundError: no adapter files in ``directory`` (a Trainer output folder is
                 not read here: load it with :meth:`from_pretrained`).
-            ValueError: a corrupt config; another ``num_groups``, ``group_dim`` or set of
-                Focus layers than this model's (the message names the field and both values).
+            UnreadableFileError: a damaged or unreadable file (a ``ValueError``; the message
+                names the file and what was expected).
+            ValueError: config and weights that do not belong together (an interrupted
+                save); another ``num_groups``, ``group_dim`` or set of Focus layers than
+                this model's (the message names the field and both values).
 
         Warns:
             FocusBaseMismatchWarning: the adapter was saved on a base model with other weights.
@@ -719,18 +724,19 @@ class FocusModel(nn.Module):
                 f"({CONFIG_NAME} and {WEIGHTS_NAME}); load a Trainer output folder with "
                 "FocusModel.from_pretrained"
             )
-        config, extra = read_config_file(directory / CONFIG_NAME)
+        config, extra, tensors = read_adapter(directory)
         current = self.focus_config
-        for name in ("num_groups", "group_dim", "layers"):
-            saved, here = getattr(config, name), getattr(current, name)
-            if saved is not None and saved != here:
+        fields = [(n, getattr(config, n), getattr(current, n)) for n in ("num_groups", "group_dim")]
+        fields.append(("layers", tensor_layers(tensors), self.focus_layers))
+        for name, saved, here in fields:
+            if saved != here:
                 raise ValueError(
                     f"FocusModel.load_routers: the adapter in {directory} has {name}={saved!r}, "
                     f"this model {here!r}; build the model with the adapter's {name}"
                 )
         saved_fp = extra.get("base_model_fingerprint") or {}
         compare_fingerprints(saved_fp, base_model_fingerprint(self.base_model), "FocusModel.load_routers")  # fmt: skip
-        self.load_focus_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+        self.load_focus_state_dict(tensors)
         return self
 
     # --- files ---------------------------------------------------------------------------
@@ -743,9 +749,12 @@ class FocusModel(nn.Module):
         is_main_process: bool = True,
     ) -> None:
         """Write :data:`CONFIG_NAME` and :data:`WEIGHTS_NAME` into ``save_directory``
-        (created if needed), each atomically (temporary file, fsync, rename; the config
-        last). They hold only the Focus tensors (float32), the config and a fingerprint of
-        the base model (:func:`base_model_fingerprint`).
+        (created if needed; other files there are left alone) all-or-nothing: both are
+        written to temporary files first and renamed into place together, and a failure
+        at any step leaves the previous adapter there as it was (docs/method.md §8, "Files
+        and failures"). They hold only the Focus tensors (float32), the config and a
+        fingerprint of the base model (:func:`base_model_fingerprint`); the weights file's
+        metadata carries a copy of the config, which every load checks.
 
         Args:
             save_directory: the folder.
@@ -756,6 +765,7 @@ class FocusModel(nn.Module):
 
         Raises:
             ValueError: ``safe_serialization=False``; a ``state_dict`` without the config.
+            OSError: a write failed (the folder's previous adapter is left as it was).
         """
         self._check_live()
         if not safe_serialization:
@@ -775,11 +785,7 @@ class FocusModel(nn.Module):
         config, extra = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
         tensors = to_file_tensors(state_dict)
         text = config_document(config, extra.get("base_model_fingerprint") or {})
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {"format": "pt", "focus_config": config.to_json_string()}
-        atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
-        atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
+        write_adapter(Path(save_directory), tensors, text)
 
     @classmethod
     def from_pretrained(
@@ -801,30 +807,31 @@ class FocusModel(nn.Module):
 
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: a corrupt or invalid config (the message names it); a base model with
-                another type, layer count or hidden size; missing or extra tensors; shape
-                mismatches.
+            UnreadableFileError: an empty, truncated, garbage or unreadable file, an invalid
+                config or another format version (a ``ValueError``; the message names the
+                file and what was expected).
+            ValueError: config and weights that do not belong together (an interrupted
+                save; the message names both files); a base model with another type, layer
+                count or hidden size; missing or extra tensors; shape mismatches.
 
         Warns:
             FocusBaseMismatchWarning: same structure but different parameter shapes or
                 weights than the base the adapter was saved with.
         """
         directory = Path(directory)
-        if adapter_layout(directory) == "adapter":
-            config, extra = read_config_file(directory / CONFIG_NAME)
-            tensors = None
+        adapter = adapter_layout(directory) == "adapter"
+        if adapter:
+            config, extra, tensors = read_adapter(directory)
         else:
-            tensors = load_file(str(directory / TRAINER_WEIGHTS_NAME))
-            where = f"{directory / TRAINER_WEIGHTS_NAME}[{STATE_CONFIG_KEY!r}]"
-            config, extra = tensor_to_document(tensors[STATE_CONFIG_KEY], where)
+            config, extra, tensors = read_trainer_state(directory / TRAINER_WEIGHTS_NAME)
         saved_fp = extra.get("base_model_fingerprint") or {}
         compare_fingerprints(
             saved_fp, base_model_fingerprint(base_model), "FocusModel.from_pretrained"
         )
         model = cls(base_model, config)
         try:
-            if tensors is None:
-                model.load_focus_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+            if adapter:
+                model.load_focus_state_dict(tensors)
             else:
                 model.load_state_dict(tensors)
         except Exception:

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,44 @@ def _umask() -> int:
     return mask
 
 
+def _temporary(path: Path, kind: str = "tmp") -> Path:
+    """A fresh name next to ``path`` (same directory, so a rename is atomic) that keeps its
+    suffix (so writers that infer a format from it still work)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:12]}.{kind}{path.suffix}")
+
+
+def _new_file_mode(path: Path) -> int:
+    """The permissions a plain ``open(path, "w")`` would give ``path``: those of the file it
+    replaces, or ``0o666`` less the process umask for a new file."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:  # a new file
+        return 0o666 & ~_umask()
+
+
+def _write_synced(path: Path, tmp: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)``, then give ``tmp`` the mode of ``path`` and flush it to disk."""
+    mode = _new_file_mode(path)
+    write(tmp)
+    os.chmod(tmp, mode)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Flush a directory's entries (its renames) to disk where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - file systems that refuse it
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
     """Create or replace the file ``path`` atomically.
 
@@ -53,21 +91,127 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object]) 
     Raises:
         whatever ``write`` raises (``path`` is then unchanged and ``tmp`` removed).
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp{path.suffix}")
+    atomic_write_files({path: write})
+
+
+def atomic_write_files(writes: Mapping[str | os.PathLike[str], Callable[[Path], object]]) -> None:
+    """Create or replace several files together: every one gets its new content, or none.
+
+    Each ``write(tmp)`` writes one file's content to a temporary name next to it, which is
+    fsynced (permissions as :func:`atomic_write` gives them). Only when every file is
+    written are the destinations replaced, in the order given, each by one atomic rename;
+    the file each rename replaces is kept (hard link, or a copy) until all are in place.
+    An error at any step (a writer, a full disk, a rename) puts back every file already
+    replaced and removes every temporary, so the destinations are left as they were.
+
+    A crash of the machine between two renames can still leave some files new and some
+    old: readers of files that must belong together check that they do (the Focus adapter
+    loader compares the config copy inside the weights file with the config file).
+
+    Raises:
+        whatever a writer or a rename raises, after the rollback.
+    """
+    items = [(Path(p), write) for p, write in writes.items()]
+    leftovers: list[Path] = []  # temporaries and backups to remove at the end
+    replaced: list[tuple[Path, Path | None]] = []  # (destination, backup of its old file)
     try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-    except OSError:  # a new file
-        mode = 0o666 & ~_umask()
-    try:
-        write(tmp)
-        os.chmod(tmp, mode)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        staged = []
+        for path, write in items:
+            tmp = _temporary(path)
+            leftovers.append(tmp)
+            _write_synced(path, tmp, write)
+            staged.append((path, tmp))
+        for path, tmp in staged:
+            backup = _keep_old(path)
+            if backup is not None:
+                leftovers.append(backup)
+            os.replace(tmp, path)
+            replaced.append((path, backup))
+    except BaseException:
+        for path, backup in reversed(replaced):
+            if backup is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.replace(backup, path)
+        raise
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        for p in leftovers:
+            if p.exists():
+                p.unlink()
+    for parent in {p.parent for p, _ in items}:
+        _fsync_directory(parent)
+
+
+def _keep_old(path: Path) -> Path | None:
+    """A second name for the file ``path`` is about to replace (a hard link, or a copy where
+    links are not supported); None when there is no such file."""
+    if not path.is_file():
+        return None
+    backup = _temporary(path, "old")
+    try:
+        os.link(path, backup)
+    except OSError:
+        shutil.copy2(path, backup)
+    return backup
+
+
+class UnreadableFileError(ValueError):
+    """A file that is there but cannot be read as what it should be: empty, truncated,
+    garbage, of another format or format version, a directory in its place, or not
+    readable by this process. The message names the file and what was expected; it is a
+    ``ValueError``, so the ``focus`` commands report it on one line (exit status 1)."""
+
+
+def unreadable(path: str | os.PathLike[str], why: str, expected: str) -> UnreadableFileError:
+    """The :class:`UnreadableFileError` ``"<path>: <why>; expected <expected>"``."""
+    return UnreadableFileError(f"{os.fspath(path)}: {why}; expected {expected}")
+
+
+def read_file_bytes(path: str | os.PathLike[str], expected: str) -> bytes:
+    """The bytes of the file ``path``.
+
+    Args:
+        path: the file.
+        expected: what it should hold, for the error message (e.g. ``"the JSON results of
+            focus eval"``).
+
+    Raises:
+        FileNotFoundError: no such file (the message names it).
+        UnreadableFileError: a directory in its place, or it cannot be read (permissions,
+            an I/O error).
+    """
+    path = Path(path)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{path} not found; expected {expected}") from err
+    except IsADirectoryError as err:
+        raise unreadable(path, "a directory", expected) from err
+    except OSError as err:
+        raise unreadable(path, f"cannot be read ({err.strerror or err})", expected) from err
+
+
+def read_json_file(path: str | os.PathLike[str], expected: str) -> Any:
+    """The parsed content of the UTF-8 JSON file ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, not UTF-8, not valid JSON (a truncated or garbage file),
+            a directory, or unreadable; the message names the file and ``expected``.
+    """
+    raw = read_file_bytes(path, expected)
+    if not raw.strip():
+        raise unreadable(path, "empty file", expected)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise unreadable(
+            path, f"not UTF-8 text ({err.reason} at byte {err.start})", expected
+        ) from err
+    except json.JSONDecodeError as err:
+        raise unreadable(
+            path, f"not valid JSON ({err.msg} at line {err.lineno} column {err.colno})", expected
+        ) from err
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
