@@ -161,8 +161,15 @@ def test_link_checker_finds_broken_links(tmp_path):
 
 
 def _command_lines(text: str) -> list[str]:
-    """The ``focus ...`` command lines of the bash blocks of a page (continuations joined)."""
-    lines = []
+    """The ``focus ...`` command lines of the bash blocks of a page (continuations joined),
+    and the inline code of its prose that starts with ``focus``."""
+    prose, _ = _prose_and_code(text)
+    lines = [
+        m.group(2).replace("\\|", "|")
+        for _, line in prose
+        for m in CODE_SPAN.finditer(line)
+        if m.group(2).startswith("focus ")
+    ]
     for info, body in _prose_and_code(text)[1]:
         if info not in ("", "bash", "sh", "console"):
             continue
