@@ -225,9 +225,15 @@ def test_python_blocks_compile(page):
         compile(body, f"{_rel(page)}[python block {number}]", "exec")
 
 
-def test_readme_quickstart_runs(tmp_path, monkeypatch, kernel_built):
-    """The README's Python code, run as written, with ``load_model`` giving a tiny random
-    LLaMA instead of the prepared SmolLM2-135M (the only asset it needs)."""
+#: the Python blocks that run as written (page, block number); the others need the prepared
+#: model and a book (the Trainer example), lm-eval's data, or a model built by an earlier block
+RUNNABLE = [("README.md", 0), ("docs/integration.md", 0)]
+
+
+@pytest.mark.parametrize(("page", "block"), RUNNABLE, ids=[f"{p}[{b}]" for p, b in RUNNABLE])
+def test_python_blocks_run(page, block, tmp_path, monkeypatch, kernel_built):
+    """A page's Python code, run as written, with ``load_model`` giving a tiny random LLaMA
+    instead of the prepared SmolLM2-135M (the only asset these blocks need)."""
     from tiny import tiny_llama
 
     import focus_attention.assets
@@ -236,11 +242,10 @@ def test_readme_quickstart_runs(tmp_path, monkeypatch, kernel_built):
         focus_attention.assets, "load_model", lambda *a, **k: (tiny_llama(64), None)
     )
     monkeypatch.chdir(tmp_path)
-    blocks = _python_blocks(ROOT / "README.md")
-    assert blocks, "the README has no Python quickstart"
-    for number, body in enumerate(blocks):
-        namespace: dict = {"__name__": f"readme_block_{number}"}
-        exec(compile(body, f"README.md[python block {number}]", "exec"), namespace)
+    body = _python_blocks(ROOT / page)[block]
+    namespace: dict = {"__name__": "docs_block"}
+    exec(compile(body, f"{page}[python block {block}]", "exec"), namespace)
     assert (tmp_path / "my-adapter" / "focus_config.json").is_file()
-    assert namespace["out"].shape == namespace["q"].shape
-    assert namespace["focus"].focus_config.window == 64
+    if page == "README.md":
+        assert namespace["out"].shape == namespace["q"].shape
+        assert namespace["focus"].focus_config.window == 64
