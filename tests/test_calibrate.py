@@ -100,3 +100,32 @@ def test_the_command_line(assets, adapter, tmp_path, capsys):
     assert rc == 0 and "window 6" in capsys.readouterr().out
     assert json.loads((out / CALIBRATION_NAME).read_text())["config"]["blocks"] == 1
     assert cli.main(["calibrate", "--adapter", str(adapter)]) != 0
+
+
+def test_every_calibration_block_is_folded_into_the_saved_bias(assets, adapter, tmp_path):
+    """``focus calibrate --blocks 3`` saves the bias of the three validation blocks folded in
+    order (``bias_updates`` 3), computed here from each block's bias taken alone."""
+    from focus_attention.assets.models import auto_prepend_bos, load_model
+    from focus_attention.evaluation.calibration import calibration_blocks
+    from focus_attention.hf import FocusModel
+
+    out = tmp_path / "three"
+    _calibrate(assets, adapter, out, blocks=3)
+    saved = load_file(str(out / WEIGHTS_NAME))
+    base, tokenizer = load_model(str(assets["model"]), quiet=True)
+    fm = FocusModel.from_pretrained(base, adapter)
+    momentum = fm.focus_config.bias_momentum
+    blocks = calibration_blocks(tokenizer, str(assets["corpus"]), "validation", 64, 3,
+                                auto_prepend_bos(base))  # fmt: skip
+    alone = []
+    for block in blocks:
+        fm.calibrate(block[None], reset=True)
+        alone.append({i: r.routing_bias.double().clone() for i, r in fm.routers.items()})
+    for i in fm.routers:
+        want = torch.zeros_like(alone[0][i])
+        for n, part in enumerate(a[i] for a in alone):
+            weight = max(momentum, 1.0 / (n + 1))
+            want = (1.0 - weight) * want + weight * part
+        assert int(saved[f"layer.{i}.bias_updates"].reshape(())) == 3
+        torch.testing.assert_close(saved[f"layer.{i}.routing_bias"].double(), want,
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
