@@ -15,7 +15,7 @@ from focus_attention.cli.common import run_guarded
 from focus_attention.cli.flags import add_flags, flag_name, flag_values, read_config_table
 from focus_attention.cli.train import FOCUS_FIELDS_NOT_FLAGS, config_from_args
 from focus_attention.evaluation import EvalConfig
-from focus_attention.evaluation.groups import InspectConfig
+from focus_attention.evaluation.settings import InspectConfig
 from focus_attention.hf import FocusConfig
 from focus_attention.training import TrainConfig
 from focus_attention.training.pretrain import PretrainConfig
@@ -105,8 +105,8 @@ def test_inspect_needs_an_adapter_and_an_output_directory(tmp_path, capsys):
     args = _parse(["inspect", "--config", str(path)])
     assert args.func(args) == 1
     assert "--out is required" in capsys.readouterr().err
-    args = _parse(["inspect", "--layers", "4", "2", "--tokens", "2048", "--no-baseline"])
-    assert flag_values(args, InspectConfig) == {"layers": (4, 2), "tokens": 2048, "baseline": False}
+    args = _parse(["inspect", "--layers", "4", "2", "--max-tokens", "2048", "--no-baseline"])
+    assert flag_values(args, InspectConfig) == {"layers": (4, 2), "max_tokens": 2048, "baseline": False}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.name)

@@ -1,43 +1,28 @@
-"""focus-attention: learned-grouping sparse attention for pretrained causal LMs (Focus)."""
+"""focus-attention: learned-grouping sparse attention for pretrained causal LMs (Focus).
 
-from .ops import (
-    dense_attention,
-    dominance,
-    focus_mask,
-    gated_attention,
-    group_scores,
-    group_shares,
-    pairs_retained,
-    sinkhorn,
-    sparse_attention,
-    topk_memberships,
-)
+The front door: :class:`FocusConfig`, :func:`get_focus_model` and :class:`FocusModel` (the
+Hugging Face adapter, docs/method.md §8), :func:`sparse_attention` (exact sparse attention,
+§5) and the routing helpers (§2-§4). Everything else lives in its subpackage. Each name is
+imported on first access, so ``import focus_attention`` imports neither torch nor
+transformers."""
+
+from .utils.lazy import exports_of, lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "dense_attention",
-    "dominance",
-    "focus_mask",
-    "gated_attention",
-    "group_scores",
-    "group_shares",
-    "pairs_retained",
-    "sinkhorn",
-    "sparse_attention",
-    "topk_memberships",
-]
-
-# The Hugging Face adapter is imported lazily so that `import focus_attention` does not
-# pay for importing transformers.
-_HF_EXPORTS = ("FocusConfig", "FocusModel", "get_focus_model")
-__all__ += list(_HF_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _HF_EXPORTS:
-        from . import hf
-
-        return getattr(hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__, _exported = lazy_exports(
+    __name__,
+    exports_of(
+        {
+            ".hf.config": ("FocusConfig",),
+            ".hf.model": ("FocusModel", "get_focus_model"),
+            ".ops.sparse": ("sparse_attention",),
+            ".ops.masks": ("focus_mask",),
+            ".ops.metrics": ("dominance", "group_shares", "pairs_retained"),
+            ".ops.reference": ("dense_attention",),
+            ".ops.gates": ("gated_attention",),
+            ".ops.routing": ("group_scores", "sinkhorn", "topk_memberships"),
+        }
+    ),
+)
+__all__ = ["__version__", *_exported]

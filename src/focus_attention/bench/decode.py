@@ -28,65 +28,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..assets.corpora import DEFAULT_CORPUS
-from ..assets.models import DEFAULT_MODEL
-from ..utils.checks import bad, check_int
 from ..utils.env import environment
 from .model import routers_record
+from .settings import DECODE_CONTEXTS, DecodeBenchConfig
 from .timing import interleaved_median_seconds
 
 __all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
-
-#: cached tokens of the default run
-DECODE_CONTEXTS = (4096, 16384, 32768)
-LEVELS = ("op", "model")
-
-
-@dataclass
-class DecodeBenchConfig:
-    """Settings of the decoding benchmark (each field a ``focus bench decode`` flag)."""
-
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model (its attention shape for the op level)"})  # fmt: skip
-    adapter: str | None = field(
-        default=None, metadata={"help": "trained Focus adapter directory (default: fresh routers)"}
-    )
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "text of the model level: its test split"})  # fmt: skip
-    contexts: tuple[int, ...] = field(default=DECODE_CONTEXTS, metadata={"help": "cached tokens"})
-    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
-    levels: tuple[str, ...] = field(default=LEVELS, metadata={"help": "op and/or model"})
-    num_groups: int = field(default=8, metadata={"help": "K of fresh routers and of the op level"})  # fmt: skip
-    window: int = field(default=128, metadata={"help": "local window of fresh routers and of the op level (tokens)"})  # fmt: skip
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
-                  "none for fresh routers)"},
-    )  # fmt: skip
-    steps: int = field(default=16, metadata={"help": "timed decoding steps (median)"})
-    warmup: int = field(default=2, metadata={"help": "untimed steps before them"})
-    seed: int = field(default=0, metadata={"help": "seed of the op level's inputs"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "progress bar"})
-
-    def __post_init__(self) -> None:
-        owner = "DecodeBenchConfig"
-        for name, low in (("num_groups", 1), ("window", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):  # fmt: skip
-            check_int(owner, name, getattr(self, name), low)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        self.contexts, self.top_k, self.levels = tuple(self.contexts), tuple(self.top_k), tuple(self.levels)  # fmt: skip
-        for name in ("contexts", "top_k"):
-            values = getattr(self, name)
-            if not values:
-                raise bad(owner, name, values, "one or more ints >= 1")
-            for v in values:
-                check_int(owner, name, v, 1)
-        unknown = [x for x in self.levels if x not in LEVELS]
-        if unknown or not self.levels:
-            raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
 
 
 def _random_groups(n: int, k: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -118,14 +69,14 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
     for top_k in config.top_k:
         kg = _random_groups(n, k, min(top_k, k), gen)
         groups[top_k] = (kg[:, -1:], kg)
-        calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.window)  # fmt: skip
+        calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window)  # fmt: skip
     with torch.inference_mode():
         timed = interleaved_median_seconds(calls, config.steps, config.warmup)
     rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0}]  # fmt: skip
     for top_k, (qg, kg) in groups.items():
         rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
                      "seconds": timed[f"focus-{top_k}"][0],
-                     "share": _share(qg[0, 0], kg[0], config.window),
+                     "share": _share(qg[0, 0], kg[0], config.op_window),
                      "backend": sparse_backend_name("auto", k)})  # fmt: skip
     return rows
 
@@ -146,10 +97,10 @@ def _model_shape(model: Any) -> dict[str, int]:
 
 
 def _input_ids(config: DecodeBenchConfig, tokenizer: Any, total: int) -> torch.Tensor:
-    """The first ``total`` tokens of the corpus's test split (repeated if shorter)."""
+    """The first ``total`` tokens of the corpus split (repeated if shorter)."""
     from ..assets.corpora import load_corpus
 
-    text = "\n\n".join(load_corpus(config.corpus).texts("test"))
+    text = "\n\n".join(load_corpus(config.corpus).texts(config.split))
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     if ids.shape[1] < total:
         ids = ids.repeat(1, -(-total // ids.shape[1]))
@@ -162,9 +113,15 @@ def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     if config.adapter:
         runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
     else:
-        cfg = FocusConfig(num_groups=config.num_groups, window=config.window, top_k=top_k)
+        cfg = FocusConfig(num_groups=config.num_groups, window=config.op_window, top_k=top_k)
         runner = get_focus_model(model, cfg)
-    runner.focus_config = runner.focus_config.override(dense_layers=config.dense_layers)
+    runner.focus_config = runner.focus_config.override(
+        dense_layers=config.dense_layers,
+        window=config.window,
+        sink_tokens=config.sink_tokens,
+        query_top_k=config.query_top_k,
+        inference_routing=config.inference_routing,
+    )
     return runner.eval()
 
 
@@ -321,7 +278,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     record = {
         "model": config.model, "adapter": config.adapter, "corpus": config.corpus,
         "contexts": list(config.contexts), "top_ks": list(config.top_k),
-        "levels": list(config.levels), "num_groups": config.num_groups, "window": config.window,
+        "levels": list(config.levels), "num_groups": config.num_groups, "window": config.op_window,
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
         "attention_shape": shape, "dtype": "float32", "batch_size": 1,
         "routers": routers_record(config.adapter),

@@ -23,14 +23,12 @@ import itertools
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from ..assets.corpora import DEFAULT_CORPUS, SPLITS
-from ..assets.models import DEFAULT_MODEL
 from ..evaluation.positions import context_statistics
-from ..utils.checks import bad, check_int, check_number
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
+from .settings import InstructionsBenchConfig
 
 __all__ = [
     "InstructionsBenchConfig",
@@ -47,66 +45,6 @@ _IF_DISTRIBUTIONS = ("if-verifiable", "langdetect", "nltk", "datasets")
 QUESTION_SOURCES = ("arc_easy", "arc_challenge")
 #: passage length bounds, in words
 PASSAGE_WORDS = (60, 160)
-
-
-@dataclass
-class InstructionsBenchConfig:
-    """Settings of ``focus bench instructions`` (each field a flag)."""
-
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": "base model (an instruct model with a chat template): registered name, local directory or hub id"},
-    )  # fmt: skip
-    adapter: str | None = field(
-        default=None,
-        metadata={
-            "help": "Focus adapter or focus train run directory (LoRA or trained weights too; default: none, the untouched model alone)"
-        },
-    )
-    top_k: tuple[int, ...] | None = field(
-        default=None, metadata={"help": "Focus top_k values to evaluate (default: the adapter's)"}
-    )
-    window: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "local windows to evaluate, in tokens (default: the adapter's; 32 is a stressed setting)"},
-    )  # fmt: skip
-    prompts: int = field(default=200, metadata={"help": "size of the fixed prompt set"})
-    limit: int | None = field(
-        default=None, metadata={"help": "answer the first N prompts of the set (default all)"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed of the prompt set"})
-    passage_share: float = field(default=0.5, metadata={"help": "share of passage prompts"})
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the passages"})
-    split: str = field(default="test", metadata={"help": "its held-out split", "choices": SPLITS})
-    max_new_tokens: int = field(default=256, metadata={"help": "bound on each response, in tokens"})  # fmt: skip
-    batch_size: int = field(default=8, metadata={"help": "prompts per generate call (left-padded)"})  # fmt: skip
-    kl: bool = field(default=True, metadata={"help": "measure the KL divergence from the untouched model"})  # fmt: skip
-    device: str | None = field(default=None, metadata={"help": "torch device (default: cuda if available, else cpu)"})  # fmt: skip
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "progress bars on stderr"})
-
-    def __post_init__(self) -> None:
-        owner = "InstructionsBenchConfig"
-        for name, low in (("prompts", 1), ("max_new_tokens", 1), ("batch_size", 1), ("seed", 0)):
-            check_int(owner, name, getattr(self, name), low)
-        check_int(owner, "limit", self.limit, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        check_number(owner, "passage_share", self.passage_share, low=0.0, inclusive=True)
-        if self.passage_share > 1:
-            raise bad(owner, "passage_share", self.passage_share, "a share in [0, 1]")
-        if self.split not in SPLITS:
-            raise bad(owner, "split", self.split, f"one of {SPLITS}")
-        for name in ("top_k", "window"):
-            value = getattr(self, name)
-            if value is not None:
-                value = tuple(value)
-                setattr(self, name, value)
-                if not value:
-                    raise bad(owner, name, value, "None or one or more ints >= 1")
-                for v in value:
-                    check_int(owner, name, v, 1)
-        if self.adapter is None and (self.top_k is not None or self.window is not None):
-            raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
 # ---------------------------------------------------------------------------------------------

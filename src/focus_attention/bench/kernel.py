@@ -8,14 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..ops import (
-    BACKENDS,
     SparseRequest,
     gated_attention,
     pairs_retained,
@@ -26,6 +24,7 @@ from ..ops import (
 from ..ops.reference import expand_kv_heads
 from ..utils.env import environment
 from ..utils.io import atomic_write
+from .settings import DTYPE_NAMES, KERNEL_LENGTHS, KernelBenchConfig
 from .timing import cuda_peak_extra_bytes, median_seconds, peak_extra_bytes
 
 __all__ = [
@@ -40,76 +39,8 @@ __all__ = [
     "sparse_backend_name",
 ]
 
-#: sequence lengths of the README's kernel table (tokens)
-KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
 #: input dtypes the benchmark can time
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: dense kernels: ``auto`` lets SDPA choose; the others force one SDPA backend
-DENSE_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-
-
-@dataclass
-class KernelBenchConfig:
-    """Settings of the kernel benchmark (each field a ``focus bench kernel`` flag). The
-    default shape is SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64."""
-
-    lengths: tuple[int, ...] = field(
-        default=KERNEL_LENGTHS, metadata={"help": "sequence lengths (tokens)"}
-    )
-    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
-    num_heads: int = field(default=9, metadata={"help": "query heads H"})
-    num_key_value_heads: int = field(default=3, metadata={"help": "key/value heads H_kv"})
-    head_dim: int = field(default=64, metadata={"help": "head_dim D"})
-    window: int = field(default=128, metadata={"help": "local window (tokens)"})
-    num_groups: int = field(default=8, metadata={"help": "K"})
-    repeats: int = field(default=3, metadata={"help": "timed runs (median) after a warm-up"})
-    seed: int = field(default=0, metadata={"help": "seed of the inputs"})
-    backend: str = field(
-        default="auto",
-        metadata={
-            "help": "sparse_attention backend (auto: the fused CPU kernel where it can be built)",
-            "choices": BACKENDS,
-        },  # fmt: skip
-    )
-    memory: bool = field(
-        default=True, metadata={"help": "measure peak memory (a fresh process per call)"}
-    )
-    gates: bool = field(
-        default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
-    )
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "progress bar"})
-    device: str = field(default="cpu", metadata={"help": "device of the inputs: cpu or cuda"})
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of query, key and value", "choices": tuple(DTYPES)},
-    )
-    dense_kernel: str = field(
-        default="auto",
-        metadata={
-            "help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, efficient "
-            "or math force one)",
-            "choices": DENSE_KERNELS,
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"KernelBenchConfig.dtype: expected one of {tuple(DTYPES)}, got {self.dtype!r}"
-            )
-        if self.dense_kernel not in DENSE_KERNELS:
-            raise ValueError(
-                f"KernelBenchConfig.dense_kernel: expected one of {DENSE_KERNELS}, "
-                f"got {self.dense_kernel!r}"
-            )
-        kind = str(self.device).split(":", 1)[0]
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"KernelBenchConfig.device: expected cpu or cuda, got {self.device!r}")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "KernelBenchConfig.device: cuda was asked for but torch sees no CUDA device"
-            )
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torch.Tensor:

@@ -3,15 +3,13 @@ against Focus top-k (the README's end-to-end table)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..assets.corpora import DEFAULT_CORPUS
-from ..assets.models import DEFAULT_MODEL
 from ..utils.env import environment
 from .kernel import sparse_backend_name
+from .settings import FRESH_WINDOW, MODEL_LENGTHS, ModelBenchConfig
 from .timing import median_seconds
 
 __all__ = [
@@ -22,63 +20,12 @@ __all__ = [
     "run_model_benchmark",
 ]
 
-#: local window of fresh routers when no window is asked for (tokens)
-FRESH_WINDOW = 128
-#: prefill lengths of the README's end-to-end table (tokens)
-MODEL_LENGTHS = (4096, 16384)
-
-
-@dataclass
-class ModelBenchConfig:
-    """Settings of the end-to-end benchmark (each field a ``focus bench model`` flag)."""
-
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model to run"})
-    adapter: str | None = field(
-        default=None, metadata={"help": "trained Focus adapter directory (default: fresh routers)"}
-    )
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "text: its test split"})
-    lengths: tuple[int, ...] = field(
-        default=MODEL_LENGTHS, metadata={"help": "prefill lengths (tokens)"}
-    )
-    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "top_k values"})
-    num_groups: int = field(default=8, metadata={"help": "K of fresh routers"})
-    windows: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "local windows in tokens (default: the adapter's own, 128 for "
-                  "fresh routers; with --adapter they override its window, the routers as "
-                  "trained)"},
-    )  # fmt: skip
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "Focus layers that run dense attention (default: the adapter's; "
-                  "none for fresh routers)"},
-    )  # fmt: skip
-    sink_tokens: int | None = field(
-        default=None,
-        metadata={"help": "sink_tokens of the Focus rows (default: the adapter's; the "
-                  "FocusConfig default for fresh routers)"},
-    )  # fmt: skip
-    query_top_k: int | None = field(
-        default=None,
-        metadata={"help": "groups each query keeps in the Focus rows (default: the adapter's "
-                  "query_top_k, else top_k; keys keep top_k)"},
-    )  # fmt: skip
-    floor: bool = field(
-        default=True,
-        metadata={"help": "also time the model without attention (the floor no attention "
-                  "kernel can go below)"},
-    )  # fmt: skip
-    repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
-    warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "progress bar"})
-
 
 def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
-    """The first tokens of the corpus' test split, repeated if shorter than the longest N."""
+    """The first tokens of the corpus split, repeated if shorter than the longest N."""
     from ..assets.corpora import load_corpus
 
-    text = "\n\n".join(load_corpus(config.corpus).texts("test"))
+    text = "\n\n".join(load_corpus(config.corpus).texts(config.split))
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     if ids.shape[1] < max(config.lengths):
         ids = ids.repeat(1, -(-max(config.lengths) // ids.shape[1]))
@@ -102,6 +49,7 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None
         dense_layers=config.dense_layers,
         sink_tokens=config.sink_tokens,
         query_top_k=config.query_top_k,
+        inference_routing=config.inference_routing,
     )
     return runner.eval()
 
@@ -196,7 +144,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
 
     rows = []
     methods = [("sdpa", None, None)] + ([("none", None, None)] if config.floor else [])
-    methods += [("focus", k, w) for w in (config.windows or (None,)) for k in config.top_k]
+    methods += [("focus", k, w) for w in (config.window or (None,)) for k in config.top_k]
     cells = [(n, m) for n in config.lengths for m in methods]
     bar = tqdm(cells, desc="model", disable=not config.progress)
     for n, (method, top_k, window) in bar:

@@ -15,15 +15,20 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from ..assets.corpora import DEFAULT_CORPUS, SPLITS
-from ..assets.models import DEFAULT_MODEL
-from ..utils.checks import bad, check_int
+from ..utils.checks import bad
 from ..utils.env import environment, library_versions
+from .settings import (
+    HAYSTACKS,
+    NEEDLE_DEPTHS,
+    NEEDLE_LENGTHS,
+    NeedleBenchConfig,
+    RetrievalLayersConfig,
+)
 
 __all__ = [
     "HAYSTACKS",
@@ -40,11 +45,6 @@ __all__ = [
     "retrieval_layers_table",
     "run_needle_benchmark",
 ]
-
-#: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
-NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
-NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-HAYSTACKS = ("passkey", "book")
 
 #: the synthetic haystack: one paragraph, repeated
 FILLER = (
@@ -65,108 +65,6 @@ PROMPTS = {
 }
 
 
-def _check_prompts(owner: str, config: Any) -> None:
-    """The prompt settings shared by the needle configs: ``lengths`` (ints >= 64 tokens),
-    ``haystacks`` (some of :data:`HAYSTACKS`) and ``depths`` (fractions in [0, 1]).
-
-    Raises:
-        ValueError: the first bad one, named with ``owner``.
-    """
-    for n in config.lengths:
-        check_int(owner, "lengths", n, 64)
-    if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
-        raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")
-    if not config.depths or any(not 0.0 <= float(d) <= 1.0 for d in config.depths):
-        raise bad(owner, "depths", config.depths, "fractions in [0, 1]")
-
-
-@dataclass
-class NeedleBenchConfig:
-    """Settings of the retrieval benchmark (each field a ``focus bench needle`` flag)."""
-
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model"})
-    adapter: str = field(default="runs/austen", metadata={"help": "Focus adapter directory"})
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the book haystack"})
-    split: str = field(default="test", metadata={"help": "its split", "choices": SPLITS})
-    haystacks: tuple[str, ...] = field(
-        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
-    )
-    lengths: tuple[int, ...] = field(
-        default=NEEDLE_LENGTHS, metadata={"help": "prompt lengths in tokens"}
-    )
-    depths: tuple[float, ...] = field(
-        default=NEEDLE_DEPTHS, metadata={"help": "needle depths, 0 (start) to 1 (end)"}
-    )
-    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
-    top_k: tuple[int, ...] = field(default=(1, 2), metadata={"help": "Focus top_k values"})
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "override the adapter's dense_layers: Focus layers that run dense "
-                  "attention (see focus bench retrieval-layers)"},
-    )  # fmt: skip
-    window: int | None = field(
-        default=None, metadata={"help": "override the adapter's local window in tokens"}
-    )
-    sink_tokens: int | None = field(
-        default=None,
-        metadata={"help": "override the adapter's sink_tokens (the first tokens every query "
-                  "sees)"},
-    )  # fmt: skip
-    query_top_k: int | None = field(
-        default=None,
-        metadata={"help": "override the adapter's query_top_k (groups each query keeps, for "
-                  "every top_k run; keys keep top_k)"},
-    )  # fmt: skip
-    dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})
-    max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
-    seed: int = field(default=0, metadata={"help": "seed of the needles and book offsets"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "one line per prompt"})
-
-    def __post_init__(self) -> None:
-        owner = "NeedleBenchConfig"
-        for name in ("trials", "max_new_tokens"):
-            check_int(owner, name, getattr(self, name), 1)
-        check_int(owner, "window", self.window, 1, optional=True)
-        check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
-        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
-        for k in self.top_k:
-            check_int(owner, "top_k", k, 1)
-        _check_prompts(owner, self)
-
-
-@dataclass
-class RetrievalLayersConfig:
-    """Settings of the retrieval-layer ranking (each field a ``focus bench retrieval-layers``
-    flag): needle prompts of the validation split, scored on the dense model."""
-
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model"})
-    adapter: str = field(default="runs/austen", metadata={"help": "Focus adapter directory"})
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the book haystack"})
-    split: str = field(
-        default="validation",
-        metadata={"help": "its split (keep the test split for the benchmark)", "choices": SPLITS},
-    )
-    haystacks: tuple[str, ...] = field(
-        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
-    )
-    lengths: tuple[int, ...] = field(default=(2048,), metadata={"help": "prompt lengths in tokens"})
-    depths: tuple[float, ...] = field(
-        default=(0.25, 0.5, 0.75), metadata={"help": "needle depths, 0 (start) to 1 (end)"}
-    )
-    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
-    count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
-    seed: int = field(default=1, metadata={"help": "seed of the needles and book offsets"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "one line per prompt"})
-
-    def __post_init__(self) -> None:
-        owner = "RetrievalLayersConfig"
-        for name in ("trials", "count"):
-            check_int(owner, name, getattr(self, name), 1)
-        _check_prompts(owner, self)
-
-
 @dataclass(frozen=True)
 class NeedleCase:
     """One prompt: ``input_ids`` ``[1, length]`` long, the needle's number ``answer`` and the
@@ -182,9 +80,17 @@ class NeedleCase:
     needle_end: int
 
 
+#: a whole number: ASCII digits with an optional sign and decimal part, not part of a longer
+#: word, number or hyphenated token (a full stop or comma after it ends a sentence or clause)
+ANSWER_NUMBER = re.compile(r"(?<![\w.+-])[-+]?[0-9]+(?:\.[0-9]+)?(?!\w)")
+
+
 def answer_of(text: str) -> str | None:
-    """The first run of digits in ``text`` (the model's answer), or None."""
-    match = re.search(r"\d+", text)
+    """The model's answer: the first whole number in ``text`` (:data:`ANSWER_NUMBER`), or
+    None. A cell is correct when it equals the needle exactly, so ``" 57291."`` finds
+    57291 but ``" 572910."``, ``" 57291.5"``, ``" -57291"``, ``" x57291"`` and
+    ``" 12 then 57291"`` (whose answer is 12) do not."""
+    match = ANSWER_NUMBER.search(text)
     return None if match is None else match.group(0)
 
 
@@ -320,6 +226,7 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
         window=config.window,
         sink_tokens=config.sink_tokens,
         query_top_k=config.query_top_k,
+        inference_routing=config.inference_routing,
     )
     cells = []
     for case in _cases(config, tokenizer, bos_id):

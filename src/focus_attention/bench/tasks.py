@@ -14,14 +14,13 @@ can differ from dense attention). Needs the ``bench`` extra (lm-eval).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from ..assets.benchmarks import BENCHMARK_SOURCE, BENCHMARKS
-from ..assets.models import DEFAULT_MODEL
 from ..evaluation.trained import run_parts
-from ..utils.checks import bad, check_int
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
+from .settings import TasksBenchConfig
 
 __all__ = ["TASK_METRICS", "TasksBenchConfig", "load_harness", "run_tasks_benchmark", "tasks_table"]
 
@@ -29,65 +28,6 @@ __all__ = ["TASK_METRICS", "TasksBenchConfig", "load_harness", "run_tasks_benchm
 TASK_METRICS = ("acc", "acc_norm", "perplexity")
 #: the distributions a tasks result records on top of the usual ones
 _HARNESS_DISTRIBUTIONS = ("lm_eval", "datasets")
-
-
-def _batch_size(text: str) -> str:
-    """``"auto"``, ``"auto:N"`` or a positive int, as text (lm-eval's batch sizes)."""
-    if text == "auto" or (text.startswith("auto:") and text[5:].replace(".", "", 1).isdigit()):
-        return text
-    if text.isdigit() and int(text) >= 1:
-        return text
-    raise ValueError(f"TasksBenchConfig.batch_size: received {text!r}, expected an int >= 1 or 'auto'")  # fmt: skip
-
-
-@dataclass
-class TasksBenchConfig:
-    """Settings of ``focus bench tasks`` (each field a flag)."""
-
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": "base model: registered name, local directory or hub id"},
-    )
-    adapter: str | None = field(
-        default=None,
-        metadata={
-            "help": "Focus adapter or focus train run directory (LoRA or trained weights too; default: none, the dense model)"
-        },
-    )
-    top_k: int | None = field(default=None, metadata={"help": "override the adapter's top_k"})
-    window: int | None = field(
-        default=None,
-        metadata={"help": "override the adapter's local window (tokens; a stressed setting: 16 or 32)"},
-    )  # fmt: skip
-    tasks: tuple[str, ...] = field(
-        default=tuple(BENCHMARKS), metadata={"help": f"tasks, of {tuple(BENCHMARKS)}"}
-    )
-    limit: int | None = field(
-        default=None, metadata={"help": "score the first N examples of each task (default all)"}
-    )
-    batch_size: str = field(
-        default="8", metadata={"help": "lm-eval batch size: an int, or auto", "type": _batch_size}
-    )
-    device: str | None = field(default=None, metadata={"help": "torch device (default: cuda if available, else cpu)"})  # fmt: skip
-    bootstrap_iters: int = field(
-        default=1000, metadata={"help": "bootstrap resamples for stderrs lm-eval cannot compute in closed form (perplexity)"}
-    )  # fmt: skip
-    log_samples: bool = field(default=False, metadata={"help": "keep every example's requests and answers in the JSON"})  # fmt: skip
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-
-    def __post_init__(self) -> None:
-        owner = "TasksBenchConfig"
-        check_int(owner, "top_k", self.top_k, 1, optional=True)
-        check_int(owner, "window", self.window, 1, optional=True)
-        check_int(owner, "limit", self.limit, 1, optional=True)
-        check_int(owner, "bootstrap_iters", self.bootstrap_iters, 0)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        self.batch_size = _batch_size(str(self.batch_size))
-        self.tasks = tuple(self.tasks)
-        if not self.tasks or any(t not in BENCHMARKS for t in self.tasks):
-            raise bad(owner, "tasks", self.tasks, f"some of {tuple(BENCHMARKS)}")
-        if self.adapter is None and (self.top_k is not None or self.window is not None):
-            raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
 def load_harness() -> Any:

@@ -7,15 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..bench.decode import DecodeBenchConfig
-from ..bench.instructions import InstructionsBenchConfig
-from ..bench.kernel import KernelBenchConfig
-from ..bench.model import ModelBenchConfig
-from ..bench.needle import NeedleBenchConfig, RetrievalLayersConfig
-from ..bench.tasks import TasksBenchConfig
-from ..utils.io import write_json_atomic
-from .common import run_guarded
-from .flags import add_flags, flag_values
+from ..bench.settings import (
+    DecodeBenchConfig,
+    InstructionsBenchConfig,
+    KernelBenchConfig,
+    ModelBenchConfig,
+    NeedleBenchConfig,
+    RetrievalLayersConfig,
+    TasksBenchConfig,
+)
+from .common import run_guarded, summary
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _set_threads(threads: int | None) -> None:
@@ -25,15 +27,23 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _write(result: dict, args: argparse.Namespace, plot_fn: Callable | None = None) -> None:
-    """The result to ``--json`` and, with ``plot_fn``, a plot to ``--plot`` (default: the
-    JSON path with ``.png``)."""
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
+def _config(args: argparse.Namespace, cls: type) -> Any:
+    """The settings of ``focus bench NAME``: defaults, table ``[bench.NAME]`` of
+    ``--config``, then the flags."""
+    return command_config(args, cls, f"bench.{args.bench_command}")
+
+
+def _write(result: dict, config: Any, plot_fn: Callable | None = None) -> None:
+    """The result to ``config.json`` and, with ``plot_fn``, a plot to ``config.plot``
+    (default: the JSON path with ``.png``)."""
+    from ..utils.io import write_json_atomic
+
+    if config.json:
+        write_json_atomic(config.json, result)
+        print(f"wrote {config.json}")
     if plot_fn is None:
         return
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    plot = config.plot or (str(Path(config.json).with_suffix(".png")) if config.json else None)
     if plot:
         plot_fn(result, plot)
         print(f"wrote {plot}")
@@ -42,109 +52,106 @@ def _write(result: dict, args: argparse.Namespace, plot_fn: Callable | None = No
 def _kernel(args: argparse.Namespace) -> int:
     from ..bench.kernel import gate_lines, kernel_table, plot_kernel, run_kernel_benchmark
 
-    config = KernelBenchConfig(**flag_values(args, KernelBenchConfig))
+    config = _config(args, KernelBenchConfig)
     _set_threads(config.threads)
     result = run_kernel_benchmark(config)
     print(kernel_table(result))
     for line in gate_lines(result):
         print(line)
-    _write(result, args, plot_kernel)
+    _write(result, config, plot_kernel)
     return 0
 
 
 def _model(args: argparse.Namespace) -> int:
     from ..bench.model import model_table, run_model_benchmark
 
-    config = ModelBenchConfig(**flag_values(args, ModelBenchConfig))
+    config = _config(args, ModelBenchConfig)
     _set_threads(config.threads)
     result = run_model_benchmark(config)
     print(model_table(result))
-    _write(result, args)
+    _write(result, config)
     return 0
 
 
 def _decode(args: argparse.Namespace) -> int:
     from ..bench.decode import decode_table, run_decode_benchmark
 
-    config = DecodeBenchConfig(**flag_values(args, DecodeBenchConfig))
+    config = _config(args, DecodeBenchConfig)
     result = run_decode_benchmark(config)
     print(decode_table(result))
-    _write(result, args)
+    _write(result, config)
     return 0
 
 
 def _needle(args: argparse.Namespace) -> int:
     from ..bench.needle import needle_table, plot_needle, run_needle_benchmark
 
-    config = NeedleBenchConfig(**flag_values(args, NeedleBenchConfig))
+    config = _config(args, NeedleBenchConfig)
     result = run_needle_benchmark(config)
     print(needle_table(result))
-    _write(result, args, plot_needle)
+    _write(result, config, plot_needle)
     return 0
 
 
 def _retrieval_layers(args: argparse.Namespace) -> int:
     from ..bench.needle import rank_retrieval_layers, retrieval_layers_table
 
-    config = RetrievalLayersConfig(**flag_values(args, RetrievalLayersConfig))
+    config = _config(args, RetrievalLayersConfig)
     result = rank_retrieval_layers(config)
     print(retrieval_layers_table(result))
-    _write(result, args)
+    _write(result, config)
     return 0
 
 
 def _tasks(args: argparse.Namespace) -> int:
     from ..bench.tasks import run_tasks_benchmark, tasks_table
 
-    config = TasksBenchConfig(**flag_values(args, TasksBenchConfig))
+    config = _config(args, TasksBenchConfig)
     result = run_tasks_benchmark(config)
     print(tasks_table(result))
-    _write(result, args)
+    _write(result, config)
     return 0
 
 
 def _instructions(args: argparse.Namespace) -> int:
     from ..bench.instructions import instructions_table, run_instructions_benchmark
 
-    config = InstructionsBenchConfig(**flag_values(args, InstructionsBenchConfig))
+    config = _config(args, InstructionsBenchConfig)
     result = run_instructions_benchmark(config)
     print(instructions_table(result))
-    _write(result, args)
+    _write(result, config)
     return 0
 
 
-def _add_benchmark(sub: Any, name: str, config: type, run: Callable, plot: str | None, **text: str) -> None:  # fmt: skip
-    """One ``focus bench NAME`` sub-command: ``--json``, ``--plot`` (when the benchmark
-    plots; ``plot`` is its help) and the flags of ``config``."""
+def _add_benchmark(sub: Any, name: str, config: type, run: Callable, **text: str) -> None:
+    """One ``focus bench NAME`` sub-command: ``--config`` (table ``[bench.NAME]``) and the
+    flags of ``config``."""
     parser = sub.add_parser(name, **text)
-    parser.add_argument("--json", help="write results to this JSON file")
-    if plot is not None:
-        parser.add_argument("--plot", help=plot)
+    add_config_flag(parser, f"bench.{name}")
     add_flags(parser, config)
     parser.set_defaults(func=run_guarded(run))
 
 
 def register_cli(subparsers: Any) -> None:
     """Add ``focus bench`` and its sub-commands."""
-    bench = subparsers.add_parser("bench", help="speed and quality benchmarks (write JSON results)")
+    bench = subparsers.add_parser("bench", help=summary("bench"))
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     _add_benchmark(
         sub, "kernel", KernelBenchConfig, _kernel,
-        "PNG plot path (default: the JSON path with .png)",
         help="sparse_attention against dense causal SDPA (SmolLM2-135M attention shape)",
         description="Times dense torch SDPA (is_causal) against focus sparse_attention in "
         "one process, fp32, B=1, and reports speedup, density, ideal speedup (1/density), "
         "efficiency and peak memory.",
     )  # fmt: skip
     _add_benchmark(
-        sub, "model", ModelBenchConfig, _model, None,
+        sub, "model", ModelBenchConfig, _model,
         help="end-to-end prefill of a real model: stock sdpa against Focus top-k",
         description="Times a prefill forward (logits for the last token only) of the model "
         "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
         "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
     )  # fmt: skip
     _add_benchmark(
-        sub, "decode", DecodeBenchConfig, _decode, None,
+        sub, "decode", DecodeBenchConfig, _decode,
         help="one decoding step with a KV cache: dense against Focus top-k, op and model level",
         description="Times single-token decoding steps with N cached tokens: at the op level "
         "(one query, the model's attention shape, random memberships) dense SDPA against "
@@ -154,7 +161,6 @@ def register_cli(subparsers: Any) -> None:
     )  # fmt: skip
     _add_benchmark(
         sub, "needle", NeedleBenchConfig, _needle,
-        "PNG heatmaps (default: the JSON path with .png)",
         help="retrieval of a number hidden in a long prompt: dense against Focus top-k",
         description="Hides a 5-digit number at each depth of prompts of each length (a "
         "repeated filler paragraph, or held-out book text), asks for it at the end, and "
@@ -162,7 +168,7 @@ def register_cli(subparsers: Any) -> None:
         "Needs the prepared assets (focus setup) and a trained adapter.",
     )  # fmt: skip
     _add_benchmark(
-        sub, "retrieval-layers", RetrievalLayersConfig, _retrieval_layers, None,
+        sub, "retrieval-layers", RetrievalLayersConfig, _retrieval_layers,
         help="rank the layers that retrieve from far back (candidates for --dense-layers)",
         description="Builds needle prompts as focus bench needle does, from the validation "
         "split by default, and ranks the Focus layers by the share of attention the dense "
@@ -171,7 +177,7 @@ def register_cli(subparsers: Any) -> None:
         "benchmarks): layers that keep dense attention so that retrieval survives.",
     )  # fmt: skip
     _add_benchmark(
-        sub, "tasks", TasksBenchConfig, _tasks, None,
+        sub, "tasks", TasksBenchConfig, _tasks,
         help="zero-shot benchmarks through lm-evaluation-harness: dense or a Focus adapter",
         description="Scores HellaSwag, ARC-Easy, ARC-Challenge, PIQA, WinoGrande and LAMBADA "
         "(OpenAI) zero-shot with lm-eval's own task definitions on the local benchmark data "
@@ -181,7 +187,7 @@ def register_cli(subparsers: Any) -> None:
         "(lm-eval).",
     )  # fmt: skip
     _add_benchmark(
-        sub, "instructions", InstructionsBenchConfig, _instructions, None,
+        sub, "instructions", InstructionsBenchConfig, _instructions,
         help="instruction following (IFEval-style) and KL drift: untouched model or Focus",
         description="Answers a fixed, seeded set of chat prompts (ARC questions and held-out "
         "book passages, each with one or two IFEval instructions) greedily with the untouched "

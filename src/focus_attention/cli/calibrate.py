@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..evaluation.calibration import CalibrateConfig
-from .common import run_guarded
+from ..evaluation.settings import CalibrateConfig
+from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
 
 
@@ -28,8 +28,7 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus calibrate``: flags from :class:`CalibrateConfig`."""
     p = subparsers.add_parser(
         "calibrate",
-        help="an adapter for long inputs: the routing bias collected at that length, and new "
-        "window / sink tokens / dense layers / top_k",
+        help=summary("calibrate"),
         description="Copy a Focus adapter into --out with its causal routing bias collected "
         "afresh from --blocks blocks of --seq-len tokens of held-out text (soft routing, no "
         "gradients; the trained projections and centroids are unchanged) and with the "

@@ -17,7 +17,7 @@ from ..assets.benchmarks import (
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS, list_corpora, prepare_corpus
 from ..utils.io import focus_home
-from .common import run_guarded
+from .common import run_guarded, summary
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -65,9 +65,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 def register_cli(subparsers: Any) -> None:
     """Add ``focus data list`` and ``focus data prepare NAME... [--force]``; a bare
     ``focus data`` prints its help and exits with status 2."""
-    p = subparsers.add_parser(
-        "data", help="list and prepare text corpora and benchmark data (offline cache)"
-    )
+    p = subparsers.add_parser("data", help=summary("data"))
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
     ls = sub.add_parser("list", help="registered corpora and whether they are prepared")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..evaluation.perplexity import EvalConfig
-from .common import run_guarded
+from ..evaluation.settings import EvalConfig
+from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
 
 
@@ -32,8 +32,7 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus eval``: flags from :class:`EvalConfig`."""
     p = subparsers.add_parser(
         "eval",
-        help="perplexity of the base model and a Focus adapter (soft and every top-k) or "
-        "any focus train run",
+        help=summary("eval"),
         description="Token-weighted perplexity over non-overlapping --seq-len windows (each "
         "window scored independently; all tokens but the first of each window count) of the "
         "base model, Focus soft routing and Focus top-k routing for every top_k in 1..K, with "

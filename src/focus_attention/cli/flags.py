@@ -4,12 +4,16 @@ source: its dataclass field (name, default, help text in ``metadata["help"]``, o
 
 Settings come from three layers, the later winning: the dataclass defaults, a TOML settings
 file (``--config FILE``, one table per command, for example ``[train]`` with a ``[train.focus]``
-sub-table), and the flags given on the command line. Flags have no argparse default for that
+sub-table, or ``[bench.kernel]`` for ``focus bench kernel``), and the flags given on the
+command line. Flags have no argparse default for that
 reason: :func:`flag_values` returns only those given.
 
 A field ``seq_len`` becomes ``--seq-len``; a ``bool`` field becomes ``--flag / --no-flag``;
 ``int | None`` and the like parse as ``int``; ``tuple[int, ...]`` takes one or more ints
-(``--lengths 1024 4096``); a field without help text is not a flag.
+(``--lengths 1024 4096``); ``int | tuple[int, ...]`` takes several where the settings class
+lists the field in ``SEVERAL``, else one; a field without help text is not a flag. The
+deprecated names of a class's ``RENAMED`` stay as hidden flags that print a deprecation
+message to stderr.
 argparse does the parsing; this module only declares the flags and reads them back.
 """
 
@@ -17,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Iterable
 from typing import Any
+
+from ..utils.checks import comma_ints
 
 #: the flag types inferred from annotations; any other type needs ``metadata["type"]``
 _SCALARS = (int, float, str)
@@ -31,13 +38,16 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _scalar(annotation: Any) -> tuple[Any, bool]:
+def _scalar(annotation: Any) -> tuple[Any, bool | None]:
     """``(type, several)``: ``int``, ``float``, ``str`` or ``bool`` from an annotation such
-    as ``int | None`` (``several`` False) or ``tuple[int, ...]`` (``several`` True); the
+    as ``int | None`` (``several`` False), ``tuple[int, ...]`` (``several`` True) or
+    ``int | tuple[int, ...]`` (``several`` None: one or several, as the class says); the
     type is None for anything else."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
+        if len(rest) == 2 and _scalar(rest[1]) == (rest[0], True):
+            return rest[0], None
         return _scalar(rest[0]) if len(rest) == 1 else (None, False)
     if typing.get_origin(annotation) in (tuple, list) and args and args[0] in _SCALARS:
         return args[0], True
@@ -80,6 +90,8 @@ def add_flags(
         shown = "" if default in (None, ()) else f" (default {_shown(default, joiner)})"
         kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse, several = _scalar(hints[field.name])
+        if several is None:
+            several = field.name in getattr(cls, "SEVERAL", ())
         parse = meta.get("type", parse)
         if parse is None:
             raise TypeError(f"{cls.__name__}.{field.name}: no flag type (set metadata['type'])")
@@ -93,6 +105,49 @@ def add_flags(
                 if key in meta:
                     kwargs[key] = meta[key]
         parser.add_argument(flag_name(field.name), **kwargs)
+        for old in _old_names(cls, field.name):
+            _add_deprecated(parser, old, field.name, kwargs)
+
+
+def _old_names(cls: type, name: str) -> list[str]:
+    """The deprecated names of field ``name`` of ``cls`` (its ``RENAMED``)."""
+    return [old for old, new in getattr(cls, "RENAMED", {}).items() if new == name]
+
+
+def _add_deprecated(parser: Any, old: str, name: str, kwargs: dict[str, Any]) -> None:
+    """A hidden ``--old-name`` flag for field ``name``: the same value (lists of ints also
+    comma-separated, ``1,2``), and a deprecation message on stderr when given."""
+    alias = {**kwargs, "help": argparse.SUPPRESS, "action": DeprecatedFlag}
+    alias["replacement"] = flag_name(name)
+    if alias.get("type") is int and alias.get("nargs") == "+":
+        alias["type"] = comma_ints
+    if kwargs.get("action") is argparse.BooleanOptionalAction:
+        raise TypeError(f"{old}: a renamed bool flag is not supported")
+    parser.add_argument(flag_name(old), **alias)
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag kept under an old name: stores its value like the new flag and prints
+    ``focus: warning: --old is deprecated, use --new`` to stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None):
+        print(f"focus: warning: {option_string} is deprecated, use {self.replacement}",
+              file=sys.stderr)  # fmt: skip
+        setattr(namespace, self.dest, values)
+
+
+def _flat(value: Any) -> Any:
+    """Several values given as a list (of values or of comma-separated tuples) -> a tuple."""
+    if not isinstance(value, list):
+        return value
+    out: list[Any] = []
+    for v in value:
+        out.extend(v if isinstance(v, tuple) else (v,))
+    return tuple(out)
 
 
 def _shown(value: Any, joiner: str = " ") -> str:
@@ -110,8 +165,7 @@ def flag_values(
     out = {}
     for f in flag_fields(cls, exclude):
         if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            out[f.name] = tuple(value) if isinstance(value, list) else value
+            out[f.name] = _flat(getattr(args, f.name))
     return out
 
 
@@ -135,7 +189,7 @@ def command_config(
         ValueError: a required field given nowhere; unknown or invalid settings (the message
             names the file).
     """
-    settings = read_config_table(args.config, table)
+    settings = renamed_keys(read_config_table(args.config, table), cls, table)
     settings.update(flag_values(args, cls))
     for name in required:
         if settings.get(name) is None:
@@ -148,8 +202,20 @@ def command_config(
         raise ValueError(f"{args.config}: {err}" if args.config else str(err)) from err
 
 
+def renamed_keys(settings: dict[str, Any], cls: type, table: str) -> dict[str, Any]:
+    """``settings`` (a ``--config`` table) with the deprecated keys of ``cls.RENAMED``
+    renamed, each with a deprecation message on stderr."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in settings:
+            print(f"focus: warning: [{table}] key {old!r} is deprecated, use {new!r}",
+                  file=sys.stderr)  # fmt: skip
+            settings[new] = settings.pop(old)
+    return settings
+
+
 def read_config_table(path: str | None, table: str) -> dict[str, Any]:
-    """Table ``[table]`` of the TOML file ``path`` as a dict (``{}`` when ``path`` is None).
+    """Table ``[table]`` of the TOML file ``path`` as a dict (``{}`` when ``path`` is None);
+    a dotted name such as ``bench.kernel`` is a sub-table.
 
     Raises:
         FileNotFoundError: no such file.
@@ -166,6 +232,9 @@ def read_config_table(path: str | None, table: str) -> dict[str, Any]:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: not a valid TOML settings file ({err})") from err
-    if not isinstance(data.get(table), dict):
-        raise ValueError(f"{path}: no [{table}] table (tables: {sorted(data)})")
-    return dict(data[table])
+    found: Any = data
+    for part in table.split("."):
+        if not isinstance(found, dict) or not isinstance(found.get(part), dict):
+            raise ValueError(f"{path}: no [{table}] table (tables: {sorted(data)})")
+        found = found[part]
+    return dict(found)

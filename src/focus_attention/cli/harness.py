@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import run_guarded
+from .common import run_guarded, summary
 
 
 def _cmd_lm_eval(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def register_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "lm-eval",
         add_help=False,
-        help="lm-evaluation-harness's command line with the focus model and the local tasks",
+        help=summary("lm-eval"),
         description="lm_eval ARGS with --model focus available (model_args: pretrained, "
         "adapter, top_k, window and HFLM's) and the local zero-shot tasks on the include path.",
     )

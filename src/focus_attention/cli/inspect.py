@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..evaluation.groups import InspectConfig
-from .common import run_guarded
+from ..evaluation.settings import InspectConfig
+from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
 
 
@@ -31,7 +31,7 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus inspect``: flags from :class:`InspectConfig`."""
     p = subparsers.add_parser(
         "inspect",
-        help="what the learned groups hold: shares, tokens, word categories, NMI vs untrained",
+        help=summary("inspect"),
         description="Route held-out text with a Focus adapter's top-k routing and report, per "
         "layer and group, the share of tokens, the most frequent and most typical tokens with "
         "context snippets, the composition by word category (a lexical categorisation), and "

@@ -11,7 +11,7 @@ from typing import Any
 from ..assets.cache import dir_size, human_size, verify_entry
 from ..assets.models import DEFAULT_MODEL, list_models, prepare_model
 from ..utils.io import focus_home
-from .common import run_guarded
+from .common import run_guarded, summary
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 def register_cli(subparsers: Any) -> None:
     """Add ``focus models list`` and ``focus models prepare NAME... [--force] [--verify]``;
     a bare ``focus models`` prints its help and exits with status 2."""
-    p = subparsers.add_parser("models", help="list and prepare pretrained models (offline cache)")
+    p = subparsers.add_parser("models", help=summary("models"))
     sub = p.add_subparsers(dest="models_command", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
     ls = sub.add_parser("list", help="registered models and whether they are prepared")

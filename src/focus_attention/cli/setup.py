@@ -13,7 +13,7 @@ from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
 from ..assets.models import DEFAULT_MODEL, prepare_model
 from ..utils.io import focus_home
-from .common import run_guarded
+from .common import run_guarded, summary
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
@@ -44,7 +44,7 @@ def register_cli(subparsers: Any) -> None:
     """Add ``focus setup [--model M...] [--corpus C...] [--force]``."""
     s = subparsers.add_parser(
         "setup",
-        help="prepare the default model and corpus (idempotent; run once, then work offline)",
+        help=summary("setup"),
         description=f"Prepare models and corpora into the cache (FOCUS_HOME). Without options: "
         f"model {DEFAULT_MODEL} and corpus {DEFAULT_CORPUS}.",
     )

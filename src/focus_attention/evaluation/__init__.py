@@ -1,33 +1,32 @@
 """Evaluation of a Focus adapter against its base model (docs/method.md §9): perplexity on
 held-out text with routing statistics (:mod:`.perplexity`), and by position in the window
 (:mod:`.positions`); what the learned groups hold, by word category (:mod:`.groups`,
-:mod:`.categories`)."""
+:mod:`.categories`). The settings live in the torch-free :mod:`.settings`; each name is
+imported from its module on first access (:mod:`focus_attention.utils.lazy`)."""
 
-from .groups import InspectConfig, inspect_groups
-from .perplexity import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_SEQ_LEN,
-    EvalConfig,
-    EvalResult,
-    RoutingStats,
-    evaluate,
-    markdown_table,
-    score_windows,
+from ..utils.lazy import exports_of, lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    exports_of(
+        {
+            ".settings": (
+                "DEFAULT_MAX_TOKENS",
+                "DEFAULT_SEQ_LEN",
+                "POSITION_BUCKETS",
+                "CalibrateConfig",
+                "EvalConfig",
+                "InspectConfig",
+            ),
+            ".groups": ("inspect_groups",),
+            ".perplexity": (
+                "EvalResult",
+                "RoutingStats",
+                "evaluate",
+                "markdown_table",
+                "score_windows",
+            ),  # fmt: skip
+            ".positions": ("PositionNLL", "bucket_bounds"),
+        }
+    ),
 )
-from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds
-
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "DEFAULT_SEQ_LEN",
-    "POSITION_BUCKETS",
-    "EvalConfig",
-    "EvalResult",
-    "InspectConfig",
-    "PositionNLL",
-    "RoutingStats",
-    "bucket_bounds",
-    "evaluate",
-    "inspect_groups",
-    "markdown_table",
-    "score_windows",
-]

@@ -8,104 +8,21 @@ copied unchanged; only ``routing_bias`` and ``bias_updates`` change."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..assets.corpora import DEFAULT_CORPUS, SPLITS
-from ..assets.models import DEFAULT_MODEL
-from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.files import CONFIG_NAME, weights_file_sha256
-from ..utils.checks import bad, check_int, check_known_keys
 from ..utils.env import environment, library_versions
 from ..utils.io import write_json_atomic
+from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks"]  # fmt: skip
 
 #: the record :func:`calibrate_adapter` writes beside the adapter
 CALIBRATION_NAME = "calibration.json"
-
-
-@dataclass
-class CalibrateConfig:
-    """Settings of ``focus calibrate`` (each field a flag: ``seq_len`` -> ``--seq-len``).
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    adapter: str | None = field(default=None, metadata={"help": "Focus adapter directory to start from (required)"})  # fmt: skip
-    out: str | None = field(default=None, metadata={"help": "directory of the new adapter (required)"})  # fmt: skip
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "base model of the adapter"})
-    corpus: str = field(default=DEFAULT_CORPUS, metadata={"help": "corpus of the calibration text"})  # fmt: skip
-    split: str = field(
-        default="validation",
-        metadata={"help": "its split (keep the test split for evaluation)", "choices": SPLITS},
-    )
-    seq_len: int = field(
-        default=4096, metadata={"help": "tokens per calibration block: the length to serve"}
-    )
-    blocks: int = field(
-        default=4,
-        metadata={"help": "blocks the bias is collected from (0: keep the bias as trained "
-                  "and change only the settings)"},
-    )  # fmt: skip
-    window: int | None = field(default=None, metadata={"help": "new local window in tokens"})
-    sink_tokens: int | None = field(default=None, metadata={"help": "new sink_tokens"})
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "new dense_layers: Focus layers that run dense attention (see "
-                  "focus bench retrieval-layers)"},
-    )  # fmt: skip
-    top_k: int | None = field(default=None, metadata={"help": "new top_k"})
-    query_top_k: int | None = field(
-        default=None, metadata={"help": "new query_top_k (groups each query keeps)"}
-    )
-    inference_routing: str | None = field(
-        default=None, metadata={"help": "new inference routing", "choices": INFERENCE_ROUTINGS}
-    )
-    prepend_bos: bool | None = field(
-        default=None,
-        metadata={"help": "start blocks with BOS (default: automatic, on for Gemma), as "
-                  "focus eval does"},
-    )  # fmt: skip
-    overwrite: bool = field(default=False, metadata={"help": "replace an adapter already in --out"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
-
-    def __post_init__(self) -> None:
-        owner = "CalibrateConfig"
-        for name in ("adapter", "out"):
-            if not getattr(self, name):
-                raise bad(owner, name, getattr(self, name), "a directory")
-        self.adapter, self.out = str(self.adapter), str(self.out)
-        if self.split not in SPLITS:
-            raise bad(owner, "split", self.split, f"one of {SPLITS}")
-        check_int(owner, "seq_len", self.seq_len, 2)
-        check_int(owner, "blocks", self.blocks, 0)
-        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        if self.dense_layers is not None:
-            self.dense_layers = tuple(int(i) for i in self.dense_layers)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CalibrateConfig:
-        """A :class:`CalibrateConfig` from a dict of its fields.
-
-        Raises:
-            ValueError: unknown keys or invalid values.
-        """
-        check_known_keys("CalibrateConfig", data, cls)
-        return cls(**data)
-
-    def overrides(self) -> dict[str, Any]:
-        """The Focus settings this calibration may change (None: keep the adapter's)."""
-        return {"window": self.window, "sink_tokens": self.sink_tokens,
-                "dense_layers": self.dense_layers, "top_k": self.top_k,
-                "query_top_k": self.query_top_k,
-                "inference_routing": self.inference_routing}  # fmt: skip
 
 
 def calibration_blocks(tokenizer: Any, corpus: str, split: str, seq_len: int, count: int, prepend_bos: bool, quiet: bool = True) -> torch.Tensor:  # fmt: skip

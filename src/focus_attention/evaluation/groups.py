@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..assets.corpora import DEFAULT_CORPUS, SPLITS
-from ..assets.models import DEFAULT_MODEL
 from ..hf.files import CONFIG_NAME
-from ..utils.checks import bad, check_int, check_known_keys
 from ..utils.env import environment, library_versions
 from ..utils.io import atomic_write_text, write_json_atomic
 from .categories import CATEGORIES, token_categories, token_texts
+from .settings import InspectConfig
 
 __all__ = [
     "InspectConfig",
@@ -58,80 +55,6 @@ __all__ = [
 
 #: the files :func:`inspect_groups` writes into ``out``
 JSON_NAME, MARKDOWN_NAME = "inspect.json", "inspect.md"
-
-
-@dataclass
-class InspectConfig:
-    """Settings of one inspection; every field with help text is a ``focus inspect`` flag.
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": "base model: registered name, model directory or hub id"},
-    )
-    adapter: str | None = field(
-        default=None, metadata={"help": "directory of a saved Focus adapter (required)"}
-    )
-    corpus: str = field(
-        default=DEFAULT_CORPUS, metadata={"help": "registered corpus or local text file / folder"}
-    )
-    split: str = field(default="test", metadata={"help": "split", "choices": SPLITS})
-    seq_len: int = field(default=1024, metadata={"help": "window length in tokens"})
-    tokens: int = field(default=4096, metadata={"help": "tokens inspected (at most)"})
-    layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "Focus layers whose groups are detailed (default: every one)"},
-    )
-    top_k: int = field(default=1, metadata={"help": "groups per token (top-k routing)"})
-    top_tokens: int = field(default=8, metadata={"help": "tokens listed per group and list"})
-    min_count: int = field(
-        default=5, metadata={"help": "occurrences a token needs to be listed as typical"}
-    )
-    snippets: int = field(default=3, metadata={"help": "context snippets per group"})
-    context: int = field(default=8, metadata={"help": "tokens of context on each side"})
-    baseline: bool = field(
-        default=True, metadata={"help": "also route with the untrained initialisation"}
-    )
-    shuffles: int = field(
-        default=20, metadata={"help": "permutations for the chance-level NMI (0: none)"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed of the permutations"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    out: str | None = field(
-        default=None, metadata={"help": "output directory: inspect.json, inspect.md, PNGs"}
-    )
-    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
-
-    def __post_init__(self) -> None:
-        owner = "InspectConfig"
-        if self.split not in SPLITS:
-            raise bad(owner, "split", self.split, f"one of {SPLITS}")
-        check_int(owner, "seq_len", self.seq_len, 2)
-        check_int(owner, "tokens", self.tokens, 1)
-        check_int(owner, "top_k", self.top_k, 1)
-        for name in ("top_tokens", "min_count", "snippets", "context", "shuffles", "seed"):
-            check_int(owner, name, getattr(self, name), 0)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        if self.tokens < self.seq_len:
-            raise bad(owner, "tokens", self.tokens, f"at least seq_len={self.seq_len}")
-        if self.layers is not None:
-            layers = tuple(self.layers)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-                raise bad(owner, "layers", self.layers, "None or a non-empty list of ints")
-            self.layers = tuple(sorted(set(layers)))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> InspectConfig:
-        """An :class:`InspectConfig` from a dict of its fields.
-
-        Raises:
-            ValueError: unknown keys or invalid values.
-        """
-        check_known_keys("InspectConfig", data, cls)
-        return cls(**data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,7 +361,7 @@ def _load(cfg: InspectConfig) -> tuple[Any, Any, torch.Tensor, bool]:
     texts = load_corpus(cfg.corpus, quiet=quiet).texts(cfg.split)
     base, tokenizer = load_model(cfg.model, quiet=quiet)
     bos = auto_prepend_bos(base)
-    blocks = token_blocks(tokenizer, texts, cfg.seq_len, max_tokens=cfg.tokens, prepend_bos=bos)
+    blocks = token_blocks(tokenizer, texts, cfg.seq_len, max_tokens=cfg.max_tokens, prepend_bos=bos)
     return base, tokenizer, blocks, bos
 
 

@@ -33,7 +33,6 @@ must then be the same after the evaluation as when loaded.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -41,24 +40,21 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..assets.corpora import DEFAULT_CORPUS, SPLITS
-from ..assets.models import DEFAULT_MODEL
-from ..hf.config import INFERENCE_ROUTINGS
 from ..hf.files import CONFIG_NAME
 from ..ops import pairs_retained
-from ..utils.checks import bad, check_int, check_known_keys, comma_ints
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 from .calibration import calibrate_on, calibration_blocks
 from .coverage import evenly_spaced_rows, topk_coverage
-from .positions import POSITION_BUCKETS, PositionNLL, bucket_bounds, position_table
+from .positions import PositionNLL, bucket_bounds, position_table
+from .settings import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, EvalConfig
 from .trained import base_weights_report, run_parts, tensor_digests, tuned_model
 
 __all__ = [
@@ -72,174 +68,11 @@ __all__ = [
     "score_windows",
 ]
 
-#: evaluation window length (tokens)
-DEFAULT_SEQ_LEN = 1024
-#: default cap on evaluated tokens: four 1024-token windows keep base + soft + top-k 1..8 of
-#: smollm2-135m within a few minutes on a 2-core CPU; ``None`` = the whole split
-DEFAULT_MAX_TOKENS = 4096
 #: how the windows are scored (recorded in every result)
 WINDOW_SCHEME = (
     "non-overlapping seq_len windows scored independently; every token but the first of each "
     "window is a target; token-weighted PPL"
 )
-
-
-def _max_tokens(text: str) -> int | None:
-    """The ``--max-tokens`` flag: a count, or ``all`` / ``none`` / ``0`` for no cap.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    if text.strip().lower() in ("all", "none", "0"):
-        return None
-    try:
-        return int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of tokens or 'all', got {text!r}"
-        ) from err
-
-
-@dataclass
-class EvalConfig:
-    """Settings of one evaluation; every field is a ``focus eval`` flag (``seq_len`` ->
-    ``--seq-len``) with the help text below.
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": "base model: registered name, model directory or hub id"},
-    )
-    adapter: str = field(
-        default="runs/austen",
-        metadata={
-            "help": "directory of a saved Focus adapter or of a focus train run of any "
-            "--method (required on the command line)"
-        },
-    )
-    corpus: str = field(
-        default=DEFAULT_CORPUS,
-        metadata={"help": "registered corpus or local text file / folder"},
-    )
-    split: str = field(default="test", metadata={"help": "split", "choices": SPLITS})
-    seq_len: int = field(default=DEFAULT_SEQ_LEN, metadata={"help": "window length in tokens"})
-    max_tokens: int | None = field(
-        default=DEFAULT_MAX_TOKENS,
-        metadata={
-            "help": "cap on evaluated tokens, 'all' for the whole split",
-            "type": _max_tokens,
-        },  # fmt: skip
-    )
-    top_k_values: tuple[int, ...] | None = field(
-        default=None,
-        metadata={
-            "help": "comma-separated top_k values to evaluate (default: every one in 1..K)",
-            "type": comma_ints,
-            "metavar": "K1,K2,...",
-        },  # fmt: skip
-    )
-    query_top_k: int | None = field(
-        default=None,
-        metadata={"help": "groups each query keeps, for every top_k evaluated (keys keep "
-                  "top_k; default: the adapter's query_top_k, else top_k)"},
-    )  # fmt: skip
-    inference_routing: str | None = field(
-        default=None,
-        metadata={
-            "help": "override the adapter's inference routing",
-            "choices": INFERENCE_ROUTINGS,
-        },  # fmt: skip
-    )
-    window: int | None = field(
-        default=None,
-        metadata={"help": "override the adapter's local window in tokens (the routers stay "
-                  "as trained; for the trade-off between window and sparsity)"},
-    )  # fmt: skip
-    sink_tokens: int | None = field(
-        default=None, metadata={"help": "override the adapter's sink_tokens"}
-    )
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "override the adapter's dense_layers: Focus layers that run dense "
-                  "attention (the retrieval layers that focus bench retrieval-layers ranks)"},
-    )  # fmt: skip
-    prepend_bos: bool | None = field(
-        default=None,
-        metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
-    )
-    calibrate_blocks: int = field(
-        default=0,
-        metadata={
-            "help": "collect the causal routing bias afresh from this many validation-split "
-            "blocks of seq_len tokens before scoring (0: the bias as trained)"
-        },
-    )
-    position_buckets: tuple[int, ...] = field(
-        default=POSITION_BUCKETS,
-        metadata={
-            "help": "starts of the position buckets of the perplexity-by-position table",
-            "type": comma_ints,
-            "metavar": "P0,P1,...",
-        },  # fmt: skip
-    )
-    coverage_queries: int = field(
-        default=0,
-        metadata={
-            "help": "also report the share of the dense model's attention beyond the window "
-            "that each top_k keeps, on this many evenly spaced queries per window (0: skip; "
-            "costs one more dense forward per window)"
-        },
-    )
-    soft: bool = field(
-        default=True,
-        metadata={
-            "help": "also score Focus with soft routing, the training-time model (at long "
-            "context it costs about as much as the base model and two top-k values together)"
-        },
-    )
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
-    markdown: str | None = field(
-        default=None, metadata={"help": "also write the markdown table here"}
-    )
-    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
-
-    def __post_init__(self) -> None:
-        owner = "EvalConfig"
-        self.adapter = str(self.adapter)
-        if self.split not in SPLITS:
-            raise bad(owner, "split", self.split, f"one of {SPLITS}")
-        check_int(owner, "seq_len", self.seq_len, 2)
-        check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
-        check_int(owner, "sink_tokens", self.sink_tokens, 0, optional=True)
-        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
-        check_int(owner, "window", self.window, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        check_int(owner, "calibrate_blocks", self.calibrate_blocks, 0)
-        check_int(owner, "coverage_queries", self.coverage_queries, 0)
-        if self.top_k_values is not None:
-            ks = tuple(sorted({int(k) for k in self.top_k_values}))
-            if not ks:
-                raise bad(owner, "top_k_values", self.top_k_values, "None or some ints")
-            self.top_k_values = ks
-        self.position_buckets = tuple(int(p) for p in self.position_buckets)
-        bucket_bounds(self.position_buckets, self.seq_len)  # raises on bad starts
-        if self.inference_routing is not None and self.inference_routing not in INFERENCE_ROUTINGS:
-            raise bad(owner, "inference_routing", self.inference_routing,
-                      f"None or one of {INFERENCE_ROUTINGS}")  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EvalConfig:
-        """An :class:`EvalConfig` from a dict of its fields.
-
-        Raises:
-            ValueError: unknown keys or invalid values.
-        """
-        check_known_keys("EvalConfig", data, cls)
-        return cls(**data)
 
 
 @dataclass
@@ -444,7 +277,7 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
                 f"{adapter / CONFIG_NAME} not found: not a Focus adapter, and no LoRA adapter "
                 "(lora/) or trained model (model/) of a focus train run either"
             )
-        asked = {"top_k_values": cfg.top_k_values, "inference_routing": cfg.inference_routing,
+        asked = {"top_k_values": cfg.top_k, "inference_routing": cfg.inference_routing,
                  "window": cfg.window, "sink_tokens": cfg.sink_tokens,
                  "dense_layers": cfg.dense_layers, "query_top_k": cfg.query_top_k,
                  "calibrate_blocks": cfg.calibrate_blocks or None,
@@ -455,7 +288,7 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
         return None, []
     saved = FocusConfig.from_json_file(adapter / CONFIG_NAME)
     k_all = list(range(1, saved.num_groups + 1))
-    ks = k_all if cfg.top_k_values is None else list(cfg.top_k_values)
+    ks = k_all if cfg.top_k is None else list(cfg.top_k)
     outside = [k for k in ks if k not in k_all]
     if outside:
         raise ValueError(f"top_k_values: {outside} outside 1..K={saved.num_groups}")

@@ -9,9 +9,6 @@ from typing import Any
 
 import torch
 
-#: default bucket starts, in tokens from the start of the window
-POSITION_BUCKETS = (0, 128, 512, 2048, 8192)
-
 
 def bucket_bounds(starts: tuple[int, ...], seq_len: int) -> list[tuple[int, int]]:
     """``[start, end)`` token positions of each bucket that holds a scored token of a

@@ -8,8 +8,9 @@ from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..ops import GATES
+from ..ops.names import GATES
 from ..utils.checks import bad, check_int, check_number
+from ..utils.io import read_file_bytes
 
 #: version of the on-disk config layout (``focus_config.json``).
 CONFIG_FORMAT_VERSION = 1
@@ -340,12 +341,13 @@ def read_config_file(path: str | Path) -> tuple[FocusConfig, dict[str, Any]]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a corrupt file (invalid JSON or UTF-8, not a JSON object) or invalid
-            settings; the message names the file and what is wrong.
+        ValueError: a corrupt file (invalid JSON or UTF-8, not a JSON object), a directory
+            in its place, an unreadable file, or invalid settings; the message names the
+            file and what is wrong.
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_file_bytes(path, "a Focus config (JSON)").decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a valid Focus config file (invalid JSON: {err})") from err
     return parse_config_document(text, f"{path}")

@@ -1,51 +1,36 @@
 """Focus ops: routing, Sinkhorn, masks, the dense oracle, soft gates, the log-sum-exp merge
-and exact sparse attention."""
+and exact sparse attention. Each name is imported from its module on first access
+(:mod:`focus_attention.utils.lazy`), so that the torch-free :mod:`.names` imports alone."""
 
-from .gates import GATES, gated_attention, straight_through
-from .masks import focus_mask
-from .merge import merge_partials
-from .metrics import dominance, group_shares, pairs_retained
-from .reference import dense_attention, expand_kv_heads
-from .routing import (
-    causal_topk_groups,
-    causal_topk_groups_many,
-    group_scores,
-    sinkhorn,
-    topk_memberships,
-)
-from .sparse import (
-    BACKENDS,
-    SparseBackend,
-    SparseRequest,
-    backend_names,
-    fused_kernel_available,
-    register_backend,
-    resolve_backend,
-    sparse_attention,
-)
+from ..utils.lazy import exports_of, lazy_exports
 
-__all__ = [
-    "BACKENDS",
-    "GATES",
-    "SparseBackend",
-    "SparseRequest",
-    "backend_names",
-    "causal_topk_groups",
-    "causal_topk_groups_many",
-    "dense_attention",
-    "dominance",
-    "expand_kv_heads",
-    "focus_mask",
-    "fused_kernel_available",
-    "gated_attention",
-    "group_scores",
-    "group_shares",
-    "merge_partials",
-    "pairs_retained",
-    "register_backend",
-    "resolve_backend",
-    "sinkhorn",
-    "sparse_attention",
-    "straight_through",
-    "topk_memberships",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    exports_of(
+        {
+            ".names": ("GATES",),
+            ".gates": ("gated_attention", "straight_through"),
+            ".masks": ("focus_mask",),
+            ".merge": ("merge_partials",),
+            ".metrics": ("dominance", "group_shares", "pairs_retained"),
+            ".reference": ("dense_attention", "expand_kv_heads"),
+            ".routing": (
+                "causal_topk_groups",
+                "causal_topk_groups_many",
+                "group_scores",
+                "sinkhorn",
+                "topk_memberships",
+            ),
+            ".sparse": (
+                "BACKENDS",
+                "SparseBackend",
+                "SparseRequest",
+                "backend_names",
+                "fused_kernel_available",
+                "register_backend",
+                "resolve_backend",
+                "sparse_attention",
+            ),
+        }
+    ),
+)

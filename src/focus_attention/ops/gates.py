@@ -27,11 +27,11 @@ from .checks import (
     fail,
 )
 from .masks import check_groups, effective_window
+from .names import GATES
 from .reference import expand_kv_heads
 from .sparse.flex import causal_block_mask, flex_call
 
 Gate = Literal["paper", "log"]
-GATES = ("paper", "log")
 GateBackend = Literal["dense", "flex"]
 GATE_BACKENDS = ("dense", "flex")
 

@@ -1,0 +1,359 @@
+"""The settings of ``focus bench`` (each field with help text a flag of its sub-command and a
+key of its ``[bench.<name>]`` table of ``--config``), composed from the shared groups of
+:mod:`focus_attention.settings`, with the benchmarks' default grids. Imports neither torch
+nor transformers."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from ..assets.benchmarks import BENCHMARKS
+from ..settings import (
+    AdapterOverrides,
+    DeviceSettings,
+    FreshRouters,
+    LengthSettings,
+    ModelSettings,
+    ResultFile,
+    RunSettings,
+    SeedSettings,
+    TextSettings,
+    ThreadSettings,
+    TopKValues,
+    WindowValues,
+    settings_class,
+)
+from ..utils.checks import bad, check_int, check_number
+
+__all__ = [
+    "DECODE_CONTEXTS",
+    "DENSE_KERNELS",
+    "DTYPE_NAMES",
+    "FRESH_WINDOW",
+    "HAYSTACKS",
+    "KERNEL_LENGTHS",
+    "LEVELS",
+    "MODEL_LENGTHS",
+    "NEEDLE_DEPTHS",
+    "NEEDLE_LENGTHS",
+    "DecodeBenchConfig",
+    "InstructionsBenchConfig",
+    "KernelBenchConfig",
+    "ModelBenchConfig",
+    "NeedleBenchConfig",
+    "RetrievalLayersConfig",
+    "TasksBenchConfig",
+    "parse_batch_size",
+]
+
+#: sequence lengths of the README's kernel table (tokens)
+KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
+#: input dtypes the kernel benchmark can time (torch dtype names)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: dense kernels: ``auto`` lets SDPA choose; the others force one SDPA backend
+DENSE_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+#: prefill lengths of the README's end-to-end table (tokens)
+MODEL_LENGTHS = (4096, 16384)
+#: local window of fresh routers and of the op level when no window is asked for (tokens)
+FRESH_WINDOW = 128
+#: cached tokens of the default decoding run
+DECODE_CONTEXTS = (4096, 16384, 32768)
+#: the levels of the decoding benchmark
+LEVELS = ("op", "model")
+#: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
+NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
+NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: the haystacks of the needle benchmark
+HAYSTACKS = ("passkey", "book")
+
+
+@settings_class(
+    defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu"},
+    several=("top_k",),
+)
+class KernelBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
+    """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
+    SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
+    the values timed, ``window`` is the one local window; ``device`` is cpu or cuda.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    num_heads: int = field(default=9, metadata={"help": "query heads H"})
+    num_key_value_heads: int = field(default=3, metadata={"help": "key/value heads H_kv"})
+    head_dim: int = field(default=64, metadata={"help": "head_dim D"})
+    repeats: int = field(default=3, metadata={"help": "timed runs (median) after a warm-up"})
+    backend: str = field(
+        default="auto",
+        metadata={"help": "sparse_attention backend: auto (the fused CPU kernel where it can "
+                  "be built) or a registered backend's name"},
+    )  # fmt: skip
+    memory: bool = field(
+        default=True, metadata={"help": "measure peak memory (a fresh process per call)"}
+    )
+    gates: bool = field(
+        default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of query, key and value", "choices": DTYPE_NAMES},
+    )
+    dense_kernel: str = field(
+        default="auto",
+        metadata={"help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
+                  "efficient or math force one)", "choices": DENSE_KERNELS},
+    )  # fmt: skip
+    plot: str | None = field(
+        default=None, metadata={"help": "PNG plot path (default: the JSON path with .png)"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "KernelBenchConfig"
+        if self.dtype not in DTYPE_NAMES:
+            raise bad(owner, "dtype", self.dtype, f"one of {DTYPE_NAMES}")
+        if self.dense_kernel not in DENSE_KERNELS:
+            raise bad(owner, "dense_kernel", self.dense_kernel, f"one of {DENSE_KERNELS}")
+        kind = str(self.device).split(":", 1)[0]
+        if kind not in ("cpu", "cuda"):
+            raise bad(owner, "device", self.device, "cpu or cuda")
+        for name in ("num_heads", "num_key_value_heads", "head_dim", "repeats"):
+            check_int(owner, name, getattr(self, name), 1)
+        if self.backend != "auto" or kind == "cuda":
+            self._check_torch_side(owner, kind)
+
+    def _check_torch_side(self, owner: str, kind: str) -> None:
+        """The checks that need torch: a registered backend, a visible CUDA device."""
+        import torch
+
+        from ..ops import backend_names
+
+        if self.backend not in ("auto", *backend_names()):
+            raise bad(owner, "backend", self.backend, f"one of {('auto', *backend_names())}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{owner}.device: cuda was asked for but torch sees no CUDA device")
+
+
+@settings_class(
+    defaults={"top_k": (1, 2), "lengths": MODEL_LENGTHS},
+    renamed={"windows": "window"},
+    several=("top_k", "window"),
+)
+class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of the end-to-end benchmark (``focus bench model``): prefill of the first
+    ``lengths`` tokens of the corpus split, stock sdpa against Focus at every ``top_k`` and
+    ``window`` (default: the adapter's window, :data:`FRESH_WINDOW` for fresh routers).
+    ``windows`` is the deprecated name of ``window``.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    floor: bool = field(
+        default=True,
+        metadata={"help": "also time the model without attention (the floor no attention "
+                  "kernel can go below)"},
+    )  # fmt: skip
+    repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
+    warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        check_int("ModelBenchConfig", "repeats", self.repeats, 1)
+        check_int("ModelBenchConfig", "warmup_tokens", self.warmup_tokens, 1)
+
+
+@settings_class(defaults={"top_k": (1, 2)}, several=("top_k",))
+class DecodeBenchConfig(ResultFile, RunSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
+    the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
+    and over the adapter's when given; ``seed`` seeds the op level's inputs.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    contexts: tuple[int, ...] = field(default=DECODE_CONTEXTS, metadata={"help": "cached tokens"})
+    levels: tuple[str, ...] = field(default=LEVELS, metadata={"help": "op and/or model"})
+    steps: int = field(default=16, metadata={"help": "timed decoding steps (median)"})
+    warmup: int = field(default=2, metadata={"help": "untimed steps before them"})
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "DecodeBenchConfig"
+        check_int(owner, "steps", self.steps, 1)
+        check_int(owner, "warmup", self.warmup, 0)
+        self.contexts, self.levels = tuple(self.contexts), tuple(self.levels)
+        if not self.contexts:
+            raise bad(owner, "contexts", self.contexts, "one or more ints >= 1")
+        for v in self.contexts:
+            check_int(owner, "contexts", v, 1)
+        unknown = [x for x in self.levels if x not in LEVELS]
+        if unknown or not self.levels:
+            raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
+
+    @property
+    def op_window(self) -> int:
+        """The local window of the op level and of fresh routers, in tokens."""
+        return FRESH_WINDOW if self.window is None else self.window
+
+
+def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig) -> None:
+    """The prompt settings shared by the needle configs: ``lengths`` (ints >= 64 tokens),
+    ``haystacks`` (some of :data:`HAYSTACKS`), ``depths`` (fractions in [0, 1]) and
+    ``trials`` (an int >= 1).
+
+    Raises:
+        ValueError: the first bad one, named with ``owner``.
+    """
+    for n in config.lengths:
+        check_int(owner, "lengths", n, 64)
+    config.haystacks, config.depths = tuple(config.haystacks), tuple(config.depths)
+    if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
+        raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")
+    if not config.depths or any(not 0.0 <= float(d) <= 1.0 for d in config.depths):
+        raise bad(owner, "depths", config.depths, "fractions in [0, 1]")
+    check_int(owner, "trials", config.trials, 1)
+
+
+@settings_class(
+    defaults={"adapter": "runs/austen", "top_k": (1, 2), "lengths": NEEDLE_LENGTHS},
+    several=("top_k",),
+)
+class NeedleBenchConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of the retrieval benchmark (``focus bench needle``): the dense model and
+    Focus at every ``top_k``, with the other :class:`AdapterOverrides` (one value each)
+    over the adapter's; ``seed`` seeds the needles and book offsets.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    haystacks: tuple[str, ...] = field(
+        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
+    )
+    depths: tuple[float, ...] = field(
+        default=NEEDLE_DEPTHS, metadata={"help": "needle depths, 0 (start) to 1 (end)"}
+    )
+    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
+    dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})
+    max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
+    plot: str | None = field(
+        default=None, metadata={"help": "PNG heatmaps (default: the JSON path with .png)"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        check_int("NeedleBenchConfig", "max_new_tokens", self.max_new_tokens, 1)
+        check_prompts("NeedleBenchConfig", self)
+
+
+@settings_class(
+    defaults={"adapter": "runs/austen", "split": "validation", "lengths": (2048,), "seed": 1}
+)
+class RetrievalLayersConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of the retrieval-layer ranking (``focus bench retrieval-layers``): needle
+    prompts of the validation split (keep the test split for the benchmark), scored on the
+    dense model.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    haystacks: tuple[str, ...] = field(
+        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
+    )
+    depths: tuple[float, ...] = field(
+        default=(0.25, 0.5, 0.75), metadata={"help": "needle depths, 0 (start) to 1 (end)"}
+    )
+    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
+    count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        check_int("RetrievalLayersConfig", "count", self.count, 1)
+        check_prompts("RetrievalLayersConfig", self)
+
+
+def parse_batch_size(text: str) -> str:
+    """``"auto"``, ``"auto:N"`` or a positive int, as text (lm-eval's batch sizes).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text == "auto" or (text.startswith("auto:") and text[5:].replace(".", "", 1).isdigit()):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return text
+    raise ValueError(f"TasksBenchConfig.batch_size: received {text!r}, expected an int >= 1 or 'auto'")  # fmt: skip
+
+
+@settings_class()
+class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues, TopKValues, ModelSettings):  # fmt: skip
+    """Settings of ``focus bench tasks``: the dense model, or an adapter (``top_k`` and
+    ``window``, one value each, over its own; a stressed window is 16 or 32).
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    tasks: tuple[str, ...] = field(
+        default=tuple(BENCHMARKS), metadata={"help": f"tasks, of {tuple(BENCHMARKS)}"}
+    )
+    limit: int | None = field(
+        default=None, metadata={"help": "score the first N examples of each task (default all)"}
+    )
+    batch_size: str = field(
+        default="8",
+        metadata={"help": "lm-eval batch size: an int, or auto", "type": parse_batch_size},
+    )
+    bootstrap_iters: int = field(
+        default=1000, metadata={"help": "bootstrap resamples for stderrs lm-eval cannot compute in closed form (perplexity)"}
+    )  # fmt: skip
+    log_samples: bool = field(default=False, metadata={"help": "keep every example's requests and answers in the JSON"})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "TasksBenchConfig"
+        check_int(owner, "limit", self.limit, 1, optional=True)
+        check_int(owner, "bootstrap_iters", self.bootstrap_iters, 0)
+        self.batch_size = parse_batch_size(str(self.batch_size))
+        self.tasks = tuple(self.tasks)
+        if not self.tasks or any(t not in BENCHMARKS for t in self.tasks):
+            raise bad(owner, "tasks", self.tasks, f"some of {tuple(BENCHMARKS)}")
+        if self.adapter is None and (self.top_k is not None or self.window is not None):
+            raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
+
+
+@settings_class(several=("top_k", "window"))
+class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of ``focus bench instructions``: the untouched model (an instruct model with
+    a chat template), or it and Focus at every ``top_k`` and ``window`` (default: the
+    adapter's; 32 is a stressed window); the passages come from the corpus split;
+    ``seed`` seeds the prompt set.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    prompts: int = field(default=200, metadata={"help": "size of the fixed prompt set"})
+    limit: int | None = field(
+        default=None, metadata={"help": "answer the first N prompts of the set (default all)"}
+    )
+    passage_share: float = field(default=0.5, metadata={"help": "share of passage prompts"})
+    max_new_tokens: int = field(default=256, metadata={"help": "bound on each response, in tokens"})  # fmt: skip
+    batch_size: int = field(default=8, metadata={"help": "prompts per generate call (left-padded)"})  # fmt: skip
+    kl: bool = field(default=True, metadata={"help": "measure the KL divergence from the untouched model"})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "InstructionsBenchConfig"
+        for name in ("prompts", "max_new_tokens", "batch_size"):
+            check_int(owner, name, getattr(self, name), 1)
+        check_int(owner, "limit", self.limit, 1, optional=True)
+        check_number(owner, "passage_share", self.passage_share, low=0.0, inclusive=True)
+        if self.passage_share > 1:
+            raise bad(owner, "passage_share", self.passage_share, "a share in [0, 1]")
+        if self.adapter is None and (self.top_k is not None or self.window is not None):
+            raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")

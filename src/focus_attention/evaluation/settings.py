@@ -1,0 +1,209 @@
+"""The settings of the evaluation commands, composed from the shared groups of
+:mod:`focus_attention.settings`: :class:`EvalConfig` (``focus eval``, docs/method.md §9),
+:class:`CalibrateConfig` (``focus calibrate``, §4 and §9 "Long-context settings") and
+:class:`InspectConfig` (``focus inspect``, §9 "Group inspection"). Imports neither torch
+nor transformers."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import field
+
+from ..settings import (
+    AdapterOverrides,
+    BlockSettings,
+    ModelSettings,
+    ResultFile,
+    RunSettings,
+    SeedSettings,
+    TextSettings,
+    TopKValues,
+    settings_class,
+)
+from ..utils.checks import bad, check_int, comma_ints
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_SEQ_LEN",
+    "POSITION_BUCKETS",
+    "CalibrateConfig",
+    "EvalConfig",
+    "InspectConfig",
+    "parse_max_tokens",
+]
+
+#: evaluation window length (tokens)
+DEFAULT_SEQ_LEN = 1024
+#: default cap on evaluated tokens: four 1024-token windows keep base + soft + top-k 1..8 of
+#: smollm2-135m within a few minutes on a 2-core CPU; ``None`` = the whole split
+DEFAULT_MAX_TOKENS = 4096
+#: default starts of the position buckets of the perplexity-by-position table, in tokens
+#: from the start of the window
+POSITION_BUCKETS = (0, 128, 512, 2048, 8192)
+
+
+def parse_max_tokens(text: str) -> int | None:
+    """The ``--max-tokens`` flag: a count, or ``all`` / ``none`` / ``0`` for no cap.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if text.strip().lower() in ("all", "none", "0"):
+        return None
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of tokens or 'all', got {text!r}"
+        ) from err
+
+
+@settings_class(
+    defaults={"adapter": "runs/austen"}, renamed={"top_k_values": "top_k"}, several=("top_k",)
+)
+class EvalConfig(ResultFile, RunSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of one evaluation; every field is a ``focus eval`` flag (``seq_len`` ->
+    ``--seq-len``) and a key of the ``[eval]`` table of ``--config``.
+
+    ``top_k`` lists the top_k values evaluated (default None: every one in ``1..K``),
+    stored sorted and distinct; ``window`` and the other :class:`AdapterOverrides` take
+    one value each. ``top_k_values`` is the deprecated name of ``top_k``.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    max_tokens: int | None = field(
+        default=DEFAULT_MAX_TOKENS,
+        metadata={"help": "cap on evaluated tokens, 'all' for the whole split",
+                  "type": parse_max_tokens},
+    )  # fmt: skip
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
+    )
+    calibrate_blocks: int = field(
+        default=0,
+        metadata={"help": "collect the causal routing bias afresh from this many "
+                  "validation-split blocks of seq_len tokens before scoring (0: the bias "
+                  "as trained)"},
+    )  # fmt: skip
+    position_buckets: tuple[int, ...] = field(
+        default=POSITION_BUCKETS,
+        metadata={"help": "starts of the position buckets of the perplexity-by-position "
+                  "table", "type": comma_ints, "metavar": "P0,P1,..."},
+    )  # fmt: skip
+    coverage_queries: int = field(
+        default=0,
+        metadata={"help": "also report the share of the dense model's attention beyond the "
+                  "window that each top_k keeps, on this many evenly spaced queries per "
+                  "window (0: skip; costs one more dense forward per window)"},
+    )  # fmt: skip
+    soft: bool = field(
+        default=True,
+        metadata={"help": "also score Focus with soft routing, the training-time model (at "
+                  "long context it costs about as much as the base model and two top-k "
+                  "values together)"},
+    )  # fmt: skip
+    markdown: str | None = field(
+        default=None, metadata={"help": "also write the markdown table here"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "EvalConfig"
+        if self.adapter is None:
+            raise bad(owner, "adapter", None, "an adapter or run directory")
+        check_int(owner, "max_tokens", self.max_tokens, 1, optional=True)
+        check_int(owner, "calibrate_blocks", self.calibrate_blocks, 0)
+        check_int(owner, "coverage_queries", self.coverage_queries, 0)
+        if self.top_k is not None:
+            self.top_k = tuple(sorted(set(self.top_k)))
+        starts = tuple(int(p) for p in self.position_buckets)
+        if not starts or any(s < 0 for s in starts) or list(starts) != sorted(set(starts)):
+            raise ValueError(
+                f"position buckets: received {starts!r}, expected increasing starts >= 0 "
+                "(for example 0,128,512,2048)"
+            )
+        self.position_buckets = starts
+
+
+@settings_class(defaults={"split": "validation", "seq_len": 4096})
+class CalibrateConfig(RunSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of ``focus calibrate`` (each field a flag and a key of the ``[calibrate]``
+    table of ``--config``): the calibration text (``split`` defaults to validation, keep the
+    test split for evaluation; ``seq_len`` is the length to serve) and the new inference
+    settings (:class:`AdapterOverrides`, one value each) written into the adapter.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    out: str | None = field(default=None, metadata={"help": "directory of the new adapter (required)"})  # fmt: skip
+    blocks: int = field(
+        default=4,
+        metadata={"help": "blocks the bias is collected from (0: keep the bias as trained "
+                  "and change only the settings)"},
+    )  # fmt: skip
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start blocks with BOS (default: automatic, on for Gemma), as "
+                  "focus eval does"},
+    )  # fmt: skip
+    overwrite: bool = field(default=False, metadata={"help": "replace an adapter already in --out"})
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "CalibrateConfig"
+        for name in ("adapter", "out"):
+            if not getattr(self, name):
+                raise bad(owner, name, getattr(self, name), "a directory")
+        self.out = str(self.out)
+        check_int(owner, "blocks", self.blocks, 0)
+
+
+@settings_class(defaults={"top_k": 1}, renamed={"tokens": "max_tokens"})
+class InspectConfig(RunSettings, SeedSettings, TopKValues, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of one inspection (each field with help text a ``focus inspect`` flag and a
+    key of the ``[inspect]`` table of ``--config``). ``top_k`` is one value (default 1:
+    each token's first group); ``seed`` seeds the permutations; ``tokens`` is the
+    deprecated name of ``max_tokens``.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    max_tokens: int = field(default=4096, metadata={"help": "tokens inspected (at most)"})
+    layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "Focus layers whose groups are detailed (default: every one)"},
+    )
+    top_tokens: int = field(default=8, metadata={"help": "tokens listed per group and list"})
+    min_count: int = field(
+        default=5, metadata={"help": "occurrences a token needs to be listed as typical"}
+    )
+    snippets: int = field(default=3, metadata={"help": "context snippets per group"})
+    context: int = field(default=8, metadata={"help": "tokens of context on each side"})
+    baseline: bool = field(
+        default=True, metadata={"help": "also route with the untrained initialisation"}
+    )
+    shuffles: int = field(
+        default=20, metadata={"help": "permutations for the chance-level NMI (0: none)"}
+    )
+    out: str | None = field(
+        default=None, metadata={"help": "output directory: inspect.json, inspect.md, PNGs"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "InspectConfig"
+        check_int(owner, "max_tokens", self.max_tokens, 1)
+        for name in ("top_tokens", "min_count", "snippets", "context", "shuffles"):
+            check_int(owner, name, getattr(self, name), 0)
+        if self.max_tokens < self.seq_len:
+            raise bad(owner, "max_tokens", self.max_tokens, f"at least seq_len={self.seq_len}")
+        if self.layers is not None:
+            layers = tuple(self.layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+                raise bad(owner, "layers", self.layers, "None or a non-empty list of ints")
+            self.layers = tuple(sorted(set(layers)))

@@ -1,0 +1,426 @@
+"""The settings groups the commands share, each setting declared once with its default and
+help text (docs/method.md §8-§9). A command's settings class composes the groups it needs by
+inheriting them, adds its own fields, and is built with :func:`settings_class`, which can
+give an inherited field another default for that command, accept deprecated names, and say
+which ``int | tuple`` fields take several values there.
+
+Every field with ``metadata["help"]`` is a command-line flag and a key of the command's
+``--config`` table (:mod:`focus_attention.cli.flags`). This module and the settings modules
+that build on it (``evaluation/settings.py``, ``bench/settings.py``) import neither torch
+nor transformers.
+
+Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``progress``), :class:`ResultFile` (``json``),
+:class:`ModelSettings` (``model``, ``adapter``), :class:`TextSettings` (``corpus``,
+``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
+:class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
+``sink_tokens``, ``dense_layers``, ``query_top_k``, ``inference_routing``),
+:class:`FreshRouters` (``num_groups``), :class:`SeedSettings` (``seed``),
+:class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .assets.corpora import DEFAULT_CORPUS, SPLITS
+from .assets.models import DEFAULT_MODEL
+from .hf.config import INFERENCE_ROUTINGS
+from .utils.checks import bad, check_int, check_known_keys
+
+__all__ = [
+    "AdapterOverrides",
+    "BlockSettings",
+    "DeviceSettings",
+    "FreshRouters",
+    "LengthSettings",
+    "ModelSettings",
+    "ResultFile",
+    "RunSettings",
+    "SeedSettings",
+    "Settings",
+    "TextSettings",
+    "ThreadSettings",
+    "TopKValues",
+    "WindowValues",
+    "renamed_settings",
+    "settings_class",
+]
+
+
+class Settings:
+    """Base of every settings group: reading from a dict and the checks of the shared fields.
+
+    Class attributes a command's :func:`settings_class` sets:
+
+    * ``RENAMED``: ``{old name: field}``, deprecated names still accepted;
+    * ``SEVERAL``: the ``int | tuple[int, ...]`` fields that take several values (stored as
+      a tuple); the others take one (stored as an int);
+    * ``COMMAND_DEFAULTS``: ``{field: default}``, inherited fields with this command's default.
+    """
+
+    RENAMED: ClassVar[dict[str, str]] = {}
+    SEVERAL: ClassVar[tuple[str, ...]] = ()
+    COMMAND_DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """The settings from a dict of their fields (a ``--config`` table, a JSON record);
+        deprecated names are renamed with a ``DeprecationWarning``.
+
+        Raises:
+            ValueError: unknown keys (the message names the class) or invalid values.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}: received {type(data).__name__}, expected a dict")
+        data = renamed_settings(cls, data)
+        check_known_keys(cls.__name__, data, cls)
+        return cls(**data)
+
+    def check_shared(self) -> None:
+        """Check (and normalise) the shared fields this class has; each command's
+        ``__post_init__`` calls it first.
+
+        Raises:
+            ValueError: the first bad field, named ``<Class>.<field>``.
+        """
+        owner = type(self).__name__
+        names = {f.name for f in dataclasses.fields(self)}
+        for name, check in SHARED_CHECKS.items():
+            if name in names:
+                check(owner, self, name)
+
+
+def _int_at_least(low: int, optional: bool) -> Callable[[str, Any, str], None]:
+    def check(owner: str, obj: Any, name: str) -> None:
+        check_int(owner, name, getattr(obj, name), low, optional=optional)
+
+    return check
+
+
+def _choice(choices: tuple[str, ...], optional: bool) -> Callable[[str, Any, str], None]:
+    def check(owner: str, obj: Any, name: str) -> None:
+        value = getattr(obj, name)
+        if not (value is None and optional) and value not in choices:
+            raise bad(owner, name, value, ("None or " if optional else "") + f"one of {choices}")
+
+    return check
+
+
+def _one_or_several(low: int) -> Callable[[str, Any, str], None]:
+    """Check of an ``int | tuple[int, ...] | None`` field: a tuple where the class lists
+    it in ``SEVERAL``, else one int (a one-element list is accepted)."""
+
+    def check(owner: str, obj: Any, name: str) -> None:
+        value = getattr(obj, name)
+        if value is None:
+            return
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        several = name in type(obj).SEVERAL
+        if not values or (not several and len(values) != 1):
+            want = "one or more ints" if several else "one int"
+            raise bad(owner, name, value, f"None or {want} >= {low}")
+        for v in values:
+            check_int(owner, name, v, low)
+        setattr(obj, name, values if several else values[0])
+
+    return check
+
+
+def _ints(low: int, optional: bool) -> Callable[[str, Any, str], None]:
+    """Check of a ``tuple[int, ...]`` field: a list or tuple of ints ``>= low`` (stored as
+    given)."""
+
+    def check(owner: str, obj: Any, name: str) -> None:
+        value = getattr(obj, name)
+        if value is None and optional:
+            return
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise bad(owner, name, value, f"a list of ints >= {low}")
+        for v in value:
+            check_int(owner, name, v, low)
+
+    return check
+
+
+def _text(optional: bool) -> Callable[[str, Any, str], None]:
+    def check(owner: str, obj: Any, name: str) -> None:
+        value = getattr(obj, name)
+        if value is None and optional:
+            return
+        if not value or not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
+            raise bad(owner, name, value, "a name or path")
+        setattr(obj, name, str(value))
+
+    return check
+
+
+#: the check of each shared field (``check(owner, settings, name)``); run by
+#: :meth:`Settings.check_shared` for the fields a class has
+SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
+    "model": _text(optional=False),
+    "adapter": _text(optional=True),
+    "corpus": _text(optional=False),
+    "split": _choice(SPLITS, optional=False),
+    "seq_len": _int_at_least(2, optional=False),
+    "top_k": _one_or_several(1),
+    "window": _one_or_several(1),
+    "sink_tokens": _int_at_least(0, optional=True),
+    "dense_layers": _ints(0, optional=True),
+    "query_top_k": _int_at_least(1, optional=True),
+    "inference_routing": _choice(INFERENCE_ROUTINGS, optional=True),
+    "num_groups": _int_at_least(1, optional=False),
+    "seed": _int_at_least(0, optional=False),
+    "lengths": _ints(1, optional=False),
+    "threads": _int_at_least(1, optional=True),
+}
+
+
+@dataclass
+class ThreadSettings(Settings):
+    """The torch threads a command runs with."""
+
+    threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads (default: torch's own)"}
+    )
+
+
+@dataclass
+class RunSettings(ThreadSettings):
+    """How a command runs: torch threads and progress output."""
+
+    progress: bool = field(default=True, metadata={"help": "progress bars and messages"})
+
+
+@dataclass
+class ResultFile(Settings):
+    """Where a command writes its result."""
+
+    json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
+
+
+@dataclass
+class ModelSettings(Settings):
+    """The base model and the Focus adapter (or ``focus train`` run) on top of it."""
+
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "base model: registered name, model directory or hub id"},
+    )
+    adapter: str | None = field(
+        default=None,
+        metadata={"help": "directory of a saved Focus adapter or of a focus train run of any "
+                  "--method"},
+    )  # fmt: skip
+
+
+@dataclass
+class TextSettings(Settings):
+    """The text a command reads: a corpus and one of its splits."""
+
+    corpus: str = field(
+        default=DEFAULT_CORPUS,
+        metadata={"help": "registered corpus or local text file / folder"},
+    )
+    split: str = field(
+        default="test",
+        metadata={"help": "split of the corpus (keep the test split for evaluation)",
+                  "choices": SPLITS},
+    )  # fmt: skip
+
+
+@dataclass
+class BlockSettings(Settings):
+    """The length of the blocks (windows) the text is cut into."""
+
+    seq_len: int = field(default=1024, metadata={"help": "tokens per block, each run on its own"})
+
+
+@dataclass
+class TopKValues(Settings):
+    """``top_k`` of top-k routing, over the adapter's (one value, or several run in turn
+    where the class lists it in ``SEVERAL``)."""
+
+    top_k: int | tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "groups each token keeps at inference (top-k routing), over the "
+                  "adapter's"},
+    )  # fmt: skip
+
+
+@dataclass
+class WindowValues(Settings):
+    """The local window over the adapter's (one value, or several run in turn where the
+    class lists it in ``SEVERAL``)."""
+
+    window: int | tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "local window in tokens, the query included, over the adapter's "
+                  "(the routers stay as trained)"},
+    )  # fmt: skip
+
+
+@dataclass
+class AdapterOverrides(WindowValues, TopKValues):
+    """The inference settings of a Focus adapter a command may override (None: the
+    adapter's own; :class:`~focus_attention.hf.FocusConfig` documents each,
+    docs/method.md §3-§4)."""
+
+    sink_tokens: int | None = field(
+        default=None,
+        metadata={"help": "first real tokens that belong to every group, over the adapter's"},
+    )
+    dense_layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "Focus layers that run dense attention, over the adapter's (the "
+                  "retrieval layers focus bench retrieval-layers ranks)"},
+    )  # fmt: skip
+    query_top_k: int | None = field(
+        default=None,
+        metadata={"help": "groups each query keeps, over the adapter's (keys keep top_k; "
+                  "default: the adapter's query_top_k, else top_k)"},
+    )  # fmt: skip
+    inference_routing: str | None = field(
+        default=None,
+        metadata={"help": "how top-k groups are chosen, over the adapter's",
+                  "choices": INFERENCE_ROUTINGS},
+    )  # fmt: skip
+
+    def overrides(self) -> dict[str, Any]:
+        """The :class:`~focus_attention.hf.FocusConfig` fields these settings override
+        (None: keep the adapter's)."""
+        return {name: getattr(self, name) for name in ADAPTER_OVERRIDES}
+
+
+#: the FocusConfig fields :class:`AdapterOverrides` can override
+ADAPTER_OVERRIDES = (
+    "window",
+    "sink_tokens",
+    "dense_layers",
+    "top_k",
+    "query_top_k",
+    "inference_routing",
+)
+
+
+@dataclass
+class FreshRouters(Settings):
+    """The routers a command initialises itself when it is given no adapter."""
+
+    num_groups: int = field(
+        default=8, metadata={"help": "K of fresh routers (without --adapter) and random groups"}
+    )
+
+
+@dataclass
+class SeedSettings(Settings):
+    """The seed of a command's random draws."""
+
+    seed: int = field(
+        default=0,
+        metadata={"help": "seed of the random draws (inputs, needles, prompts, permutations)"},
+    )
+
+
+@dataclass
+class LengthSettings(Settings):
+    """The sequence lengths a benchmark runs, in tokens."""
+
+    lengths: tuple[int, ...] = field(
+        default=(1024,), metadata={"help": "sequence or prompt lengths in tokens"}
+    )
+
+
+@dataclass
+class DeviceSettings(Settings):
+    """The torch device a command runs on."""
+
+    device: str | None = field(
+        default=None, metadata={"help": "torch device (default: cuda if available, else cpu)"}
+    )
+
+
+def renamed_settings(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the deprecated names of ``cls.RENAMED`` replaced by their fields (a
+    ``DeprecationWarning`` each; the deprecated name wins when both are given, as
+    ``dataclasses.replace`` passes every field)."""
+    renamed = getattr(cls, "RENAMED", {})
+    if not any(old in data for old in renamed):
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old in data:
+            warnings.warn(
+                f"{cls.__name__}: {old!r} is deprecated, use {new!r}",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            data[new] = data.pop(old)
+    return data
+
+
+def _inherited_field(cls: type, name: str) -> dataclasses.Field:
+    for base in cls.__mro__[1:]:
+        found = getattr(base, "__dataclass_fields__", {}).get(name)
+        if found is not None:
+            return found
+    raise TypeError(f"{cls.__name__}: no inherited settings field {name!r} to give a default")
+
+
+def settings_class(
+    *,
+    defaults: dict[str, Any] | None = None,
+    renamed: dict[str, str] | None = None,
+    several: tuple[str, ...] = (),
+) -> Callable[[type], type]:
+    """Class decorator that makes a command's settings dataclass from a class composing
+    the groups (use it instead of ``@dataclass``).
+
+    Args:
+        defaults: ``{field: default}`` for inherited fields whose default differs for this
+            command (the type and help text stay the group's).
+        renamed: ``{old name: field}``: deprecated names the constructor,
+            :meth:`Settings.from_dict` and the command line accept (with a
+            ``DeprecationWarning``), and that read as the field.
+        several: the ``int | tuple[int, ...]`` fields that take several values here.
+
+    Raises:
+        TypeError: a default for a field no group declares.
+    """
+
+    def build(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        for name, value in (defaults or {}).items():
+            base = _inherited_field(cls, name)
+            own[name] = base.type
+            setattr(cls, name, field(default=value, metadata=base.metadata))
+        cls.__annotations__ = own
+        cls.COMMAND_DEFAULTS = dict(defaults or {})
+        cls.RENAMED = dict(renamed or {})
+        cls.SEVERAL = tuple(several)
+        cls = dataclass(cls)
+        _accept_renamed(cls)
+        return cls
+
+    return build
+
+
+def _accept_renamed(cls: type) -> None:
+    """The constructor of ``cls`` accepts the names of ``cls.RENAMED``, and each reads as
+    its field."""
+    if not cls.RENAMED:
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **renamed_settings(cls, kwargs))
+
+    cls.__init__ = __init__
+    for old, new in cls.RENAMED.items():
+        setattr(cls, old, property(lambda self, new=new: getattr(self, new),
+                                   doc=f"Deprecated name of ``{new}``."))  # fmt: skip
