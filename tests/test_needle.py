@@ -48,10 +48,30 @@ def test_prompts_that_cannot_fit_are_errors():
         build_case(tok, [1] * 100, "book", 400, 0.5, 0, random.Random(0))
 
 
-def test_answers_are_scored_exactly():
-    assert answer_of(" 57291. Remember") == "57291"
-    assert answer_of(" five seven") is None
-    assert answer_of(" 572910") == "572910"  # a longer number is not the needle
+#: generated texts for the needle ``{n}`` and whether each finds it: only the first whole
+#: number of the text counts, and only when it is the needle exactly
+SCORED = [
+    (" {n}. Remember", True),
+    ("{n}", True),
+    (" The pass key is {n}.", True),
+    (" ({n}), then 12", True),
+    (" {n}...", True),
+    (" {n}0.", False),  # a longer number
+    (" 1{n}", False),
+    (" 12 then {n}", False),  # the answer is 12
+    (" {n}.5", False),  # a decimal
+    (" -{n}", False),  # a negative number
+    (" x{n}", False),  # inside a word
+    (" {n}th", False),
+    (" key-{n}", False),  # inside a hyphenated token
+    (" five seven", False),
+    ("", False),
+]
+
+
+@pytest.mark.parametrize("text, found", SCORED)
+def test_answers_are_scored_exactly(text, found):
+    assert (answer_of(text.format(n="57291")) == "57291") is found
 
 
 @pytest.mark.parametrize(
@@ -104,6 +124,34 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
         assert acc["dense"] == {"64": {"0": 1.0, "1": 1.0}, "96": {"0": 1.0, "1": 1.0}}
         assert all(v == 0.0 for row in acc["top-1"].values() for v in row.values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_stored_correct_flag_and_accuracy_follow_whole_numbers(tiny, monkeypatch):
+    """Each cell's ``correct`` flag, and the accuracy built from the flags, agree with
+    :data:`SCORED` for the needle of that cell's own prompt."""
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    given = []
+
+    def fake_answer(model, tokenizer, case, max_new_tokens):
+        text, found = SCORED[len(given) % len(SCORED)]
+        given.append(found)
+        return text.format(n=case.answer), 0.01
+
+    monkeypatch.setattr(needle, "_answer", fake_answer)
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), haystacks=("passkey",),
+                               lengths=(64,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), trials=1,
+                               top_k=(1, 2), progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(config)
+    cells = result["cells"]
+    assert len(cells) == len(SCORED) == len(given)
+    assert [c["correct"] for c in cells] == given
+    for mode, by_length in result["accuracy"]["passkey"].items():
+        for depth, share in by_length["64"].items():
+            flags = [f for c, f in zip(cells, given, strict=True)
+                     if c["mode"] == mode and f"{c['depth']:g}" == depth]  # fmt: skip
+            assert share == sum(flags) / len(flags), (mode, depth)
 
 
 def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
