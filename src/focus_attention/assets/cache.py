@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..utils.io import atomic_write_text, file_lock, focus_home, staged_directory
+from ..utils.io import (
+    UnreadableFileError,
+    atomic_write_text,
+    file_lock,
+    focus_home,
+    read_json_file,
+    staged_directory,
+    unreadable,
+)
 
 __all__ = [
     "ASSETS_EXTRA_MODULES",
@@ -113,16 +121,58 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def read_manifest(entry: Path) -> dict[str, Any] | None:
-    """The manifest (parsed JSON) of a complete cache entry, or None when the entry is absent,
-    incomplete, unreadable or of another :data:`CACHE_FORMAT`."""
+#: what a manifest holds, for the message of a damaged one
+MANIFEST_EXPECTED = (
+    "the JSON manifest of a complete cache entry (an object with 'format' and a 'files' "
+    "table of {path: {size, sha256}}); rebuild the entry with `focus data prepare --force "
+    "NAME` (corpora) or `focus models prepare --force NAME` (models)"
+)
+
+
+def read_manifest(entry: Path, *, damaged_ok: bool = False) -> dict[str, Any] | None:
+    """The manifest (parsed JSON) of a complete cache entry.
+
+    Args:
+        entry: a model or corpus directory inside the cache.
+        damaged_ok: return None for a damaged manifest instead of raising (for entries
+            rebuilt from a local source whenever they are not current).
+
+    Returns:
+        The manifest; None when the entry is absent or incomplete (no manifest) or of
+        another :data:`CACHE_FORMAT` (the next prepare rebuilds it).
+
+    Raises:
+        UnreadableFileError: a manifest that is there but empty, truncated, garbage, not a
+            JSON object, without a valid ``files`` table, a directory or unreadable (the
+            message names it and says how to rebuild the entry).
+    """
+    path = entry / MANIFEST_NAME
+    if not (path.exists() or path.is_symlink()):
+        return None
     try:
-        manifest = json.loads((entry / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
-        return None
+        manifest = read_json_file(path, MANIFEST_EXPECTED)
+        if not isinstance(manifest, dict):
+            raise unreadable(path, f"a JSON {type(manifest).__name__}", MANIFEST_EXPECTED)
+        if manifest.get("format") != CACHE_FORMAT:
+            return None
+        if not _valid_file_table(manifest.get("files")):
+            raise unreadable(path, "no valid 'files' table", MANIFEST_EXPECTED)
+    except (UnreadableFileError, FileNotFoundError):
+        if damaged_ok:
+            return None
+        raise
     return manifest
+
+
+def _valid_file_table(files: Any) -> bool:
+    """Whether ``files`` is ``{relative path: {"size": int, "sha256": str}}``."""
+    return isinstance(files, dict) and all(
+        isinstance(rec, dict)
+        and isinstance(rec.get("size"), int)
+        and not isinstance(rec.get("size"), bool)
+        and isinstance(rec.get("sha256"), str)
+        for rec in files.values()
+    )
 
 
 def _file_records(root: Path) -> dict[str, dict[str, Any]]:
@@ -137,7 +187,7 @@ def _file_records(root: Path) -> dict[str, dict[str, Any]]:
 
 
 def verify_entry(entry: Path, *, full: bool = False) -> list[str]:
-    """Check a cache entry against its manifest.
+    """Check a cache entry against its manifest (a damaged manifest is one problem, named).
 
     Args:
         entry: a model or corpus directory inside the cache.
@@ -147,9 +197,12 @@ def verify_entry(entry: Path, *, full: bool = False) -> list[str]:
     Returns:
         A list of problems (empty when the entry is intact).
     """
-    manifest = read_manifest(entry)
+    try:
+        manifest = read_manifest(entry)
+    except UnreadableFileError as err:
+        return [str(err)]
     if manifest is None:
-        return [f"{entry}: missing or unreadable {MANIFEST_NAME} (entry incomplete)"]
+        return [f"{entry}: missing {MANIFEST_NAME} or one of another format (entry incomplete)"]
     problems = []
     for rel, rec in manifest.get("files", {}).items():
         path = entry / rel

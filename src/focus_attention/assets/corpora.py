@@ -506,7 +506,7 @@ def prepare_corpus(
         return build_entry(final, f"corpus-{name}", build, force=force, quiet=quiet)
 
     stamp = _local_stamp(root)
-    manifest = read_manifest(final)
+    manifest = read_manifest(final, damaged_ok=True)
     if not force and manifest is not None and manifest.get("source", {}).get("stamp") == stamp:
         return final
     log(f"preparing local corpus {root} into {final}", quiet=quiet)

@@ -363,7 +363,7 @@ def _prepare_local_gguf(path: Path, *, force: bool, quiet: bool) -> Path:
     final = model_dir(name)
     st = resolved.stat()
     stamp = {"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    manifest = read_manifest(final)
+    manifest = read_manifest(final, damaged_ok=True)
     if manifest is not None and manifest.get("source", {}).get("stamp") == stamp and not force:
         return final
     log(f"preparing local GGUF {resolved} into {final}", quiet=quiet)
