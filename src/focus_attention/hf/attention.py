@@ -159,6 +159,7 @@ def _no_adapter_error() -> ValueError:
     )
 
 
+@eager_only
 def focus_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -195,10 +196,11 @@ def focus_attention_forward(
             :mod:`focus_attention.hf.masks`); soft routing with a non-empty KV cache;
             ``inference_routing="sequence"`` with a KV cache.
 
-    Under ``torch.compile`` a Focus layer's routing and attention (and the pre-hook) run
-    eagerly (``torch.compiler.disable``: dynamo breaks the graph around them): the routing
-    state (handles, the runtime, the KV cache's groups) passes through Python objects. The
-    rest of the model compiles as usual.
+    Under ``torch.compile`` this function and the pre-hook run eagerly
+    (``torch.compiler.disable``: dynamo breaks the graph around them, and compiles nothing
+    of them, so they add no entries to its cache however many layers and settings there
+    are): the routing state (handles, the runtime, the KV cache's groups) passes through
+    Python objects. The rest of the model compiles as usual.
     """
     handle = handle_of(module)
     if handle is None:
@@ -232,7 +234,6 @@ def _focus_call(handle, module, query, key, value, attention_mask, dropout, scal
     return out.transpose(1, 2).contiguous(), maps
 
 
-@eager_only
 def _record_dense(handle, module, query, key, attention_mask, scaling, kwargs) -> None:
     """Append the inputs of this layer's dense attention to the runtime's dense recorder
     (see ``FocusModel.record_dense_attention``); the caller then runs the base attention."""
@@ -532,7 +533,6 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     return out, q_groups, k_groups, maps
 
 
-@eager_only
 def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwargs):
     """One Focus-layer call: ``(out [B, H, Nq, D], maps or None)``."""
     call = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
