@@ -69,14 +69,15 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
-        """The settings from a dict of their fields (a ``--config`` table, a JSON record);
-        deprecated names are renamed with a ``DeprecationWarning``.
+        """The settings from a dict of their fields (a ``--config`` table, a JSON record):
+        lists become tuples, deprecated names are renamed with a ``DeprecationWarning``.
 
         Raises:
             ValueError: unknown keys (the message names the class) or invalid values.
         """
         if not isinstance(data, dict):
             raise ValueError(f"{cls.__name__}: received {type(data).__name__}, expected a dict")
+        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         data = renamed_settings(cls, data)
         check_known_keys(cls.__name__, data, cls)
         return cls(**data)

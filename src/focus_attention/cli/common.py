@@ -31,7 +31,7 @@ COMMANDS = (
     ("inspect", "focus_attention.cli.inspect",
      "what the learned groups hold: shares, tokens, word categories, NMI vs untrained"),
     ("sweep", "focus_attention.cli.sweep",
-     "ablation grid: train and evaluate every cell, one table and plots"),
+     "ablation grid (--grid) or study (--study): run every step not yet done"),
     ("bench", "focus_attention.cli.bench", "speed and quality benchmarks (write JSON results)"),
     ("lm-eval", "focus_attention.cli.harness",
      "lm-evaluation-harness's command line with the focus model and the local tasks"),

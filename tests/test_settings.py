@@ -1,0 +1,144 @@
+"""The settings classes: every setting declared once (a field name in at most two settings
+classes: a shared group and, for an adapter setting, FocusConfig), the shared groups'
+defaults per command, and the deprecated names."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+
+from focus_attention.bench import settings as bench_settings
+from focus_attention.evaluation import settings as eval_settings
+from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
+from focus_attention.hf.config import FocusConfig
+from focus_attention.settings import AdapterOverrides, TextSettings, settings_class
+
+#: the settings classes of the commands outside training
+COMMAND_CLASSES = [
+    FocusConfig,
+    EvalConfig,
+    CalibrateConfig,
+    InspectConfig,
+    *(getattr(bench_settings, name) for name in bench_settings.__all__ if name.endswith("Config")),
+]
+#: settings of the training commands still declared in their own classes (to shrink as they
+#: compose the shared groups): field -> the training classes that declare it
+TRAINING_EXCESS = {
+    "batch_size": {"PretrainConfig", "TrainConfig"},
+    "corpus": {"PretrainConfig", "TrainConfig"},
+    "out": {"PretrainConfig", "SweepConfig", "TrainConfig"},
+    "prepend_bos": {"TrainConfig"},
+    "progress": {"PretrainConfig", "SweepConfig", "TrainConfig"},
+    "seed": {"PretrainConfig", "TrainConfig"},
+    "seq_len": {"PretrainConfig", "TrainConfig"},
+    "steps": {"PretrainConfig", "TrainConfig"},
+    "threads": {"PretrainConfig", "SweepConfig", "TrainConfig"},
+}
+
+
+def _training_classes() -> list[type]:
+    from focus_attention.training.config import TrainConfig
+    from focus_attention.training.pretrain import PretrainConfig
+    from focus_attention.training.sweep import SweepConfig
+
+    return [TrainConfig, PretrainConfig, SweepConfig]
+
+
+def _declarations(classes: list[type]) -> dict[str, set[str]]:
+    """Field name -> the classes (of ``classes`` and their bases) that declare it with help
+    text; a command's other default for a group's field is not a declaration."""
+    found = collections.defaultdict(set)
+    for cls in classes:
+        for owner in cls.__mro__:
+            if not dataclasses.is_dataclass(owner):
+                continue
+            for name in owner.__dict__.get("__annotations__", {}):
+                field = owner.__dataclass_fields__.get(name)
+                if field is None or "help" not in field.metadata:
+                    continue
+                if name not in owner.__dict__.get("COMMAND_DEFAULTS", {}):
+                    found[name].add(owner.__qualname__)
+    return found
+
+
+@pytest.mark.slow  # imports the training package (torch)
+def test_no_setting_is_declared_in_more_than_two_classes():
+    found = _declarations(COMMAND_CLASSES + _training_classes())
+    excess = {}
+    for name, owners in found.items():
+        allowed = TRAINING_EXCESS.get(name, set())
+        if len(owners - allowed) > 2:
+            excess[name] = sorted(owners)
+    assert not excess, f"settings declared in more than two classes: {excess}"
+    stale = {n: sorted(c - found.get(n, set())) for n, c in TRAINING_EXCESS.items()}
+    assert not any(stale.values()), f"shrink TRAINING_EXCESS, no longer declared: {stale}"
+
+
+def test_adapter_settings_are_declared_by_focusconfig_and_one_group():
+    found = _declarations(COMMAND_CLASSES)
+    for name in ("window", "top_k", "sink_tokens", "dense_layers", "query_top_k",
+                 "inference_routing"):  # fmt: skip
+        assert found[name] == {"FocusConfig", _group_of(name)}, name
+    for name in ("seq_len", "model", "corpus", "split", "threads", "progress", "json"):
+        assert len(found[name]) == 1, (name, found[name])
+
+
+def _group_of(name: str) -> str:
+    return {"top_k": "TopKValues", "window": "WindowValues"}.get(name, "AdapterOverrides")
+
+
+def test_settings_modules_hold_every_command_class():
+    for module in (eval_settings, bench_settings):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type) and name.endswith("Config"):
+                assert obj.__module__ == module.__name__
+
+
+def test_a_command_default_keeps_the_groups_help_and_type():
+    field = {f.name: f for f in dataclasses.fields(CalibrateConfig)}["split"]
+    group = {f.name: f for f in dataclasses.fields(TextSettings)}["split"]
+    assert field.default == "validation" and group.default == "test"
+    assert field.metadata["help"] == group.metadata["help"] and field.type == group.type
+    assert CalibrateConfig(adapter="a", out="b").split == "validation"
+    assert EvalConfig().split == "test"
+    with pytest.raises(TypeError, match="no inherited settings field 'bogus'"):
+        settings_class(defaults={"bogus": 1})(type("X", (TextSettings,), {}))
+
+
+def test_one_or_several_values_follow_the_class():
+    assert EvalConfig(top_k=[2, 1, 2]).top_k == (1, 2)  # several: sorted, distinct
+    assert CalibrateConfig(adapter="a", out="b", top_k=[3]).top_k == 3  # one
+    with pytest.raises(ValueError, match=r"CalibrateConfig.top_k: received \(1, 2\), expected None or one int >= 1"):  # fmt: skip
+        CalibrateConfig(adapter="a", out="b", top_k=(1, 2))
+    with pytest.raises(ValueError, match="EvalConfig.window: .*one int"):
+        EvalConfig(window=(64, 128))
+    assert bench_settings.ModelBenchConfig(window=[64, 128]).window == (64, 128)
+    with pytest.raises(ValueError, match="EvalConfig.top_k: received"):
+        EvalConfig(top_k=(0,))
+
+
+@pytest.mark.parametrize(
+    "cls, old, new, value",
+    [
+        (EvalConfig, "top_k_values", "top_k", (1, 2)),
+        (InspectConfig, "tokens", "max_tokens", 2048),
+        (bench_settings.ModelBenchConfig, "windows", "window", (64, 128)),
+    ],
+)
+def test_deprecated_names_still_work_with_a_warning(cls, old, new, value):
+    with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated, use '{new}'"):
+        config = cls(**{old: value})
+    assert getattr(config, new) == value and getattr(config, old) == value
+    with pytest.warns(DeprecationWarning):
+        assert getattr(cls.from_dict({old: value}), new) == value
+    assert getattr(dataclasses.replace(config, **{new: value}), new) == value
+    assert old not in {f.name for f in dataclasses.fields(cls)}
+
+
+def test_overrides_are_the_focusconfig_fields_they_override():
+    overrides = AdapterOverrides(window=64, top_k=1, dense_layers=(3,)).overrides()
+    assert set(overrides) <= {f.name for f in dataclasses.fields(FocusConfig)}
+    assert FocusConfig().override(**overrides).window == 64
