@@ -3,11 +3,15 @@ modes, and a check of the ops Sinkhorn padding gradient the router works around.
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad
 
 from focus_attention.hf import FocusConfig, FocusRouter, get_focus_model
+from focus_attention.hf.router import local_statistics
 from focus_attention.ops import dominance, sinkhorn, topk_memberships
 
 
@@ -171,3 +175,205 @@ def test_topk_groups_are_the_causal_groups_of_the_scores(kernel_built):
             clear = (ordered[..., top_k - 1] - ordered[..., top_k]) > 1e-3
             assert clear.float().mean() > 0.5
             assert torch.equal(got[clear], expected[clear])
+
+
+# --------------------------------------------------------------------------------------------
+# data parallelism: the routers combine the ranks' routing statistics themselves
+# --------------------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join(rank: int, port: int) -> None:
+    """The environment ``torchrun`` gives a rank (Trainer and accelerate read it); the
+    routing statistics do not depend on the compiled CPU kernel, so none is built."""
+    os.environ.update(FOCUS_NO_EXTENSION="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
+    torch.set_num_threads(1)
+
+
+def _column_biases(rank: int, call: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rank ``rank``'s ``call``-th batch of column biases ``[B, 4]``: batch sizes differ by
+    rank, and rank 1's second batch is padding only."""
+    gen = torch.Generator().manual_seed(100 * rank + call)
+    bias = torch.randn(2 + rank, 4, generator=gen)
+    real = torch.ones(2 + rank, 5, dtype=torch.bool)
+    if rank == 1 and call == 1:
+        real[:] = False
+    return bias, real
+
+
+def _update_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    _join(rank, port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    router = FocusRouter(8, 4, 4, 0.1, layer_idx=0, bias_momentum=0.3)
+    for call in range(4):
+        router.update_bias(*_column_biases(rank, call))
+    local = FocusRouter(8, 4, 4, 0.1, layer_idx=0, bias_momentum=0.3)
+    with local_statistics([local]):
+        local.update_bias(*_column_biases(rank, 0))
+    torch.save({"bias": router.routing_bias, "updates": router.bias_updates,
+                "local": local.routing_bias}, f"{out}/rank{rank}.pt")  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _spawn(fn, tmp_path, *args) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(_free_port(), str(tmp_path), *args), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_ranks_fold_every_ranks_batches_in_rank_order(tmp_path):
+    """Two gloo ranks end with the bias and count of one router folding, call by call,
+    rank 0's batch then rank 1's (a padding-only batch skipped), bit for bit; inside
+    local_statistics a rank folds its own batch only."""
+    ranks = _spawn(_update_worker, tmp_path)
+    one = FocusRouter(8, 4, 4, 0.1, layer_idx=0, bias_momentum=0.3)
+    for call in range(4):
+        for rank in range(WORLD):
+            one.update_bias(*_column_biases(rank, call))
+    for got in ranks:
+        assert torch.equal(got["bias"], one.routing_bias)
+        assert int(got["updates"]) == int(one.bias_updates) == 7
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["local"], _column_biases(rank, 0)[0].mean(0))
+
+
+STEPS, MICRO = 3, 2  # optimizer steps; blocks per micro-batch
+
+
+def _blocks() -> torch.Tensor:
+    """``STEPS * WORLD`` micro-batches of ``MICRO`` blocks of 32 tokens, in training order."""
+    return ids(STEPS * WORLD * MICRO, 32, seed=5)
+
+
+def _trained_routers(fm) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in fm.routers.state_dict().items()}
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """Plain DDP with its defaults (``broadcast_buffers=True``) and AdamW: rank ``r`` trains
+    on micro-batch ``step * WORLD + r`` of :func:`_blocks`."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    _join(rank, port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    _, fm = focus("llama")
+    fm.train()
+    ddp = DistributedDataParallel(fm)
+    opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-2)
+    micro = _blocks().split(MICRO)
+    for step in range(STEPS):
+        x = micro[step * WORLD + rank]
+        ddp(input_ids=x, labels=x, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(_trained_routers(fm), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _accumulated_run() -> dict[str, torch.Tensor]:
+    """One process, AdamW, ``WORLD`` micro-batches accumulated per step (loss / WORLD)."""
+    _, fm = focus("llama")
+    fm.train()
+    opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-2)
+    micro = _blocks().split(MICRO)
+    for step in range(STEPS):
+        for m in range(WORLD):
+            x = micro[step * WORLD + m]
+            (fm(input_ids=x, labels=x, use_cache=False).loss / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    return _trained_routers(fm)
+
+
+def _assert_one_process(ranks: list[dict], reference: dict[str, torch.Tensor]) -> None:
+    for got in ranks:
+        for name, want in reference.items():
+            if want.is_floating_point():
+                torch.testing.assert_close(got[name], want, rtol=0, atol=1e-5, msg=name)
+            else:
+                assert torch.equal(got[name], want), name
+        assert int(got["0.bias_updates"]) == STEPS * WORLD
+
+
+@pytest.mark.slow
+def test_default_ddp_gives_the_one_process_routing_statistics(tmp_path):
+    """DDP broadcasts rank 0's buffers before every forward; the routers still end, on both
+    ranks, with the routers, bias and count of one process accumulating the two ranks'
+    micro-batches (within float32 rounding)."""
+    _assert_one_process(_spawn(_ddp_worker, tmp_path), _accumulated_run())
+
+
+def _rows() -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": r, "labels": r.clone()} for r in _blocks()]
+
+
+def _trainer_run(out: str, grad_accum: int, backend: str | None = None):
+    from transformers import Trainer, TrainingArguments
+
+    _, fm = focus("llama")
+    args = TrainingArguments(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=grad_accum, learning_rate=1e-2, report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", ddp_backend=backend,
+    )  # fmt: skip
+    Trainer(model=fm, args=args, train_dataset=_rows()).train()
+    return _trained_routers(fm)
+
+
+def _trainer_worker(rank: int, port: int, out: str) -> None:
+    _join(rank, port)
+    torch.save(_trainer_run(f"{out}/trainer", 1, "gloo"), f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_trainer_ranks_give_the_one_process_routing_statistics(tmp_path):
+    """transformers.Trainer on two gloo ranks (its DDP defaults) equals one Trainer process
+    with twice the gradient accumulation: routers, bias and count."""
+    pytest.importorskip("accelerate")
+    ranks = _spawn(_trainer_worker, tmp_path)
+    _assert_one_process(ranks, _trainer_run(str(tmp_path / "one"), WORLD))
+
+
+def _accelerate_run(out: str, grad_accum: int) -> dict[str, torch.Tensor]:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    _, fm = focus("llama")
+    fm.train()
+    opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-2)
+    loader = DataLoader(_blocks(), batch_size=MICRO)
+    model, opt, loader = accelerator.prepare(fm, opt, loader)
+    for x in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=x, labels=x, use_cache=False).loss)
+            opt.step()
+            opt.zero_grad()
+    return _trained_routers(fm)
+
+
+def _accelerate_worker(rank: int, port: int, out: str) -> None:
+    _join(rank, port)
+    torch.save(_accelerate_run(out, 1), f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_accelerate_ranks_give_the_one_process_routing_statistics(tmp_path):
+    """An accelerate training loop on two gloo ranks equals the same loop in one process
+    with twice the gradient accumulation."""
+    pytest.importorskip("accelerate")
+    ranks = _spawn(_accelerate_worker, tmp_path)
+    _assert_one_process(ranks, _accelerate_run(str(tmp_path), WORLD))

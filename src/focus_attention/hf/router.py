@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -99,6 +103,13 @@ class FocusRouter(nn.Module):
         self.layer_idx = layer_idx
         self.seed = int(seed)
         self.bias_momentum = float(bias_momentum)
+        #: the ranks whose routing statistics :meth:`update_bias` combines (a
+        #: ``torch.distributed`` ProcessGroup; None: the default group). Set it to the
+        #: data-parallel group when other ranks see the same batch (tensor or context
+        #: parallelism).
+        self.data_parallel_group: Any = None
+        #: whether :meth:`update_bias` combines the statistics of the data-parallel ranks
+        self.sync_statistics = True
         kw = {"device": device, "dtype": ROUTER_DTYPE}
         self.proj = nn.Parameter(torch.empty(d_model, group_dim, **kw))
         self.centroids = nn.Parameter(torch.empty(num_groups, group_dim, **kw))
@@ -217,20 +228,51 @@ class FocusRouter(nn.Module):
     def update_bias(self, column_bias: torch.Tensor, real: torch.Tensor | None) -> None:
         """Fold one batch of Sinkhorn column biases ``[B, K]`` into ``routing_bias``.
 
-        Sequences without a real token are skipped. The batch mean enters with weight
-        ``max(bias_momentum, 1 / (updates + 1))``: a cumulative mean at first, an EMA later
-        (docs/method.md §4). The Focus layer calls it once per soft-routing forward of the
-        model in training mode (the recomputed forward of activation checkpointing does not
-        fold the batch in again).
+        Sequences without a real token (``real`` bool ``[B, N]``, True = real) are skipped.
+        A batch mean enters with weight ``max(bias_momentum, 1 / (updates + 1))``: a
+        cumulative mean at first, an EMA later (docs/method.md §4). The Focus layer calls it
+        once per soft-routing forward of the model in training mode (the recomputed forward
+        of activation checkpointing does not fold the batch in again).
+
+        Data parallelism (docs/method.md §6, "Distributed training"): while a
+        ``torch.distributed`` process group is initialised with more than one rank in
+        :attr:`data_parallel_group` (None: the default group, every rank), each call gathers
+        every rank's batch mean and row count (one ``all_gather`` of ``K + 1`` float32) and
+        folds the ranks' means in rank order, so every rank ends with the statistics, and
+        ``bias_updates``, of one process folding the same micro-batches in that order (one
+        process with ``W`` times the gradient accumulation, whatever the engine: DDP with
+        or without buffer broadcast, Trainer, accelerate). Every rank of the group must
+        therefore make the same number of calls; set :attr:`sync_statistics` False (or use
+        :func:`local_statistics`) for forwards that run on some ranks only.
         """
         if real is not None:
             column_bias = column_bias[real.any(dim=-1)]
-        if column_bias.shape[0] == 0:
-            return
-        batch = column_bias.float().mean(dim=0).to(self.routing_bias.device)
-        weight = torch.clamp(1.0 / (self.bias_updates.float() + 1.0), min=self.bias_momentum)
-        self.routing_bias.mul_(1.0 - weight).add_(weight * batch)
-        self.bias_updates.add_(1)
+        rows = column_bias.shape[0]
+        kept = column_bias.float().to(self.routing_bias.device)
+        mean = kept.mean(dim=0) if rows else kept.new_zeros(self.num_groups)
+        local = torch.cat([mean, kept.new_tensor([float(rows)])])
+        for part in self._gather_ranks(local):
+            if part[-1] == 0:
+                continue
+            weight = torch.clamp(1.0 / (self.bias_updates.float() + 1.0), min=self.bias_momentum)
+            self.routing_bias.mul_(1.0 - weight).add_(weight * part[:-1])
+            self.bias_updates.add_(1)
+
+    def _gather_ranks(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """``local`` of every rank of the data-parallel group, in rank order (``[local]``
+        without an initialised group of more than one rank, or with ``sync_statistics``
+        off)."""
+        import torch.distributed as dist
+
+        if not (self.sync_statistics and dist.is_available() and dist.is_initialized()):
+            return [local]
+        group = self.data_parallel_group
+        world = dist.get_world_size(group)
+        if world == 1:
+            return [local]
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return parts
 
     def check_ready(self, hidden: torch.Tensor) -> None:
         """Raise ``ValueError`` unless the router holds values on ``hidden``'s device."""
@@ -254,3 +296,19 @@ class FocusRouter(nn.Module):
             f"layer={self.layer_idx}, d_model={self.d_model}, K={self.num_groups}, "
             f"d_g={self.group_dim}, tau={self.temperature}"
         )
+
+
+@contextmanager
+def local_statistics(routers: Iterable[FocusRouter]) -> Iterator[None]:
+    """Within the block, the ``routers`` fold only this process's batches
+    (:attr:`FocusRouter.sync_statistics` off; restored on exit), for soft training-mode
+    forwards that not every rank of the data-parallel group runs."""
+    routers = list(routers)
+    before = [r.sync_statistics for r in routers]
+    for r in routers:
+        r.sync_statistics = False
+    try:
+        yield
+    finally:
+        for r, flag in zip(routers, before, strict=True):
+            r.sync_statistics = flag

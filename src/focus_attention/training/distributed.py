@@ -191,6 +191,7 @@ class Distributed:
                        for k, r in self._routers.items()}  # fmt: skip
         self._calls = {k: [] for k in self._routers}
         for key, router in self._routers.items():
+            router.sync_statistics = False  # this layer gathers and replays them itself
             router.update_bias = self._recorder(key, router.update_bias)
 
     def _recorder(self, key: str, update_bias: Any) -> Any:
@@ -221,6 +222,7 @@ class Distributed:
             for rank_calls in everyone:
                 for column_bias, real in rank_calls[key]:
                     router.update_bias(column_bias, real)
+            router.sync_statistics = True
         self._calls = {}
 
     def _stop_recording(self) -> None:
@@ -236,6 +238,8 @@ class Distributed:
         if not self.active or not self._routers:
             return
         self._stop_recording()
+        for router in self._routers.values():
+            router.sync_statistics = True
         if completed_steps == self._open_step:
             with torch.no_grad():
                 for key, router in self._routers.items():
