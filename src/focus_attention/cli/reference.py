@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..utils.io import atomic_write_text
 from . import build_parser
 
 #: the command that writes the committed reference, named in its header and in the test
@@ -215,7 +216,12 @@ def _cell(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m focus_attention.cli.reference [--write PATH]``: print the reference, or
-    write it to ``PATH`` (all or nothing: a temporary file renamed over it)."""
+    write it to ``PATH`` (UTF-8; all or nothing: a temporary file renamed over it).
+
+    Returns the exit status (0). Raises ``SystemExit`` on unknown arguments (argparse) and
+    ``OSError`` when ``PATH`` cannot be written (its parent folder must exist; the file is then
+    unchanged).
+    """
     cli = argparse.ArgumentParser(
         prog="python -m focus_attention.cli.reference",
         description="Render the `focus` command-line reference as Markdown.",
@@ -226,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write is None:
         sys.stdout.write(text)
         return 0
-    tmp = args.write.with_name(args.write.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(args.write)
+    atomic_write_text(args.write, text)
     return 0
 
 
