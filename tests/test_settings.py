@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from focus_attention.assets.settings import ModelsPrepareConfig, SetupConfig
 from focus_attention.bench import settings as bench_settings
 from focus_attention.evaluation import settings as eval_settings
 from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
@@ -21,6 +22,8 @@ COMMAND_CLASSES = [
     EvalConfig,
     CalibrateConfig,
     InspectConfig,
+    SetupConfig,
+    ModelsPrepareConfig,
     *(getattr(bench_settings, name) for name in bench_settings.__all__ if name.endswith("Config")),
 ]
 #: settings of the training commands still declared in their own classes (to shrink as they

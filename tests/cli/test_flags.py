@@ -179,3 +179,40 @@ def test_a_single_value_setting_refuses_several(capsys):
     assert "unrecognized arguments: 128" in capsys.readouterr().err
     args = build_parser("bench").parse_args(["bench", "model", "--window", "64", "128"])
     assert flag_values(args, bench.ModelBenchConfig) == {"window": (64, 128)}
+
+
+@pytest.mark.parametrize(
+    "argv, table, expected",
+    [
+        (["setup"], '[setup]\nmodel = ["m1", "m2"]\ncorpus = ["c1"]\nforce = true\n',
+         [("model", "m1", True), ("model", "m2", True), ("corpus", "c1", True)]),
+        (["data", "prepare", "c2"], "[data.prepare]\nforce = true\n", [("corpus", "c2", True)]),
+        (["models", "prepare", "m3"], '[models.prepare]\nforce = true\n', [("model", "m3", True)]),
+        (["setup", "--no-force"], "[setup]\nforce = true\n",
+         [("model", "smollm2-135m", False), ("corpus", "austen", False)]),
+    ],
+)  # fmt: skip
+def test_the_asset_commands_read_config(tmp_path, monkeypatch, argv, table, expected):
+    calls = []
+
+    def prepare(kind):
+        def run(name, force=False):
+            calls.append((kind, name, force))
+            return tmp_path
+
+        return run
+
+    for module in ("setup", "data", "models"):
+        for kind in ("model", "corpus"):
+            if hasattr(cli_module(module), f"prepare_{kind}"):
+                monkeypatch.setattr(cli_module(module), f"prepare_{kind}", prepare(kind))
+    path = tmp_path / "assets.toml"
+    path.write_text(table)
+    assert main([*argv, "--config", str(path)]) == 0
+    assert calls == expected
+
+
+def cli_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"focus_attention.cli.{name}")

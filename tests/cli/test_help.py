@@ -39,6 +39,7 @@ HELP_COMMANDS = [
     *(["bench", name] for name in BENCHMARKS),
     ["data", "list"],
     ["models", "prepare"],
+    ["data", "prepare"],
     pytest.param(["train"], marks=TRAINING),
     pytest.param(["pretrain"], marks=TRAINING),
     pytest.param(["sweep"], marks=TRAINING),
@@ -56,8 +57,21 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert heavy == "", f"focus {' '.join(argv)} --help imported {heavy}"
 
 
-def test_import_focus_attention_is_light():
-    code = "import sys, focus_attention; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"  # fmt: skip
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import focus_attention",
+        "from focus_attention import FocusConfig",
+        "from focus_attention.ops import GATES",
+        "import focus_attention.settings",
+        "import focus_attention.evaluation.settings",
+        "import focus_attention.bench.settings",
+        "import focus_attention.assets.settings",
+        "from focus_attention.hf import FocusConfig",
+    ],
+)
+def test_settings_and_the_package_import_without_torch(statement):
+    code = f"import sys; {statement}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "[]", done.stderr
 

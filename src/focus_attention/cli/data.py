@@ -16,8 +16,10 @@ from ..assets.benchmarks import (
 )
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS, list_corpora, prepare_corpus
+from ..assets.settings import PrepareSettings
 from ..utils.io import focus_home
 from .common import run_guarded, summary
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -52,12 +54,13 @@ def _list_benchmarks() -> None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     """Prepare each named corpus (default :data:`DEFAULT_CORPUS`) or the benchmark data
     (:data:`BENCHMARK_DATA`); print its path, size and time."""
+    config = command_config(args, PrepareSettings, "data.prepare")
     for name in args.names or [DEFAULT_CORPUS]:
         t0 = time.monotonic()
         if name == BENCHMARK_DATA:
-            path = prepare_benchmarks(force=args.force)
+            path = prepare_benchmarks(force=config.force)
         else:
-            path = prepare_corpus(name, force=args.force)
+            path = prepare_corpus(name, force=config.force)
         print(f"{name}: {path} ({human_size(dir_size(path))}, {time.monotonic() - t0:.1f} s)")
     return 0
 
@@ -74,5 +77,6 @@ def register_cli(subparsers: Any) -> None:
     pr.add_argument("names", nargs="*", metavar="NAME",
                     help=f"registered corpus, local text file/folder, or {BENCHMARK_DATA} "
                     f"(the benchmark data; default {DEFAULT_CORPUS})")  # fmt: skip
-    pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    add_config_flag(pr, "data.prepare")
+    add_flags(pr, PrepareSettings)
     pr.set_defaults(func=run_guarded(_cmd_prepare))

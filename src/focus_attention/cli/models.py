@@ -10,8 +10,10 @@ from typing import Any
 
 from ..assets.cache import dir_size, human_size, verify_entry
 from ..assets.models import DEFAULT_MODEL, list_models, prepare_model
+from ..assets.settings import ModelsPrepareConfig
 from ..utils.io import focus_home
 from .common import run_guarded, summary
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -29,10 +31,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     """Prepare each named model (default :data:`DEFAULT_MODEL`); print its path, size and
     time. With ``--verify``, exit 1 listing the problems when a file's sha256 differs."""
+    config = command_config(args, ModelsPrepareConfig, "models.prepare")
     for name in args.names or [DEFAULT_MODEL]:
         t0 = time.monotonic()
-        path = prepare_model(name, force=args.force)
-        if args.verify:
+        path = prepare_model(name, force=config.force)
+        if config.verify:
             problems = verify_entry(path, full=True)
             if problems:
                 for p in problems:
@@ -53,6 +56,6 @@ def register_cli(subparsers: Any) -> None:
     pr = sub.add_parser("prepare", help="fetch and convert models into the cache (idempotent)")
     pr.add_argument("names", nargs="*", metavar="NAME",
                     help=f"registered name, model directory, .gguf or hub id (default {DEFAULT_MODEL})")  # fmt: skip
-    pr.add_argument("--force", action="store_true", help="rebuild even if already prepared")
-    pr.add_argument("--verify", action="store_true", help="recompute sha256 of every file")
+    add_config_flag(pr, "models.prepare")
+    add_flags(pr, ModelsPrepareConfig)
     pr.set_defaults(func=run_guarded(_cmd_prepare))

@@ -12,25 +12,27 @@ from ..assets.benchmarks import BENCHMARK_DATA, prepare_benchmarks
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
 from ..assets.models import DEFAULT_MODEL, prepare_model
+from ..assets.settings import SetupConfig
 from ..utils.io import focus_home
 from .common import run_guarded, summary
+from .flags import add_config_flag, add_flags, command_config
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
     """Prepare ``--model`` (default :data:`DEFAULT_MODEL`), ``--corpus`` (default
     :data:`DEFAULT_CORPUS`) and, with ``--benchmarks``, the benchmark data, printing each as
     it is ready and a summary table at the end."""
-    models = args.model or [DEFAULT_MODEL]
-    corpora = args.corpus or [DEFAULT_CORPUS]
+    config = command_config(args, SetupConfig, "setup")
+    models, corpora = config.model, config.corpus
     print(f"focus setup: cache {focus_home()} (set FOCUS_HOME to change)", flush=True)
     rows = []
     steps = [("model", models, prepare_model), ("corpus", corpora, prepare_corpus)]
-    if args.benchmarks:
+    if config.benchmarks:
         steps.append(("data", [BENCHMARK_DATA], lambda _name, force: prepare_benchmarks(force=force)))  # fmt: skip
     for kind, names, prep in steps:
         for name in names:
             t0 = time.monotonic()
-            path = prep(name, force=args.force)
+            path = prep(name, force=config.force)
             dt = time.monotonic() - t0
             rows.append((kind, name, path, dir_size(path), dt))
             print(f"  {kind} {name}: ready ({human_size(rows[-1][3])}, {dt:.1f} s)", flush=True)
@@ -48,11 +50,6 @@ def register_cli(subparsers: Any) -> None:
         description=f"Prepare models and corpora into the cache (FOCUS_HOME). Without options: "
         f"model {DEFAULT_MODEL} and corpus {DEFAULT_CORPUS}.",
     )
-    s.add_argument("--model", nargs="+", action="extend", metavar="M",
-                   help=f"model(s) to prepare (default {DEFAULT_MODEL})")  # fmt: skip
-    s.add_argument("--corpus", nargs="+", action="extend", metavar="C",
-                   help=f"corpus/corpora to prepare (default {DEFAULT_CORPUS})")  # fmt: skip
-    s.add_argument("--benchmarks", action="store_true",
-                   help=f"also prepare the zero-shot benchmark data ({BENCHMARK_DATA})")  # fmt: skip
-    s.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    add_config_flag(s, "setup")
+    add_flags(s, SetupConfig)
     s.set_defaults(func=run_guarded(_cmd_setup))
