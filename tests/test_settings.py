@@ -31,6 +31,7 @@ COMMAND_CLASSES = [
 TRAINING_EXCESS = {
     "batch_size": {"PretrainConfig", "TrainConfig"},
     "corpus": {"PretrainConfig", "TrainConfig"},
+    "model": {"TrainConfig"},
     "out": {"PretrainConfig", "SweepConfig", "TrainConfig"},
     "prepend_bos": {"TrainConfig"},
     "progress": {"PretrainConfig", "SweepConfig", "TrainConfig"},
@@ -84,8 +85,12 @@ def test_adapter_settings_are_declared_by_focusconfig_and_one_group():
     for name in ("window", "top_k", "sink_tokens", "dense_layers", "query_top_k",
                  "inference_routing"):  # fmt: skip
         assert found[name] == {"FocusConfig", _group_of(name)}, name
-    for name in ("seq_len", "model", "corpus", "split", "threads", "progress", "json"):
+    for name in ("seq_len", "split", "threads", "progress", "json"):
         assert len(found[name]) == 1, (name, found[name])
+    for name in ("model", "corpus"):  # and focus setup's lists of the ones to prepare
+        assert found[name] - {"SetupConfig"} == {
+            "ModelSettings" if name == "model" else "TextSettings"
+        }
 
 
 def _group_of(name: str) -> str:
