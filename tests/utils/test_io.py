@@ -1,0 +1,196 @@
+"""The crash-safe write helpers shared by models, data, train, bench and the adapter, and
+the readers that turn a damaged or unreadable file into one error naming it."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from focus_attention.utils.checks import check_int, check_number
+from focus_attention.utils.io import (
+    UnreadableFileError,
+    atomic_write,
+    atomic_write_files,
+    file_lock,
+    read_file_bytes,
+    read_json_file,
+    staged_directory,
+    write_json_atomic,
+)
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    target = tmp_path / "a.txt"
+    target.write_text("old")
+
+    def broken(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(target, broken)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+    write_json_atomic(tmp_path / "sub" / "b.json", {"x": 1})
+    assert (tmp_path / "sub" / "b.json").read_text() == '{\n  "x": 1\n}\n'
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_atomic_write_honours_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        # safetensors creates its files 0o600; torch.save and write_text follow the umask
+        atomic_write(tmp_path / "w.safetensors", lambda p: save_file({"a": torch.ones(2)}, str(p)))
+        atomic_write(tmp_path / "s.pt", lambda p: torch.save({"a": 1}, p))
+        write_json_atomic(tmp_path / "c.json", {"x": 1})
+    finally:
+        os.umask(previous)
+    for name in ("w.safetensors", "s.pt", "c.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+    # replacing a file keeps its permissions, as open(path, "w") does
+    (tmp_path / "w.safetensors").chmod(0o640)
+    atomic_write(tmp_path / "w.safetensors", lambda p: save_file({"a": torch.ones(3)}, str(p)))
+    assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == 0o640
+
+
+def test_staged_directory_replaces_or_keeps_the_destination(tmp_path):
+    final, staging = tmp_path / "entry", tmp_path / ".staging"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), staged_directory(final, staging, "e.") as out:
+        (out / "new.txt").write_text("half")
+        raise RuntimeError
+    assert [p.name for p in final.iterdir()] == ["old.txt"]
+    with staged_directory(final, staging, "e.") as out:
+        (out / "new.txt").write_text("new")
+        (out.parent / "scratch").mkdir()  # scratch room next to it, removed afterwards
+    assert [p.name for p in final.iterdir()] == ["new.txt"]
+    assert list(staging.iterdir()) == []
+
+
+def test_file_lock_creates_its_file(tmp_path):
+    with file_lock(tmp_path / "locks" / "k.lock"):
+        assert (tmp_path / "locks" / "k.lock").is_file()
+
+
+def test_checks_name_owner_field_and_expectation():
+    check_int("C", "n", None, 1, optional=True)
+    check_number("C", "clip", float("inf"), inclusive=True, finite=False)
+    with pytest.raises(ValueError, match=r"^C\.n: received True, expected an int >= 1$"):
+        check_int("C", "n", True, 1)
+    with pytest.raises(ValueError, match=r"^C\.n: received 0, expected None or an int >= 1$"):
+        check_int("C", "n", 0, 1, optional=True)
+    with pytest.raises(ValueError, match=r"^C\.lr: received inf, expected a finite number > 0$"):
+        check_number("C", "lr", float("inf"))
+    with pytest.raises(ValueError, match=r"^C\.clip: received nan, expected a number >= 0$"):
+        check_number("C", "clip", float("nan"), inclusive=True, finite=False)
+
+
+# --------------------------------------------------------------------------------------------
+# several files, all or nothing
+# --------------------------------------------------------------------------------------------
+
+
+def _pair(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.txt"
+    a.write_text("old a")
+    b.write_text("old b")
+    b.chmod(0o640)
+    return a, b
+
+
+def _disk_full(tmp):
+    tmp.write_text("half")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failed_writer_leaves_every_file_as_it_was(tmp_path, failing):
+    a, b = _pair(tmp_path)
+    writers = [lambda t: t.write_text("new a"), lambda t: t.write_text("new b")]
+    writers[failing] = _disk_full
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_files({a: writers[0], b: writers[1]})
+    assert (a.read_text(), b.read_text()) == ("old a", "old b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.txt"]
+
+
+@pytest.mark.parametrize("new_second", [False, True])
+def test_a_failed_rename_puts_back_the_files_already_replaced(tmp_path, monkeypatch, new_second):
+    a, b = _pair(tmp_path)
+    if new_second:
+        b.unlink()  # the second file is new: the rollback removes it
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output"):
+        atomic_write_files({a: lambda t: t.write_text("new a"), b: lambda t: t.write_text("new b")})
+    monkeypatch.undo()
+    assert a.read_text() == "old a"
+    assert b.exists() is not new_second and (new_second or b.read_text() == "old b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"] + ([] if new_second else ["b.txt"])  # fmt: skip
+
+
+def test_every_file_is_replaced_and_keeps_its_mode(tmp_path):
+    a, b = _pair(tmp_path)
+    c = tmp_path / "c.txt"
+    atomic_write_files({a: lambda t: t.write_text("new a"), b: lambda t: t.write_text("new b"),
+                        c: lambda t: t.write_text("new c")})  # fmt: skip
+    assert [p.read_text() for p in (a, b, c)] == ["new a", "new b", "new c"]
+    assert stat.S_IMODE(b.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.txt", "c.txt"]
+
+
+# --------------------------------------------------------------------------------------------
+# damaged and unreadable files
+# --------------------------------------------------------------------------------------------
+
+EXPECTED = "the JSON results of a test"
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"", "empty file"),
+        (b"  \n", "empty file"),
+        (b'{"ppl": {"1": 3.', "not valid JSON"),
+        (bytes(range(128, 256)), "not UTF-8 text"),
+        (b"{'ppl': 1}", "not valid JSON"),
+    ],
+)
+def test_a_damaged_json_file_is_one_error_naming_it(tmp_path, content, why):
+    path = tmp_path / "result.json"
+    path.write_bytes(content)
+    with pytest.raises(UnreadableFileError) as err:
+        read_json_file(path, EXPECTED)
+    message = str(err.value)
+    assert message.startswith(f"{path}: {why}") and message.endswith(f"; expected {EXPECTED}")
+    assert "\n" not in message and isinstance(err.value, ValueError)
+
+
+def test_a_directory_or_an_unreadable_file_is_one_error_naming_it(tmp_path):
+    path = tmp_path / "result.json"
+    path.mkdir()
+    with pytest.raises(UnreadableFileError, match=rf"^{path}: a directory; expected {EXPECTED}$"):
+        read_json_file(path, EXPECTED)
+    path.rmdir()
+    path.write_text(json.dumps({"ppl": 3.5}))
+    assert read_json_file(path, EXPECTED) == {"ppl": 3.5}
+    if os.geteuid() != 0:  # root reads files whatever their permissions
+        path.chmod(0)
+        with pytest.raises(UnreadableFileError, match=rf"^{path}: cannot be read"):
+            read_file_bytes(path, EXPECTED)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'absent'} not found; expected"):
+        read_json_file(tmp_path / "absent", EXPECTED)
