@@ -33,7 +33,7 @@ corpus = "{corpus}"
 adapter = "{runs}/adapter"
 seq_len = 32
 max_tokens = 64
-top_k_values = "1,2"
+top_k = [1, 2]
 soft = false
 threads = 1
 progress = false
@@ -48,7 +48,7 @@ corpus = "{corpus}"
 adapter = "{runs}/adapter"
 seq_len = 16
 max_tokens = 64
-top_k_values = "1"
+top_k = [1]
 soft = false
 threads = 1
 progress = false
@@ -144,8 +144,8 @@ def test_a_changed_setting_reruns_only_its_step(finished, module_assets, tmp_pat
     copy = tmp_path / "tiny"
     shutil.copytree(study, copy)
     config = copy / "config.toml"
-    config.write_text(config.read_text().replace("max_tokens = 64\ntop_k_values = \"1\"",
-                                                 "max_tokens = 48\ntop_k_values = \"1\""))  # fmt: skip
+    config.write_text(config.read_text().replace("max_tokens = 64\ntop_k = [1]",
+                                                 "max_tokens = 48\ntop_k = [1]"))  # fmt: skip
     counting = Counting()
     assert _run(copy, runs, counting) == {"eval-32": "done", "eval-16": "rerun", "report": "always"}
     assert len(counting.argvs) == 1 and counting.argvs[0][counting.argvs[0].index("--max-tokens") + 1] == "48"  # fmt: skip

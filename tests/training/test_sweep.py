@@ -48,7 +48,7 @@ sink_tokens = 1
 [eval]
 seq_len = 32
 max_tokens = 64
-top_k_values = [1, 2]
+top_k = [1, 2]
 progress = false
 
 [grid]
@@ -269,7 +269,7 @@ def test_groups_window_grid_chooses_on_the_validation_book():
     for slug in plan.cells:
         evs = [plan.eval_config(slug, Path("c"), e.name) for e in plan.cell_evals(slug)]
         assert [(e.split, e.seq_len) for e in evs] == [("validation", 1024), ("validation", 4096)]
-        assert all(e.top_k_values == (1, 2) for e in evs)
+        assert all(e.top_k == (1, 2) for e in evs)
 
 
 def test_finished_cells_with_other_settings_are_refused(serial_sweep, module_assets, tmp_path):
@@ -308,7 +308,7 @@ name = "long"
 name = "short"
 seq_len = 16
 max_tokens = 48
-top_k_values = [1]
+top_k = [1]
 cells = ["sinkhorn_iters-10"]
 """,
 )
@@ -496,7 +496,7 @@ def test_honest_grid_is_the_quality_runs():
             assert ev.json == str(Path("cell") / f"eval-{name}.json")
             assert ev.inference_routing == ("sequence" if name == "sequence" else None)
             assert ev.sink_tokens == (0 if name == "causal-sinks0" else None)
-            assert ev.top_k_values == ((1, 2) if slug == "random" else (1, 2, 4))
+            assert ev.top_k == ((1, 2) if slug == "random" else (1, 2, 4))
 
 
 def test_an_untrained_cell_and_a_removed_evaluation(module_assets, tmp_path, monkeypatch):
@@ -518,7 +518,7 @@ name = "a"
 
 [[evals]]
 name = "b"
-top_k_values = [1]
+top_k = [1]
 """)  # fmt: skip
     grid = _write_grid(tmp_path, module_assets, text)
     cfg = SweepConfig(grid=str(grid), out=str(tmp_path / "out"), progress=False)
@@ -526,7 +526,7 @@ top_k_values = [1]
     random = first["cells"][0]
     assert random["train_config"]["steps"] == 0 and random["train_dominance"] == {}
     assert list(random["evals"]) == ["a", "b"] and random["evals"]["a"]["ppl"]["base"] > 1
-    grid.write_text(grid.read_text().replace('[[evals]]\nname = "b"\ntop_k_values = [1]\n', ""))
+    grid.write_text(grid.read_text().replace('[[evals]]\nname = "b"\ntop_k = [1]\n', ""))
     again = run_sweep(cfg)
     assert [list(r["evals"]) for r in again["cells"]] == [["a"], ["a"]]
     assert list(again["points"]) == ["a"]

@@ -20,7 +20,7 @@ The file::
 String settings may name three directories: ``{study}`` (the study's directory),
 ``{results}`` (its ``results/``) and ``{runs}`` (where trainings and adapters go; ``runs``
 unless the run says otherwise). A list is given as several values (``nargs``); a flag that
-reads one comma-separated value takes a string (``top_k_values = "1,2"``).
+reads one comma-separated value takes a string (``position_buckets = "0,128,512"``).
 
 A ``script`` step runs ``settings.path`` (relative to the study's directory) with
 ``settings.args`` (a list of strings). A ``report`` step rebuilds the study's tables and plots
