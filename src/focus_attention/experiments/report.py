@@ -5,11 +5,10 @@ them (``focus bench kernel`` -> :func:`focus_attention.bench.kernel.kernel_table
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, read_json_file
 from .study import Step, Study, fill
 
 __all__ = ["PLOTS", "TABLES", "report_markdown", "write_report"]
@@ -51,7 +50,7 @@ def _result(study: Study, step: Step, runs: str) -> tuple[Path, dict[str, Any]] 
     path = Path(fill(step.result, study.paths(runs)))
     if not path.is_file():
         return None
-    return path, json.loads(path.read_text())
+    return path, read_json_file(path, f"the JSON result of step {step.name!r}")
 
 
 def _provenance(step: Step, data: dict[str, Any]) -> str:

@@ -249,15 +249,48 @@ def _check_builtin(step: Step) -> None:
             raise ValueError(f"script args {args!r}: expected a list of strings")
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """Parse ``argv`` with ``parser``; returns what it printed (``--help``).
+
+    Raises:
+        ValueError: the last line argparse wrote to stderr when it refused ``argv``.
+    """
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            parser.parse_args(argv)
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                message = err.getvalue().strip().splitlines()
+                raise ValueError(message[-1] if message else "invalid command line") from None
+    return out.getvalue()
+
+
+def _check_listed(step: Step, help_text: str) -> None:
+    """Every flag of ``step`` appears in its command's ``--help`` (a hidden flag is a
+    deprecated spelling, refused in a study).
+
+    Raises:
+        ValueError: naming the first flag not listed.
+    """
+    for key, value in step.settings.items():
+        flag = _flag_words(key, value)[0]
+        if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is None:
+            raise ValueError(f"setting {key}: {flag} is not a flag that `focus "
+                             f"{step.command_text()} --help` lists (a deprecated name?)")  # fmt: skip
+
+
 def check_study(study: Study, parser: argparse.ArgumentParser) -> None:
     """Check every step without running anything: a sub-command step's command line must
     parse with the ``focus`` parser ``parser`` (known sub-command, known flags, values of
-    the flags' types), a script must exist, a report may only set ``out`` and ``plots``.
+    the flags' types) and use only the flags its ``--help`` lists (no deprecated names), a
+    script must exist, a report may only set ``out`` and ``plots``.
 
     Raises:
         ValueError: naming the study file, the step and what argparse or the check said.
     """
     where = study.directory / CONFIG_NAME
+    helps: dict[tuple[str, ...], str] = {}
     for step in study.steps:
         try:
             if step.builtin:
@@ -267,13 +300,9 @@ def check_study(study: Study, parser: argparse.ArgumentParser) -> None:
                     if not script.is_file():
                         raise ValueError(f"script {script} does not exist")
                 continue
-            argv = step_argv(step, study.paths())
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                try:
-                    parser.parse_args(argv)
-                except SystemExit:
-                    message = err.getvalue().strip().splitlines()
-                    raise ValueError(message[-1] if message else "invalid command line") from None
+            _parse(parser, step_argv(step, study.paths()))
+            if step.command not in helps:
+                helps[step.command] = _parse(parser, [*step.command, "--help"])
+            _check_listed(step, helps[step.command])
         except ValueError as err:
             raise ValueError(f"{where}: step {step.name} ({step.command_text()}): {err}") from err
