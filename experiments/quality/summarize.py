@@ -1,11 +1,14 @@
 """Collect the honest-results evaluations (the sweep step of ``experiments/quality/config.toml``) into one table.
 
 usage: python experiments/quality/summarize.py [RUNS_DIR] [--json OUT.json] [--plot OUT.png]
+       python experiments/quality/summarize.py --collected honest.json [--markdown OUT.md] ...
 
 Reads ``RUNS_DIR/*/eval-*.json`` (default ``runs/honest/cells``, where the quality study's sweep step writes them) and prints a markdown table of
 perplexities (token-weighted, the eval's window scheme) and pairs retained; with ``--json``
 also writes the collected evaluations (configuration, versions and hardware included);
-with ``--plot`` a bar chart of perplexity per evaluation (dense base as a line).
+with ``--plot`` a bar chart of perplexity per evaluation (dense base as a line). With
+``--collected FILE`` the evaluations are read back from such a ``--json`` file instead of
+the runs, so that the table and plot are rebuilt from the study's results alone.
 """
 
 from __future__ import annotations
@@ -86,19 +89,28 @@ def plot(evals: list[tuple[str, dict]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _collect(runs: str) -> list[tuple[str, dict]]:
+    files = sorted(glob.glob(os.path.join(runs, "*", "eval-*.json")))
+    if not files:
+        raise SystemExit(
+            f"no {runs}/*/eval-*.json found: run focus sweep --study experiments/quality first"
+        )
+    return [_row(f, runs) for f in files]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="?", default="runs/honest/cells")
     ap.add_argument("--json", help="also write the collected evaluations here")
     ap.add_argument("--plot", help="also write a bar chart (PNG) here")
     ap.add_argument("--markdown", help="also write the table here")
+    ap.add_argument("--collected", help="read the evaluations from this --json file")
     args = ap.parse_args()
-    files = sorted(glob.glob(os.path.join(args.runs, "*", "eval-*.json")))
-    if not files:
-        raise SystemExit(
-            f"no {args.runs}/*/eval-*.json found: run focus sweep --study experiments/quality first"
-        )
-    evals = [_row(f, args.runs) for f in files]
+    if args.collected:
+        with open(args.collected) as fh:  # the runner's "experiment" record is not an evaluation
+            evals = [(k, r) for k, r in json.load(fh).items() if k != "experiment"]
+    else:
+        evals = _collect(args.runs)
     print(table(evals))
     if args.markdown:
         from focus_attention.utils.io import atomic_write_text
