@@ -290,6 +290,20 @@ def test_cli_runs_a_finished_sweep(serial_sweep, capsys):
     assert "| cell | sinkhorn_iters | top_k | PPL | dense |" in out and "sweep.json" in out
 
 
+def test_a_damaged_cell_file_is_one_error_naming_it(serial_sweep, tmp_path, capsys):
+    from focus_attention.cli import main
+
+    cfg, _ = serial_sweep
+    out = tmp_path / "out"
+    shutil.copytree(cfg.out_dir(), out)
+    damaged = out / "cells" / "sinkhorn_iters-0" / "cell.json"
+    damaged.write_text(damaged.read_text()[:20])  # cut short
+    capsys.readouterr()
+    assert main(["sweep", "--grid", cfg.grid, "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"focus: error: {damaged}: not valid JSON" in err and "Traceback" not in err
+
+
 #: TINY_GRID with two named evaluations: every cell at 32 tokens, the Sinkhorn-on cell also
 #: at 16 tokens with top_k 1 only
 EVALS_GRID = TINY_GRID.replace(

@@ -58,10 +58,10 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
     """Which routers a benchmark ran: ``{"adapter": None, "fresh": True}`` for freshly
     initialised ones, else the adapter directory, the SHA-256 of its weights file and, for a
     ``focus train`` output, its method and optimizer steps (``train_result.json``)."""
-    import json
     from pathlib import Path
 
     from ..hf.files import weights_file_sha256
+    from ..utils.io import read_json_file
 
     if adapter is None:
         return {"adapter": None, "fresh": True}
@@ -72,7 +72,7 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
         record["weights_sha256"] = digest
     result = path / "train_result.json"
     if result.is_file():
-        trained = json.loads(result.read_text())
+        trained = read_json_file(result, "the JSON record of a focus train run")
         record["steps"] = trained.get("steps")
         record["method"] = trained.get("config", {}).get("method", "focus")
     return record

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..hf.config import FocusConfig
 from ..utils.checks import bad, check_int
-from ..utils.io import atomic_write_text, write_json_atomic
+from ..utils.io import atomic_write_text, read_json_file, write_json_atomic
 from .config import TrainConfig
 
 __all__ = [
@@ -395,9 +395,7 @@ def _train_row(cfg: TrainConfig, train_seconds: float) -> dict:
 def _eval_row(ev_cfg: Any) -> dict:
     """One evaluation of a cell's row, from its JSON file: perplexities (``base`` is the
     dense model), pairs retained and dominance per top_k, scored tokens, window length."""
-    import json
-
-    ev = json.loads(Path(ev_cfg.json).read_text())
+    ev = read_json_file(ev_cfg.json, "the JSON results of focus eval")
     return {
         "ppl": ev["ppl"],
         "pairs_retained": ev["pairs_retained"],
@@ -421,9 +419,7 @@ def _upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_file(path: Path) -> Any:
-    import json
-
-    return json.loads(Path(path).read_text())
+    return read_json_file(path, "a JSON file of a focus sweep")
 
 
 def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, evals: dict[str, Any]) -> None:
@@ -449,13 +445,12 @@ def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, evals: dict[str, Any
 def _trained_row(plan: SweepPlan, slug: str, cfg: TrainConfig, progress: bool) -> dict:
     """The cell's row: from its ``cell.json``, else after training it (resumed from its
     newest checkpoint when there is one), written to ``cell.json``."""
-    import json
-
     from .loop import train
 
     path = cfg.out_dir() / CELL_FILE
     if path.is_file():  # "dir": where the cell is now
-        return {**_upgrade_row(json.loads(path.read_text())), "dir": str(cfg.out_dir())}
+        row = read_json_file(path, "the JSON row of a focus sweep cell")
+        return {**_upgrade_row(row), "dir": str(cfg.out_dir())}
     if progress:
         print(f"focus sweep: cell {slug}: {'resuming' if cfg.resume else 'training'}",
               file=sys.stderr)  # fmt: skip
