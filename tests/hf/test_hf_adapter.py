@@ -21,6 +21,7 @@ from focus_attention.hf import (
     FocusSlidingWindowWarning,
     get_focus_model,
 )
+from focus_attention.hf.compat import enable_activation_checkpointing
 
 # --------------------------------------------------------------------------------------------
 # trainable parameters
@@ -66,9 +67,7 @@ def train_step(fm, x, mask):
 def test_training_changes_only_the_routers(arch, checkpointing):
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
     if checkpointing is not None:
-        fm.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
-        )
+        enable_activation_checkpointing(fm, use_reentrant=checkpointing == "reentrant")
         assert any(getattr(m, "gradient_checkpointing", False) for m in fm.base_model.modules())
     before = {n: p.detach().clone() for n, p in fm.base_model.named_parameters()}
     routers = {n: p.detach().clone() for n, p in fm.routers.named_parameters()}

@@ -15,6 +15,7 @@ from tiny import focus, ids
 
 from focus_attention.hf import FocusCacheLayer
 from focus_attention.hf.cache import MIN_SPARE_ROWS, SPARE_SHARE, append_rows
+from focus_attention.hf.compat import cache_kwargs, cache_of
 
 
 def _kv(b: int, n: int, seed: int, h: int = 2, d: int = 3) -> torch.Tensor:
@@ -124,10 +125,10 @@ def test_a_decoding_step_copies_no_cached_row():
     x = ids(1, 60, seed=3)
     with torch.no_grad():
         out = fm(x[:, :50], use_cache=True)
-        cache = out.past_key_values
+        cache = cache_of(out)
         ptrs = [(layer.keys.data_ptr(), layer.groups.data_ptr()) for layer in cache.layers]
         for t in range(50, 60):
-            out = fm(x[:, t : t + 1], cache=cache, use_cache=True)
+            out = fm(x[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
     assert [(layer.keys.data_ptr(), layer.groups.data_ptr()) for layer in cache.layers] == ptrs
 
 
@@ -138,16 +139,18 @@ def test_decoding_after_a_crop_and_from_a_copy_equals_the_full_forward(top_k):
     _, fm = focus("llama", num_groups=4, top_k=top_k, window=8)
     x, other = ids(1, 40, seed=4), ids(1, 6, seed=5)
     with torch.no_grad():
-        cache = fm(x[:, :30], use_cache=True).past_key_values
+        cache = cache_of(fm(x[:, :30], use_cache=True))
         for t in range(30, 36):
-            fm(x[:, t : t + 1], cache=cache, use_cache=True)
+            fm(x[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
         branch = copy.deepcopy(cache)
         cache.crop(-4)  # keep 32 tokens
-        step = [fm(other[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(6)]
+        step = [
+            fm(other[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits for i in range(6)
+        ]
         got = torch.cat(step, dim=1)
         want = fm(torch.cat([x[:, :32], other], 1), use_cache=False).logits[:, 32:]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-        got = fm(x[:, 36:40], cache=branch, use_cache=True).logits
+        got = fm(x[:, 36:40], **cache_kwargs(branch), use_cache=True).logits
         want = fm(x, use_cache=False).logits[:, 36:]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
@@ -167,9 +170,9 @@ def test_a_plain_model_decodes_through_buffered_layers_as_through_a_dynamic_cach
         if buffered:
             cache.layers = [BufferedDynamicLayer() for _ in range(model.config.num_hidden_layers)]
         with torch.no_grad():
-            logits = [model(x[:, :20], past_key_values=cache, use_cache=True).logits[:, -1:]]
+            logits = [model(x[:, :20], **cache_kwargs(cache), use_cache=True).logits[:, -1:]]
             for t in range(20, 30):
-                out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
+                out = model(x[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
                 logits.append(out.logits)
         kinds = {type(layer) for layer in cache.layers}
         assert kinds == ({BufferedDynamicLayer} if buffered else {DynamicLayer})
@@ -183,9 +186,9 @@ def test_cached_key_groups_hold_the_sinks_and_another_sink_count_is_refused():
     _, fm = focus("llama", num_groups=4, top_k=1, window=8, sink_tokens=3)
     x = ids(1, 40, seed=8)
     with torch.no_grad():
-        cache = fm(x[:, :30], use_cache=True).past_key_values
+        cache = cache_of(fm(x[:, :30], use_cache=True))
         layer = cache.layers[fm.focus_layers[0]]
         assert layer.groups[0, :3].all() and not layer.groups[0, 3:].all()
         fm.focus_config = fm.focus_config.replace(sink_tokens=2)
         with pytest.raises(ValueError, match="sink_tokens=3.*sink_tokens=2"):
-            fm(x[:, 30:31], cache=cache, use_cache=True)
+            fm(x[:, 30:31], **cache_kwargs(cache), use_cache=True)

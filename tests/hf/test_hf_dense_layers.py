@@ -10,6 +10,7 @@ import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad, positions
 
 from focus_attention.hf import FocusConfig, FocusModel
+from focus_attention.hf.compat import cache_kwargs, cache_of
 
 TOL = 1e-5
 N = 40
@@ -73,16 +74,16 @@ def test_switching_a_layer_while_a_cache_holds_keys_says_why():
     layer = fm.focus_layers[-1]
     fm.focus_config = fm.focus_config.replace(dense_layers=[layer])
     with torch.no_grad():
-        cache = fm(input_ids=x, use_cache=True).past_key_values
+        cache = cache_of(fm(input_ids=x, use_cache=True))
         fm.focus_config = fm.focus_config.replace(dense_layers=())
         with pytest.raises(ValueError, match="without Focus.*dense_layers"):
-            fm(input_ids=x[:, -1:], cache=cache, use_cache=True)
-        cache = fm(input_ids=x, use_cache=True).past_key_values  # filled routed
+            fm(input_ids=x[:, -1:], **cache_kwargs(cache), use_cache=True)
+        cache = cache_of(fm(input_ids=x, use_cache=True))  # filled routed
         fm.focus_config = fm.focus_config.replace(dense_layers=[layer])
-        fm(input_ids=x[:, -1:], cache=cache, use_cache=True)  # the dense step
+        fm(input_ids=x[:, -1:], **cache_kwargs(cache), use_cache=True)  # the dense step
         fm.focus_config = fm.focus_config.replace(dense_layers=())
         with pytest.raises(ValueError, match="Focus group rows.*dense_layers"):
-            fm(input_ids=x[:, -1:], cache=cache, use_cache=True)
+            fm(input_ids=x[:, -1:], **cache_kwargs(cache), use_cache=True)
 
 
 def test_the_router_of_a_dense_layer_gets_no_gradient():

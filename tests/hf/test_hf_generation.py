@@ -10,6 +10,7 @@ from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from focus_attention.hf import FocusCacheLayer
+from focus_attention.hf.compat import cache_kwargs, cache_of
 
 PROMPT, NEW = 300, 40
 
@@ -59,7 +60,7 @@ def test_chunked_prefill_equals_full_forward(arch):
     chunk_rec = []
     for start, stop in bounds:
         with torch.no_grad(), fm.record_routing() as rec:
-            out = fm(input_ids=x[:, start:stop], cache=cache, use_cache=True).logits
+            out = fm(input_ids=x[:, start:stop], **cache_kwargs(cache), use_cache=True).logits
         chunk_rec.append(rec)
         assert (out - full[:, start:stop]).abs().max() <= 1e-5, (start, stop)
     for layer in fm.focus_layers:
@@ -182,10 +183,10 @@ def test_soft_routing_cannot_continue_a_cache():
     x = ids(1, 20, seed=18)
     cache = DynamicCache(config=fm.config)
     with torch.no_grad():
-        fm(input_ids=x[:, :10], cache=cache, use_cache=True)
+        fm(input_ids=x[:, :10], **cache_kwargs(cache), use_cache=True)
         fm.set_routing("soft")
         with pytest.raises(ValueError, match="cannot continue from a KV cache"):
-            fm(input_ids=x[:, 10:], cache=cache, use_cache=True)
+            fm(input_ids=x[:, 10:], **cache_kwargs(cache), use_cache=True)
 
 
 def test_static_and_foreign_caches_are_refused():
@@ -194,12 +195,12 @@ def test_static_and_foreign_caches_are_refused():
     with torch.no_grad():
         static = StaticCache(config=fm.config, max_cache_len=32)
         with pytest.raises(ValueError, match="dynamic KV cache"):
-            fm(input_ids=x, cache=static, use_cache=True)
+            fm(input_ids=x, **cache_kwargs(static), use_cache=True)
         filled = DynamicCache(config=fm.config)
         with fm.disable_focus():
-            fm(input_ids=x, cache=filled, use_cache=True)
+            fm(input_ids=x, **cache_kwargs(filled), use_cache=True)
         with pytest.raises(ValueError, match="computed without Focus"):
-            fm(input_ids=x[:, :1], cache=filled, use_cache=True)
+            fm(input_ids=x[:, :1], **cache_kwargs(filled), use_cache=True)
 
 
 def test_generate_with_a_static_cache_is_refused_early():
@@ -251,7 +252,7 @@ def test_decoding_steps_route_in_one_fused_call(kernel_built, monkeypatch):
         out = fm(x[:, :70], use_cache=True)
         assert routed == []  # 70 tokens: the matrix products
         for t in range(70, 80):
-            step = fm(x[:, t : t + 1], cache=out.past_key_values, use_cache=True)
+            step = fm(x[:, t : t + 1], **cache_kwargs(cache_of(out)), use_cache=True)
             torch.testing.assert_close(step.logits[:, -1], full[:, t], atol=1e-4, rtol=0)
             out = step
     assert routed == [1] * (10 * len(fm.focus_layers))

@@ -11,6 +11,10 @@ from hypothesis import strategies as st
 from tiny import ARCHS, focus, ids, left_pad, positions
 
 from focus_attention.hf import FocusConfig
+from focus_attention.hf.compat import (
+    activation_checkpointing_enabled,
+    enable_activation_checkpointing,
+)
 from focus_attention.ops import straight_through
 from focus_attention.training.config import TrainConfig
 
@@ -197,7 +201,7 @@ def test_activation_checkpointing_gives_the_same_gradients(arch):
         _, fm = focus(arch, straight_through=True, top_k=1, window=8, sink_tokens=2)
         _random_bias(fm, seed=52)
         if checkpointing:
-            fm.gradient_checkpointing_enable()
+            enable_activation_checkpointing(fm)
         fm.train()
         fm(input_ids=x, labels=x, use_cache=False).loss.backward()
         grads.append({n: p.grad for n, p in fm.named_parameters() if p.grad is not None})
@@ -212,9 +216,8 @@ def _accumulated_step(arch, checkpointing, backwards, **cfg):
     _, fm = focus(arch, window=8, sink_tokens=2, **cfg)
     _random_bias(fm, seed=55)
     if checkpointing is not None:
-        fm.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
-        )
+        enable_activation_checkpointing(fm, use_reentrant=checkpointing == "reentrant")
+        assert activation_checkpointing_enabled(fm)
     fm.train()
     losses = []
     for step in range(3):

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..hf.compat import cache_kwargs, cache_of
 from ..utils.env import environment
 from .model import routers_record
 from .settings import DECODE_CONTEXTS, DecodeBenchConfig
@@ -167,7 +168,7 @@ class _Stepper:
 
     def __call__(self) -> None:
         i = self.position
-        self.model(input_ids=self.ids[:, i : i + 1], cache=self.cache, use_cache=True)
+        self.model(input_ids=self.ids[:, i : i + 1], **cache_kwargs(self.cache), use_cache=True)
         self.position += 1
 
 
@@ -181,7 +182,7 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
     with torch.inference_mode():
         for top_k in config.top_k:
             runner.set_top_k(top_k)
-            caches[top_k] = runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values  # fmt: skip
+            caches[top_k] = cache_of(runner(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1))
             calls[f"focus-{top_k}"] = _Stepper(runner, ids, n, caches[top_k])
             contexts[f"focus-{top_k}"] = functools.partial(_with_top_k, runner, top_k)
         for kind in DENSE_CACHES:
