@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from focus_attention.assets.settings import ModelsPrepareConfig, SetupConfig
 from focus_attention.bench import settings as bench_settings
+from focus_attention.cli.settings import ModelsPrepareConfig, SetupConfig
 from focus_attention.evaluation import settings as eval_settings
 from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
 from focus_attention.hf.config import FocusConfig

@@ -66,7 +66,7 @@ def test_help_imports_neither_torch_nor_transformers(argv):
         "import focus_attention.settings",
         "import focus_attention.evaluation.settings",
         "import focus_attention.bench.settings",
-        "import focus_attention.assets.settings",
+        "import focus_attention.cli.settings",
         "from focus_attention.hf import FocusConfig",
     ],
 )

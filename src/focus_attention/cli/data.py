@@ -16,10 +16,10 @@ from ..assets.benchmarks import (
 )
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS, list_corpora, prepare_corpus
-from ..assets.settings import PrepareSettings
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+from .settings import PrepareSettings
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

@@ -10,10 +10,10 @@ from typing import Any
 
 from ..assets.cache import dir_size, human_size, verify_entry
 from ..assets.models import DEFAULT_MODEL, list_models, prepare_model
-from ..assets.settings import ModelsPrepareConfig
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+from .settings import ModelsPrepareConfig
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

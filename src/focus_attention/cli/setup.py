@@ -12,10 +12,10 @@ from ..assets.benchmarks import BENCHMARK_DATA, prepare_benchmarks
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
 from ..assets.models import DEFAULT_MODEL, prepare_model
-from ..assets.settings import SetupConfig
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+from .settings import SetupConfig
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:

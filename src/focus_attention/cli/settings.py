@@ -1,16 +1,17 @@
 """The settings of the commands that prepare the offline cache: ``focus setup``,
 ``focus data prepare`` and ``focus models prepare`` (each field with help text a flag and a
 key of the command's ``--config`` table), composed from the shared groups of
-:mod:`focus_attention.settings`. Imports neither torch nor transformers."""
+:mod:`focus_attention.settings` (the assets, :mod:`focus_attention.assets`, come below the
+settings, so these live with the commands). Imports neither torch nor transformers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..assets.benchmarks import BENCHMARK_DATA
+from ..assets.corpora import DEFAULT_CORPUS
+from ..assets.models import DEFAULT_MODEL
 from ..settings import Settings, settings_class
-from .benchmarks import BENCHMARK_DATA
-from .corpora import DEFAULT_CORPUS
-from .models import DEFAULT_MODEL
 
 __all__ = ["ModelsPrepareConfig", "PrepareSettings", "SetupConfig"]
 
