@@ -1,13 +1,15 @@
 """Collect the retention runs (the steps of ``experiments/retention/config.toml``) into one table and one plot.
 
-usage: python experiments/retention/summarize.py [--results DIR] [--runs DIR]
+usage: python experiments/retention/summarize.py [--results DIR] [--runs DIR] [--collected FILE]
 
 Reads, per method NAME of :data:`METHODS`, ``RESULTS/NAME-eval.json`` (``focus eval`` on
 *Persuasion*), ``RESULTS/NAME-tasks.json`` and ``RESULTS/NAME-lambada.json`` (``focus bench
 tasks``), ``RESULTS/NAME-instructions.json`` (``focus bench instructions``) and
 ``RUNS/NAME/train_result.json`` (trainable parameters), and the untouched model's tasks
 (``untouched-*.json``). Missing files leave their cells empty. Writes ``retention.json``,
-``retention.md`` and ``retention.png`` into ``RESULTS``.
+``retention.md`` and ``retention.png`` into ``RESULTS``. With ``--collected FILE`` the record
+is read back from such a ``retention.json`` and only the table and plot are written, so that
+they are rebuilt from the study's results alone.
 
 Every difference is paired: the mean over the same examples (benchmarks) or prompts
 (instructions) of the method's score minus the untouched model's, with a 95% confidence
@@ -264,10 +266,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="experiments/retention/results")
     parser.add_argument("--runs", default="runs/retention")
+    parser.add_argument("--collected", help="read the record from this retention.json")
     args = parser.parse_args()
-    record = collect(args.results, args.runs)
     base = args.results
-    _write(os.path.join(base, "retention.json"), json.dumps(record, indent=2) + "\n")
+    if args.collected:
+        with open(args.collected) as fh:
+            record = json.load(fh)
+        record.pop("experiment", None)  # the runner's record of the step, not a method
+    else:
+        record = collect(args.results, args.runs)
+        _write(os.path.join(base, "retention.json"), json.dumps(record, indent=2) + "\n")
     text = markdown(record)
     _write(os.path.join(base, "retention.md"), text)
     plot(record, os.path.join(base, "retention.png"))
