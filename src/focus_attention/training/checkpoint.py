@@ -25,7 +25,13 @@ import torch
 
 from ..evaluation.trained import LORA_DIR, MODEL_DIR
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
-from ..utils.io import TRAIN_CONFIG_NAME, atomic_write, atomic_write_text, staged_directory
+from ..utils.io import (
+    TRAIN_CONFIG_NAME,
+    atomic_write,
+    atomic_write_text,
+    staged_directory,
+    unreadable,
+)
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -155,9 +161,23 @@ def load_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint directory.
 
     Raises:
+        FileNotFoundError: no state file.
+        UnreadableFileError: an empty, truncated, garbage or unreadable state file, or a
+            directory in its place (a ``ValueError``; the message names the file).
         ValueError: a state of another format version.
     """
-    state = torch.load(checkpoint / STATE_NAME, weights_only=True)
+    path = checkpoint / STATE_NAME
+    expected = f"the trainer state of a focus train checkpoint (torch.save, format {STATE_FORMAT})"
+    if path.is_dir():
+        raise unreadable(path, "a directory", expected)
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # torch.load raises many types for a damaged file
+        raise unreadable(path, f"not a readable torch.save file ({type(err).__name__}: {err})", expected) from err  # fmt: skip
+    if not isinstance(state, dict):
+        raise unreadable(path, f"a {type(state).__name__}", expected)
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"{checkpoint}: trainer state format {state.get('format')!r} unsupported")
     return state

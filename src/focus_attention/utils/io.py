@@ -163,7 +163,11 @@ class UnreadableFileError(ValueError):
 
 
 def unreadable(path: str | os.PathLike[str], why: str, expected: str) -> UnreadableFileError:
-    """The :class:`UnreadableFileError` ``"<path>: <why>; expected <expected>"``."""
+    """The :class:`UnreadableFileError` ``"<path>: <why>; expected <expected>"``, on one
+    line (runs of whitespace in ``why``, such as a library's multi-line message, become one
+    space; a ``why`` longer than 300 characters is cut there)."""
+    why = " ".join(why.split())
+    why = why if len(why) <= 300 else why[:297] + "..."
     return UnreadableFileError(f"{os.fspath(path)}: {why}; expected {expected}")
 
 
