@@ -88,10 +88,11 @@ def add_flags(
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
         joiner = "," if "type" in meta else " "  # a custom type parses one comma-separated value
         shown = "" if default in (None, ()) else f" (default {_shown(default, joiner)})"
-        kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse, several = _scalar(hints[field.name])
-        if several is None:
+        if several is None:  # one or several, as the class says
             several = field.name in getattr(cls, "SEVERAL", ())
+            shown = ("; one or more, each run in turn" if several else "") + shown
+        kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
         parse = meta.get("type", parse)
         if parse is None:
             raise TypeError(f"{cls.__name__}.{field.name}: no flag type (set metadata['type'])")
