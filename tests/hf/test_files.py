@@ -165,6 +165,20 @@ def test_a_weights_file_without_its_config_copy_is_refused(tmp_path):
         load(tmp_path)
 
 
+def test_an_adapter_whose_weights_carry_only_the_settings_loads(tmp_path):
+    """Adapters saved before the weights carried the whole config document: their copy
+    holds the settings only (no fingerprint), and the settings are compared."""
+    _, fm = focus("llama", window=8)
+    fm.save_pretrained(tmp_path)
+    settings = {"format": "pt", "focus_config": fm.focus_config.to_json_string()}
+    save_file(fm.focus_state_dict(), str(tmp_path / WEIGHTS_NAME), metadata=settings)
+    assert torch.equal(logits(load(tmp_path)), logits(fm))
+    edited = fm.focus_config.replace(window=16).to_json_string()
+    save_file(fm.focus_state_dict(), str(tmp_path / WEIGHTS_NAME), metadata={"focus_config": edited})  # fmt: skip
+    with pytest.raises(ValueError, match="window=8 in focus_config.json, 16 in the weights"):
+        load(tmp_path)
+
+
 def test_the_weights_file_carries_the_config_file(tmp_path):
     _, fm = focus("llama")
     fm.save_pretrained(tmp_path)
@@ -262,15 +276,18 @@ def test_a_trainer_file_with_a_damaged_config_entry_is_one_error_naming_it(tmp_p
     assert str(tmp_path / TRAINER_WEIGHTS_NAME) in str(err.value)
 
 
+@pytest.mark.parametrize("name", [WEIGHTS_NAME, CONFIG_NAME])
 @pytest.mark.parametrize("how", ["empty", "garbage", "directory"])
-def test_the_command_line_reports_a_damaged_adapter_on_one_line(assets, tmp_path, capsys, how):
+def test_the_command_line_reports_a_damaged_adapter_on_one_line(
+    assets, tmp_path, capsys, how, name
+):
     from focus_attention import cli
     from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusConfig, get_focus_model
 
     base, _ = load_model(str(assets["model"]), quiet=True)
     get_focus_model(base, FocusConfig(num_groups=4)).save_pretrained(tmp_path)
-    _damage(tmp_path / WEIGHTS_NAME, how)
+    _damage(tmp_path / name, how)
     rc = cli.main(["eval", "--model", str(assets["model"]), "--adapter", str(tmp_path),
                    "--corpus", str(assets["corpus"]), "--seq-len", "32", "--max-tokens", "64",
                    "--no-progress"])  # fmt: skip
@@ -278,4 +295,4 @@ def test_the_command_line_reports_a_damaged_adapter_on_one_line(assets, tmp_path
     assert rc == 1 and "Traceback" not in err
     reported = [line for line in err.splitlines() if line.startswith("focus: error:")]
     assert len(reported) == 1 and err.rstrip().endswith(reported[0])
-    assert reported[0].startswith(f"focus: error: {tmp_path / WEIGHTS_NAME}: ")
+    assert reported[0].startswith(f"focus: error: {tmp_path / name}: ")

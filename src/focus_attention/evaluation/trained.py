@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..hf.files import CONFIG_NAME
+from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import weights_sha256
 
 __all__ = [
@@ -48,10 +48,12 @@ LORA_CONFIG_FILE = "adapter_config.json"
 
 def run_parts(directory: str | Path) -> dict[str, bool]:
     """Which parts a run directory (or checkpoint) holds: ``focus`` (a Focus adapter),
-    ``lora`` (a peft adapter in ``lora/``), ``model`` (base weights in ``model/``)."""
+    ``lora`` (a peft adapter in ``lora/``), ``model`` (base weights in ``model/``). A
+    Focus adapter counts when either of its files is there, so that the reader reports a
+    damaged or missing one by name."""
     d = Path(directory)
     return {
-        "focus": (d / CONFIG_NAME).is_file(),
+        "focus": (d / CONFIG_NAME).exists() or (d / WEIGHTS_NAME).exists(),
         "lora": (d / LORA_DIR / LORA_CONFIG_FILE).is_file(),
         "model": (d / MODEL_DIR / "config.json").is_file(),
     }

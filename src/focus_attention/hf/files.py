@@ -351,8 +351,9 @@ def read_adapter(directory: Path) -> tuple[FocusConfig, dict[str, Any], dict[str
         raise ValueError(
             f"{config_path} and {weights_path} do not belong together: the weights were "
             f"saved with other settings ({'; '.join(differ)}); a save into {directory} was "
-            "cut short, or one of the files was copied from another adapter. Save the "
-            "adapter again (FocusModel.save_pretrained)"
+            "cut short, or one of the files was copied or edited apart from the other. Save "
+            "the adapter again with FocusModel.save_pretrained (to change its settings: load "
+            "it, assign focus_config, then save; or focus calibrate --out)"
         )
     return config, extra, tensors
 
