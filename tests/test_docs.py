@@ -258,3 +258,27 @@ def test_python_blocks_run(page, block, tmp_path, monkeypatch, kernel_built):
     if page == "README.md":
         assert namespace["out"].shape == namespace["q"].shape
         assert namespace["focus"].focus_config.window == 64
+
+
+def test_site_has_a_page_at_every_study_link(tmp_path):
+    """The docs site's hook puts each study at the URL that a guide's repository link names:
+    ``../experiments/<study>/`` from a page of docs/ is ``experiments/<study>/`` on the site."""
+    import importlib.util
+
+    pytest.importorskip("mkdocs")
+    from mkdocs.structure.files import Files
+
+    spec = importlib.util.spec_from_file_location("studies", ROOT / "docs" / "hooks" / "studies.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    files = hook.on_files(Files([]), {"site_dir": str(tmp_path), "use_directory_urls": True})
+    urls = {f.url for f in files}
+    linked = {
+        target.split("#")[0].removeprefix("../")
+        for page in (ROOT / "docs").glob("*.md")
+        for _, target in links(page)
+        if target.startswith("../experiments/")
+    }
+    assert linked, "the guides link to no study"
+    assert linked <= urls
+    assert "configs/pretrain/linux-docs-small.toml" in urls
