@@ -282,3 +282,26 @@ def test_site_has_a_page_at_every_study_link(tmp_path):
     assert linked, "the guides link to no study"
     assert linked <= urls
     assert "configs/pretrain/linux-docs-small.toml" in urls
+
+
+def test_flags_named_in_the_guides_exist():
+    """A flag named on its own in a guide's prose (`--save-every`) is a documented flag of some
+    ``focus`` command (flags of other tools appear after their command's name)."""
+    from focus_attention.cli import build_parser
+    from focus_attention.cli.reference import iter_commands
+
+    flags = {
+        flag
+        for _, parser, _ in iter_commands(build_parser())
+        for action in parser._actions
+        if action.help != argparse.SUPPRESS
+        for flag in action.option_strings
+    }
+    unknown = [
+        f"{_rel(page)}:{number}: {span.group(2)}"
+        for page in GUIDE_PAGES
+        for number, line in _prose_and_code(page.read_text(encoding="utf-8"))[0]
+        for span in CODE_SPAN.finditer(line)
+        if span.group(2).startswith("--") and span.group(2).split()[0] not in flags
+    ]
+    assert not unknown, "flags no focus command documents:\n" + "\n".join(unknown)
