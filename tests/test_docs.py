@@ -197,10 +197,15 @@ def _subparser(parser: argparse.ArgumentParser, words: list[str]):
     return parser, words
 
 
-def test_commands_in_the_pages_use_existing_flags():
+@pytest.fixture(scope="module")
+def focus_parser() -> argparse.ArgumentParser:
     from focus_attention.cli import build_parser
 
-    root = build_parser()
+    return build_parser()
+
+
+def test_commands_in_the_pages_use_existing_flags(focus_parser):
+    root = focus_parser
     unknown = []
     for page in PAGES:
         for command in _command_lines(page.read_text(encoding="utf-8")):
@@ -284,15 +289,14 @@ def test_site_has_a_page_at_every_study_link(tmp_path):
     assert "configs/pretrain/linux-docs-small.toml" in urls
 
 
-def test_flags_named_in_the_guides_exist():
+def test_flags_named_in_the_guides_exist(focus_parser):
     """A flag named on its own in a guide's prose (`--save-every`) is a documented flag of some
     ``focus`` command (flags of other tools appear after their command's name)."""
-    from focus_attention.cli import build_parser
     from focus_attention.cli.reference import iter_commands
 
     flags = {
         flag
-        for _, parser, _ in iter_commands(build_parser())
+        for _, parser, _ in iter_commands(focus_parser)
         for action in parser._actions
         if action.help != argparse.SUPPRESS
         for flag in action.option_strings
