@@ -6,11 +6,11 @@ which ``int | tuple`` fields take several values there.
 
 Every field with ``metadata["help"]`` is a command-line flag and a key of the command's
 ``--config`` table (:mod:`focus_attention.cli.flags`). This module and the settings modules
-that build on it (``evaluation/settings.py``, ``bench/settings.py``) import neither torch
-nor transformers.
+that build on it (``evaluation/settings.py``, ``bench/settings.py``, ``cli/settings.py``)
+import neither torch nor transformers; checks that need torch import it when they run.
 
-Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``progress``), :class:`ResultFile` (``json``),
-:class:`ModelSettings` (``model``, ``adapter``), :class:`TextSettings` (``corpus``,
+Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``progress``),
+:class:`ResultFile` (``json``), :class:`ModelSettings` (``model``, ``adapter``), :class:`TextSettings` (``corpus``,
 ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
 :class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
 ``sink_tokens``, ``dense_layers``, ``query_top_k``, ``inference_routing``),
@@ -33,6 +33,8 @@ from .hf.config import INFERENCE_ROUTINGS
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
+    "ADAPTER_OVERRIDES",
+    "SHARED_CHECKS",
     "AdapterOverrides",
     "BlockSettings",
     "DeviceSettings",
