@@ -70,7 +70,7 @@ class LayerHandle:
         runtime = self.runtime
         return (
             self.router is not None
-            and runtime.enabled
+            and runtime.current("enabled")
             and self.layer_idx not in runtime.focus_config.dense_layers
         )
 
@@ -206,7 +206,7 @@ def focus_attention_forward(
     if handle is None:
         raise _no_adapter_error()
     runtime = handle.runtime
-    if handle.routed and runtime.dense_recorder is not None:
+    if handle.routed and runtime.current("dense_recorder") is not None:
         _record_dense(handle, module, query, key, attention_mask, scaling, kwargs)
     elif handle.routed:
         return _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
@@ -245,7 +245,7 @@ def _record_dense(handle, module, query, key, attention_mask, scaling, kwargs) -
             "use_cache=False inside it"
         )
     call = _resolve_call(handle, module, query, key, key, attention_mask, scaling, kwargs)
-    handle.runtime.dense_recorder.append(
+    handle.runtime.current("dense_recorder").append(
         {
             "layer": handle.layer_idx,
             "hidden": call.hidden.detach(),
@@ -385,7 +385,7 @@ def _soft_attention(handle: LayerHandle, call: LayerCall, scores: torch.Tensor, 
     record["probs"] = probs.detach()
     if groups is not None:  # the groups this forward attended with
         return out, _real_only(groups[0], call), _real_only(groups[1], call)
-    if call.cache_layer is None and runtime.recorder is None:
+    if call.cache_layer is None and runtime.current("recorder") is None:
         return out, None, None
     # keep the cache consistent should decoding continue in top-k mode
     q_groups = _real_only(router.causal_groups(scores.detach(), cfg.top_k), call)
@@ -550,7 +550,8 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
             call.cache_layer.append_groups(keys, call.sink_tokens)
     else:
         out, q_groups, k_groups, maps = _topk_attention(handle, call)
-    if runtime.recorder is not None:
+    recorder = runtime.current("recorder")
+    if recorder is not None:
         record.update(
             query_groups=q_groups.detach(),
             key_groups=None if k_groups is None else k_groups.detach(),
@@ -558,7 +559,7 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
             sinks=call.sinks,
             num_keys=call.key.shape[2],
         )
-        runtime.recorder.append(record)
+        recorder.append(record)
     return out, maps
 
 

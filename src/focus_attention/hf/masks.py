@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
+from .runtime import disabled_base_impl
+
 #: queries per block when a non-trivial mask pattern is checked (bounds its memory).
 CHECK_BLOCK = 1024
 
@@ -141,6 +143,11 @@ def focus_mask_interface(**kwargs: Any) -> FocusMask:
     (``batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
     attention_mask`` (2-D bool ``[B, L]`` or None), ``config``, ``device``, ...) and returns a
     :class:`FocusMask` wrapping them (docs/method.md §8). Whether the model has Focus
-    attached is checked by the attention function, which sees the modules.
+    attached is checked by the attention function, which sees the modules. Inside
+    ``disable_focus()`` (in the calling thread) it returns the base implementation's own
+    mask instead, so the model is called exactly as the base model.
     """
+    impl = disabled_base_impl(kwargs.get("config"))
+    if impl is not None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[impl](**kwargs)
     return FocusMask(kwargs)

@@ -205,6 +205,7 @@ class FocusModel(nn.Module):
         _warn_replaced_sliding_window(model_config, layers, config.window)
         runtime = FocusRuntime(config.replace(layers=layers), base_impl, routing=config.routing)
         runtime.focus_layers, runtime.num_layers = tuple(layers), len(modules)
+        runtime.model_config = model_config
         object.__setattr__(self, "_runtime", runtime)
         self.architecture = arch
         self.base_model = base_model
@@ -341,18 +342,18 @@ class FocusModel(nn.Module):
         if self._unloaded:
             raise ValueError("this FocusModel was unloaded; wrap the base model again")
         current = self.base_model.config._attn_implementation
-        if self._runtime.enabled and current != ATTN_IMPLEMENTATION:
+        if current != ATTN_IMPLEMENTATION:
             raise switched_implementation_error(current)
 
     def _sequence_topk(self) -> bool:
         return (
             self.focus_config.inference_routing == "sequence"
-            and self._runtime.enabled
+            and self._runtime.current("enabled")
             and self.routing_mode == "topk"
         )
 
     def _cache_defaults(self, kwargs: dict, args: tuple = (), *, generate: bool = False) -> dict:
-        if self._runtime.enabled:
+        if self._runtime.current("enabled"):
             impl = None
             if generate:  # generate(inputs, generation_config, ...)
                 gen_cfg = args[1] if len(args) > 1 else kwargs.get("generation_config")
@@ -409,7 +410,9 @@ class FocusModel(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The base model's ``generate``, always with top-k routing: generation is inference,
         so under ``routing="auto"`` it routes top-k even while the model is in ``train()``
-        mode (no routing-bias update). KV-cache decoding needs ``inference_routing="causal"``;
+        mode (no routing-bias update). The top-k routing holds for this call's thread only:
+        another thread training the model meanwhile keeps its soft routing. KV-cache
+        decoding needs ``inference_routing="causal"``;
         with ``"sequence"`` it runs without a cache (``use_cache=True`` raises ``ValueError``).
         Only the dynamic cache (the default) works: a static, quantized or other
         ``cache_implementation`` raises ``ValueError``.
@@ -420,18 +423,15 @@ class FocusModel(nn.Module):
         """
         self._check_live()
         runtime = self._runtime
-        if runtime.enabled and runtime.routing == "soft":
+        routing = runtime.current("routing")
+        if runtime.current("enabled") and routing == "soft":
             raise ValueError(
                 "generate() with set_routing('soft'): soft (Sinkhorn) routing is not causal and "
                 "cannot decode with a KV cache; use set_routing('auto') or 'topk'"
             )
-        previous = runtime.routing
-        runtime.routing = "topk" if previous == "auto" else previous
-        try:
+        with runtime.switched(routing="topk" if routing == "auto" else routing):
             kwargs = self._cache_defaults(kwargs, args, generate=True)
             return self.base_model.generate(*args, **kwargs)
-        finally:
-            runtime.routing = previous
 
     def set_attn_implementation(self, attn_implementation: Any, **kwargs: Any) -> None:
         """Refuse to switch a Focus model to another attention implementation (its Focus
@@ -466,19 +466,16 @@ class FocusModel(nn.Module):
 
     @contextlib.contextmanager
     def disable_focus(self) -> Iterator[None]:
-        """Context in which the model is exactly the base model (its own attention
-        implementation, masks and caches); Focus comes back on exit."""
+        """Context in which the model computes exactly the base model (every layer runs its
+        base attention implementation, with its masks and caches); Focus comes back on exit.
+
+        The switch belongs to the calling thread (or asyncio task): other threads calling the
+        model meanwhile keep Focus. The model's ``config._attn_implementation`` stays
+        ``"focus"``; the Focus attention function hands every layer to the base
+        implementation (docs/method.md §8)."""
         self._check_live()
-        runtime = self._runtime
-        cfg = self.base_model.config
-        previous = runtime.enabled
-        runtime.enabled = False
-        cfg._attn_implementation = runtime.base_impl
-        try:
+        with self._runtime.switched(enabled=False):
             yield
-        finally:
-            runtime.enabled = previous
-            cfg._attn_implementation = ATTN_IMPLEMENTATION if previous else runtime.base_impl
 
     @contextlib.contextmanager
     def record_routing(self) -> Iterator[list[dict[str, Any]]]:
@@ -510,15 +507,11 @@ class FocusModel(nn.Module):
 
     @contextlib.contextmanager
     def _recording(self, attr: str) -> Iterator[list[dict[str, Any]]]:
-        """A fresh list in the runtime's recorder ``attr`` for the context; the previous
-        recorder is put back on exit."""
+        """A fresh list in the runtime's recorder ``attr`` for the context, in the calling
+        thread only; the previous recorder is back on exit."""
         records: list[dict[str, Any]] = []
-        previous = getattr(self._runtime, attr)
-        setattr(self._runtime, attr, records)
-        try:
+        with self._runtime.switched(**{attr: records}):
             yield records
-        finally:
-            setattr(self._runtime, attr, previous)
 
     @torch.no_grad()
     def calibrate(
@@ -539,14 +532,12 @@ class FocusModel(nn.Module):
                     router.routing_bias.zero_()
                     router.bias_updates.zero_()
         was = {name: m.training for name, m in self.named_modules()}
-        routing = self._runtime.routing
         try:
             self.base_model.eval()
             self.routers.train()
-            self._runtime.routing = "soft"
-            self.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with self._runtime.switched(routing="soft"):
+                self.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # fmt: skip
         finally:
-            self._runtime.routing = routing
             for name, m in self.named_modules():
                 m.training = was[name]
 

@@ -4,11 +4,20 @@ Everything a Focus layer needs is reachable from the modules it runs in (no glob
 each attention module of a wrapped model carries a handle in ``module._focus_handle`` and each
 ``PreTrainedModel`` of it carries the shared :class:`FocusRuntime` in ``module._focus_runtime``.
 Copies (``copy.deepcopy``, pickling) therefore carry their own, independent Focus state.
+
+Settings (``set_routing``, ``focus_config``, ``train()``/``eval()``) are model-wide. The
+switches a context turns on for a while (``disable_focus()``, the top-k routing of
+``generate()``, the routing recorders) belong to the calling thread, or asyncio task: they
+are :class:`contextvars.ContextVar` overrides (:meth:`FocusRuntime.switched`), so another
+thread calling the same model meanwhile is not affected (docs/method.md §8).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +28,10 @@ from ..utils.compile import eager_only
 ATTN_IMPLEMENTATION = "focus"
 #: attribute (in ``module.__dict__``) holding the runtime on the hooked PreTrainedModels
 RUNTIME_ATTR = "_focus_runtime"
+#: the switches a context may override (see :meth:`FocusRuntime.switched`)
+SWITCHES = ("enabled", "routing", "recorder", "dense_recorder")
+#: the overrides active in this thread / task: ``((runtime, {switch: value}), ...)``, innermost last
+_OVERRIDES: contextvars.ContextVar[tuple] = contextvars.ContextVar("focus_overrides", default=())
 
 
 @dataclass(eq=False)
@@ -29,18 +42,23 @@ class FocusRuntime:
         focus_config: the :class:`FocusConfig` in use, read by every Focus-layer call (replaced
             as a whole when ``FocusModel.focus_config`` is assigned).
         base_impl: the model's attention implementation before Focus (``"sdpa"``, ``"eager"``...).
-        enabled: False inside ``disable_focus()``.
-        routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`).
-        recorder: list receiving one record per Focus-layer call while recording, else None.
+        enabled: whether Focus is on, model-wide (True; ``disable_focus()`` overrides it in
+            its own thread, see :meth:`current`).
+        routing: ``"auto"``, ``"soft"`` or ``"topk"`` (see :class:`FocusConfig`), model-wide
+            (``generate()`` overrides it in its own thread).
+        recorder: list receiving one record per Focus-layer call while recording, else None
+            (set by ``FocusModel.record_routing()`` for its own thread).
         dense_recorder: list receiving, per Focus-layer call, the dense attention's inputs
             while ``FocusModel.record_dense_attention()`` is active (Focus layers then run
-            the base implementation), else None.
+            the base implementation), else None (set for its own thread).
         calls: number of model calls so far (the routing bias is updated once per call).
         want_attentions: per thread, whether its current call asked for attention maps
             (read it with :meth:`wants_attentions`).
         focus_layers: indices of the Focus layers; num_layers: attention layers of the model.
         routers: the routers of the Focus layers, keyed by layer index.
         warned: warnings already given for this model (each is given once).
+        model_config: the wrapped model's ``PretrainedConfig`` (its mask function finds the
+            runtime through it, see :func:`disabled_base_impl`).
     """
 
     focus_config: Any
@@ -55,16 +73,54 @@ class FocusRuntime:
     num_layers: int = 0
     routers: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
+    model_config: Any = field(default=None, repr=False)
+
+    def current(self, name: str) -> Any:
+        """The value of the switch ``name`` (one of :data:`SWITCHES`) for the calling thread or
+        task: the innermost :meth:`switched` override of this runtime, else the field."""
+        for runtime, overrides in reversed(_OVERRIDES.get()):
+            if runtime is self and name in overrides:
+                return overrides[name]
+        return getattr(self, name)
+
+    @contextlib.contextmanager
+    def switched(self, **overrides: Any) -> Iterator[None]:
+        """Context in which :meth:`current` returns ``overrides`` in the calling thread (or
+        asyncio task) only; other threads keep seeing the model-wide fields. Nests.
+
+        Raises:
+            ValueError: a name that is not one of :data:`SWITCHES`.
+        """
+        unknown = sorted(set(overrides) - set(SWITCHES))
+        if unknown:
+            raise ValueError(f"FocusRuntime.switched: unknown switches {unknown}; expected some of {SWITCHES}")  # fmt: skip
+        token = _OVERRIDES.set((*_OVERRIDES.get(), (self, overrides)))
+        try:
+            yield
+        finally:
+            _OVERRIDES.reset(token)
 
     def wants_attentions(self) -> bool:
         """Whether the current call of this thread asked for attention maps."""
         return self.want_attentions.get(threading.get_ident(), False)
 
     def mode(self, router: torch.nn.Module) -> str:
-        """``"soft"`` or ``"topk"`` for ``router`` under the current settings."""
-        if self.routing == "auto":
+        """``"soft"`` or ``"topk"`` for ``router`` under the current settings (this thread's
+        routing override, else the model-wide ``routing``)."""
+        routing = self.current("routing")
+        if routing == "auto":
             return "soft" if router.training else "topk"
-        return self.routing
+        return routing
+
+
+def disabled_base_impl(model_config: Any) -> str | None:
+    """The base attention implementation of the model whose config is ``model_config`` when
+    the calling thread runs it inside ``disable_focus()``, else None: its mask function then
+    builds the base implementation's mask, as the base model would."""
+    for runtime, _ in _OVERRIDES.get():
+        if runtime.model_config is model_config and not runtime.current("enabled"):
+            return runtime.base_impl
+    return None
 
 
 def runtime_of(module: torch.nn.Module) -> FocusRuntime | None:
@@ -114,7 +170,7 @@ def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             attention maps that cannot be returned one per layer.
     """
     runtime = runtime_of(module)
-    if runtime is None or not runtime.enabled:
+    if runtime is None or not runtime.current("enabled"):
         return
     current = module.config._attn_implementation
     if current != ATTN_IMPLEMENTATION:
