@@ -38,7 +38,6 @@ import torch
 from ..evaluation.trained import base_weights_report, tensor_digests
 from ..hf import FocusModel
 from ..hf.model import WEIGHTS_NAME
-from ..ops import dominance
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import write_json_atomic
 from .checkpoint import (
@@ -72,6 +71,7 @@ from .methods import (
 )
 from .plot import write_plot
 from .schedule import block_indices
+from .trainer import routing_dominance
 
 __all__ = ["TrainResult", "train", "trainable_parameters"]
 
@@ -171,30 +171,6 @@ class SigintGuard:
             if self.depth == 0 and self.pending:
                 self.pending = False
                 raise KeyboardInterrupt
-
-
-def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Dominance of the recorded routing (docs/method.md §2), over layers: ``dominance``
-    (mean) and ``dominance_max`` (worst layer) of the tokens' largest Sinkhorn weights, and
-    ``dominance_topk`` (mean) of the causal top-k memberships."""
-    soft, hard = [], []
-    for r in records:
-        probs = r.get("probs")
-        if probs is not None:
-            onehot = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).bool()
-            soft.append(dominance(onehot, r.get("key_padding")))
-        if r.get("query_groups") is not None:
-            pad = r.get("key_padding")
-            if pad is not None:
-                pad = pad[:, pad.shape[1] - r["query_groups"].shape[1] :]
-            hard.append(dominance(r["query_groups"], pad))
-    out: dict[str, float] = {}
-    if soft:
-        out["dominance"] = sum(soft) / len(soft)
-        out["dominance_max"] = max(soft)
-    if hard:
-        out["dominance_topk"] = sum(hard) / len(hard)
-    return out
 
 
 def validation_perplexity(

@@ -24,6 +24,7 @@ Kaiming-uniform, ``B`` zero), independently of the global random state.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -274,7 +275,11 @@ def _new_lora(hf: Any, cfg: TrainConfig, focus: FocusModel | None = None) -> tup
     info.update(rank=rank, alpha=alpha, dropout=dropout, parameters=rank * per_rank)
     lcfg = peft_module.LoraConfig(r=rank, lora_alpha=alpha, target_modules=full,
                                   lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        # peft reads transformers' deprecated alias ``is_gradient_checkpointing``
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
         torch.manual_seed(cfg.seed)
         peft = peft_module.get_peft_model(hf, lcfg)
     return peft, {"lora": info}
@@ -415,17 +420,19 @@ def start_phase2(trainee: Trainee, cfg: TrainConfig) -> Trainee:
     return new
 
 
-def step_loss(trainee: Trainee, x: torch.Tensor, cfg: TrainConfig, generator: torch.Generator) -> StepLoss:  # fmt: skip
+def step_loss(trainee: Trainee, x: torch.Tensor, cfg: TrainConfig, generator: torch.Generator,
+              forward: Any = None) -> StepLoss:  # fmt: skip
     """The loss of one micro-batch ``x`` (int64 ``[B, N]``): ``cfg.objective`` with Focus
     (:func:`~.objectives.objective_loss`); next-token cross-entropy (nats/token) of the
-    dense model otherwise.
+    dense model otherwise. ``forward`` runs the forward that carries the gradient (the
+    model as the engine wraps it, such as DDP's module; default ``trainee.model``).
 
     Raises:
         RuntimeError: a non-finite loss.
     """
     if trainee.focus is not None:
-        return objective_loss(trainee.model, x, cfg, generator)
-    loss = trainee.model(input_ids=x, labels=x, use_cache=False).loss
+        return objective_loss(trainee.model, x, cfg, generator, forward)
+    loss = (forward or trainee.model)(input_ids=x, labels=x, use_cache=False).loss
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite training loss {float(loss)}")
     return StepLoss(loss, {"loss": float(loss.detach())})

@@ -46,21 +46,25 @@ def _check_finite(loss: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"non-finite training {what} {float(loss)}")
 
 
-def lm_step(model: Any, x: torch.Tensor) -> StepLoss:
-    """Next-token cross-entropy (nats/token) of the soft-routed model on ``x``."""
+def lm_step(model: Any, x: torch.Tensor, forward: Any = None) -> StepLoss:
+    """Next-token cross-entropy (nats/token) of the soft-routed model on ``x``; the forward
+    runs through ``forward`` (the model as the engine wraps it, such as DDP's module;
+    default ``model``)."""
     with model.record_routing() as records:
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss = (forward or model)(input_ids=x, labels=x, use_cache=False).loss
     _check_finite(loss, "loss")
     return StepLoss(loss, {"loss": float(loss.detach())}, records)
 
 
-def distill_step(model: Any, x: torch.Tensor, weight_lm: float, weight_kl: float) -> StepLoss:
+def distill_step(model: Any, x: torch.Tensor, weight_lm: float, weight_kl: float,
+                 forward: Any = None) -> StepLoss:  # fmt: skip
     """``weight_lm * cross-entropy + weight_kl * KL(dense || Focus)`` on ``x``; the KL is
-    per token (nats), averaged over every position of the batch."""
+    per token (nats), averaged over every position of the batch. The student's forward runs
+    through ``forward`` (as in :func:`lm_step`), the teacher's through ``model``."""
     with torch.no_grad(), model.disable_focus():
         teacher = model(input_ids=x, use_cache=False).logits.float()
     with model.record_routing() as records:
-        out = model(input_ids=x, labels=x, use_cache=False)
+        out = (forward or model)(input_ids=x, labels=x, use_cache=False)
     log_student = torch.log_softmax(out.logits.float(), dim=-1)
     log_teacher = torch.log_softmax(teacher, dim=-1)
     kl = (log_teacher.exp() * (log_teacher - log_student)).sum(-1).mean()
@@ -135,17 +139,19 @@ def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Ge
     return StepLoss(loss, metrics, routing)
 
 
-def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Generator) -> StepLoss:  # fmt: skip
+def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Generator,
+                   forward: Any = None) -> StepLoss:  # fmt: skip
     """The loss of ``cfg.objective`` (a :class:`~.config.TrainConfig`) on ``x`` int64
-    ``[B, N]``.
+    ``[B, N]``; ``forward`` (default ``model``) runs the forward that carries the gradient
+    of ``lm``, ``distill`` and ``mix`` (the coverage objective scores the routers directly).
 
     Raises:
         RuntimeError: a non-finite loss.
     """
     if cfg.objective == "lm":
-        return lm_step(model, x)
+        return lm_step(model, x, forward)
     if cfg.objective == "distill":
-        return distill_step(model, x, 0.0, 1.0)
+        return distill_step(model, x, 0.0, 1.0, forward)
     if cfg.objective == "mix":
-        return distill_step(model, x, 1.0, cfg.distill_weight)
+        return distill_step(model, x, 1.0, cfg.distill_weight, forward)
     return coverage_step(model, x, cfg.coverage_queries, generator)

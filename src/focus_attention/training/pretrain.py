@@ -15,10 +15,10 @@ adds to the Trainer:
   by :func:`~focus_attention.evaluation.score_windows`: for Focus with soft routing (the
   training-time model) and with hard top-k routing for each ``eval_top_k`` (what inference
   uses), for dense attention the dense model;
-* the routing-bias statistics (:meth:`~focus_attention.hf.router.FocusRouter.update_bias`,
-  updated by every soft training forward) averaged across ranks after every optimizer step,
-  with DDP's buffer broadcast off, so every rank holds the statistics of the global batch and
-  ends with the same routers (:class:`RoutingBiasSync`);
+* nothing for the routing-bias statistics: every soft training forward folds the batches of
+  every rank into them (:meth:`~focus_attention.hf.router.FocusRouter.update_bias`), so
+  under DDP's defaults every rank ends with the same routers, those of one process with
+  ``grad_accum`` times the number of ranks;
 * records that the two attention types saw the same data: the SHA-256 of the initial model
   weights, of the training blocks and of every batch in the order it was fed.
 """
@@ -28,20 +28,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import time
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from ..hf.config import FocusConfig
 from ..utils.checks import bad, check_int, check_known_keys, check_number, comma_ints
+from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
 from .scratch_model import SIZES, ModelSize, resolve_size
+from .validation import validation_perplexities
 
 __all__ = [
     "ATTENTIONS",
@@ -248,14 +249,6 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def perplexity(nll_sum: float, tokens: int) -> float:
-    """``exp(nll_sum / tokens)`` (``inf`` when it overflows)."""
-    try:
-        return math.exp(nll_sum / tokens)
-    except OverflowError:
-        return math.inf
-
-
 # --------------------------------------------------------------------------------------------
 # the pieces handed to transformers.Trainer
 # --------------------------------------------------------------------------------------------
@@ -279,132 +272,6 @@ class BatchDigest:
     def hexdigest(self) -> str:
         """The SHA-256 (hex) of the batches so far."""
         return self.digest.hexdigest()
-
-
-@torch.no_grad()
-def average_routing_bias(routers: list[Any]) -> float:
-    """Replace every router's ``routing_bias`` ``[K]`` by its mean over the ranks of the
-    initialised ``torch.distributed`` process group (a no-op in one process).
-
-    All ranks start a step with the same bias and fold their own batches in with the same
-    weights (:meth:`~focus_attention.hf.router.FocusRouter.update_bias` is affine in the batch
-    means with coefficients set by ``bias_updates``), so the mean over ranks equals the bias
-    one process would hold after folding in the mean of all ranks' column biases.
-
-    Returns:
-        the largest absolute difference between a rank's bias and the mean, before the
-        average (0.0 in one process): how far apart the ranks' statistics were.
-
-    Raises:
-        RuntimeError: ranks with different ``bias_updates`` (they fed different numbers of
-            soft forwards, so their statistics cannot be averaged).
-    """
-    import torch.distributed as dist
-
-    if not routers or not (dist.is_available() and dist.is_initialized()):
-        return 0.0
-    world = dist.get_world_size()
-    if world == 1:
-        return 0.0
-    counts = torch.stack([r.bias_updates for r in routers])
-    highest = counts.clone()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    if not torch.equal(highest, counts):
-        raise RuntimeError(
-            f"routing-bias updates differ across ranks ({counts.tolist()} here, at most "
-            f"{highest.tolist()}): every rank must run the same number of training forwards"
-        )
-    bias = torch.stack([r.routing_bias for r in routers])
-    mean = bias.clone()
-    dist.all_reduce(mean, op=dist.ReduceOp.SUM)
-    mean /= world
-    gap = float((bias - mean).abs().max())
-    for router, row in zip(routers, mean, strict=True):
-        router.routing_bias.copy_(row)
-    return gap
-
-
-class RoutingBiasSync(TrainerCallback):
-    """After every optimizer step, :func:`average_routing_bias` over the Focus routers (the
-    Trainer must run DDP with ``ddp_broadcast_buffers=False``, or rank 0's buffers would
-    overwrite the others' before every forward). ``max_gap`` keeps the largest rank gap."""
-
-    def __init__(self, routers: list[Any]) -> None:
-        self.routers = list(routers)
-        self.max_gap = 0.0
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.max_gap = max(self.max_gap, average_routing_bias(self.routers))
-
-
-class StepTimer(TrainerCallback):
-    """Wall seconds spent in optimizer steps (forward, backward, optimizer; validation and
-    checkpointing excluded), for the throughput."""
-
-    def __init__(self) -> None:
-        self.seconds, self.steps, self._start = 0.0, 0, 0.0
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.seconds += time.perf_counter() - self._start
-        self.steps += 1
-
-
-class JsonlLog(TrainerCallback):
-    """Appends every Trainer log entry (``{"step": ..., **logs}``) to a JSON-lines file, on
-    the main process only."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        if state.is_world_process_zero and logs:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
-
-
-@torch.no_grad()
-def validation_perplexities(
-    model: Any, focus: Any, blocks: torch.Tensor, top_k: tuple[int, ...], train_top_k: int
-) -> dict[str, float]:
-    """Validation perplexity of ``blocks`` ``LongTensor [n, seq_len]`` by
-    :func:`~focus_attention.evaluation.score_windows` (every block on its own, token-weighted;
-    docs/method.md §9), the model in eval mode.
-
-    Returns:
-        ``ppl`` (dense: the model; Focus: soft Sinkhorn routing, the training-time model),
-        with Focus ``ppl_top<k>`` for every ``k`` in ``top_k`` (hard causal top-k routing,
-        the inference-time model), ``loss`` (``log ppl``, nats per token) and ``tokens``.
-        ``model`` ends in the mode it was in; ``focus`` (the :class:`FocusModel`, or None)
-        ends with routing ``"auto"`` and ``top_k = train_top_k``.
-    """
-    from ..evaluation.perplexity import score_windows
-
-    was_training = model.training
-    model.eval()
-    out: dict[str, float] = {}
-    try:
-        if focus is None:
-            nll, n = score_windows(model, blocks)
-            out["ppl"] = perplexity(nll, n)
-        else:
-            focus.set_routing("soft")
-            nll, n = score_windows(focus, blocks)
-            out["ppl"] = perplexity(nll, n)
-            focus.set_routing("topk")
-            for k in top_k:
-                focus.set_top_k(k)
-                out[f"ppl_top{k}"] = perplexity(*score_windows(focus, blocks))
-    finally:
-        if focus is not None:
-            focus.set_routing("auto")
-            focus.set_top_k(train_top_k)
-        model.train(was_training)
-    out["loss"] = math.log(out["ppl"])
-    out["tokens"] = float(n)
-    return out
 
 
 class PretrainTrainer(Trainer):
@@ -476,7 +343,7 @@ def _check_out(config: PretrainConfig, out: Path) -> Path | None:
 def _training_arguments(config: PretrainConfig, out: Path, resuming: bool) -> Any:
     """The ``transformers.TrainingArguments`` of a run: AdamW (betas 0.9, 0.95), linear
     warm-up then cosine decay, validation and a checkpoint every ``eval_every`` steps (and a
-    validation at step 0), DDP without buffer broadcast (see :class:`RoutingBiasSync`)."""
+    validation at step 0), DDP with its defaults."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -503,7 +370,6 @@ def _training_arguments(config: PretrainConfig, out: Path, resuming: bool) -> An
         report_to=[],
         disable_tqdm=not config.progress,
         use_cpu=not torch.cuda.is_available(),
-        ddp_broadcast_buffers=False,
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
     )
@@ -686,7 +552,6 @@ def _result(config: PretrainConfig, run: dict[str, Any]) -> dict[str, Any]:
             "and checkpointing excluded), measured on rank 0",
         },
         "distributed": run["distributed"],
-        "routing_bias_max_rank_gap": run["sync"].max_gap if run["sync"] is not None else None,
         "rank_weights_sha256": run["digests"],
         "versions": library_versions(),
         "environment": environment(),
@@ -707,13 +572,16 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         SHA-256 of the initial weights, of the training and validation blocks and of the batches
         fed by this process since it started), ``validation`` (one row per checkpoint:
         ``step``, ``ppl`` and with Focus ``ppl_top<k>``), ``throughput``,
-        ``routing_bias_max_rank_gap``, ``rank_weights_sha256`` (the final model's digest on
+        ``rank_weights_sha256`` (the final model's digest on
         every rank), ``versions`` and ``environment``.
 
     Raises:
         ValueError: an output directory holding another run's settings, or a run and no
             ``resume``; a corpus too small for one block.
         FileNotFoundError: ``tokenizer`` is not a directory.
+        KeyboardInterrupt: after Ctrl-C, once every rank finished the step in progress and
+            the Trainer saved its checkpoint (:class:`~.callbacks.SigintCheckpoint`); the
+            final model is not written, ``resume`` continues the run.
     """
     from ..utils.io import write_json_atomic
 
@@ -729,8 +597,7 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
     llama, focus, init = build_model(config, len(tok))
     run = {"args": args, "tokenizer": tok, "llama": llama, "focus": focus, "train": train,
            "val": val, "corpus": corpus, "init": init, "digest": BatchDigest(),
-           "timer": StepTimer(), "resumed_from": None,
-           "sync": RoutingBiasSync(list(focus.routers.values())) if focus is not None else None}  # fmt: skip
+           "timer": StepTimer(), "sigint": SigintCheckpoint(), "resumed_from": None}  # fmt: skip
     trainer = _trainer(config, run, out)
     if checkpoint is not None:
         run["resumed_from"] = int(
@@ -738,6 +605,12 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         )
     run["distributed"] = sharding(trainer)
     output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    if run["sigint"].interrupted:
+        if args.should_save:
+            print(f"\nfocus pretrain: interrupted after step {trainer.state.global_step}; "
+                  f"checkpoint saved in {out / 'trainer'}; continue with --resume",
+                  file=sys.stderr)  # fmt: skip
+        raise KeyboardInterrupt
     run.update(trainer=trainer, runtime=output.metrics.get("train_runtime"))
     if not any(
         e.get("step") == trainer.state.global_step and "eval_ppl" in e
@@ -775,11 +648,9 @@ def sharding(trainer: Any) -> dict[str, Any]:
 def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:
     """The :class:`PretrainTrainer` of a run: the LLaMA model (with its routers), the
     training blocks as rows ``{"input_ids", "labels"}``, the batch digest and the
-    callbacks (timer, ``log.jsonl``, and with Focus the routing-bias average)."""
+    callbacks (timer, ``log.jsonl``, Ctrl-C checkpointing)."""
     rows = [{"input_ids": b, "labels": b} for b in run["train"]]
-    callbacks = [run["timer"], JsonlLog(out / "log.jsonl")]
-    if run["sync"] is not None:
-        callbacks.append(run["sync"])
+    callbacks = [run["timer"], JsonlLog(out / "log.jsonl"), run["sigint"]]
     return PretrainTrainer(
         model=run["llama"],
         args=run["args"],

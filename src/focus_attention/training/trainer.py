@@ -1,0 +1,172 @@
+"""``FocusTrainer``: ``transformers.Trainer`` training a ``focus train`` method with an
+objective (docs/method.md §6, "Methods" and "Objectives").
+
+The method (:func:`~.methods.build_trainee`) decides what trains and its AdamW parameter
+groups (one learning rate per group: the routers', LoRA's or the base weights'); the
+objective (:func:`~.methods.step_loss`) computes each micro-batch's loss; everything else
+(gradient accumulation, clipping, data order, checkpoints, ``resume_from_checkpoint``, DDP
+under ``torchrun`` or ``accelerate launch``) is the Trainer's. The routers combine the ranks'
+routing statistics themselves (:meth:`~focus_attention.hf.router.FocusRouter.update_bias`).
+Two-phase training is two Trainer runs, each with its phase's trainee, a fresh AdamW and its
+own warm-up and cosine schedule (:func:`~.methods.phase_schedule`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..ops import dominance
+from .methods import Trainee, phase_schedule, step_loss
+from .validation import validation_perplexities
+
+__all__ = ["FocusTrainer", "routing_dominance"]
+
+
+def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Dominance of the recorded routing (docs/method.md §2), over layers: ``dominance``
+    (mean) and ``dominance_max`` (worst layer) of the tokens' largest Sinkhorn weights, and
+    ``dominance_topk`` (mean) of the causal top-k memberships."""
+    soft, hard = [], []
+    for r in records:
+        probs = r.get("probs")
+        if probs is not None:
+            onehot = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).bool()
+            soft.append(dominance(onehot, r.get("key_padding")))
+        if r.get("query_groups") is not None:
+            pad = r.get("key_padding")
+            if pad is not None:
+                pad = pad[:, pad.shape[1] - r["query_groups"].shape[1] :]
+            hard.append(dominance(r["query_groups"], pad))
+    out: dict[str, float] = {}
+    if soft:
+        out["dominance"] = sum(soft) / len(soft)
+        out["dominance_max"] = max(soft)
+    if hard:
+        out["dominance_topk"] = sum(hard) / len(hard)
+    return out
+
+
+class FocusTrainer(Trainer):
+    """``transformers.Trainer`` for a :class:`~.methods.Trainee` and a
+    :class:`~.config.TrainConfig` (its ``objective``, ``betas``, ``weight_decay``,
+    ``warmup_steps``, ``steps`` / ``phase1_steps`` and ``seed``).
+
+    * the model is ``trainee.model`` (the :class:`~focus_attention.hf.FocusModel` or, for
+      the dense methods, the transformers model with LoRA in place); every micro-batch runs
+      in the trainee's training mode (routers soft, base model in ``eval()``, LoRA dropout
+      on) whatever mode the Trainer set;
+    * ``compute_loss``: :func:`~.methods.step_loss` on ``inputs["input_ids"]`` (int64
+      ``[B, N]``), the gradient-carrying forward through the model as the Trainer wrapped
+      it (DDP); the loss is a per-micro-batch mean, so the Trainer divides it by the
+      accumulation steps (``loss_is_scaled_for_ga = False``);
+    * the coverage objective's query sample is drawn from a generator seeded by the run's
+      seed and the micro-batch's global index (``step * W * G + m * W + rank``, the order
+      in which the Trainer hands the ranks their micro-batches), so it does not depend on
+      the number of processes;
+    * ``create_optimizer``: AdamW over the trainee's groups (:meth:`Trainee.optimizer`);
+      ``create_scheduler``: ``LambdaLR`` of :func:`~.methods.phase_schedule`;
+    * every log entry with the training ``loss`` also gets the means, over the micro-batches
+      this process ran since the last entry, of the objective's metrics (``lm_loss``,
+      ``distill_kl``, ``coverage_soft``...; the objective's ``loss`` as ``objective_loss``)
+      and the routing dominance (:func:`routing_dominance`; ``dominance_max``: the worst);
+    * ``evaluate``: validation perplexity of ``val_blocks`` (``LongTensor [n, seq_len]``,
+      keyword argument) by :func:`~.validation.validation_perplexities`, the function
+      ``focus pretrain`` validates with, under the ``focus train`` log keys.
+
+    Raises:
+        ValueError: the coverage objective with more than one process (its gradient reaches
+            the routers outside the model's forward, which DDP does not synchronise).
+    """
+
+    #: the objectives return per-micro-batch means; the Trainer divides by the accumulation
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args: Any, trainee: Trainee, config: Any,
+                 val_blocks: torch.Tensor | None = None, **kwargs: Any) -> None:  # fmt: skip
+        kwargs.setdefault("model", trainee.model)
+        super().__init__(*args, **kwargs)
+        if config.objective == "coverage" and trainee.focus is not None and self.args.world_size > 1:  # fmt: skip
+            raise ValueError(
+                f"TrainConfig.objective: 'coverage' runs in one process only (world size "
+                f"{self.args.world_size}); use 'lm', 'distill' or 'mix' under torchrun"
+            )
+        self.trainee, self.train_config, self.val_blocks = trainee, config, val_blocks
+        self.step_metrics: list[dict[str, float]] = []
+        self._micro = (-1, 0)  # (optimizer step, micro-batches of it run so far)
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """AdamW over the trainee's parameter groups, each with its learning rate."""
+        if self.optimizer is None:
+            self.optimizer = self.trainee.optimizer(self.train_config)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """Warm-up and cosine decay over the trainee's phase (:func:`phase_schedule`)."""
+        if self.lr_scheduler is None:
+            schedule = phase_schedule(self.train_config, self.trainee.phase)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or self.optimizer, schedule
+            )
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def micro_batch_generator(self) -> torch.Generator:
+        """The CPU generator of the next micro-batch (class docstring)."""
+        step = self.state.global_step
+        last, count = self._micro
+        count = count + 1 if last == step else 0
+        self._micro = (step, count)
+        world = self.args.world_size
+        index = (step * self.args.gradient_accumulation_steps + count) * world + self.args.process_index  # fmt: skip
+        seed = (self.train_config.seed * 1_000_003 + index) % (2**63 - 1)
+        return torch.Generator().manual_seed(seed)
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:  # fmt: skip
+        """The objective's loss of ``inputs["input_ids"]`` (class docstring)."""
+        self.trainee.train_mode()
+        step = step_loss(self.trainee, inputs["input_ids"], self.train_config,
+                         self.micro_batch_generator(), forward=model)  # fmt: skip
+        metrics = {("objective_loss" if k == "loss" else k): v for k, v in step.metrics.items()}
+        self.step_metrics.append({**metrics, **routing_dominance(step.records)})
+        return (step.loss, None) if return_outputs else step.loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log entry, with the objective's metrics when it has a ``loss``."""
+        if "loss" in logs and self.step_metrics:
+            for key in dict.fromkeys(k for m in self.step_metrics for k in m):
+                values = [m[key] for m in self.step_metrics if key in m]
+                logs[key] = max(values) if key.endswith("max") else sum(values) / len(values)
+            self.step_metrics = []
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None,
+                 metric_key_prefix: str = "val") -> dict[str, float]:  # fmt: skip
+        """Validation perplexity of ``val_blocks``, every rank scoring all of them: with
+        Focus ``<prefix>_ppl_topk`` (causal top-k routing with the run's ``top_k``, the
+        inference-time model) and ``<prefix>_ppl_soft`` (Sinkhorn routing), for the dense
+        methods ``<prefix>_ppl``; and ``<prefix>_tokens``. Logged and passed to the
+        callbacks' ``on_evaluate``.
+
+        Raises:
+            ValueError: the trainer was built without ``val_blocks``.
+        """
+        if self.val_blocks is None:
+            raise ValueError("FocusTrainer.evaluate: no val_blocks were given to the trainer")
+        focus = self.trainee.focus
+        top_k = focus.focus_config.top_k if focus is not None else 1
+        values = validation_perplexities(self.trainee.model, focus, self.val_blocks, (top_k,), top_k)  # fmt: skip
+        if focus is None:
+            named = {"ppl": values["ppl"]}
+        else:
+            named = {"ppl_topk": values[f"ppl_top{top_k}"], "ppl_soft": values["ppl"]}
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in named.items()}
+        metrics[f"{metric_key_prefix}_tokens"] = int(values["tokens"])
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(
+            self.args, self.state, self.control, metrics
+        )
+        return metrics

@@ -1,0 +1,62 @@
+"""Validation perplexity of a model being trained, one function for every training command
+(docs/method.md §6 and §9): ``focus train`` (:class:`~.trainer.FocusTrainer`) and ``focus
+pretrain`` score their validation blocks with :func:`validation_perplexities`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["perplexity", "validation_perplexities"]
+
+
+def perplexity(nll_sum: float, tokens: int) -> float:
+    """``exp(nll_sum / tokens)`` (``inf`` when it overflows)."""
+    try:
+        return math.exp(nll_sum / tokens)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def validation_perplexities(
+    model: Any, focus: Any, blocks: torch.Tensor, top_k: tuple[int, ...], train_top_k: int
+) -> dict[str, float]:
+    """Validation perplexity of ``blocks`` ``LongTensor [n, seq_len]`` by
+    :func:`~focus_attention.evaluation.score_windows` (every block on its own, token-weighted;
+    docs/method.md §9), the model in eval mode.
+
+    Returns:
+        ``ppl`` (dense: the model; Focus: soft Sinkhorn routing, the training-time model),
+        with Focus ``ppl_top<k>`` for every ``k`` in ``top_k`` (hard causal top-k routing,
+        the inference-time model), ``loss`` (``log ppl``, nats per token) and ``tokens``.
+        ``model`` ends in the mode it was in; ``focus`` (the :class:`FocusModel`, or None)
+        ends with routing ``"auto"`` and ``top_k = train_top_k``.
+    """
+    from ..evaluation.perplexity import score_windows
+
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+    try:
+        if focus is None:
+            nll, n = score_windows(model, blocks)
+            out["ppl"] = perplexity(nll, n)
+        else:
+            focus.set_routing("soft")
+            nll, n = score_windows(focus, blocks)
+            out["ppl"] = perplexity(nll, n)
+            focus.set_routing("topk")
+            for k in top_k:
+                focus.set_top_k(k)
+                out[f"ppl_top{k}"] = perplexity(*score_windows(focus, blocks))
+    finally:
+        if focus is not None:
+            focus.set_routing("auto")
+            focus.set_top_k(train_top_k)
+        model.train(was_training)
+    out["loss"] = math.log(out["ppl"])
+    out["tokens"] = float(n)
+    return out
