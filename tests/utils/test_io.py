@@ -194,3 +194,29 @@ def test_a_directory_or_an_unreadable_file_is_one_error_naming_it(tmp_path):
             read_file_bytes(path, EXPECTED)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'absent'} not found; expected"):
         read_json_file(tmp_path / "absent", EXPECTED)
+
+
+def test_without_hard_links_the_old_files_are_copied_for_the_rollback(tmp_path, monkeypatch):
+    a, b = _pair(tmp_path)
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_files({a: lambda t: t.write_text("new a"), b: _disk_full})
+    assert (a.read_text(), b.read_text()) == ("old a", "old b")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output"):
+        atomic_write_files({a: lambda t: t.write_text("new a"), b: lambda t: t.write_text("new b")})
+    monkeypatch.setattr(os, "replace", real)
+    assert (a.read_text(), b.read_text()) == ("old a", "old b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.txt"]
