@@ -68,8 +68,8 @@ def _check_out(config: CalibrateConfig) -> Path:
 def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
-    tokens, into ``config.out`` (atomically, file by file), with a :data:`CALIBRATION_NAME`
-    record.
+    tokens, into ``config.out`` (the adapter all-or-nothing, docs/method.md §8 "Files and
+    failures"), then a :data:`CALIBRATION_NAME` record (atomically).
 
     Returns:
         The record: ``config``, the ``source`` adapter and the SHA-256 of its weights,
