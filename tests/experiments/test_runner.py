@@ -2,7 +2,8 @@
 study (two evaluations of a tiny adapter) and its report run and record their settings; a
 rerun skips both; a changed setting reruns only its step; an interrupted run resumes at the
 step that did not finish; the report is rebuilt from the results alone; a dry run runs
-nothing; a step runs in a subprocess of the same interpreter."""
+nothing; a step runs in a subprocess of the same interpreter; an interrupted training step
+resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from focus_attention.cli import build_parser, main
 from focus_attention.evaluation.perplexity import markdown_table
 from focus_attention.experiments import StudyConfig, load_study, run_study, step_status
+from focus_attention.experiments.runner import resumed
 
 #: the runs use the portable backends (no kernel build), which say so in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
@@ -226,3 +228,69 @@ def test_a_step_runs_in_a_subprocess(finished, module_assets, tmp_path, monkeypa
                      build_parser(), Counting(stop_at=""))  # fmt: skip
     assert plan == {"eval-16": "run"}
     assert _result(copy, "16")["ppl"] == _result(study, "16")["ppl"]
+
+
+#: a study that trains the tiny adapter (tests/test_pipeline.py tiny_config: K = 4, top_k 2,
+#: window 8, 1 sink token), 4 steps with a checkpoint after each
+TRAIN_STUDY = """
+[study]
+title = "Tiny training"
+
+[[steps]]
+name = "train"
+command = "train"
+result = "{{runs}}/tiny/train_result.json"
+[steps.settings]
+model = "{model}"
+corpus = "{corpus}"
+out = "{{runs}}/tiny"
+steps = 4
+seq_len = 32
+batch_size = 2
+lr = 1e-2
+warmup_steps = 1
+eval_every = -1
+save_every = 1
+num_groups = 4
+top_k = 2
+window = 8
+group_dim = 8
+sink_tokens = 1
+threads = 1
+progress = false
+overwrite = true
+"""
+
+
+@pytest.mark.slow
+def test_an_interrupted_training_step_resumes_from_its_checkpoint(module_assets, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """A train step whose result is missing but whose out holds checkpoints runs with
+    --resume instead of --overwrite, and its result records the settings of config.toml."""
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    study = tmp_path / "train"
+    study.mkdir()
+    text = TRAIN_STUDY.format(model=module_assets["model"], corpus=module_assets["corpus"])
+    (study / "config.toml").write_text(text)
+    runs = tmp_path / "runs"
+    first = Counting()
+    assert _run(study, runs, first) == {"train": "run"}
+    assert "--overwrite" in first.argvs[0] and "--resume" not in first.argvs[0]
+    done = json.loads((runs / "tiny" / "train_result.json").read_text())
+    assert (runs / "tiny" / "checkpoints").is_dir()
+    # as if stopped during the last step: its checkpoint and the result are not written
+    shutil.rmtree(sorted((runs / "tiny" / "checkpoints").iterdir())[-1])
+    (runs / "tiny" / "train_result.json").unlink()
+    loaded = load_study(study)
+    step = loaded.step("train")
+    assert resumed(loaded, step, str(runs)).settings["resume"] is True
+    assert "overwrite" not in resumed(loaded, step, str(runs)).settings
+    again = Counting()
+    assert _run(study, runs, again) == {"train": "run"}
+    assert "--resume" in again.argvs[0] and "--overwrite" not in again.argvs[0]
+    result = json.loads((runs / "tiny" / "train_result.json").read_text())
+    assert result["experiment"]["settings"] == step.settings  # recorded as written
+    assert result["start_step"] == 3 and result["steps"] == done["steps"] == 4
+    assert result["final_loss"] == pytest.approx(done["final_loss"], rel=1e-6)
+    assert _run(study, runs, Counting()) == {"train": "done"}

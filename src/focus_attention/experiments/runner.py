@@ -7,12 +7,15 @@ step, its command, settings and command line, library versions, hardware and the
 (:func:`focus_attention.utils.env.environment`). A result without the record (measured before
 the study existed, or by an interrupted run) or with other settings runs again. A step that
 fails stops the run; the steps before it keep their results, so the next run starts at it.
-A ``report`` step runs every time (it only reads results).
+A ``report`` step runs every time (it only reads results). A ``train`` step without its
+result whose ``out`` holds a checkpoint was interrupted: it runs with ``--resume`` instead of
+``--overwrite`` and continues from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,7 +28,7 @@ from ..utils.checks import bad
 from ..utils.io import write_json_atomic
 from .study import Step, Study, check_study, fill, load_study, step_argv
 
-__all__ = ["RECORD_KEY", "StudyConfig", "run_study", "step_status"]
+__all__ = ["RECORD_KEY", "StudyConfig", "resumed", "run_study", "step_status"]
 
 #: the key of a result file that records the step that wrote it
 RECORD_KEY = "experiment"
@@ -134,8 +137,27 @@ def _run_script(study: Study, step: Step, runs: str) -> list[str]:
     return argv
 
 
+def resumed(study: Study, step: Step, runs: str = "runs") -> Step:
+    """``step`` as it continues: a ``train`` step without its result whose ``out`` holds a
+    checkpoint (an interrupted training) with ``resume`` instead of ``overwrite``; any other
+    step unchanged."""
+    from ..training.checkpoint import latest_checkpoint
+
+    out = step.settings.get("out")
+    if (
+        step.command != ("train",)
+        or not isinstance(out, str)
+        or step_status(study, step, runs) != "run"
+    ):
+        return step
+    if latest_checkpoint(fill(out, study.paths(runs))) is None:
+        return step
+    settings = {k: v for k, v in step.settings.items() if k != "overwrite"}
+    return dataclasses.replace(step, settings={**settings, "resume": True})
+
+
 def _run_focus(study: Study, step: Step, config: StudyConfig, main: Callable) -> list[str]:
-    argv = step_argv(step, study.paths(config.runs))
+    argv = step_argv(resumed(study, step, config.runs), study.paths(config.runs))
     if config.isolate:
         code = subprocess.run([sys.executable, "-m", "focus_attention.cli", *argv]).returncode
     else:
