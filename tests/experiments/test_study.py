@@ -116,3 +116,21 @@ def test_unknown_commands_and_settings_are_refused_before_anything_runs(tmp_path
 def test_a_missing_study_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.toml"):
         load_study(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=[p.name for p in STUDIES])
+def test_study_readmes_link_only_to_files_of_the_repository(study):
+    """Every relative link and every ``results/...`` path a study's README names exists,
+    inside the repository."""
+    import re
+
+    text = (study / "README.md").read_text()
+    targets = [m.group(1) for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)]
+    targets += re.findall(r"`((?:\.\./[a-z-]+/)?results/[^`\s*{}]+)`", text)
+    assert targets  # at least config.toml
+    for target in targets:
+        if target.startswith(("http://", "https://")):
+            continue
+        path = (study / target).resolve()
+        assert path.is_relative_to(ROOT), (study.name, target)
+        assert path.exists(), (study.name, target)
