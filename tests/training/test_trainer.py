@@ -235,3 +235,34 @@ def test_two_phase_is_two_trainer_runs_with_a_fresh_optimizer_and_schedule_each(
     assert set(got) == set(want) and any(".lora_" in n for n in got)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def checkpointed_run(cfg: TrainConfig, out, resume=None) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    trainee = build_trainee(cfg, build_model("llama"), None, None, 0)
+    args = TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUM, max_grad_norm=cfg.max_grad_norm,
+                             seed=cfg.seed, use_cpu=True, report_to=[], save_steps=2,
+                             disable_tqdm=True)  # fmt: skip
+    rows = [{"input_ids": r} for r in ids(24, cfg.seq_len, seed=9)]
+    FocusTrainer(args=args, train_dataset=rows, trainee=trainee, config=cfg).train(
+        resume_from_checkpoint=resume
+    )
+    buffers = {k: v.clone() for k, v in trainee.model.named_buffers() if "routers" in k}
+    return {**trained(trainee), **buffers}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "parts"), [("focus+lora", {"lora"}), ("full", {"model"})])
+def test_checkpoints_hold_every_trained_part_and_resume_exactly(tmp_path, method, parts):
+    """A checkpoint holds the method's output (Focus adapter, lora/, model/); resuming a fresh
+    model from the step-2 checkpoint ends where the uninterrupted run ends."""
+    cfg = config(method)
+    straight = checkpointed_run(cfg, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert parts <= {p.name for p in ckpt.iterdir()}
+    assert (ckpt / "focus_config.json").is_file() == (method == "focus+lora")
+    resumed = checkpointed_run(cfg, tmp_path / "again", resume=str(ckpt))
+    assert set(resumed) == set(straight)
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)

@@ -169,6 +169,31 @@ class Trainee:
         if self.focus is not None:
             self.focus.save_pretrained(directory)
 
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Load into this trainee, in place, what :meth:`save_pretrained` wrote into
+        ``directory``: the trained base weights (``model/``), the LoRA matrices (``lora/``,
+        peft's ``adapter_model.safetensors``) and the Focus routers (weights, routing bias
+        and its count), in that order, so the adapter's base fingerprint matches.
+
+        Raises:
+            FileNotFoundError: a part this trainee trains is missing from ``directory``.
+        """
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if self.trains_base:
+            trained = load_trained_weights(self.hf, directory)
+            if trained is self.hf:
+                raise FileNotFoundError(f"{directory / MODEL_DIR}: no trained base weights")
+            self.hf.load_state_dict(trained.state_dict())
+        if self.peft is not None:
+            path = directory / LORA_DIR / "adapter_model.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no LoRA weights")
+            import_peft().set_peft_model_state_dict(self.peft, load_file(str(path)))
+        if self.focus is not None:
+            self.focus.load_routers(directory)
+
     def describe(self) -> dict[str, Any]:
         """JSON-able summary: method, phase, trained values in all and per group, the
         learning rates and :attr:`info`."""

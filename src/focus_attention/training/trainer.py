@@ -13,6 +13,7 @@ own warm-up and cosine schedule (:func:`~.methods.phase_schedule`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,7 +75,10 @@ class FocusTrainer(Trainer):
       and the routing dominance (:func:`routing_dominance`; ``dominance_max``: the worst);
     * ``evaluate``: validation perplexity of ``val_blocks`` (``LongTensor [n, seq_len]``,
       keyword argument) by :func:`~.validation.validation_perplexities`, the function
-      ``focus pretrain`` validates with, under the ``focus train`` log keys.
+      ``focus pretrain`` validates with, under the ``focus train`` log keys;
+    * checkpoints (and ``save_model``) hold every trained part, as ``focus train`` writes
+      its output: the Focus adapter, ``lora/`` (peft) and ``model/`` (transformers), which
+      ``resume_from_checkpoint`` loads back in place.
 
     Raises:
         ValueError: the coverage objective with more than one process (its gradient reaches
@@ -96,6 +100,22 @@ class FocusTrainer(Trainer):
         self.trainee, self.train_config, self.val_blocks = trainee, config, val_blocks
         self.step_metrics: list[dict[str, float]] = []
         self._micro = (-1, 0)  # (optimizer step, micro-batches of it run so far)
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        """Checkpoints and ``save_model``: the trainee's parts (:meth:`Trainee.
+        save_pretrained`: the Focus adapter, ``lora/``, ``model/``) and the arguments."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        out = Path(output_dir or self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.trainee.save_pretrained(out)
+        torch.save(self.args, out / TRAINING_ARGS_NAME)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """``resume_from_checkpoint``: the trainee's parts back in place
+        (:meth:`Trainee.load_checkpoint`); the Trainer restores the optimizer, schedule,
+        RNG and data position."""
+        self.trainee.load_checkpoint(resume_from_checkpoint)
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """AdamW over the trainee's parameter groups, each with its learning rate."""
