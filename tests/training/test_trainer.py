@@ -266,3 +266,20 @@ def test_checkpoints_hold_every_trained_part_and_resume_exactly(tmp_path, method
     assert set(resumed) == set(straight)
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("objective", ["lm", "distill"])
+def test_the_focus_method_leaves_every_base_tensor_unchanged(tmp_path, objective):
+    """SHA-256 of the base model's state before and after FocusTrainer (dropout-free base in
+    eval mode, frozen weights); the routers did train."""
+    from focus_attention.utils.env import weights_sha256
+
+    cfg = config("focus", objective)
+    trainee = build_trainee(cfg, build_model("llama"), None, None, 0)
+    before, routers = weights_sha256(trainee.hf), trained(trainee)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    rows = [{"input_ids": r} for r in ids(8, cfg.seq_len, seed=9)]
+    FocusTrainer(args=args, train_dataset=rows, trainee=trainee, config=cfg).train()
+    assert weights_sha256(trainee.hf) == before
+    assert all(not torch.equal(v, routers[k]) for k, v in trained(trainee).items())
