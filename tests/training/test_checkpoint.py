@@ -59,3 +59,27 @@ def test_a_damaged_state_is_one_error_naming_it(tmp_path, how):
 def test_a_missing_state_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_state(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "method, name",
+    [("focus+lora", "lora/adapter_model.safetensors"), ("focus+lora", "focus_model.safetensors"),
+     ("lora", "lora/adapter_model.safetensors")],
+)  # fmt: skip
+def test_a_damaged_weights_file_of_a_checkpoint_is_one_error_naming_it(tmp_path, method, name):
+    from tiny import FOCUS_DEFAULTS, build_model
+
+    from focus_attention.hf import FocusConfig
+    from focus_attention.training.config import TrainConfig
+    from focus_attention.training.methods import build_trainee
+
+    base_lr = 1e-3 if method == "focus+lora" else None
+    cfg = TrainConfig(method=method, seq_len=32, steps=1, base_lr=base_lr,
+                      focus=FocusConfig(**FOCUS_DEFAULTS))  # fmt: skip
+    build_trainee(cfg, build_model("llama"), None, None, 0).save_pretrained(tmp_path)
+    path = tmp_path / name
+    path.write_bytes(path.read_bytes()[:40])  # cut short
+    trainee = build_trainee(cfg, build_model("llama"), None, None, 0)
+    with pytest.raises(UnreadableFileError) as err:
+        trainee.load_checkpoint(tmp_path)
+    assert str(err.value).startswith(f"{path}: not a readable safetensors file")

@@ -234,7 +234,7 @@ def _resume_state(cfg: TrainConfig, out: Path) -> tuple[Path | None, dict[str, A
 def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float) -> TrainResult:
     """``--resume`` of a run whose newest checkpoint is its last step: say so and touch
     nothing (the adapter, log, plot and ``train_result.json`` stay as they are)."""
-    from safetensors.torch import load_file
+    from ..hf.files import WEIGHTS_EXPECTED, read_safetensors
 
     step = int(state["step"])
     print(
@@ -244,7 +244,7 @@ def _finished_result(out: Path, ckpt: Path, state: dict[str, Any], t_call: float
     )
     n_trainable = state.get("trainable_parameters")
     if n_trainable is None:  # a checkpoint from before the count was stored
-        tensors = load_file(str(ckpt / WEIGHTS_NAME))
+        tensors, _ = read_safetensors(ckpt / WEIGHTS_NAME, WEIGHTS_EXPECTED)
         n_trainable = sum(
             t.numel() for k, t in tensors.items() if k.endswith((".proj", ".centroids"))
         )

@@ -177,8 +177,10 @@ class Trainee:
 
         Raises:
             FileNotFoundError: a part this trainee trains is missing from ``directory``.
+            UnreadableFileError: a damaged LoRA or Focus weights file (a ``ValueError``
+                naming the file).
         """
-        from safetensors.torch import load_file
+        from ..hf.files import read_safetensors
 
         directory = Path(directory)
         if self.trains_base:
@@ -190,7 +192,8 @@ class Trainee:
             path = directory / LORA_DIR / "adapter_model.safetensors"
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: no LoRA weights")
-            import_peft().set_peft_model_state_dict(self.peft, load_file(str(path)))
+            lora, _ = read_safetensors(path, "the LoRA weights of a focus train checkpoint")
+            import_peft().set_peft_model_state_dict(self.peft, lora)
         if self.focus is not None:
             self.focus.load_routers(directory)
 
