@@ -27,8 +27,11 @@ from . import build_parser
 REGENERATE = "python -m focus_attention.cli.reference --write docs/cli.md"
 
 #: argparse's own titles of its two default argument groups, by Python version
-DEFAULT_GROUP_TITLES = {"positional arguments": "Arguments", "options": "Options"}
-DEFAULT_GROUP_TITLES["optional arguments"] = "Options"
+DEFAULT_GROUP_TITLES = {
+    "positional arguments": "Arguments",
+    "options": "Options",  # Python 3.10+
+    "optional arguments": "Options",  # before 3.10
+}
 
 
 def iter_commands(
