@@ -32,6 +32,11 @@ RUNTIME_ATTR = "_focus_runtime"
 SWITCHES = ("enabled", "routing", "recorder", "dense_recorder")
 #: the overrides active in this thread / task: ``((runtime, {switch: value}), ...)``, innermost last
 _OVERRIDES: contextvars.ContextVar[tuple] = contextvars.ContextVar("focus_overrides", default=())
+#: how many :meth:`FocusRuntime.switched` contexts are open, in every thread: while none is,
+#: :meth:`FocusRuntime.current` reads the fields without the context lookup, which dynamo
+#: cannot trace (a compiled model then has no graph break there)
+_open_switches = 0
+_switches_lock = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -78,6 +83,8 @@ class FocusRuntime:
     def current(self, name: str) -> Any:
         """The value of the switch ``name`` (one of :data:`SWITCHES`) for the calling thread or
         task: the innermost :meth:`switched` override of this runtime, else the field."""
+        if not _open_switches:
+            return getattr(self, name)
         for runtime, overrides in reversed(_OVERRIDES.get()):
             if runtime is self and name in overrides:
                 return overrides[name]
@@ -94,10 +101,15 @@ class FocusRuntime:
         unknown = sorted(set(overrides) - set(SWITCHES))
         if unknown:
             raise ValueError(f"FocusRuntime.switched: unknown switches {unknown}; expected some of {SWITCHES}")  # fmt: skip
+        global _open_switches
         token = _OVERRIDES.set((*_OVERRIDES.get(), (self, overrides)))
+        with _switches_lock:
+            _open_switches += 1
         try:
             yield
         finally:
+            with _switches_lock:
+                _open_switches -= 1
             _OVERRIDES.reset(token)
 
     def wants_attentions(self) -> bool:
@@ -117,6 +129,8 @@ def disabled_base_impl(model_config: Any) -> str | None:
     """The base attention implementation of the model whose config is ``model_config`` when
     the calling thread runs it inside ``disable_focus()``, else None: its mask function then
     builds the base implementation's mask, as the base model would."""
+    if not _open_switches:
+        return None
     for runtime, _ in _OVERRIDES.get():
         if runtime.model_config is model_config and not runtime.current("enabled"):
             return runtime.base_impl
