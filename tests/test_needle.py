@@ -102,7 +102,7 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
     seen = []
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
-        dense = not model._runtime.enabled
+        dense = not model._runtime.current("enabled")  # disable_focus() of this thread
         seen.append((case.input_ids.shape[1], dense, model.focus_config.top_k))
         return (f" {case.answer}." if dense else " 12345."), 0.01
 
@@ -163,7 +163,7 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
     seen = set()
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
-        if model._runtime.enabled:
+        if model._runtime.current("enabled"):
             cfg = model.focus_config
             seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k,
                       cfg.query_top_k))  # fmt: skip
@@ -291,7 +291,7 @@ def test_no_dense_runs_only_the_focus_modes(tiny, monkeypatch):
     modes = []
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
-        modes.append(model._runtime.enabled)
+        modes.append(model._runtime.current("enabled"))
         return " 1.", 0.01
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
