@@ -47,7 +47,7 @@ def test_record_dense_attention_refuses_a_cache():
     _, fm = focus("llama", window=4, num_groups=3)
     with torch.no_grad(), fm.record_dense_attention(), pytest.raises(ValueError, match="use_cache"):
         fm(input_ids=ids(1, 8), use_cache=True)
-    assert fm._runtime.dense_recorder is None  # restored on exit
+    assert fm._runtime.current("dense_recorder") is None  # restored on exit
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
