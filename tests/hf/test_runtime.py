@@ -163,3 +163,28 @@ def test_switches_nest_and_refuse_unknown_names():
         runtime.switched(top_k=2),
     ):
         pass
+
+
+def test_disable_focus_belongs_to_its_asyncio_task():
+    import asyncio
+
+    base, fm = focus("llama", num_groups=4, top_k=1, window=4)
+    x = ids(1, 30, seed=8)
+    sparse, dense = _logits(fm, x), _logits(base, x)
+
+    async def disabled(inside: asyncio.Event, done: asyncio.Event):
+        with fm.disable_focus():
+            inside.set()
+            await done.wait()
+            return _logits(fm, x)
+
+    async def main():
+        inside, done = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(disabled(inside, done))
+        await inside.wait()
+        other = _logits(fm, x)  # this task, while the other is inside disable_focus()
+        done.set()
+        return other, await task
+
+    other, inside = asyncio.run(main())
+    assert torch.equal(other, sparse) and torch.equal(inside, dense)
