@@ -17,4 +17,4 @@ bash scripts/setup-env.sh "assets"
   --out runs/austen-4k --overwrite --seq-len 4096 --blocks 4 --window 512 --sink-tokens 256 \
   --dense-layers 18 20 21 22 23
 .venv/bin/focus eval --model smollm2-135m --adapter runs/austen-4k --corpus austen --split test \
-  --seq-len 4096 --max-tokens 8192 --top-k-values 1,2 --no-soft --json runs/austen/eval-4096.json
+  --seq-len 4096 --max-tokens 8192 --top-k 1 2 --no-soft --json runs/austen/eval-4096.json

@@ -5,7 +5,7 @@ usage: python experiments/long-input-recipe/pareto.py --quality Q1.json [Q2.json
 
 ``--quality``: results of ``experiments/long-input-recipe/compare_adapters.py`` (one per window, the same adapter),
 giving the perplexity at 4,096 tokens against the dense model. ``--speed``: a
-``focus bench model --windows ...`` result with the same adapter, giving the prefill speed-up
+``focus bench model --window ...`` result with the same adapter, giving the prefill speed-up
 against stock sdpa at each length. Writes ``OUT.json`` (the joined points) and ``OUT.png``
 (one panel per prefill length: perplexity change against speed-up, one point per
 ``(window, top_k)``; the dense model is the point (1x, 0%)).

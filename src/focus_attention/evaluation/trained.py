@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..hf.compat import peft_reads_old_names
 from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import weights_sha256
 
@@ -108,7 +109,8 @@ def apply_lora(model: Any, directory: str | Path, *, is_trainable: bool = False)
     path = Path(directory) / LORA_DIR
     if not (path / LORA_CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / LORA_CONFIG_FILE} not found: not a LoRA run")
-    return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
+    with peft_reads_old_names():
+        return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
 
 
 def tuned_model(base: Any, directory: str | Path) -> Any:

@@ -12,7 +12,10 @@ where the installed release has them and the old ones on earlier releases (docs/
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from transformers import GenerationMixin, PreTrainedModel
@@ -62,3 +65,15 @@ def activation_checkpointing_enabled(model: Any) -> bool:
         "is_activation_checkpointing" if ACTIVATION_CHECKPOINTING else "is_gradient_checkpointing"
     )
     return bool(getattr(model, name))
+
+
+@contextlib.contextmanager
+def peft_reads_old_names() -> Iterator[None]:
+    """Silence the ``FutureWarning`` that transformers raises when peft (0.21) reads the
+    deprecated alias ``is_gradient_checkpointing`` while it wraps a model; the package's own
+    calls use :func:`activation_checkpointing_enabled`, so only peft's read is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
+        yield

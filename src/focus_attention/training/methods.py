@@ -24,7 +24,6 @@ Kaiming-uniform, ``B`` zero), independently of the global random state.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from ..evaluation.trained import (
 )
 from ..hf import FocusModel, get_focus_model
 from ..hf.architectures import attention_modules, get_architecture
+from ..hf.compat import peft_reads_old_names
 from ..utils.io import staged_directory
 from .config import DEFAULT_LORA_RANK, DEFAULT_LORA_TARGETS, FOCUS_METHODS, TrainConfig
 from .objectives import StepLoss, objective_loss
@@ -303,11 +303,7 @@ def _new_lora(hf: Any, cfg: TrainConfig, focus: FocusModel | None = None) -> tup
     info.update(rank=rank, alpha=alpha, dropout=dropout, parameters=rank * per_rank)
     lcfg = peft_module.LoraConfig(r=rank, lora_alpha=alpha, target_modules=full,
                                   lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
-    with torch.random.fork_rng(), warnings.catch_warnings():
-        # peft reads transformers' deprecated alias ``is_gradient_checkpointing``
-        warnings.filterwarnings(
-            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
-        )
+    with torch.random.fork_rng(), peft_reads_old_names():
         torch.manual_seed(cfg.seed)
         peft = peft_module.get_peft_model(hf, lcfg)
     return peft, {"lora": info}
