@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..utils.checks import comma_ints
+from ..utils.io import read_toml
 
 #: the flag types inferred from annotations; any other type needs ``metadata["type"]``
 _SCALARS = (int, float, str)
@@ -224,15 +225,7 @@ def read_config_table(path: str | None, table: str) -> dict[str, Any]:
     """
     if path is None:
         return {}
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path}: not a valid TOML settings file ({err})") from err
+    data = read_toml(path, "settings file")
     found: Any = data
     for part in table.split("."):
         if not isinstance(found, dict) or not isinstance(found.get(part), dict):

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..utils.io import read_toml
+
 __all__ = [
     "BUILTIN_COMMANDS",
     "CONFIG_NAME",
@@ -128,18 +130,6 @@ def fill(value: Any, paths: dict[str, str]) -> Any:
     return value
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path}: not a valid TOML study file ({err})") from err
-
-
 def _step(table: Any, where: str, seen: set[str]) -> Step:
     """One ``[[steps]]`` table, checked for its form (not its flags)."""
     if not isinstance(table, dict):
@@ -182,7 +172,7 @@ def load_study(directory: str | Path) -> Study:
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {CONFIG_NAME} (a study directory holds "
                                 "config.toml, README.md and results/)")  # fmt: skip
-    data = _read_toml(path)
+    data = read_toml(path, "study file")
     unknown = sorted(set(data) - {"study", "steps"})
     if unknown:
         raise ValueError(f"{path}: unknown tables {unknown}; expected [study] and [[steps]]")

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..hf.config import FocusConfig
 from ..utils.checks import bad, check_int
-from ..utils.io import atomic_write_text, read_json_file, write_json_atomic
+from ..utils.io import atomic_write_text, read_json_file, read_toml, write_json_atomic
 from .config import TrainConfig
 
 __all__ = [
@@ -318,18 +318,6 @@ def _sweep_evals(tables: Any, cells: dict[str, Any], where: str) -> list[SweepEv
     return evals
 
 
-def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path}: not a valid TOML grid file ({err})") from err
-
-
 def load_plan(path: str | os.PathLike[str]) -> SweepPlan:
     """Read and check a grid file (module docstring); every cell's :class:`TrainConfig`
     and evaluation settings are validated before anything runs.
@@ -340,7 +328,7 @@ def load_plan(path: str | os.PathLike[str]) -> SweepPlan:
             invalid values (the message names the file and the cell or evaluation).
     """
     where = str(path)
-    data = _read_toml(path)
+    data = read_toml(path, "grid file")
     unknown = sorted(set(data) - {"train", "eval", "grid", "cells", "evals"})
     if unknown:
         raise ValueError(f"{where}: unknown tables {unknown}; expected [train], [eval], "

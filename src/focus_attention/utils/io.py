@@ -290,3 +290,25 @@ def focus_home() -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "focus-attention"
+
+
+def read_toml(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
+    """The document of TOML file ``path`` (``tomllib`` on Python 3.11+, ``tomli`` before).
+
+    Args:
+        path: the file.
+        kind: what the file should be, for the error message (e.g. ``"settings file"``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not valid TOML (the message names the file and ``kind``).
+    """
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not a valid TOML {kind} ({err})") from err
