@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from ..hf.config import FocusConfig
-from ..training.pretrain import PRETRAIN_NUM_GROUPS, PretrainConfig
+from ..training.settings import PRETRAIN_NUM_GROUPS, PretrainConfig
 from .common import run_guarded
 from .flags import add_config_flag, add_flags, flag_values, read_config_table
 

@@ -1,22 +1,20 @@
-"""Centroid-only training of a frozen model (docs/method.md §6): the settings
-(:mod:`.config`), the loop (:mod:`.loop`), checkpoints and run files (:mod:`.checkpoint`),
-the schedule and data order (:mod:`.schedule`) and the plot (:mod:`.plot`)."""
+"""Training of Focus routers and the baselines (docs/method.md §6): the settings
+(:mod:`.config` for ``focus train``, :mod:`.settings` for ``focus pretrain``), the loop
+(:mod:`.loop`), checkpoints and run files (:mod:`.checkpoint`), the schedule and data order
+(:mod:`.schedule`) and the plot (:mod:`.plot`). Each name is imported from its module on
+first access (:mod:`focus_attention.utils.lazy`), so the settings modules load without torch."""
 
-from .checkpoint import CHECKPOINT_DIR, STATE_NAME, latest_checkpoint
-from .config import RESUME_FREE_FIELDS, TrainConfig
-from .loop import TrainResult, train
-from .plot import write_plot
-from .schedule import block_indices, lr_factor
+from ..utils.lazy import exports_of, lazy_exports
 
-__all__ = [
-    "CHECKPOINT_DIR",
-    "RESUME_FREE_FIELDS",
-    "STATE_NAME",
-    "TrainConfig",
-    "TrainResult",
-    "block_indices",
-    "latest_checkpoint",
-    "lr_factor",
-    "train",
-    "write_plot",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    exports_of(
+        {
+            ".checkpoint": ("CHECKPOINT_DIR", "STATE_NAME", "latest_checkpoint"),
+            ".config": ("RESUME_FREE_FIELDS", "TrainConfig"),
+            ".loop": ("TrainResult", "train"),
+            ".plot": ("write_plot",),
+            ".schedule": ("block_indices", "lr_factor"),
+        }
+    ),
+)

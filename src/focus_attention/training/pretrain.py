@@ -31,17 +31,21 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer
 
-from ..hf.config import FocusConfig
-from ..utils.checks import bad, check_int, check_known_keys, check_number, comma_ints
 from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
-from .scratch_model import SIZES, ModelSize, resolve_size
+from .scratch_model import ModelSize
+from .settings import (
+    ATTENTIONS,
+    PRETRAIN_CONFIG_NAME,
+    PRETRAIN_RESULT_NAME,
+    ROUTERS_MODULE,
+    PretrainConfig,
+)
 from .validation import validation_perplexities
 
 __all__ = [
@@ -53,193 +57,6 @@ __all__ = [
     "pretrain",
     "sharding",
 ]
-
-#: attention types of a from-scratch run
-ATTENTIONS = ("focus", "dense")
-#: name under which the Focus routers are registered inside the LLaMA model while it trains
-ROUTERS_MODULE = "focus_routers"
-#: files of an output directory
-PRETRAIN_CONFIG_NAME = "pretrain_config.json"
-PRETRAIN_RESULT_NAME = "pretrain_result.json"
-#: fields that may differ between a run and its ``--resume``
-RESUME_FREE_FIELDS = ("resume", "out", "threads", "progress")
-#: the Focus settings of a from-scratch run: FocusConfig's, with K = 4 (the paper's
-#: from-scratch setting) instead of its retrofit default 8
-PRETRAIN_NUM_GROUPS = 4
-
-
-def _default_focus() -> FocusConfig:
-    return FocusConfig(num_groups=PRETRAIN_NUM_GROUPS)
-
-
-@dataclass
-class PretrainConfig:
-    """Settings of a from-scratch run (docs/method.md §6, "From scratch").
-
-    Defaults: the ``small`` model (4.2M parameters with its 4,096-token BPE) on ``linux-docs``
-    in 512-token blocks, so the 128-token Focus window covers a quarter of the context; 300
-    AdamW steps of 4 blocks (614,400 tokens) with a linear warm-up and cosine decay, validated
-    and checkpointed every 50 steps. Focus uses :class:`~focus_attention.hf.FocusConfig`'s
-    settings with ``num_groups`` K = 4, the paper's from-scratch setting (docs/method.md §7):
-    with top-2 routing a distant key is then seen when its groups meet the query's, and
-    top-1 and top-2 are both meaningful checks of the trained groups; the routers' ``seed``
-    is the run's. Every field but ``focus`` is a ``focus pretrain`` flag; ``focus`` takes the
-    FocusConfig flags (``routing``, ``layers``, ``seed`` excepted).
-
-    Raises:
-        ValueError: on construction or :meth:`validate`, naming the first bad field.
-    """
-
-    attention: str = field(
-        default="focus", metadata={"help": "attention type", "choices": ATTENTIONS}
-    )
-    corpus: str = field(
-        default="linux-docs", metadata={"help": "registered corpus or local text file / folder"}
-    )
-    size: str = field(
-        default="small", metadata={"help": "model size preset", "choices": tuple(SIZES)}
-    )
-    hidden_size: int | None = field(default=None, metadata={"help": "override the preset's width"})
-    num_layers: int | None = field(default=None, metadata={"help": "override the preset's layers"})
-    num_heads: int | None = field(default=None, metadata={"help": "override the preset's heads"})
-    num_kv_heads: int | None = field(
-        default=None, metadata={"help": "override the preset's key/value heads"}
-    )
-    intermediate_size: int | None = field(
-        default=None, metadata={"help": "override the preset's MLP width"}
-    )
-    vocab_size: int | None = field(
-        default=None, metadata={"help": "override the preset's BPE vocabulary (tokens)"}
-    )
-    tokenizer: str | None = field(
-        default=None,
-        metadata={"help": "tokenizer directory to use instead of training one on the corpus"},
-    )
-    out: str | None = field(
-        default=None, metadata={"help": "output directory (default runs/pretrain/<run name>)"}
-    )
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
-    seq_len: int = field(default=512, metadata={"help": "tokens per block"})
-    batch_size: int = field(default=4, metadata={"help": "blocks per device and micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate"})
-    warmup_steps: int = field(default=30, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
-    seed: int = field(
-        default=0, metadata={"help": "seed of the initialisation, data order and routers"}
-    )
-    eval_every: int = field(
-        default=50, metadata={"help": "validate and checkpoint every N steps (and at step 0)"}
-    )
-    eval_tokens: int = field(
-        default=8192, metadata={"help": "validation tokens (whole blocks of seq_len)"}
-    )
-    eval_top_k: tuple[int, ...] = field(
-        default=(1, 2),
-        metadata={
-            "help": "Focus top-k values validated besides soft routing",
-            "type": comma_ints,
-            "metavar": "K1,K2",
-        },  # fmt: skip
-    )
-    max_train_tokens: int | None = field(
-        default=None, metadata={"help": "cap on the training split's tokens (default all)"}
-    )
-    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
-    log_every: int = field(default=10, metadata={"help": "log the training loss every N steps"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    resume: bool = field(
-        default=False, metadata={"help": "continue from the latest checkpoint in --out"}
-    )
-    progress: bool = field(default=False, metadata={"help": "show the Trainer's progress bar"})
-    focus: FocusConfig = field(default_factory=_default_focus)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.eval_top_k, list):
-            self.eval_top_k = tuple(self.eval_top_k)
-        self.validate()
-
-    def validate(self) -> None:
-        """Check every field; raises ``ValueError`` naming the first bad one."""
-        owner = "PretrainConfig"
-        if self.attention not in ATTENTIONS:
-            raise bad(owner, "attention", self.attention, f"one of {ATTENTIONS}")
-        self.model_size()
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_tokens"):
-            check_int(owner, name, getattr(self, name), 1)
-        for name in ("keep_checkpoints", "log_every"):
-            check_int(owner, name, getattr(self, name), 1)
-        check_int(owner, "seq_len", self.seq_len, 2)
-        check_int(owner, "warmup_steps", self.warmup_steps, 0)
-        check_int(owner, "seed", self.seed)
-        check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
-        check_number(owner, "lr", self.lr)
-        check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
-        check_number(owner, "max_grad_norm", self.max_grad_norm, inclusive=True)
-        if self.eval_tokens < self.seq_len:
-            raise bad(owner, "eval_tokens", self.eval_tokens, f">= seq_len ({self.seq_len})")
-        self._validate_focus()
-
-    def _validate_focus(self) -> None:
-        owner = "PretrainConfig"
-        if not isinstance(self.focus, FocusConfig):
-            raise bad(owner, "focus", self.focus, "a FocusConfig")
-        self.focus = self.focus.replace(seed=self.seed)
-        if self.focus.routing == "topk":
-            raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
-        k = self.focus.num_groups
-        if not self.eval_top_k or any(not 1 <= t <= k for t in self.eval_top_k):
-            raise bad(owner, "eval_top_k", self.eval_top_k, f"one or more ints in 1..{k}")
-        if self.attention == "focus" and self.seq_len <= self.focus.window:
-            raise bad(owner, "seq_len", self.seq_len,
-                      f"more than the Focus window ({self.focus.window}): in shorter blocks "
-                      "every pair is local and Focus is dense attention")  # fmt: skip
-
-    def model_size(self) -> ModelSize:
-        """The preset ``size`` with the override fields applied (:func:`resolve_size`)."""
-        names = [f.name for f in dataclasses.fields(ModelSize)]
-        overrides = {n: getattr(self, n) for n in names if n != "num_layers"}
-        return resolve_size(self.size, num_layers=self.num_layers, **overrides)
-
-    def run_name(self) -> str:
-        """``<corpus>-<size>-<attention>-s<seed>`` (the default output folder's name)."""
-        corpus = Path(str(self.corpus)).name.replace(" ", "-") or "corpus"
-        return f"{corpus}-{self.size}-{self.attention}-s{self.seed}"
-
-    def out_dir(self) -> Path:
-        """``out``, or ``runs/pretrain/<run_name()>``."""
-        return Path(self.out) if self.out is not None else Path("runs/pretrain") / self.run_name()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict of every field (``focus`` as :meth:`FocusConfig.to_dict`)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["eval_top_k"] = list(self.eval_top_k)
-        d["focus"] = self.focus.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PretrainConfig:
-        """Inverse of :meth:`to_dict` (``focus`` may be a partial dict of FocusConfig fields,
-        missing ones taking the from-scratch defaults).
-
-        Raises:
-            ValueError: unknown keys or invalid values.
-        """
-        data = dict(data)
-        focus = {**_default_focus().to_dict(), **dict(data.pop("focus", {}) or {})}
-        check_known_keys("PretrainConfig", data, cls)
-        return cls(**data, focus=FocusConfig.from_dict(focus))
-
-    def locked_differences(self, other: PretrainConfig) -> dict[str, tuple[Any, Any]]:
-        """Fields that differ from ``other``'s, except :data:`RESUME_FREE_FIELDS`."""
-        mine, theirs = self.to_dict(), other.to_dict()
-        return {
-            k: (mine[k], theirs[k])
-            for k in mine
-            if k not in RESUME_FREE_FIELDS and mine[k] != theirs[k]
-        }
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
