@@ -32,7 +32,7 @@ def _calibrate(assets, adapter, out, **kw):
 
 def _evaluate(assets, adapter, **kw):
     return evaluate(model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
-                    split="test", seq_len=64, max_tokens=192, top_k_values=[1, 2], soft=False,
+                    split="test", seq_len=64, max_tokens=192, top_k=[1, 2], soft=False,
                     threads=1, progress=False, **kw).to_dict()  # fmt: skip
 
 

@@ -73,25 +73,25 @@ def test_evaluate_contract(assets, adapter):
 
 
 def test_top_k_subset_and_overrides(assets, adapter):
-    res = _evaluate(assets, adapter, top_k_values=[1, 3], inference_routing="sequence",
+    res = _evaluate(assets, adapter, top_k=[1, 3], inference_routing="sequence",
                     sink_tokens=0, max_tokens=64)  # fmt: skip
     assert list(res["ppl"]["focus_topk"]) == ["1", "3"]
     assert res["config"]["focus"]["inference_routing"] == "sequence"
     assert res["config"]["focus"]["sink_tokens"] == 0
     assert all(math.isfinite(v) for v in res["ppl"]["focus_topk"].values())
     with pytest.raises(ValueError, match="outside"):
-        _evaluate(assets, adapter, top_k_values=[5])
+        _evaluate(assets, adapter, top_k=[5])
 
 
 def test_window_override_trades_sparsity_for_quality(assets, adapter):
     """A window as long as the evaluation window makes every pair local: top-1 is then
     exactly the dense model; a shorter window keeps fewer pairs."""
-    full = _evaluate(assets, adapter, top_k_values=[1], window=64, max_tokens=128)
+    full = _evaluate(assets, adapter, top_k=[1], window=64, max_tokens=128)
     assert full["config"]["focus"]["window"] == 64
     assert full["config"]["overrides"]["window"] == 64
     assert full["pairs_retained"]["1"] == pytest.approx(1.0)
     assert full["ppl"]["focus_topk"]["1"] == pytest.approx(full["ppl"]["base"], rel=1e-5)
-    narrow = _evaluate(assets, adapter, top_k_values=[1], window=4, max_tokens=128)
+    narrow = _evaluate(assets, adapter, top_k=[1], window=4, max_tokens=128)
     assert narrow["pairs_retained"]["1"] < full["pairs_retained"]["1"]
     with pytest.raises(ValueError, match="window"):
         _evaluate(assets, adapter, window=0)
@@ -101,7 +101,7 @@ def test_dense_layers_override(assets, adapter):
     """Every Focus layer dense: top-k and soft are the base model and keep every pair; one
     dense layer (the last: the layers before it see the same inputs) counts as keeping its
     pairs, the others as routed."""
-    kw = dict(top_k_values=[1], window=4, max_tokens=128)
+    kw = dict(top_k=[1], window=4, max_tokens=128)
     plain = _evaluate(assets, adapter, **kw)
     layers = plain["config"]["focus_layers"]
     assert len(layers) >= 2 and plain["pairs_retained"]["1"] < 0.9
@@ -136,7 +136,7 @@ def test_base_weights_changed_during_eval_fail_loudly(assets, adapter, monkeypat
 
     monkeypatch.setattr(ev, "score_windows", tampering)
     with pytest.raises(RuntimeError, match="weights changed"):
-        _evaluate(assets, adapter, top_k_values=[1], max_tokens=64)
+        _evaluate(assets, adapter, top_k=[1], max_tokens=64)
 
 
 def test_routing_stats():
@@ -180,8 +180,8 @@ def test_query_top_k_override(assets, adapter):
     """Queries in two groups, keys in one: more pairs than top-1, fewer than top-2; recorded
     in the settings and named in the table; outside 1..K refused."""
     kw = dict(window=4, max_tokens=128, soft=False)
-    sym = _evaluate(assets, adapter, top_k_values=[1, 2], **kw)
-    wide = _evaluate(assets, adapter, top_k_values=[1], query_top_k=2, **kw)
+    sym = _evaluate(assets, adapter, top_k=[1, 2], **kw)
+    wide = _evaluate(assets, adapter, top_k=[1], query_top_k=2, **kw)
     assert wide["config"]["overrides"]["query_top_k"] == 2
     assert wide["config"]["focus"]["query_top_k"] == 2
     assert sym["config"]["focus"]["query_top_k"] is None
@@ -202,7 +202,7 @@ def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
     (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
     with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
-        evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k_values=[9],
+        evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k=[9],
                  progress=False)  # fmt: skip
 
 
@@ -245,8 +245,8 @@ def test_position_buckets_are_checked():
 def test_without_soft_routing(assets, adapter):
     """``soft=False`` skips the soft model: no soft entry anywhere, the same top-k and base
     scores, and tables without a soft row."""
-    full = _evaluate(assets, adapter, top_k_values=[1, 2])
-    lean = _evaluate(assets, adapter, top_k_values=[1, 2], soft=False)
+    full = _evaluate(assets, adapter, top_k=[1, 2])
+    lean = _evaluate(assets, adapter, top_k=[1, 2], soft=False)
     assert lean["config"]["soft"] is False and full["config"]["soft"] is True
     assert "focus_soft" not in lean["ppl"] and "focus_soft" not in lean["ppl_by_position"]
     assert "soft" not in lean["dominance"] and "soft" not in lean["seconds"]
@@ -255,7 +255,7 @@ def test_without_soft_routing(assets, adapter):
     table = markdown_table(lean)
     assert "Focus soft" not in table and table.count("| Focus top-k |") == 2
     assert "dense_layers" not in table
-    dense = _evaluate(assets, adapter, top_k_values=[1], soft=False, dense_layers=[1])
+    dense = _evaluate(assets, adapter, top_k=[1], soft=False, dense_layers=[1])
     assert "inference_routing=causal, dense_layers=1)" in markdown_table(dense)
 
 
@@ -263,22 +263,22 @@ def test_calibrating_the_bias_on_validation_blocks(assets, adapter):
     """``calibrate_blocks`` re-collects the causal routing bias from validation blocks before
     scoring: the dense and soft scores stay, the top-k scores use the new bias, the result
     records it, and asking for more blocks than the split has is an error."""
-    plain = _evaluate(assets, adapter, top_k_values=[1])
-    calibrated = _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=2)
+    plain = _evaluate(assets, adapter, top_k=[1])
+    calibrated = _evaluate(assets, adapter, top_k=[1], calibrate_blocks=2)
     assert calibrated["config"]["calibrate_blocks"] == 2
     assert calibrated["ppl"]["base"] == plain["ppl"]["base"]
     assert calibrated["ppl"]["focus_soft"] == plain["ppl"]["focus_soft"]
     assert calibrated["ppl"]["focus_topk"]["1"] != plain["ppl"]["focus_topk"]["1"]
     with pytest.raises(ValueError, match="9999 blocks: the validation split"):
-        _evaluate(assets, adapter, top_k_values=[1], calibrate_blocks=9999)
+        _evaluate(assets, adapter, top_k=[1], calibrate_blocks=9999)
 
 
 def test_coverage_of_top_k_routing(assets, adapter):
     """``coverage_queries`` adds the share of distant dense attention each top_k keeps: it
     grows with top_k and is everything at top_k = K (every pair is kept); the markdown says
     it; skipped by default."""
-    assert _evaluate(assets, adapter, top_k_values=[1])["coverage"] is None
-    r = _evaluate(assets, adapter, top_k_values=[1, 2, 4], coverage_queries=16)
+    assert _evaluate(assets, adapter, top_k=[1])["coverage"] is None
+    r = _evaluate(assets, adapter, top_k=[1, 2, 4], coverage_queries=16)
     cov = r["coverage"]
     assert 0 < cov["distant_share"] < 1
     assert 0 < cov["topk"]["1"] <= cov["topk"]["2"] <= cov["topk"]["4"]

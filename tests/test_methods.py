@@ -341,7 +341,7 @@ def test_eval_of_every_method(assets, runs, method):
 
 def test_eval_of_a_dense_run_refuses_focus_settings(assets, runs):
     with pytest.raises(ValueError, match="top_k_values.*no Focus adapter"):
-        _eval(assets, runs["lora"].out, top_k_values=(1,))
+        _eval(assets, runs["lora"].out, top_k=(1,))
 
 
 def test_eval_cli_reports_the_changed_weights(assets, runs, capsys):

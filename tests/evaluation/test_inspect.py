@@ -135,7 +135,7 @@ def test_group_category_counts_sum_to_the_tokens_and_reject_bad_input():
 
 def _inspect(assets, adapter, **kw):
     kw.setdefault("seq_len", 64)
-    kw.setdefault("tokens", 192)
+    kw.setdefault("max_tokens", 192)
     kw.setdefault("shuffles", 3)
     return inspect_groups(model=str(assets["model"]), adapter=str(adapter),
                           corpus=str(assets["corpus"]), threads=1, progress=False, **kw)  # fmt: skip
@@ -195,7 +195,7 @@ def test_shares_agree_with_focus_eval(assets, adapter, result):
     from focus_attention.evaluation import evaluate
 
     ev = evaluate(model=str(assets["model"]), adapter=adapter, corpus=str(assets["corpus"]),
-                  split="test", seq_len=64, max_tokens=192, top_k_values=(1,), threads=1,
+                  split="test", seq_len=64, max_tokens=192, top_k=(1,), threads=1,
                   progress=False).to_dict()  # fmt: skip
     res, _ = result
     for layer, shares in ev["group_shares"]["topk"]["1"].items():
@@ -253,7 +253,7 @@ def test_clear_errors(assets, adapter, tmp_path):
         inspect_groups(model=str(assets["model"]), progress=False)
     with pytest.raises(ValueError, match=r"top_k=5: expected 1..K=4"):
         _inspect(assets, adapter, top_k=5)
-    for bad, match in [({"layers": ()}, "layers"), ({"tokens": 16, "seq_len": 32}, "tokens"),
+    for bad, match in [({"layers": ()}, "layers"), ({"max_tokens": 16, "seq_len": 32}, "max_tokens"),
                        ({"top_k": 0}, "top_k"), ({"split": "dev"}, "split"),
                        ({"layers": (1, "2")}, "layers")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
@@ -279,7 +279,7 @@ def test_real_smollm2_inspect(tmp_path):
 
     model, _ = load_model("smollm2-135m", quiet=True)
     get_focus_model(model, FocusConfig(num_groups=8)).save_pretrained(tmp_path / "adapter")
-    res = inspect_groups(adapter=str(tmp_path / "adapter"), seq_len=128, tokens=384,
+    res = inspect_groups(adapter=str(tmp_path / "adapter"), seq_len=128, max_tokens=384,
                          layers=(0, 29), baseline=False, shuffles=2, threads=1,
                          progress=False, out=str(tmp_path / "out"))  # fmt: skip
     assert res["tokens"] == 384 and len(res["layers"]) == 30 and list(res["groups"]) == ["0", "29"]  # fmt: skip
