@@ -61,8 +61,8 @@ def fused_kernel(kernel_built: bool) -> bool:
 @pytest.fixture(scope="module")
 def module_assets(tmp_path_factory):
     """Tiny offline assets (a random LLaMA model directory, a word-level tokenizer and a
-    small corpus with its cache), built once per test module (``test_pipeline``)."""
-    from test_pipeline import make_tiny_assets
+    small corpus with its cache), built once per test module (``tiny_assets``)."""
+    from tiny_assets import make_tiny_assets
 
     return make_tiny_assets(tmp_path_factory.mktemp("tiny-assets"))
 
@@ -70,16 +70,16 @@ def module_assets(tmp_path_factory):
 @pytest.fixture
 def assets(module_assets, monkeypatch):
     """``module_assets`` with ``FOCUS_HOME`` pointing at their cache for one test."""
-    from test_pipeline import use_tiny_assets
+    from tiny_assets import use_tiny_assets
 
     return use_tiny_assets(module_assets, monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def adapter(module_assets, tmp_path_factory):
-    """A 4-step tiny adapter trained on ``module_assets`` (``test_pipeline.tiny_config``:
+    """A 4-step tiny adapter trained on ``module_assets`` (``tiny_assets.tiny_config``:
     K = 4, top_k = 2, window 8, 1 sink token, both layers)."""
-    from test_pipeline import tiny_config, use_tiny_assets
+    from tiny_assets import tiny_config, use_tiny_assets
 
     from focus_attention.training import train
 

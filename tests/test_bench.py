@@ -138,7 +138,7 @@ def test_environment_records_the_code_version():
 def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     """``focus bench model`` on a tiny model: one stock row and one Focus row per (window,
     top_k) and length, each with its window; the table names them."""
-    from test_pipeline import make_tiny_assets, use_tiny_assets
+    from tiny_assets import make_tiny_assets, use_tiny_assets
 
     from focus_attention.bench.model import ModelBenchConfig, model_table, run_model_benchmark
 
@@ -172,7 +172,7 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
     """``focus bench decode`` on a tiny model: per context a dense and a Focus row per top_k
     at each level (two dense rows at the model level: stock and buffered cache), shares of
     keys seen in (0, 1] and consistent derived columns."""
-    from test_pipeline import make_tiny_assets, use_tiny_assets
+    from tiny_assets import make_tiny_assets, use_tiny_assets
 
     from focus_attention.bench.decode import DecodeBenchConfig, decode_table, run_decode_benchmark
 
@@ -209,7 +209,7 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
 def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, kernel_built):
     """``--dense-layers``: recorded in the config and named in the table; a dense layer sees
     every cached key, so with every layer dense the decoded share is 1."""
-    from test_pipeline import make_tiny_assets, use_tiny_assets
+    from tiny_assets import make_tiny_assets, use_tiny_assets
 
     from focus_attention.bench.decode import DecodeBenchConfig, run_decode_benchmark
     from focus_attention.bench.model import ModelBenchConfig, model_table, run_model_benchmark

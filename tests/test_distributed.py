@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import tiny_config
+from tiny_assets import tiny_config
 
 from focus_attention.training import latest_checkpoint, train
 
@@ -50,7 +50,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 REPO = SRC.parent
 LAUNCH_TIMEOUT = 240  # seconds; a loaded 2-core machine starts torch in 10-30 s
 
-#: the settings of tests/test_pipeline.py's tiny_config, as ``focus train`` flags
+#: the settings of tests/tiny_assets.py tiny_config, as ``focus train`` flags
 TINY_FLAGS = [
     "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-2",
     "--warmup-steps", "2", "--eval-every", "3", "--eval-tokens", "64", "--save-every", "2",

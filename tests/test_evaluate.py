@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_pipeline import check_eval_schema
+from tiny_assets import check_eval_schema
 
 from focus_attention.evaluation import RoutingStats, evaluate, markdown_table, score_windows
 from focus_attention.utils.env import weights_sha256

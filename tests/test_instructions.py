@@ -13,8 +13,8 @@ import statistics
 
 import pytest
 import torch
-from test_pipeline import WORDS, make_model_dir
 from tiny import arrow_stream, tiny_llama, tuned_run, word_tokenizer
+from tiny_assets import WORDS, make_model_dir
 
 from focus_attention import cli
 from focus_attention.bench.instructions import InstructionsBenchConfig, passage_pool, token_shares

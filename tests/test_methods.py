@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import tiny_config, use_tiny_assets
+from tiny_assets import tiny_config, use_tiny_assets
 
 from focus_attention.evaluation import evaluate, markdown_table
 from focus_attention.evaluation.trained import (
@@ -371,7 +371,7 @@ def test_training_digests_match_the_untouched_base(assets, runs):
 def test_smollm2_lora_counts():
     """The trainable counts on the real model: Focus 280,320; LoRA per rank on q, v and on
     q, k, v, o; the matched ranks."""
-    from test_pipeline import _require_real
+    from tiny_assets import _require_real
 
     _require_real()
     from focus_attention.assets.models import load_model

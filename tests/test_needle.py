@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_pipeline import make_tiny_assets, tiny_config, use_tiny_assets
+from tiny_assets import make_tiny_assets, tiny_config, use_tiny_assets
 
 from focus_attention import cli
 from focus_attention.bench import needle

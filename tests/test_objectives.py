@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import tiny_config
 from tiny import focus, ids
+from tiny_assets import tiny_config
 
 from focus_attention.ops.coverage import distant_attention
 from focus_attention.training import TrainConfig, train

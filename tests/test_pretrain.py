@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import use_tiny_assets
+from tiny_assets import use_tiny_assets
 
 from focus_attention.hf import FocusBaseMismatchWarning, FocusConfig
 from focus_attention.training.pretrain import (

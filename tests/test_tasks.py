@@ -19,8 +19,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from test_pipeline import WORDS, make_model_dir, make_text  # noqa: E402
 from tiny import arrow_stream, piqa_rows, tuned_run  # noqa: E402
+from tiny_assets import WORDS, make_model_dir, make_text  # noqa: E402
 
 from focus_attention import cli  # noqa: E402
 from focus_attention.assets.benchmarks import BENCHMARKS, benchmark_dir  # noqa: E402

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import tiny_config, train_config, use_tiny_assets
+from tiny_assets import tiny_config, train_config, use_tiny_assets
 
 from focus_attention.training import (
     CHECKPOINT_DIR,

@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-from test_pipeline import use_tiny_assets
 from tiny import word_tokenizer
+from tiny_assets import use_tiny_assets
 
 from focus_attention.evaluation.categories import (
     CATEGORIES,
@@ -271,7 +271,7 @@ def test_clear_errors(assets, adapter, tmp_path):
 def test_real_smollm2_inspect(tmp_path):
     """smollm2-135m with a fresh (untrained) adapter on 384 tokens of Persuasion: the
     counts, the categories of real BPE tokens, and the files."""
-    from test_pipeline import _require_real
+    from tiny_assets import _require_real
 
     _require_real()
     from focus_attention.assets.models import load_model

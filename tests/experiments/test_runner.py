@@ -230,7 +230,7 @@ def test_a_step_runs_in_a_subprocess(finished, module_assets, tmp_path, monkeypa
     assert _result(copy, "16")["ppl"] == _result(study, "16")["ppl"]
 
 
-#: a study that trains the tiny adapter (tests/test_pipeline.py tiny_config: K = 4, top_k 2,
+#: a study that trains the tiny adapter (tests/tiny_assets.py tiny_config: K = 4, top_k 2,
 #: window 8, 1 sink token), 4 steps with a checkpoint after each
 TRAIN_STUDY = """
 [study]

@@ -23,7 +23,7 @@ from focus_attention.training.sweep import (
 #: the cells run with FOCUS_NO_EXTENSION=1 (no kernel build), which says so in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
 
-#: the tiny model's settings (tests/test_pipeline.py tiny_config), 2 steps, no validation
+#: the tiny model's settings (tests/tiny_assets.py tiny_config), 2 steps, no validation
 TINY_GRID = """
 [train]
 model = "{model}"
