@@ -141,7 +141,7 @@ def resumed(study: Study, step: Step, runs: str = "runs") -> Step:
     """``step`` as it continues: a ``train`` step without its result whose ``out`` holds a
     checkpoint (an interrupted training) with ``resume`` instead of ``overwrite``; any other
     step unchanged."""
-    from ..training.checkpoint import latest_checkpoint
+    from ..training.outputs import latest_checkpoint
 
     out = step.settings.get("out")
     if (

@@ -23,7 +23,6 @@ Kaiming-uniform, ``B`` zero), independently of the global random state.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,6 @@ __all__ = [
     "LORA_SHORT_NAMES",
     "Trainee",
     "build_trainee",
-    "dense_validation",
     "lora_modules",
     "match_lora_rank",
     "phase_at",
@@ -460,20 +458,3 @@ def step_loss(trainee: Trainee, x: torch.Tensor, cfg: TrainConfig, generator: to
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite training loss {float(loss)}")
     return StepLoss(loss, {"loss": float(loss.detach())})
-
-
-def dense_validation(trainee: Trainee, blocks: torch.Tensor, *, base: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Validation perplexity ``val_ppl`` of a dense method's model on ``blocks`` (and, with
-    ``base``, ``val_ppl_base``: the same number, taken before any step); training mode is
-    restored."""
-    from ..evaluation.perplexity import score_windows
-
-    trainee.model.eval()
-    try:
-        nll, n = score_windows(trainee.model, blocks)
-    finally:
-        trainee.train_mode()
-    rec: dict[str, Any] = {"val_ppl": math.exp(nll / n), "val_tokens": n}
-    if base:
-        rec["val_ppl_base"] = rec["val_ppl"]
-    return rec

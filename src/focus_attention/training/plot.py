@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..utils.io import atomic_write
-from .checkpoint import read_log
+from .outputs import read_log
 
 __all__ = ["write_plot"]
 

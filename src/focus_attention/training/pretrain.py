@@ -28,9 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from .settings import (
     ROUTERS_MODULE,
     PretrainConfig,
 )
+from .trainer import sharding
 from .validation import validation_perplexities
 
 __all__ = [
@@ -440,26 +439,6 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         save_final(llama, focus, tok, out)
         write_json_atomic(out / PRETRAIN_RESULT_NAME, result)
     return result
-
-
-def sharding(trainer: Any) -> dict[str, Any]:
-    """How the Trainer's processes hold the model: ``world_size``, ``requested`` (the launch
-    asked for FSDP: ``ACCELERATE_USE_FSDP``, set by ``accelerate launch`` with an FSDP
-    configuration file) and ``sharded`` (the Trainer shards the model with FSDP).
-
-    accelerate enables FSDP only on accelerators (GPUs and the like): processes on CPUs
-    train data-parallel with the whole model on every rank. A requested but unsharded run
-    warns (``UserWarning``) and records ``sharded: false``; its results are the
-    data-parallel ones."""
-    requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    sharded = bool(getattr(trainer, "is_fsdp_enabled", False))
-    if requested and not sharded:
-        warnings.warn(
-            "focus pretrain: the launch asked for FSDP, but accelerate enables FSDP only on "
-            "accelerators; these CPU processes train data-parallel, each with the whole model",
-            stacklevel=2,
-        )
-    return {"world_size": trainer.args.world_size, "requested": requested, "sharded": sharded}
 
 
 def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:

@@ -1,13 +1,15 @@
 """The learning-rate schedule and the data order of a training run (docs/method.md §6):
-both depend only on the step, so a resumed run repeats an uninterrupted one exactly."""
+both depend only on the step and the seed, so a resumed run repeats an uninterrupted one
+exactly, and the data order does not depend on the number of processes."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["block_indices", "lr_factor"]
+__all__ = ["EpochPermutations", "lr_factor"]
 
 
 def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
@@ -20,22 +22,25 @@ def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def block_indices(
-    step: int, micro: int, *, batch_size: int, grad_accum: int, num_blocks: int, seed: int
-) -> list[int]:
-    """Indices of the training blocks of micro-batch ``micro`` of optimizer step ``step``.
+class EpochPermutations(torch.utils.data.Sampler[int]):
+    """The training blocks' order: the indices ``0 .. num_blocks - 1`` in a seeded random
+    permutation, a fresh one per epoch (``torch.randperm`` with a CPU generator seeded by
+    ``seed * 1_000_003 + epoch``). ``set_epoch`` (called by the Trainer and by accelerate's
+    data loader) picks the epoch. Under data parallelism accelerate deals the batches of
+    this one order to the ranks in turn, so the blocks of a step are those of one process
+    with the ranks' micro-batches in rank order."""
 
-    The blocks are visited in a seeded random permutation, a fresh one per epoch (a pass
-    over the ``num_blocks`` blocks), so the result depends only on ``(seed, step, micro)``.
-    """
-    first = step * batch_size * grad_accum + micro * batch_size
-    out = []
-    perm_epoch, perm = -1, None
-    for i in range(first, first + batch_size):
-        epoch, pos = divmod(i, num_blocks)
-        if epoch != perm_epoch:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            perm = torch.randperm(num_blocks, generator=gen)
-            perm_epoch = epoch
-        out.append(int(perm[pos]))
-    return out
+    def __init__(self, num_blocks: int, seed: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"EpochPermutations: num_blocks {num_blocks}; expected at least 1")
+        self.num_blocks, self.seed, self.epoch = num_blocks, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.num_blocks, generator=gen).tolist())
+
+    def __len__(self) -> int:
+        return self.num_blocks

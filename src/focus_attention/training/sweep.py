@@ -362,7 +362,7 @@ def _eval_settings(ev_cfg: Any) -> dict[str, Any]:
 def _train_row(cfg: TrainConfig, train_seconds: float) -> dict:
     """The training part of a cell's row: its directory, Focus settings, dominance at the
     last logged step (``log.jsonl``), training seconds and settings."""
-    from .checkpoint import LOG_NAME, read_log
+    from .outputs import LOG_NAME, read_log
 
     cell_dir = cfg.out_dir()
     log = [r for r in read_log(cell_dir / LOG_NAME) if "dominance" in r]
@@ -433,7 +433,7 @@ def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, evals: dict[str, Any
 def _trained_row(plan: SweepPlan, slug: str, cfg: TrainConfig, progress: bool) -> dict:
     """The cell's row: from its ``cell.json``, else after training it (resumed from its
     newest checkpoint when there is one), written to ``cell.json``."""
-    from .loop import train
+    from .run import train
 
     path = cfg.out_dir() / CELL_FILE
     if path.is_file():  # "dir": where the cell is now
@@ -458,11 +458,11 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
 
     Raises:
         ValueError: a cell trained, or evaluated under one name, with other settings than
-            the grid's now; what :func:`~.loop.train` and
+            the grid's now; what :func:`~.run.train` and
             :func:`~focus_attention.evaluation.evaluate` raise.
     """
     from ..evaluation.perplexity import evaluate
-    from .checkpoint import latest_checkpoint
+    from .outputs import latest_checkpoint
 
     cell_dir = Path(out) / "cells" / slug
     resume = latest_checkpoint(cell_dir) is not None

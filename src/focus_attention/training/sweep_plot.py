@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.io import atomic_write
-from .checkpoint import LOG_NAME, read_log
+from .outputs import LOG_NAME, read_log
 
 __all__ = ["PAIRS_PLOT", "DOMINANCE_PLOT", "write_pairs_plot", "write_sweep_plots"]
 

@@ -13,6 +13,8 @@ own warm-up and cosine schedule (:func:`~.methods.phase_schedule`).
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,11 @@ from transformers import Trainer
 
 from ..ops import dominance
 from .methods import Trainee, phase_schedule, step_loss
-from .validation import validation_perplexities
+from .outputs import write_run_state
+from .schedule import EpochPermutations
+from .validation import base_perplexity, validation_perplexities
 
-__all__ = ["FocusTrainer", "routing_dominance"]
+__all__ = ["FocusTrainer", "routing_dominance", "sharding"]
 
 
 def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -48,6 +52,26 @@ def routing_dominance(records: list[dict[str, Any]]) -> dict[str, float]:
     if hard:
         out["dominance_topk"] = sum(hard) / len(hard)
     return out
+
+
+def sharding(trainer: Any) -> dict[str, Any]:
+    """How the Trainer's processes hold the model: ``world_size``, ``requested`` (the launch
+    asked for FSDP: ``ACCELERATE_USE_FSDP``, set by ``accelerate launch`` with an FSDP
+    configuration file) and ``sharded`` (the Trainer shards the model with FSDP).
+
+    accelerate enables FSDP only on accelerators (GPUs and the like): processes on CPUs
+    train data-parallel with the whole model on every rank. A requested but unsharded run
+    warns (``UserWarning``) and records ``sharded: false``; its results are the
+    data-parallel ones."""
+    requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    sharded = bool(getattr(trainer, "is_fsdp_enabled", False))
+    if requested and not sharded:
+        warnings.warn(
+            "focus train/pretrain: the launch asked for FSDP, but accelerate enables FSDP only on "
+            "accelerators; these CPU processes train data-parallel, each with the whole model",
+            stacklevel=2,
+        )
+    return {"world_size": trainer.args.world_size, "requested": requested, "sharded": sharded}
 
 
 class FocusTrainer(Trainer):
@@ -75,10 +99,15 @@ class FocusTrainer(Trainer):
       and the routing dominance (:func:`routing_dominance`; ``dominance_max``: the worst);
     * ``evaluate``: validation perplexity of ``val_blocks`` (``LongTensor [n, seq_len]``,
       keyword argument) by :func:`~.validation.validation_perplexities`, the function
-      ``focus pretrain`` validates with, under the ``focus train`` log keys;
+      ``focus pretrain`` validates with, under the ``focus train`` log keys; at the run's
+      first step also ``val_ppl_base``, the base model's;
+    * the data order is :class:`~.schedule.EpochPermutations` (one seeded permutation of
+      the rows per epoch), which does not depend on the number of processes;
     * checkpoints (and ``save_model``) hold every trained part, as ``focus train`` writes
       its output: the Focus adapter, ``lora/`` (peft) and ``model/`` (transformers), which
-      ``resume_from_checkpoint`` loads back in place.
+      ``resume_from_checkpoint`` loads back in place, and the run state
+      (:func:`~.outputs.write_run_state`: world size, phase, ``step_offset``, the steps of
+      the phases before this Trainer's).
 
     Raises:
         ValueError: the coverage objective with more than one process (its gradient reaches
@@ -89,7 +118,8 @@ class FocusTrainer(Trainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args: Any, trainee: Trainee, config: Any,
-                 val_blocks: torch.Tensor | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 val_blocks: torch.Tensor | None = None, step_offset: int = 0,
+                 **kwargs: Any) -> None:  # fmt: skip
         kwargs.setdefault("model", trainee.model)
         super().__init__(*args, **kwargs)
         if config.objective == "coverage" and trainee.focus is not None and self.args.world_size > 1:  # fmt: skip
@@ -98,6 +128,7 @@ class FocusTrainer(Trainer):
                 f"{self.args.world_size}); use 'lm', 'distill' or 'mix' under torchrun"
             )
         self.trainee, self.train_config, self.val_blocks = trainee, config, val_blocks
+        self.step_offset = step_offset
         self.step_metrics: list[dict[str, float]] = []
         self._micro = (-1, 0)  # (optimizer step, micro-batches of it run so far)
 
@@ -110,6 +141,14 @@ class FocusTrainer(Trainer):
         out.mkdir(parents=True, exist_ok=True)
         self.trainee.save_pretrained(out)
         torch.save(self.args, out / TRAINING_ARGS_NAME)
+        write_run_state(out, world_size=self.args.world_size, phase=self.trainee.phase,
+                        step_offset=self.step_offset)  # fmt: skip
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """The data order: :class:`~.schedule.EpochPermutations` of the training rows,
+        seeded by the run's ``seed``."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        return EpochPermutations(len(dataset), self.train_config.seed)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """``resume_from_checkpoint``: the trainee's parts back in place
@@ -155,12 +194,19 @@ class FocusTrainer(Trainer):
         return (step.loss, None) if return_outputs else step.loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's log entry, with the objective's metrics when it has a ``loss``."""
-        if "loss" in logs and self.step_metrics:
+        """The Trainer's log entry; one with a training ``loss`` also gets the objective's
+        metrics, ``tokens`` (training tokens of the run so far, every process and phase) and,
+        in two-phase runs, ``phase``."""
+        if "loss" in logs:
             for key in dict.fromkeys(k for m in self.step_metrics for k in m):
                 values = [m[key] for m in self.step_metrics if key in m]
                 logs[key] = max(values) if key.endswith("max") else sum(values) / len(values)
             self.step_metrics = []
+            cfg = self.train_config
+            per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * self.args.world_size
+            logs["tokens"] = (self.state.global_step + self.step_offset) * per_step
+            if cfg.method == "two-phase":
+                logs["phase"] = self.trainee.phase
         super().log(logs, start_time)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None,
@@ -183,6 +229,8 @@ class FocusTrainer(Trainer):
             named = {"ppl": values["ppl"]}
         else:
             named = {"ppl_topk": values[f"ppl_top{top_k}"], "ppl_soft": values["ppl"]}
+        if self.state.global_step == 0 and self.step_offset == 0:  # the untrained start
+            named["ppl_base"] = named["ppl"] if focus is None else base_perplexity(focus, self.val_blocks)  # fmt: skip
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in named.items()}
         metrics[f"{metric_key_prefix}_tokens"] = int(values["tokens"])
         self.log(dict(metrics))

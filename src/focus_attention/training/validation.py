@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["perplexity", "validation_perplexities"]
+__all__ = ["base_perplexity", "perplexity", "validation_perplexities"]
 
 
 def perplexity(nll_sum: float, tokens: int) -> float:
@@ -60,3 +60,19 @@ def validation_perplexities(
     out["loss"] = math.log(out["ppl"])
     out["tokens"] = float(n)
     return out
+
+
+@torch.no_grad()
+def base_perplexity(focus: Any, blocks: torch.Tensor) -> float:
+    """Perplexity of ``blocks`` ``LongTensor [n, seq_len]`` under the base model of the
+    :class:`FocusModel` ``focus`` (Focus disabled, eval mode; scored as in
+    :func:`validation_perplexities`); the mode is restored."""
+    from ..evaluation.perplexity import score_windows
+
+    was_training = focus.training
+    focus.eval()
+    try:
+        with focus.disable_focus():
+            return perplexity(*score_windows(focus, blocks))
+    finally:
+        focus.train(was_training)

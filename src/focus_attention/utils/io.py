@@ -279,6 +279,45 @@ def staged_directory(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def replace_entries(staged: str | os.PathLike[str], dest: str | os.PathLike[str]) -> list[Path]:
+    """Move every entry (file or directory) of the directory ``staged`` into ``dest``,
+    replacing entries of the same names, all of them or none.
+
+    Each old entry is renamed aside first and removed only once every new entry is in
+    place; an error at any rename puts the old entries back and removes the new ones, so
+    ``dest`` holds either all the new entries or its old ones. ``staged`` must be on the file
+    system of ``dest`` (a directory inside it, from :func:`staged_directory` or
+    :func:`tempfile.mkdtemp`); it is left empty on success.
+
+    Returns:
+        the paths of the new entries in ``dest``, in name order.
+
+    Raises:
+        whatever a rename raises, after the rollback.
+    """
+    staged, dest = Path(staged), Path(dest)
+    names = sorted(p.name for p in staged.iterdir())
+    aside = Path(tempfile.mkdtemp(prefix=".old-", dir=dest))
+    moved: list[str] = []  # names whose new entry is in place
+    try:
+        for name in names:
+            if (dest / name).exists() or (dest / name).is_symlink():
+                os.replace(dest / name, aside / name)
+            os.replace(staged / name, dest / name)
+            moved.append(name)
+    except BaseException:
+        for name in reversed(names):
+            if name in moved:
+                os.replace(dest / name, staged / name)
+            if (aside / name).exists() or (aside / name).is_symlink():
+                os.replace(aside / name, dest / name)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    _fsync_directory(dest)
+    return [dest / name for name in names]
+
+
 def focus_home() -> Path:
     """Root of the asset cache.
 

@@ -1,5 +1,6 @@
-"""``focus train`` on a tiny random LLaMA: centroid-only, exact resume, Ctrl-C, checkpoints,
-schedule, data order, configuration errors."""
+"""``focus train`` (:func:`focus_attention.training.train`) on a tiny random LLaMA:
+centroid-only training on transformers.Trainer, exact resume after Ctrl-C and crashes,
+checkpoints, the final output, schedule, data order and configuration errors."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from tiny_assets import tiny_config, train_config, use_tiny_assets
 
 from focus_attention.training import (
     CHECKPOINT_DIR,
+    EpochPermutations,
     TrainConfig,
-    block_indices,
     latest_checkpoint,
     lr_factor,
     train,
 )
-from focus_attention.training.loop import trainable_parameters
+from focus_attention.training.methods import trainable_parameters
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,17 @@ def _log(out) -> list[dict]:
 
 
 def _same_log(a: list[dict], b: list[dict]) -> None:
-    """Equal logs apart from the wall-clock seconds."""
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in a]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in b]
+    """Equal logs apart from wall-clock seconds and the Trainer's end-of-run summary."""
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows
+                if "train_runtime" not in r]  # fmt: skip
+
+    assert strip(a) == strip(b)
+
+
+def _steps(out) -> list[int]:
+    return [r["step"] for r in _log(out) if "loss" in r]
 
 
 def test_reference_run(reference):
@@ -53,22 +62,28 @@ def test_reference_run(reference):
     assert reference.steps == 6 and len(reference.losses) == 6
     assert all(math.isfinite(v) for v in reference.losses)
     assert [v["step"] for v in reference.validation] == [0, 3, 6]
-    assert latest_checkpoint(out).name == "step-0000006"
+    assert "val_ppl_base" in reference.validation[0]
+    assert latest_checkpoint(out).name == "checkpoint-6"
     assert sorted(p.name for p in (out / CHECKPOINT_DIR).iterdir()) == [
-        "step-0000004",
-        "step-0000006",
+        "checkpoint-4",
+        "checkpoint-6",
     ]  # keep_checkpoints = 2
-    rows = _log(out)
-    assert [r["step"] for r in rows] == list(range(7))
-    assert rows[1]["lr"] == pytest.approx(0.5e-2) and rows[2]["lr"] == pytest.approx(1e-2)
-    assert all(0.25 <= r["dominance"] <= 1 for r in rows[1:])
+    rows = [r for r in _log(out) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["loss"] for r in rows] == reference.losses
+    # the rate each step used: warm-up over 2 steps, then cosine decay to 0 at step 6
+    assert rows[0]["learning_rate"] == pytest.approx(0.5e-2)
+    assert rows[1]["learning_rate"] == pytest.approx(1e-2)
+    assert all(0.25 <= r["dominance"] <= 1 for r in rows)
+    assert [r["tokens"] for r in rows] == [64 * s for s in range(1, 7)]  # 2 blocks of 32
     assert reference.trainable_parameters == 2 * (32 * 8 + 4 * 8)
     assert reference.extra["base_weights_sha256"]["equal"]
     # the routers moved, the final adapter equals the last checkpoint's
-    ckpt = _weights(out / CHECKPOINT_DIR / "step-0000006")
+    ckpt = _weights(out / CHECKPOINT_DIR / "checkpoint-6")
     for k, v in _weights(out).items():
         assert torch.equal(v, ckpt[k])
     assert (out / "train.png").stat().st_size > 1000
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left
     # the same library versions block as focus eval's JSON
     from focus_attention.utils.env import library_versions
 
@@ -76,37 +91,43 @@ def test_reference_run(reference):
     assert doc["versions"] == library_versions()
     assert {"torch", "transformers", "tokenizers", "safetensors", "python"} <= set(doc["versions"])
     # cost of the run: peak memory (at least the model's weights) and seconds per step
-    from focus_attention.training.loop import peak_memory_bytes
+    from focus_attention.training.run import peak_memory_bytes
 
     # torch alone takes > 100 MiB; the peak never decreases within this process
     assert 100 * 2**20 < doc["extra"]["peak_memory_bytes"] <= peak_memory_bytes()
     assert doc["extra"]["seconds_per_step"] == pytest.approx(reference.train_seconds / 6)
+    assert rows[-1]["seconds"] == pytest.approx(reference.train_seconds)
+
+
+def _ctrl_c_at(stop: int):
+    """A step hook that sends a real SIGINT (as from the terminal) after step ``stop``."""
+
+    def hook(step, entry):
+        if step == stop:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return hook
 
 
 def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
     out = tmp_path / "run"
-
-    def ctrl_c(step, record):
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, as from the terminal
-
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_config(assets, out), callback=ctrl_c)
-    # the adapter and a checkpoint of step 3 were saved and load
-    assert latest_checkpoint(out).name == "step-0000003"
+        train(tiny_config(assets, out), callback=_ctrl_c_at(2))
+    # the step in progress completed: the adapter and a checkpoint of step 2 load
+    assert latest_checkpoint(out).name == "checkpoint-2"
     from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusModel
 
     base, _ = load_model(assets["model"], quiet=True)
     fm = FocusModel.from_pretrained(base, out)
-    ckpt = _weights(out / CHECKPOINT_DIR / "step-0000003")
+    ckpt = _weights(out / CHECKPOINT_DIR / "checkpoint-2")
     for k, v in fm.focus_state_dict().items():
         assert torch.equal(v, ckpt[k])
     assert json.loads((out / "train_result.json").read_text())["extra"]["interrupted"]
 
     resumed = train(tiny_config(assets, out, resume=True))
-    assert resumed.start_step == 3 and resumed.steps == 6
-    assert resumed.losses == reference.losses[3:]
+    assert resumed.start_step == 2 and resumed.steps == 6
+    assert resumed.losses == reference.losses[2:]
     ref_w, w = _weights(reference.out), _weights(out)
     assert ref_w.keys() == w.keys()
     for k in ref_w:
@@ -115,59 +136,35 @@ def test_resume_after_ctrl_c_equals_uninterrupted(assets, reference, tmp_path):
 
 
 def _resume_equals_reference(assets, reference, out, stopped: int) -> None:
-    assert latest_checkpoint(out).name == f"step-{stopped:07d}"
-    assert [r["step"] for r in _log(out)] == list(range(stopped + 1))  # the stopped step too
+    assert latest_checkpoint(out).name == f"checkpoint-{stopped}"
+    assert _steps(out) == list(range(1, stopped + 1))  # the stopped step too
     resumed = train(tiny_config(assets, out, resume=True))
     assert resumed.start_step == stopped and resumed.losses == reference.losses[stopped:]
     for k, v in _weights(reference.out).items():
         assert torch.equal(v, _weights(out)[k]), k
 
 
-def test_ctrl_c_right_after_the_update_still_logs_the_step(assets, reference, tmp_path,
-                                                           monkeypatch):  # fmt: skip
-    """A SIGINT between the optimizer update and the step's log record waits for the record:
-    the checkpoint's step is always in the log."""
-    from focus_attention.training.loop import _Run
+def test_ctrl_c_during_validation_stops_after_it(assets, reference, tmp_path, monkeypatch):
+    """Ctrl-C while the step-3 validation runs (the run's second): the validation
+    completes, step 3 is checkpointed, and the resumed run ends as the uninterrupted one."""
+    from focus_attention.training import trainer
 
-    original = _Run.optimizer_step
+    original, calls = trainer.validation_perplexities, []
 
-    def optimizer_step(self, guard):
-        out = original(self, guard)
-        if self.step == 4:
+    def validation(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGINT)
-        return out
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(_Run, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(trainer, "validation_perplexities", validation)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config(assets, out))
     monkeypatch.undo()
-    _resume_equals_reference(assets, reference, out, 4)
-    _same_log(_log(out), _log(reference.out))
-
-
-def test_ctrl_c_during_validation_logs_the_step_without_it(assets, reference, tmp_path,
-                                                           monkeypatch):  # fmt: skip
-    """Ctrl-C while the step-3 validation runs: step 3 is completed, so it is checkpointed and
-    logged, without the validation it did not finish."""
-    from focus_attention.training import loop
-
-    original = loop.validation_perplexity
-
-    def validation(model, blocks, *, base=False):
-        if not base:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(model, blocks, base=base)
-
-    monkeypatch.setattr(loop, "validation_perplexity", validation)
-    out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        train(tiny_config(assets, out))
-    monkeypatch.undo()
-    assert "val_ppl_topk" not in _log(out)[3] and "loss" in _log(out)[3]
+    assert [r["step"] for r in _log(out) if "val_ppl_topk" in r] == [0, 3]
     _resume_equals_reference(assets, reference, out, 3)
-    ref = _log(reference.out)
-    assert [r["step"] for r in _log(out)] == [r["step"] for r in ref]
+    _same_log(_log(out), _log(reference.out))
 
 
 def _crash_at(assets, out, crash_step: int) -> None:
@@ -184,8 +181,8 @@ def _crash_at(assets, out, crash_step: int) -> None:
 def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path):
     out = tmp_path / "run"
     _crash_at(assets, out, 5)
-    assert latest_checkpoint(out).name == "step-0000004"
-    assert len(_log(out)) == 6  # steps 0..5 logged; step 5 is lost with the crash
+    assert latest_checkpoint(out).name == "checkpoint-4"
+    assert _steps(out) == [1, 2, 3, 4, 5]  # step 5 logged, its checkpoint lost with the crash
     resumed = train(tiny_config(assets, out, resume=True))
     assert resumed.start_step == 4 and resumed.losses == reference.losses[4:]
     for k, v in _weights(reference.out).items():
@@ -196,7 +193,7 @@ def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path
 def test_resume_accepts_changed_validation_and_save_settings(assets, reference, tmp_path):
     out = tmp_path / "run"
     _crash_at(assets, out, 3)
-    assert latest_checkpoint(out).name == "step-0000002"
+    assert latest_checkpoint(out).name == "checkpoint-2"
     changed = dict(eval_every=1, eval_tokens=32, save_every=1, keep_checkpoints=5, threads=2)
     resumed = train(tiny_config(assets, out, resume=True, **changed))
     assert resumed.start_step == 2 and resumed.losses == reference.losses[2:]
@@ -239,7 +236,9 @@ def test_resume_of_a_finished_run_touches_nothing(assets, tmp_path, capsys):
     assert res.trainable_parameters == 2 * (32 * 8 + 4 * 8)  # 2 layers, d_model 32
 
 
-def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, monkeypatch):
+def test_ctrl_c_during_the_first_step_saves_it(assets, tmp_path, monkeypatch):
+    """A SIGINT inside the first training forward: the step completes, its checkpoint and
+    the adapter load."""
     from focus_attention.hf import FocusModel
 
     out = tmp_path / "run"
@@ -249,15 +248,20 @@ def test_interrupt_during_first_step_leaves_loadable_adapter(assets, tmp_path, m
     def forward(self, *args, **kwargs):
         if self.training:  # a training forward, not a validation one
             calls["n"] += 1
-            raise KeyboardInterrupt
+            if calls["n"] == 1:
+                os.kill(os.getpid(), signal.SIGINT)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FocusModel, "forward", forward)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config(assets, out))
-    assert calls["n"] == 1
-    assert latest_checkpoint(out).name == "step-0000000"
-    assert (out / "focus_config.json").is_file() and (out / "focus_model.safetensors").is_file()
+    assert calls["n"] == 1  # batch_size 2, one micro-batch: one training forward
+    assert latest_checkpoint(out).name == "checkpoint-1"
+    assert _steps(out) == [1]
+    from focus_attention.assets.models import load_model
+
+    base, _ = load_model(assets["model"], quiet=True)
+    FocusModel.from_pretrained(base, out)  # the adapter loads
 
 
 def test_only_focus_parameters_train(assets):
@@ -309,7 +313,7 @@ def test_out_directory_guards(assets, tmp_path):
     with pytest.raises(FileNotFoundError):
         train(tiny_config(assets, tmp_path / "empty", resume=True))
     res = train(tiny_config(assets, out, steps=2, eval_every=-1, overwrite=True))
-    assert res.start_step == 0 and [r["step"] for r in _log(out)] == [1, 2]
+    assert res.start_step == 0 and _steps(out) == [1, 2]
     # resuming a finished run with more free settings changed does nothing more
     again = train(tiny_config(assets, out, steps=2, eval_every=-1, resume=True, save_every=7))
     assert again.start_step == 2 and again.losses == []
@@ -323,10 +327,13 @@ def test_lr_schedule():
     assert lr_factor(0, 5, 0) == 1.0
 
 
-def _order(seed: int, n: int = 10) -> list[int]:
-    """Block indices of 5 steps x 3 micro-batches of 2 blocks."""
-    return [i for step in range(5) for m in range(3)
-            for i in block_indices(step, m, batch_size=2, grad_accum=3, num_blocks=n, seed=seed)]  # fmt: skip
+def _order(seed: int, n: int = 10, epochs: int = 2) -> list[int]:
+    sampler = EpochPermutations(n, seed)
+    out = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out += list(sampler)
+    return out
 
 
 def test_data_order_is_a_seeded_permutation_per_epoch():
@@ -335,6 +342,9 @@ def test_data_order_is_a_seeded_permutation_per_epoch():
     assert seen[:10] != seen[10:20]  # a fresh permutation each epoch
     assert seen == _order(5)
     assert _order(6)[:4] != seen[:4]
+    assert len(EpochPermutations(7, 0)) == 7
+    with pytest.raises(ValueError, match="num_blocks 0"):
+        EpochPermutations(0, 1)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,178 @@
+"""The files of a ``focus train`` run and the rule that an output directory holds one run
+(docs/training.md, "Output folder").
+
+Layout under the run's ``out``: the final output (the Focus adapter ``focus_config.json`` +
+``focus_model.safetensors``; ``lora/`` and ``model/`` for the methods that train LoRA or base
+weights, :mod:`focus_attention.evaluation.trained`; ``train_result.json``), written together
+(:func:`~focus_attention.utils.io.replace_entries`); ``train_config.json``; ``log.jsonl``
+(every Trainer log entry, one JSON object per line); ``train.png``; and the
+``transformers.Trainer`` checkpoints ``checkpoints/checkpoint-<step>/`` (phase 2 of a
+two-phase run: ``checkpoints/phase-2/checkpoint-<step of the phase>/``), each holding the
+run's trained parts as the final output does, the optimizer, schedule and RNG states,
+``trainer_state.json`` (written last) and :data:`RUN_STATE_NAME`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..evaluation.trained import LORA_DIR, MODEL_DIR
+from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
+from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CONFIG_FILE",
+    "LOG_NAME",
+    "PHASE2_DIR",
+    "PLOT_NAME",
+    "RESULT_NAME",
+    "RUN_STATE_NAME",
+    "Checkpoint",
+    "checkpoint_root",
+    "latest_checkpoint",
+    "newest_checkpoint",
+    "prepare_out",
+    "read_log",
+    "truncate_log",
+    "write_run_state",
+]
+
+#: sub-directory of ``out`` holding the Trainer checkpoints
+CHECKPOINT_DIR = "checkpoints"
+#: sub-directory of :data:`CHECKPOINT_DIR` holding a two-phase run's phase-2 checkpoints
+PHASE2_DIR = "phase-2"
+#: files of a run directory besides the adapter
+LOG_NAME = "log.jsonl"
+RESULT_NAME = "train_result.json"
+CONFIG_FILE = TRAIN_CONFIG_NAME
+PLOT_NAME = "train.png"
+#: what a checkpoint records of the run besides the Trainer's files: ``world_size``,
+#: ``phase`` and ``step_offset`` (the optimizer steps of the phases before it)
+RUN_STATE_NAME = "focus_run.json"
+#: the Trainer's state file, written last into a checkpoint
+TRAINER_STATE_NAME = "trainer_state.json"
+#: what ``--overwrite`` deletes (with the checkpoints)
+RUN_FILES = (LOG_NAME, CONFIG_NAME, WEIGHTS_NAME, RESULT_NAME, PLOT_NAME, CONFIG_FILE)
+#: sub-directories that ``--overwrite`` deletes (LoRA adapter, trained base weights)
+RUN_DIRS = (CHECKPOINT_DIR, LORA_DIR, MODEL_DIR)
+#: the files whose presence marks a directory as holding a run
+RUN_MARKERS = (CHECKPOINT_DIR, LOG_NAME, CONFIG_NAME, RESULT_NAME)
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete Trainer checkpoint of a run: ``path``, ``step`` (optimizer steps of the
+    whole run, earlier phases included), ``phase`` (1, or 2 in two-phase's second phase),
+    ``local_step`` (the steps of its own phase) and ``world_size`` (processes that wrote it)."""
+
+    path: Path
+    step: int
+    phase: int
+    local_step: int
+    world_size: int
+
+
+def checkpoint_root(out: str | os.PathLike[str], phase: int = 1) -> Path:
+    """The Trainer's ``output_dir`` of ``phase``: ``out/checkpoints`` (phase 1) or
+    ``out/checkpoints/phase-2``."""
+    root = Path(out) / CHECKPOINT_DIR
+    return root if phase == 1 else root / PHASE2_DIR
+
+
+def write_run_state(directory: Path, *, world_size: int, phase: int, step_offset: int) -> None:
+    """Write :data:`RUN_STATE_NAME` into the checkpoint ``directory``."""
+    state = {"world_size": world_size, "phase": phase, "step_offset": step_offset}
+    write_json_atomic(directory / RUN_STATE_NAME, state)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file, or None when it is missing or damaged (an incomplete checkpoint)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _checkpoints(root: Path) -> list[Checkpoint]:
+    """The complete checkpoints directly under ``root``, oldest first: ``checkpoint-N``
+    directories with a readable Trainer state and run state."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _CHECKPOINT.fullmatch(p.name)
+        trainer = _read_json(p / TRAINER_STATE_NAME) if m else None
+        run = _read_json(p / RUN_STATE_NAME) if m else None
+        if trainer is None or run is None:
+            continue
+        local = int(trainer.get("global_step", m.group(1)))
+        offset = int(run.get("step_offset", 0))
+        found.append(Checkpoint(p, offset + local, int(run.get("phase", 1)), local,
+                                int(run.get("world_size", 1))))  # fmt: skip
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest_checkpoint(out: str | os.PathLike[str]) -> Checkpoint | None:
+    """The newest complete checkpoint of the run in ``out`` (phase 2's before phase 1's), or
+    None."""
+    found = _checkpoints(checkpoint_root(out, 2)) or _checkpoints(checkpoint_root(out, 1))
+    return found[-1] if found else None
+
+
+def latest_checkpoint(out: str | os.PathLike[str]) -> Path | None:
+    """The directory of :func:`newest_checkpoint` (or None)."""
+    found = newest_checkpoint(out)
+    return None if found is None else found.path
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``log.jsonl`` (a line cut by a hard kill is dropped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep only the records of steps ``<= step`` in ``log.jsonl`` (atomically), less the
+    Trainer's end-of-training summary: a resumed run rewrites the steps after its
+    checkpoint."""
+    kept = [r for r in read_log(path) if r.get("step", 0) <= step and "train_runtime" not in r]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix runs: ``out`` may hold an earlier run only with ``resume`` (continue)
+    or ``overwrite`` (its log, checkpoints, adapter, plot and results are deleted).
+
+    Raises:
+        ValueError: ``out`` holds a run and neither flag is set.
+    """
+    existing = [name for name in RUN_MARKERS if (out / name).exists()]
+    if resume or not existing:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"{out} already holds a training run ({', '.join(existing)}): pass --resume to "
+            "continue it or --overwrite to start again"
+        )
+    for name in RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)

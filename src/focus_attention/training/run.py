@@ -1,0 +1,506 @@
+"""``focus train``: training a pretrained causal LM by method (docs/method.md §6) on
+``transformers.Trainer`` (:class:`~.trainer.FocusTrainer`).
+
+By default (``method = "focus"``) only the Focus routers (``W_g`` and the centroids ``C`` of
+every Focus layer, §1) train; every base parameter is frozen (checked before the first
+step, and by SHA-256 of every base tensor after the last) and the base model runs in
+``eval()`` mode (no dropout). The model routes softly (Sinkhorn and the soft gate, §2-§3);
+each soft batch also updates the calibrated causal bias used by top-k inference (§4). The
+other methods (LoRA, attention or full fine-tuning, LoRA with Focus, two-phase) change what
+trains (:mod:`.methods`); two-phase runs are two Trainer runs, one per phase.
+
+The run (:func:`train`): check the settings and the output directory, find the checkpoint
+to resume from, load the corpus and the model, build the method's model, then let the
+Trainer train (gradient accumulation, clipping, AdamW over the method's groups, the
+warm-up and cosine schedule, the data order, validation, checkpoints, ``torchrun`` and
+``accelerate launch``), and write the final output (:mod:`.outputs`). Ctrl-C (SIGINT)
+finishes the step in progress, checkpoints it, writes the output and re-raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..evaluation.trained import base_weights_report, tensor_digests
+from ..utils.env import environment, library_versions, weights_sha256
+from ..utils.io import read_json_file, replace_entries, write_json_atomic
+from .callbacks import (
+    CurrentIntervals,
+    JsonlLog,
+    SigintCheckpoint,
+    StepHook,
+    StepProgress,
+    StepTimer,
+)
+from .config import RESUME_LOCKED_WHY, TrainConfig
+from .methods import Trainee, build_trainee, start_phase2
+from .outputs import (
+    CONFIG_FILE,
+    LOG_NAME,
+    PLOT_NAME,
+    RESULT_NAME,
+    Checkpoint,
+    checkpoint_root,
+    newest_checkpoint,
+    prepare_out,
+    read_log,
+    truncate_log,
+)
+from .plot import write_plot
+from .trainer import FocusTrainer, sharding
+
+__all__ = ["TrainResult", "peak_memory_bytes", "train"]
+
+Callback = Callable[[int, dict[str, Any]], None]
+#: methods whose base weights must come out of training unchanged
+FROZEN_BASE_METHODS = ("focus", "lora", "focus+lora")
+#: what :attr:`TrainResult.validation` keeps of a validation entry
+VALIDATION_KEYS = ("step", "val_ppl_topk", "val_ppl_soft", "val_ppl", "val_tokens", "val_ppl_base")
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        out: the output directory (final output, log, plot, checkpoints).
+        steps: optimizer steps completed in total (including those before a resume).
+        start_step: the step this call started from (0, or the resumed checkpoint's).
+        losses: training loss (the objective's, averaged over the step's micro-batches and
+            processes; nats/token for ``lm``) of every step run by this call, in order.
+        validation: the validation entries of this call: dicts with ``step``,
+            ``val_ppl_topk``, ``val_ppl_soft`` (Focus) or ``val_ppl`` (dense methods),
+            ``val_tokens`` (and ``val_ppl_base`` at step 0).
+        final_loss: loss of the last step (``None`` if no step ran).
+        seconds: wall-clock seconds of this call (loading included).
+        train_seconds: seconds spent in optimizer steps over all resumes.
+        trainable_parameters: number of trained values (Focus routers, LoRA matrices or
+            base weights, by method; at the end of the run).
+        adapter: directory of the final adapter (= ``out``).
+        checkpoint: directory of the newest checkpoint (or ``None``).
+        log: path of ``log.jsonl``; plot: path of ``train.png`` (``None`` if not written).
+        extra: ``interrupted``, ``peak_memory_bytes`` (:func:`peak_memory_bytes`),
+            ``seconds_per_step``, ``train_blocks``, ``prepend_bos``, ``base_weights_sha256``
+            (``before``, ``after``, ``equal``, ``changed``: the base tensors that changed,
+            ``changed_count``, ``lora_tensors``), ``method``
+            (:meth:`~.methods.Trainee.describe`), ``distributed`` (``world_size``,
+            ``requested``, ``sharded``), for two-phase ``phase1_base_weights`` (``equal``,
+            ``changed_count`` at the end of phase 1); ``already_finished`` for a
+            ``--resume`` of a finished run.
+    """
+
+    out: Path
+    steps: int
+    start_step: int
+    losses: list[float]
+    validation: list[dict[str, Any]]
+    final_loss: float | None
+    seconds: float
+    train_seconds: float
+    trainable_parameters: int
+    adapter: Path
+    checkpoint: Path | None
+    log: Path
+    plot: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (paths as strings)."""
+        d = dataclasses.asdict(self)
+        for k in ("out", "adapter", "checkpoint", "log", "plot"):
+            d[k] = None if d[k] is None else str(d[k])
+        return d
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process so far, in bytes: the CUDA allocator's peak when CUDA is
+    in use, else the peak resident set size (``getrusage``; 0 where unavailable)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB else
+
+
+def training_arguments(cfg: TrainConfig, out: Path, phase: int, steps: int, *,
+                       validate_at_start: bool) -> Any:  # fmt: skip
+    """The ``transformers.TrainingArguments`` of one phase of a run: ``steps`` optimizer
+    steps of ``grad_accum`` micro-batches of ``batch_size`` blocks per process, clipping at
+    ``max_grad_norm``, a log entry every step, validation every ``eval_every`` steps and at
+    the end (``< 0``: never), a checkpoint every ``save_every`` steps and at the end (the
+    newest ``keep_checkpoints`` kept), into :func:`~.outputs.checkpoint_root`. The optimizer
+    and schedule are :class:`~.trainer.FocusTrainer`'s."""
+    from transformers import TrainingArguments
+
+    validate = cfg.eval_every >= 0
+    return TrainingArguments(
+        output_dir=str(checkpoint_root(out, phase)),
+        max_steps=steps,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed,
+        logging_steps=1,
+        eval_strategy="steps" if validate else "no",
+        eval_steps=(cfg.eval_every or steps) if validate else None,
+        eval_on_start=validate and validate_at_start,
+        save_strategy="steps",
+        save_steps=cfg.save_every or steps,
+        save_total_limit=cfg.keep_checkpoints,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        remove_unused_columns=False,  # the rows are {"input_ids"}; FocusTrainer reads them
+    )
+
+
+@dataclass
+class _Data:
+    """The model, tokenizer and token blocks of a run."""
+
+    model: Any
+    tokenizer: Any
+    train_blocks: torch.Tensor
+    val_blocks: torch.Tensor | None
+    prepend_bos: bool
+
+
+def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
+    """Load the model, then cut the corpus' ``train`` (and ``validation``) split into blocks."""
+    from ..assets.corpora import token_blocks
+    from ..assets.models import auto_prepend_bos, load_model
+
+    model, tokenizer = load_model(cfg.model, quiet=not cfg.progress)
+    bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
+    train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
+                                max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+    val_blocks = None
+    if cfg.eval_every >= 0:
+        val_blocks = token_blocks(tokenizer, corpus.texts("validation"), cfg.seq_len,
+                                  max_tokens=cfg.eval_tokens, prepend_bos=bos)  # fmt: skip
+    return _Data(model, tokenizer, train_blocks, val_blocks, bos)
+
+
+def _resume_point(cfg: TrainConfig, out: Path, world_size: int) -> Checkpoint | None:
+    """The checkpoint to resume from (None without ``resume``).
+
+    Raises:
+        FileNotFoundError: ``resume`` without a checkpoint.
+        ValueError: the run's settings differ in a field that changes the result, or the
+            checkpoint was written by another number of processes.
+    """
+    if not cfg.resume:
+        return None
+    ckpt = newest_checkpoint(out)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {checkpoint_root(out)}")
+    saved = read_json_file(out / CONFIG_FILE, "the settings of a focus train run")
+    diff = TrainConfig.from_dict(saved).locked_differences(cfg)
+    if diff:
+        why = "".join(f"; {RESUME_LOCKED_WHY[k]}" for k in diff if k in RESUME_LOCKED_WHY)
+        raise ValueError(f"--resume: settings differ from the run in {out} "
+                         f"(field: (saved, now)): {diff}{why}")  # fmt: skip
+    if ckpt.world_size != world_size:
+        raise ValueError(
+            f"--resume: the checkpoint was written by {ckpt.world_size} processes, this run "
+            f"has {world_size}; resume with {ckpt.world_size} processes (grad_accum "
+            f"{cfg.grad_accum}) so each step takes the same micro-batches"
+        )
+    return ckpt
+
+
+def _finished_result(out: Path, ckpt: Checkpoint, t_call: float) -> TrainResult:
+    """``--resume`` of a finished run: say so and touch nothing."""
+    doc = read_json_file(out / RESULT_NAME, "the result of a focus train run")
+    print(f"focus train: nothing to do: run already finished at step {ckpt.step} ({out}); "
+          "its files are left as they are", file=sys.stderr)  # fmt: skip
+    png = out / PLOT_NAME
+    return TrainResult(out=out, steps=ckpt.step, start_step=ckpt.step, losses=[],
+                       validation=[], final_loss=None, seconds=time.monotonic() - t_call,
+                       train_seconds=float(doc.get("train_seconds", 0.0)),
+                       trainable_parameters=int(doc["trainable_parameters"]), adapter=out,
+                       checkpoint=ckpt.path, log=out / LOG_NAME,
+                       plot=png if png.is_file() else None,
+                       extra={"already_finished": True})  # fmt: skip
+
+
+class _Run:
+    """One training run in progress: its settings, files, data, model and callbacks; the
+    steps of :func:`train` are its methods."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, data: _Data, ckpt: Checkpoint | None,
+                 args: Any, callback: Callback | None) -> None:  # fmt: skip
+        self.cfg, self.out, self.data, self.ckpt, self.args = cfg, out, data, ckpt, args
+        self.callback = callback
+        self.main = args.should_save
+        self.start_step = ckpt.step if ckpt is not None else 0
+        self.log_path = out / LOG_NAME
+        self.sha_before = weights_sha256(data.model)
+        self.digests = tensor_digests(data.model)  # of the untouched base, per tensor
+        self.trainee: Trainee = build_trainee(cfg, data.model, data.tokenizer, None, 0)
+        self.rows: list[dict[str, Any]] = []  # this call's log entries
+        self.sigint = SigintCheckpoint()
+        earlier = read_log(self.log_path) if ckpt is not None else []
+        seconds = [r["seconds"] for r in earlier if r.get("step", 0) <= self.start_step and "seconds" in r]  # fmt: skip
+        self.timer = StepTimer(seconds[-1] if seconds else 0.0)
+        self.progress = StepProgress(cfg.steps, self.start_step) if cfg.progress and self.main else None  # fmt: skip
+        self.distributed: dict[str, Any] = {}
+
+    def phases(self) -> list[tuple[int, int, int]]:
+        """``(phase, steps, step_offset)`` of each phase with steps."""
+        cfg = self.cfg
+        if cfg.method != "two-phase":
+            return [(1, cfg.steps, 0)]
+        first = cfg.phase1_steps
+        return [p for p in ((1, first, 0), (2, cfg.steps - first, first)) if p[1] > 0]
+
+    def start_log(self) -> None:
+        """A fresh log, or the resumed one without the entries after the checkpoint."""
+        if not self.main:
+            return
+        if self.ckpt is None:
+            self.log_path.unlink(missing_ok=True)
+        else:
+            truncate_log(self.log_path, self.ckpt.step)
+
+    def trainer(self, phase: int, steps: int, offset: int, resume: bool) -> FocusTrainer:
+        """The :class:`FocusTrainer` of one phase, with the run's callbacks."""
+        from transformers import PrinterCallback, ProgressCallback
+
+        cfg = self.cfg
+        args = training_arguments(cfg, self.out, phase, steps, validate_at_start=offset == 0 and not resume)  # fmt: skip
+        rows = [{"input_ids": b} for b in self.data.train_blocks]
+        log = JsonlLog(self.log_path, offset)
+        callbacks: list[Any] = [CurrentIntervals(), self.timer, log]
+        if self.callback is not None:  # before the Ctrl-C check of the same entry
+            callbacks.append(StepHook(self.callback, offset))
+        callbacks.append(self.sigint)
+        if self.progress is not None:
+            callbacks.append(self.progress)
+        val = self.data.val_blocks
+        trainer = FocusTrainer(args=args, train_dataset=rows, eval_dataset=rows[:1] if val is not None else None,
+                               trainee=self.trainee, config=cfg, val_blocks=val,
+                               step_offset=offset, callbacks=callbacks)  # fmt: skip
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        self.rows_of = log.rows
+        return trainer
+
+    def run_phase(self, phase: int, steps: int, offset: int) -> None:
+        """Train one phase (resumed from the run's checkpoint when it belongs to it)."""
+        ckpt = self.ckpt
+        if ckpt is not None and ckpt.phase > phase:
+            return  # this phase finished before the checkpoint
+        if phase == 2:
+            self.phase1 = base_weights_report(self.digests, self.trainee.hf)
+            self.trainee = start_phase2(self.trainee, self.cfg)
+        resume = ckpt is not None and ckpt.phase == phase
+        if resume and ckpt.local_step >= steps:  # the phase ended with this checkpoint
+            self.trainee.load_checkpoint(ckpt.path)
+            return
+        trainer = self.trainer(phase, steps, offset, resume)
+        self.distributed = sharding(trainer)
+        try:
+            trainer.train(resume_from_checkpoint=str(ckpt.path) if resume else None)
+        finally:
+            self.rows.extend(self.rows_of)
+
+    def validate_untrained(self) -> None:
+        """A run of 0 steps: the validation of step 0 (when validation is on)."""
+        if self.data.val_blocks is None:
+            return
+        trainer = self.trainer(1, 1, 0, False)
+        trainer.evaluate()
+        self.rows.extend(self.rows_of)
+
+    def train(self) -> None:
+        """Every phase in turn, until the end or Ctrl-C."""
+        self.phase1: dict[str, Any] | None = None
+        phases = self.phases() if self.cfg.steps > 0 else []
+        if not phases and self.ckpt is None:
+            self.validate_untrained()
+        try:
+            for phase, steps, offset in phases:
+                self.run_phase(phase, steps, offset)
+                if self.sigint.interrupted:
+                    break
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+
+    def steps_done(self) -> int:
+        """Optimizer steps of the run so far."""
+        done = [r["step"] for r in self.rows if "loss" in r]
+        return max(done, default=self.start_step)
+
+    def weights_record(self) -> dict[str, Any]:
+        """``base_weights_sha256`` of the result: the SHA-256 of every base tensor before
+        and after, whether they are equal, and which tensors changed (LoRA tensors apart)."""
+        report = base_weights_report(self.digests, self.trainee.hf)
+        if self.cfg.method == "focus":
+            after, lora = weights_sha256(self.trainee.hf), 0
+        else:
+            after, lora = report["after"], report["lora_tensors"]
+        changed = [] if after == self.sha_before else report["changed"]
+        return {"before": self.sha_before, "after": after, "equal": after == self.sha_before,
+                "changed": changed, "changed_count": len(changed), "lora_tensors": lora}  # fmt: skip
+
+    def result(self, t_call: float) -> TrainResult:
+        """The :class:`TrainResult` of the run so far."""
+        losses = [float(r["loss"]) for r in self.rows if "loss" in r]
+        validation = [{k: r[k] for k in VALIDATION_KEYS if k in r} for r in self.rows
+                      if "val_tokens" in r]  # fmt: skip
+        steps = self.steps_done()
+        extra = {"interrupted": self.sigint.interrupted, "peak_memory_bytes": peak_memory_bytes(),
+                 "seconds_per_step": self.timer.seconds / max(1, steps),
+                 "train_blocks": int(self.data.train_blocks.shape[0]),
+                 "prepend_bos": self.data.prepend_bos, "base_weights_sha256": self.weights_record(),
+                 "method": self.trainee.describe(), "distributed": self.distributed}  # fmt: skip
+        if self.phase1 is not None:
+            extra["phase1_base_weights"] = {"equal": self.phase1["changed_count"] == 0,
+                                            "changed_count": self.phase1["changed_count"]}  # fmt: skip
+        return TrainResult(out=self.out, steps=steps, start_step=self.start_step, losses=losses,
+                           validation=validation, final_loss=losses[-1] if losses else None,
+                           seconds=time.monotonic() - t_call, train_seconds=self.timer.seconds,
+                           trainable_parameters=self.trainee.num_trainable, adapter=self.out,
+                           checkpoint=None, log=self.log_path, extra=extra)  # fmt: skip
+
+    def publish(self, result: TrainResult) -> None:
+        """Rank 0: the final output (the trained parts and ``train_result.json``) into
+        ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
+        plot."""
+        result.checkpoint = _newest_path(self.out)
+        png = self.out / PLOT_NAME
+        if not self.main:
+            result.plot = png if png.is_file() else None
+            return
+        focus = self.trainee.focus
+        doc = {**result.to_dict(), "config": self.cfg.to_dict(),
+               "focus_config": focus.focus_config.to_dict() if focus is not None else None,
+               "versions": library_versions(), "environment": environment()}  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix=".final-", dir=self.out) as tmp:
+            self.trainee.save_pretrained(tmp)
+            write_json_atomic(Path(tmp) / RESULT_NAME, doc)
+            replace_entries(tmp, self.out)
+        result.plot = write_plot(self.log_path, png)
+
+
+def _newest_path(out: Path) -> Path | None:
+    found = newest_checkpoint(out)
+    return None if found is None else found.path
+
+
+def _check_frozen(cfg: TrainConfig, weights: dict[str, Any]) -> None:
+    """Raises ``RuntimeError`` when the base weights changed in a method that keeps them
+    frozen (:data:`FROZEN_BASE_METHODS`)."""
+    if weights["equal"] or cfg.method not in FROZEN_BASE_METHODS:
+        return
+    trained = "Focus parameters" if cfg.method == "focus" else "LoRA and Focus parameters"
+    raise RuntimeError(
+        f"the base model's weights changed during training (SHA-256 {weights['before']} "
+        f"before, {weights['after']} after; {weights['changed'][:3]}...): only the {trained} "
+        "may train"
+    )
+
+
+def _prepare(cfg: TrainConfig, t_call: float) -> tuple[Any, Checkpoint | None, TrainResult | None]:
+    """Check the output directory and the resume point: ``(arguments, checkpoint,
+    finished result)``; the last is not None when a resumed run has nothing left to do."""
+    out = cfg.out_dir()
+    args = training_arguments(cfg, out, 1, max(1, cfg.steps), validate_at_start=False)
+    with args.main_process_first(local=False):  # the other ranks read out once rank 0 cleared it
+        if args.should_save:
+            prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    ckpt = _resume_point(cfg, out, args.world_size)
+    if ckpt is not None and ckpt.step >= cfg.steps and (out / RESULT_NAME).is_file():
+        return args, ckpt, _finished_result(out, ckpt, t_call)
+    return args, ckpt, None
+
+
+def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResult:
+    """Train a pretrained causal LM by ``config.method`` (docs/method.md §6): by default
+    the Focus centroids of the frozen model.
+
+    One process, ``torchrun`` and ``accelerate launch`` run the same code (the Trainer's
+    data parallelism; only rank 0 writes files).
+
+    Args:
+        config: the :class:`TrainConfig`.
+        callback: called as ``callback(step, entry)`` after every optimizer step with the
+            1-based step count and its log entry (before the step's validation and
+            checkpoint). An exception raised there stops training.
+
+    Returns:
+        a :class:`TrainResult`; the final adapter (and ``lora/`` or ``model/``, see
+        :mod:`focus_attention.evaluation.trained`) is in ``config.out_dir()``.
+
+    Raises:
+        ValueError: bad configuration, an ``out`` directory holding another run (without
+            ``resume``/``overwrite``), a ``resume`` whose settings differ from the run's
+            (other than :data:`~.config.RESUME_FREE_FIELDS`) or with another number of
+            processes, too little text.
+        FileNotFoundError: ``resume`` without a checkpoint.
+        RuntimeError: parameters that are trainable or frozen against the method, a
+            non-finite loss, base weights that changed in a method that keeps them frozen.
+        KeyboardInterrupt: after Ctrl-C, once the step in progress is checkpointed and the
+            output written.
+    """
+    from transformers import set_seed
+
+    from ..assets.corpora import load_corpus
+
+    t_call = time.monotonic()
+    cfg = config
+    cfg.validate()
+    out = cfg.out_dir()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    args, ckpt, finished = _prepare(cfg, t_call)
+    if finished is not None:
+        return finished
+    with args.main_process_first(local=False):  # rank 0 prepares the caches, the others read
+        corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model
+        if args.should_save:
+            out.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
+        set_seed(cfg.seed)
+        data = _load_data(cfg, corpus)
+    run = _Run(cfg, out, data, ckpt, args, callback)
+    run.start_log()
+    if cfg.progress and run.main:
+        _announce(run, corpus.name)
+    run.train()
+    result = run.result(t_call)
+    run.publish(result)
+    _check_frozen(cfg, result.extra["base_weights_sha256"])
+    if run.sigint.interrupted:
+        if run.main:
+            print(f"\nfocus train: interrupted after step {result.steps}; output saved in "
+                  f"{out}, checkpoint {result.checkpoint}; continue with --resume",
+                  file=sys.stderr)  # fmt: skip
+        raise KeyboardInterrupt
+    return result
+
+
+def _announce(run: _Run, corpus: str) -> None:
+    """What the run trains, on standard error."""
+    info = run.trainee.describe()
+    groups = ", ".join(f"{k} {v:,d}" for k, v in info["groups"].items())
+    start = f"resuming at step {run.start_step}" if run.ckpt is not None else "starting"
+    print(f"focus train: {run.cfg.method} on {run.cfg.model}, corpus {corpus}: "
+          f"{run.data.train_blocks.shape[0]:,d} blocks of {run.cfg.seq_len} tokens; "
+          f"{run.trainee.num_trainable:,d} trainable parameters ({groups}); {start}",
+          file=sys.stderr)  # fmt: skip
