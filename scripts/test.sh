@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README's test command: set up .venv, prepare the real assets (idempotent, offline after the
 # first run), then lint, build the documentation site with warnings as errors, and run the whole
-# test suite, including the tests marked `assets`.
+# test suite: every tier, the tests marked `slow` and `assets` included (plain `pytest` runs the
+# fast tier only, pyproject.toml's addopts). A `-m` among the arguments replaces the selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh "test,assets,bench,baselines,instruct,docs"
@@ -12,7 +13,7 @@ site_dir="$(mktemp -d)"  # the docs site: broken links and anchors between its p
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site_dir"
 rm -rf "$site_dir"
 set +e
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -m "slow or not slow" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -59,9 +59,11 @@ def fused_kernel(kernel_built: bool) -> bool:
 
 
 @pytest.fixture(scope="module")
-def module_assets(tmp_path_factory):
+def module_assets(tmp_path_factory, kernel_built):
     """Tiny offline assets (a random LLaMA model directory, a word-level tokenizer and a
-    small corpus with its cache), built once per test module (``tiny_assets``)."""
+    small corpus with its cache), built once per test module (``tiny_assets``). The kernel is
+    loaded first: its build directory lies under ``FOCUS_HOME``, which the fixtures below
+    point at the tiny cache, where a first use would rebuild it (about a minute)."""
     from tiny_assets import make_tiny_assets
 
     return make_tiny_assets(tmp_path_factory.mktemp("tiny-assets"))

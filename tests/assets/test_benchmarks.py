@@ -32,7 +32,7 @@ PASSAGES = ["the cat sat on the mat", "a dog ran far away", 'she said "yes" to h
 
 
 def _fake_wheel(path: Path, files: dict[str, bytes], *, lie: bool = False) -> None:
-    from test_models import _fake_wheel as write_wheel
+    from .test_models import _fake_wheel as write_wheel
 
     write_wheel(path, *BENCHMARK_SOURCE, files, lie=lie)
 

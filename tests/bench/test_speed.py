@@ -94,6 +94,7 @@ def test_kernel_benchmark_on_cuda_measures_allocator_memory():
     assert row["sparse_peak_bytes"] >= 9 * 512 * 64 * 2
 
 
+@pytest.mark.slow  # a fresh Python process that imports torch: about 4 s
 def test_peak_memory_is_measured_in_a_fresh_process():
     cfg = dict(num_heads=2, num_key_value_heads=1, head_dim=16, window=8, num_groups=4, seed=0)
     peak = bench.kernel_peak_memory("sparse", 4096, 1, cfg)

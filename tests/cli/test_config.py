@@ -20,7 +20,7 @@ from focus_attention.hf import FocusConfig
 from focus_attention.training import TrainConfig
 from focus_attention.training.pretrain import PretrainConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
