@@ -20,13 +20,14 @@ from focus_attention.evaluation.trained import (
     run_parts,
     tensor_digests,
 )
-from focus_attention.training import TrainConfig, latest_checkpoint, train
+from focus_attention.training import TrainConfig, train
 from focus_attention.training.methods import (
     build_trainee,
     lora_modules,
     match_lora_rank,
     phase_at,
 )
+from focus_attention.training.outputs import newest_checkpoint
 
 METHODS = ("focus", "lora", "attention", "full", "focus+lora", "two-phase")
 #: the tiny runs: 4 steps, validation at 0, 2 and 4, a checkpoint every step
@@ -129,12 +130,12 @@ def test_two_phase_keeps_the_base_in_phase_1_and_changes_it_in_phase_2(runs):
     steps = [r for r in log if "loss" in r]
     assert [r["phase"] for r in steps] == [1, 1, 2, 2]
     # each phase has its own warm-up (2 steps) and cosine: phase 2 starts again at lr / 2
-    assert [r["lr"] for r in steps] == pytest.approx([0.5e-2, 1e-2, 0.5e-2, 1e-2])
+    assert [r["learning_rate"] for r in steps] == pytest.approx([0.5e-2, 1e-2, 0.5e-2, 1e-2])
     assert "base_lr" not in steps[0] and steps[2]["base_lr"] == pytest.approx(2.5e-5)
     # the phase-1 checkpoints hold no model; the phase-2 ones do
     ckpts = res.out / "checkpoints"
-    assert not run_parts(ckpts / "step-0000002")["model"]
-    assert run_parts(ckpts / "step-0000003")["model"]
+    assert not run_parts(ckpts / "checkpoint-2")["model"]
+    assert run_parts(ckpts / "phase-2" / "checkpoint-1")["model"]  # step 3 of the run
     assert res.extra["method"]["groups"]["base"] > 0
 
 
@@ -217,7 +218,7 @@ def test_resume_is_exact(assets, runs, tmp_path, method, crash_at):
     ref = runs[method]
     out = tmp_path / "run"
     _crash(assets, out, method, crash_at)
-    assert latest_checkpoint(out).name == f"step-{crash_at - 1:07d}"
+    assert newest_checkpoint(out).step == crash_at - 1
     resumed = train(_cfg(assets, out, method, resume=True))
     assert resumed.start_step == crash_at - 1
     assert resumed.losses == ref.losses[crash_at - 1 :]

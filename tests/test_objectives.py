@@ -4,6 +4,8 @@ attention coverage and their use in ``focus train``."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -108,14 +110,14 @@ def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_pat
     full = train(cfg)
     log = [json.loads(line) for line in (full.out / "log.jsonl").read_text().splitlines()]
     keys = {"distill": "distill_kl", "mix": "lm_loss", "coverage": "coverage_topk"}
-    assert all(keys[objective] in r for r in log)
+    assert all(keys[objective] in r for r in log if "loss" in r)
     half = tiny_config(assets, tmp_path / "half", objective=objective, steps=4,
                        coverage_queries=8, save_every=2, eval_every=-1)  # fmt: skip
     ckpt_steps = 2
 
     def stop(step, rec):
         if step == ckpt_steps:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step is checkpointed
 
     with pytest.raises(KeyboardInterrupt):
         train(half, callback=stop)

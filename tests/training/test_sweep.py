@@ -171,7 +171,7 @@ def test_rerun_skips_finished_cells(serial_sweep, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("a finished cell was trained again")
 
-    monkeypatch.setattr("focus_attention.training.loop.train", no_training)
+    monkeypatch.setattr("focus_attention.training.run.train", no_training)
     monkeypatch.setattr("focus_attention.evaluation.perplexity.evaluate", no_training)
     again = run_sweep(cfg)
     assert again["cells"] == summary["cells"]
@@ -182,27 +182,27 @@ def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monke
     cfg, summary = serial_sweep
     cell = cfg.out_dir() / "cells" / "sinkhorn_iters-10"
     # as if stopped after step 1 of 2: the last checkpoint and the results are gone
-    shutil.rmtree(cell / "checkpoints" / "step-0000002")
+    shutil.rmtree(cell / "checkpoints" / "checkpoint-2")
     for name in ("cell.json", "eval.json"):
         (cell / name).unlink()
-    from focus_attention.training import loop
+    from focus_attention.training import run as run_module
 
     calls = []
-    real_train = loop.train
+    real_train = run_module.train
 
     def spy(config, **kwargs):
         result = real_train(config, **kwargs)
         calls.append((config, result))
         return result
 
-    monkeypatch.setattr(loop, "train", spy)
+    monkeypatch.setattr(run_module, "train", spy)
     monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
     monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")  # as in serial_sweep
     again = run_sweep(cfg)
     assert [c.resume for c, _ in calls] == [True]  # only the unfinished cell, resumed
     config, result = calls[0]
     assert config.out == str(cell) and (result.start_step, result.steps) == (1, 2)
-    assert (cell / "checkpoints" / "step-0000002").is_dir()
+    assert (cell / "checkpoints" / "checkpoint-2").is_dir()
     # resuming continues exactly: the same adapter, the same perplexities
     again_ppl = again["cells"][1]["evals"]["eval"]["ppl"]
     ppl = summary["cells"][1]["evals"]["eval"]["ppl"]
@@ -380,7 +380,7 @@ def test_a_missing_evaluation_runs_alone(evals_sweep, monkeypatch):
 
     calls = []
     real = perplexity.evaluate
-    monkeypatch.setattr("focus_attention.training.loop.train", no_training)
+    monkeypatch.setattr("focus_attention.training.run.train", no_training)
     monkeypatch.setattr(perplexity, "evaluate", lambda c: calls.append(c) or real(c))
     monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
     again = run_sweep(cfg)
@@ -414,7 +414,7 @@ def test_cells_of_the_one_evaluation_layout_are_read(serial_sweep, monkeypatch, 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished cell was trained or evaluated again")
 
-    monkeypatch.setattr("focus_attention.training.loop.train", no_training)
+    monkeypatch.setattr("focus_attention.training.run.train", no_training)
     monkeypatch.setattr("focus_attention.evaluation.perplexity.evaluate", no_training)
     again = run_sweep(SweepConfig(grid=cfg.grid, out=str(out), progress=False))
     assert [r["evals"] for r in again["cells"]] == [r["evals"] for r in summary["cells"]]

@@ -155,7 +155,8 @@ def test_two_processes_train_as_one_with_twice_the_accumulation(tmp_path, method
 @pytest.mark.parametrize("method", ["focus", "lora"])
 def test_evaluate_gives_the_validation_perplexities_of_the_run(tmp_path, method):
     """Focus: top-k perplexity with the run's top_k and soft perplexity; dense methods: the
-    model's perplexity; scored block by block; the routing and top_k are left as they were."""
+    model's perplexity; at the run's first step also the base model's; scored block by
+    block; the routing and top_k are left as they were."""
     from focus_attention.evaluation.perplexity import score_windows
 
     cfg = config(method)
@@ -170,14 +171,17 @@ def test_evaluate_gives_the_validation_perplexities_of_the_run(tmp_path, method)
     with torch.no_grad():
         if trainee.focus is None:
             nll, n = score_windows(model, blocks)
-            want = {"val_ppl": math.exp(nll / n)}
+            want = {"val_ppl": math.exp(nll / n), "val_ppl_base": math.exp(nll / n)}
         else:
+            with model.disable_focus():
+                base, _ = score_windows(model, blocks)
             model.set_routing("topk")
             nll, n = score_windows(model, blocks)
             model.set_routing("soft")
             soft, _ = score_windows(model, blocks)
             model.set_routing("auto")
-            want = {"val_ppl_topk": math.exp(nll / n), "val_ppl_soft": math.exp(soft / n)}
+            want = {"val_ppl_topk": math.exp(nll / n), "val_ppl_soft": math.exp(soft / n),
+                    "val_ppl_base": math.exp(base / n)}  # fmt: skip
     assert got == pytest.approx({**want, "val_tokens": n}, rel=1e-12)
     assert got["val_tokens"] == 3 * (cfg.seq_len - 1)
     if trainee.focus is not None:

@@ -20,6 +20,7 @@ from focus_attention.utils.io import (
     file_lock,
     read_file_bytes,
     read_json_file,
+    replace_entries,
     staged_directory,
     write_json_atomic,
 )
@@ -220,3 +221,44 @@ def test_without_hard_links_the_old_files_are_copied_for_the_rollback(tmp_path, 
     monkeypatch.setattr(os, "replace", real)
     assert (a.read_text(), b.read_text()) == ("old a", "old b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.txt"]
+
+
+def _entries(root):
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fail_at", [None, 1, 2, 3, 4, 5])  # the n-th of 5 renames
+def test_replace_entries_moves_files_and_folders_all_or_none(tmp_path, monkeypatch, fail_at):
+    """The new entries (a file, a folder, a new name) replace the old ones together; a
+    rename that fails at any point leaves the destination as it was and no staging behind."""
+    dest, staged = tmp_path / "out", tmp_path / "out" / ".staged"
+    (dest / "lora").mkdir(parents=True)
+    (dest / "lora" / "w.bin").write_text("old lora")
+    (dest / "adapter.json").write_text("old adapter")
+    (dest / "log.jsonl").write_text("kept")
+    staged.mkdir()
+    (staged / "lora").mkdir()
+    (staged / "lora" / "w.bin").write_text("new lora")
+    (staged / "adapter.json").write_text("new adapter")
+    (staged / "result.json").write_text("new result")
+    before = _entries(dest)
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    if fail_at is None:
+        got = replace_entries(staged, dest)
+        assert [p.name for p in got] == ["adapter.json", "lora", "result.json"]
+        assert _entries(dest) == {"adapter.json": "new adapter", "log.jsonl": "kept",
+                                  "lora/w.bin": "new lora", "result.json": "new result"}  # fmt: skip
+        assert list(staged.iterdir()) == []
+    else:
+        with pytest.raises(OSError, match="No space"):
+            replace_entries(staged, dest)
+        assert _entries(dest) == before
+    assert sorted(p.name for p in dest.iterdir() if p.name.startswith(".old-")) == []

@@ -195,8 +195,9 @@ class FocusTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log entry; one with a training ``loss`` also gets the objective's
-        metrics, ``tokens`` (training tokens of the run so far, every process and phase) and,
-        in two-phase runs, ``phase``."""
+        metrics, ``tokens`` (training tokens of the run so far, every process and phase),
+        with two parameter groups ``base_lr`` (the second group's rate) and, in two-phase
+        runs, ``phase``."""
         if "loss" in logs:
             for key in dict.fromkeys(k for m in self.step_metrics for k in m):
                 values = [m[key] for m in self.step_metrics if key in m]
@@ -207,6 +208,9 @@ class FocusTrainer(Trainer):
             logs["tokens"] = (self.state.global_step + self.step_offset) * per_step
             if cfg.method == "two-phase":
                 logs["phase"] = self.trainee.phase
+            groups = self.trainee.groups
+            if "learning_rate" in logs and len(groups) > 1:  # the base side's, same schedule
+                logs["base_lr"] = logs["learning_rate"] * groups[1]["lr"] / groups[0]["lr"]
         super().log(logs, start_time)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None,
