@@ -22,6 +22,7 @@ from focus_attention.hf import (
     get_focus_model,
 )
 from focus_attention.hf.compat import enable_activation_checkpointing
+from focus_attention.hf.files import CARD_NAME
 
 # --------------------------------------------------------------------------------------------
 # trainable parameters
@@ -98,7 +99,7 @@ def trained(arch: str = "llama", **cfg):
 def test_save_and_reload_is_bit_identical(tmp_path, arch):
     fm = trained(arch)
     fm.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CARD_NAME, CONFIG_NAME, WEIGHTS_NAME]
     tensors = load_file(str(tmp_path / WEIGHTS_NAME))
     assert set(tensors) == {
         f"layer.{i}.{n}"
@@ -138,7 +139,7 @@ def test_save_overwrites_atomically(tmp_path):
             p.add_(1.0)
     fm.save_pretrained(tmp_path)
     assert (tmp_path / WEIGHTS_NAME).read_bytes() != first
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CARD_NAME, CONFIG_NAME, WEIGHTS_NAME]
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,8 @@ def test_a_save_that_fails_at_any_step_leaves_the_previous_adapter(
     again = load(directory, arch)
     assert (again.focus_config.window, again.focus_config.top_k) == (16, 2)
     assert torch.equal(logits(again), new)
-    assert sorted(folder_bytes(directory)) == sorted([CONFIG_NAME, WEIGHTS_NAME, "train_config.json"])  # fmt: skip
+    names = [hf_files.CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, "train_config.json"]
+    assert sorted(folder_bytes(directory)) == sorted(names)
 
 
 def new_routers_of(fm: FocusModel) -> dict[str, torch.Tensor]:

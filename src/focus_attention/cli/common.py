@@ -28,6 +28,8 @@ COMMANDS = (
     ("calibrate", "focus_attention.cli.calibrate",
      "an adapter for long inputs: the routing bias collected at that length, and new window "
      "/ sink tokens / dense layers / top_k"),
+    ("export", "focus_attention.cli.export",
+     "a model directory any transformers tool loads with Focus (trust_remote_code)"),
     ("inspect", "focus_attention.cli.inspect",
      "what the learned groups hold: shares, tokens, word categories, NMI vs untrained"),
     ("sweep", "focus_attention.cli.sweep",
@@ -47,9 +49,10 @@ def summary(command: str) -> str:
     return {name: text for name, _, text in COMMANDS}[command]
 
 
-#: the errors a command reports in one line: bad settings or input, missing files, and
-#: failures the code detected and explained (a changed base model, a non-finite loss...)
-REPORTED_ERRORS = (ValueError, RuntimeError, FileNotFoundError)
+#: the errors a command reports in one line: bad settings or input, missing files, an
+#: output that is already there, and failures the code detected and explained (a changed
+#: base model, a non-finite loss...)
+REPORTED_ERRORS = (ValueError, RuntimeError, FileNotFoundError, FileExistsError)
 
 
 def run_guarded(func: Command) -> Command:

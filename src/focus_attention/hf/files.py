@@ -34,6 +34,10 @@ from .config import FocusConfig, parse_config_document
 
 CONFIG_NAME = "focus_config.json"
 WEIGHTS_NAME = "focus_model.safetensors"
+#: the model card ``FocusModel.save_pretrained`` writes beside the adapter (docs/deploy.md)
+CARD_NAME = "README.md"
+#: the submodule of a loaded exported model's base that holds its routers (docs/deploy.md)
+ATTACHED_ROUTERS = "focus_routers"
 #: the weights file ``transformers.Trainer`` writes (``model.state_dict()``)
 TRAINER_WEIGHTS_NAME = "model.safetensors"
 #: key of the config document in ``FocusModel.state_dict()``
@@ -73,10 +77,13 @@ def base_model_fingerprint(model: nn.Module) -> dict[str, Any]:
         the model, rounded to bfloat16 so a bf16 copy of the same weights matches; None on the
         meta device), ``weights_sample`` (:data:`FINGERPRINT_VALUES` values of each, spread
         over the first 4096, for a comparison that tolerates casts to float16 or bfloat16;
-        None on the meta device) and ``sampled_parameters`` (their names).
+        None on the meta device) and ``sampled_parameters`` (their names). The routers of
+        an exported model, which its base model carries as :data:`ATTACHED_ROUTERS`
+        (docs/deploy.md), are not part of it.
     """
     cfg = model.config
-    named = list(model.named_parameters())
+    attached = ATTACHED_ROUTERS + "."
+    named = [(n, p) for n, p in model.named_parameters() if not n.startswith(attached)]
     shapes = hashlib.sha256()
     for name, p in named:
         shapes.update(f"{name}:{tuple(p.shape)}\n".encode())
@@ -377,20 +384,24 @@ def read_trainer_state(path: Path) -> tuple[FocusConfig, dict[str, Any], dict[st
     return config, extra, state
 
 
-def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], document: str) -> None:
+def write_adapter(
+    directory: Path, tensors: dict[str, torch.Tensor], document: str, card: str | None = None
+) -> None:
     """Write an adapter folder all-or-nothing (``utils.io.atomic_write_files``):
-    :data:`WEIGHTS_NAME` (``tensors``, with ``document`` in its metadata) and
-    :data:`CONFIG_NAME` (``document``, from :func:`config_document`). ``directory`` is
-    created if needed; other files in it are left alone.
+    :data:`WEIGHTS_NAME` (``tensors``, with ``document`` in its metadata),
+    :data:`CONFIG_NAME` (``document``, from :func:`config_document`) and, when ``card`` is
+    given, :data:`CARD_NAME` (the model card, docs/deploy.md). ``directory`` is created if
+    needed; other files in it are left alone.
 
     Raises:
-        OSError: a write or rename failed (both files are then as they were).
+        OSError: a write or rename failed (every file is then as it was).
     """
     directory.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", WEIGHTS_CONFIG_METADATA: document}
-    atomic_write_files(
-        {
-            directory / WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata=metadata),
-            directory / CONFIG_NAME: lambda p: Path(p).write_text(document, encoding="utf-8"),
-        }
-    )
+    writes = {
+        directory / WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata=metadata),
+        directory / CONFIG_NAME: lambda p: Path(p).write_text(document, encoding="utf-8"),
+    }
+    if card is not None:
+        writes[directory / CARD_NAME] = lambda p: Path(p).write_text(card, encoding="utf-8")
+    atomic_write_files(writes)

@@ -738,6 +738,7 @@ class FocusModel(nn.Module):
         state_dict: dict[str, torch.Tensor] | None = None,
         safe_serialization: bool = True,
         is_main_process: bool = True,
+        model_card: bool = True,
     ) -> None:
         """Write :data:`CONFIG_NAME` and :data:`WEIGHTS_NAME` into ``save_directory``
         (created if needed; other files there are left alone) all-or-nothing: both are
@@ -745,7 +746,10 @@ class FocusModel(nn.Module):
         at any step leaves the previous adapter there as it was (docs/method.md §8, "Files
         and failures"). They hold only the Focus tensors (float32), the config and a
         fingerprint of the base model (:func:`base_model_fingerprint`); the weights file's
-        metadata carries a copy of the config, which every load checks.
+        metadata carries a copy of the config, which every load checks. A model card,
+        ``README.md`` (the base model, the settings, the training and ``focus eval``
+        records found beside the adapter; docs/deploy.md), is part of the same write,
+        unless the folder holds a ``README.md`` this package did not write.
 
         Args:
             save_directory: the folder.
@@ -753,6 +757,7 @@ class FocusModel(nn.Module):
                 ``PreTrainedModel.save_pretrained`` takes one).
             safe_serialization: must be True (safetensors is the only format).
             is_main_process: False writes nothing (the other ranks of a distributed run).
+            model_card: False writes no ``README.md``.
 
         Raises:
             ValueError: ``safe_serialization=False``; a ``state_dict`` without the config.
@@ -775,8 +780,14 @@ class FocusModel(nn.Module):
             )
         config, extra = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
         tensors = to_file_tensors(state_dict)
-        text = config_document(config, extra.get("base_model_fingerprint") or {})
-        write_adapter(Path(save_directory), tensors, text)
+        fingerprint = extra.get("base_model_fingerprint") or {}
+        text = config_document(config, fingerprint)
+        card = None
+        if model_card:
+            from ..deploy.card import adapter_card_of
+
+            card = adapter_card_of(self, save_directory, config.to_dict(), fingerprint)
+        write_adapter(Path(save_directory), tensors, text, card)
 
     @classmethod
     def from_pretrained(
@@ -784,20 +795,30 @@ class FocusModel(nn.Module):
         base_model: nn.Module,
         directory: str | os.PathLike,
         is_trainable: bool = False,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> FocusModel:
         """Attach saved Focus routers to ``base_model``.
 
         Args:
             base_model: the base model (any dtype/device; the routers are float32 on the
                 devices of their layers).
-            directory: a folder written by :meth:`save_pretrained`, or the output /
+            directory: a folder written by :meth:`save_pretrained`, the output /
                 checkpoint folder of a ``transformers.Trainer`` that trained a FocusModel
-                (``model.safetensors``).
+                (``model.safetensors``), or a Hugging Face hub repo id (``org/name``, not
+                an existing path) holding an adapter, fetched with
+                ``huggingface_hub.snapshot_download`` (which honours ``HF_HUB_OFFLINE`` and
+                the hub cache; docs/deploy.md).
             is_trainable: False (default): routers frozen (``requires_grad`` False) and the
                 model in ``eval()`` (top-k) mode; True: routers trainable.
+            revision, token, cache_dir: for a hub repo id, the branch, tag or commit, the
+                access token and the cache folder (``snapshot_download``'s).
 
         Raises:
-            FileNotFoundError: a file is missing.
+            FileNotFoundError: a file is missing; a repo id the hub (or, offline, its
+                cache) cannot provide (the message says why).
             UnreadableFileError: an empty, truncated, garbage or unreadable file, an invalid
                 config or another format version (a ``ValueError``; the message names the
                 file and what was expected).
@@ -809,7 +830,9 @@ class FocusModel(nn.Module):
             FocusBaseMismatchWarning: same structure but different parameter shapes or
                 weights than the base the adapter was saved with.
         """
-        directory = Path(directory)
+        from ..deploy.hub import resolve_adapter
+
+        directory = resolve_adapter(directory, revision=revision, token=token, cache_dir=cache_dir)
         adapter = adapter_layout(directory) == "adapter"
         if adapter:
             config, extra, tensors = read_adapter(directory)
@@ -831,7 +854,44 @@ class FocusModel(nn.Module):
         if not is_trainable:
             model.requires_grad_(False)
             model.eval()
+        if adapter:
+            from ..deploy.card import remember_source
+
+            remember_source(model, directory)
         return model
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+        create_pr: bool = False,
+    ) -> Any:
+        """Upload the adapter (:meth:`save_pretrained` output, model card included) to the
+        Hugging Face hub repo ``repo_id``, created if needed (docs/deploy.md).
+
+        Returns:
+            ``huggingface_hub.CommitInfo`` of the upload.
+
+        Raises:
+            ValueError: a ``repo_id`` that is not ``name`` or ``org/name``.
+            huggingface_hub errors: authentication, network (as ``HfApi`` raises them).
+        """
+        self._check_live()
+        from ..deploy.hub import push_adapter
+
+        return push_adapter(
+            self,
+            repo_id,
+            private=private,
+            token=token,
+            revision=revision,
+            commit_message=commit_message,
+            create_pr=create_pr,
+        )
 
     # --- teardown ------------------------------------------------------------------------
 

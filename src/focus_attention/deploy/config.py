@@ -1,0 +1,56 @@
+"""The config of an exported Focus model (``config.json`` of a directory written by
+``focus export``; docs/deploy.md): the base model's config, the Focus inference settings and
+the layout version. transformers loads it through ``modeling_focus.py`` (``auto_map``)."""
+
+from __future__ import annotations
+
+from transformers import CONFIG_MAPPING, PreTrainedConfig
+
+from .settings import BASE_CONFIG_KEY, EXPORT_MODEL_TYPE
+
+__all__ = ["FocusExportConfig", "base_config_of"]
+
+
+class FocusExportConfig(PreTrainedConfig):
+    """``config.json`` of an exported Focus model (docs/deploy.md).
+
+    Attributes:
+        base_config: the base model's config as a dict (its ``config.json``).
+        focus_export_format: the layout version of the exported directory.
+        window, sink_tokens, dense_layers, top_k, query_top_k, inference_routing: the Focus
+            inference settings the model loads with (None: the adapter's own); a keyword of
+            ``from_pretrained`` with one of these names, or an edit of ``config.json``,
+            changes them (:class:`~focus_attention.hf.FocusConfig` documents each).
+    """
+
+    model_type = EXPORT_MODEL_TYPE
+
+    base_config: dict | None = None
+    focus_export_format: int | None = None
+    window: int | None = None
+    sink_tokens: int | None = None
+    dense_layers: list | None = None
+    top_k: int | None = None
+    query_top_k: int | None = None
+    inference_routing: str | None = None
+
+
+def base_config_of(config: FocusExportConfig) -> PreTrainedConfig:
+    """The base model's config held by ``config`` (its own transformers config class).
+
+    Raises:
+        ValueError: no base config, or one of a model type transformers does not know.
+    """
+    data = getattr(config, BASE_CONFIG_KEY, None)
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(
+            f"config.json of an exported Focus model: {BASE_CONFIG_KEY!r} must be the base "
+            f"model's config (a dict with its model_type), received {type(data).__name__}"
+        )
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"config.json of an exported Focus model: the base model type {model_type!r} is "
+            "not one this version of transformers knows"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(dict(data))

@@ -1,0 +1,174 @@
+"""``focus export``: a Focus model as a self-contained Hugging Face model directory that
+``AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)``, ``pipeline`` and
+lm-eval's ``hf`` model load with Focus active (docs/deploy.md). The directory is built under
+a temporary name beside ``out`` and renamed into place: a failed export leaves ``out`` as it
+was."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..hf.files import CARD_NAME, base_model_fingerprint
+from ..utils.io import staged_directory
+from .card import base_model_name, export_card, model_records
+from .loading import ROUTERS_MODULE
+from .settings import (
+    AUTO_MAP,
+    BASE_CONFIG_KEY,
+    EXPORT_FORMAT_VERSION,
+    EXPORT_MODEL_TYPE,
+    FORMAT_KEY,
+    REMOTE_CODE_NAME,
+    SETTING_FIELDS,
+    ExportConfig,
+)
+
+__all__ = ["export_adapter", "export_model"]
+
+#: the keys of the base model's ``config.json`` that describe the saved checkpoint rather
+#: than the model, kept at the top level of the export's ``config.json`` too
+SHARED_KEYS = ("dtype", "transformers_version")
+
+
+def check_out(out: Path, overwrite: bool, sources: tuple[Any, ...] = ()) -> None:
+    """Refuse an ``out`` that is a file, one of ``sources`` (the adapter or model being
+    exported), or a non-empty directory without ``overwrite``.
+
+    Raises:
+        FileExistsError: a non-empty directory and ``overwrite`` is False; a file.
+        ValueError: ``out`` is one of ``sources``.
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file: give a directory")
+    for source in sources:
+        if source is not None and Path(source).exists() and out.resolve() == Path(source).resolve():  # fmt: skip
+            raise ValueError(f"--out {out} is the source {source}: export elsewhere")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--out {out} is not empty: pass --overwrite to replace it")
+
+
+def export_document(base_document: dict[str, Any], focus_config: Any) -> dict[str, Any]:
+    """The export's ``config.json``: model type :data:`EXPORT_MODEL_TYPE`, the ``auto_map``,
+    the base model's config (``base_document``, its ``config.json``) and the inference
+    settings of ``focus_config`` (:data:`SETTING_FIELDS`). It names no ``architectures``:
+    tools that find the class there look it up among transformers' own (``transformers
+    serve`` does), while without it they go through ``AutoModelForCausalLM`` and the
+    ``auto_map``."""
+    settings = focus_config.to_dict()
+    doc = {
+        "model_type": EXPORT_MODEL_TYPE,
+        "auto_map": dict(AUTO_MAP),
+        FORMAT_KEY: EXPORT_FORMAT_VERSION,
+        **{name: settings[name] for name in SETTING_FIELDS},
+        **{key: base_document[key] for key in SHARED_KEYS if key in base_document},
+        BASE_CONFIG_KEY: base_document,
+    }
+    return doc
+
+
+def export_model(
+    model: Any,
+    out: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    overwrite: bool = False,
+    base_name: str | None = None,
+) -> Path:
+    """Write ``model`` (a :class:`~focus_attention.hf.FocusModel`) as a model directory
+    any transformers tool loads with Focus active (docs/deploy.md): the base model's
+    weights and generation config (its ``save_pretrained``), the Focus adapter
+    (``focus_config.json``, ``focus_model.safetensors``), the tokenizer, ``config.json``
+    (:func:`export_document`), ``modeling_focus.py`` and a model card (``README.md``).
+
+    Load it with ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)``
+    (keywords ``top_k=``, ``window=``, ``dense_layers=``... change the settings), or
+    ``pipeline("text-generation", out, trust_remote_code=True)``.
+
+    Args:
+        model: the FocusModel; its current :attr:`~FocusModel.focus_config` is exported.
+        out: the directory, created or (with ``overwrite``) replaced as a whole.
+        tokenizer: saved beside the model when given.
+        overwrite: replace a non-empty ``out``.
+        base_name: how the model card names the base model (default: the name in the
+            adapter's training record, else its config's ``name_or_path``). The card
+            reports the training and ``focus eval`` records of the adapter folder the model
+            was loaded from, while its routers are unchanged since.
+
+    Returns:
+        ``out`` as a Path.
+
+    Raises:
+        FileExistsError: ``out`` is a file, or a non-empty directory without ``overwrite``.
+        OSError: a write failed (``out`` is then as it was).
+    """
+    out = Path(out)
+    check_out(out, overwrite)
+    base = model.base_model
+    records = model_records(model)
+    name = base_name or base_model_name(model, records)
+    with staged_directory(out, out.parent, f".{out.name}.export-") as stage:
+        base.save_pretrained(stage, state_dict=_base_state(base))
+        model.save_pretrained(stage, model_card=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(stage)
+        base_doc = json.loads((stage / "config.json").read_text(encoding="utf-8"))
+        doc = export_document(base_doc, model.focus_config)
+        (stage / "config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), stage / REMOTE_CODE_NAME)
+        fingerprint = base_model_fingerprint(base)
+        card = export_card(model.focus_config.to_dict(), fingerprint, base_name=name, records=records)  # fmt: skip
+        (stage / CARD_NAME).write_text(card, encoding="utf-8")
+    return out
+
+
+def _base_state(base: Any) -> dict[str, Any] | None:
+    """The state dict to save for ``base``: None (its own) unless it carries the routers of
+    a loaded export (:data:`~focus_attention.deploy.loading.ROUTERS_MODULE`), which are then
+    left out (they go to the adapter file)."""
+    if ROUTERS_MODULE not in dict(base.named_children()):
+        return None
+    prefix = ROUTERS_MODULE + "."
+    return {k: v for k, v in base.state_dict().items() if not k.startswith(prefix)}
+
+
+def export_adapter(config: ExportConfig) -> Path:
+    """``focus export``: load ``config.model`` and the adapter ``config.adapter`` (a folder
+    or a hub repo id), apply the settings ``config`` overrides, and :func:`export_model`
+    them with the model's tokenizer into ``config.out``.
+
+    Raises:
+        ValueError: a ``focus train`` run that trained LoRA or base weights (an export
+            holds the base model and the Focus routers only).
+        FileExistsError, FileNotFoundError: as :func:`export_model` and
+            :meth:`FocusModel.from_pretrained` raise them.
+    """
+    from ..assets.models import load_model
+    from ..hf.model import FocusModel
+
+    out = Path(config.out)
+    check_out(out, config.overwrite, (config.adapter, config.model))
+    _check_focus_only(config.adapter)
+    base, tokenizer = load_model(config.model, quiet=True)
+    focus = FocusModel.from_pretrained(base, config.adapter)
+    focus.focus_config = focus.focus_config.override(**config.overrides())
+    return export_model(focus, out, tokenizer, overwrite=config.overwrite, base_name=config.model)
+
+
+def _check_focus_only(adapter: str) -> None:
+    """Refuse a run folder that holds more than a Focus adapter (LoRA in ``lora/``, trained
+    base weights in ``model/``): the export would silently leave it out."""
+    from ..evaluation.trained import LORA_DIR, MODEL_DIR, run_parts
+
+    parts = run_parts(adapter) if Path(adapter).is_dir() else {}
+    extra = [f"{LORA_DIR}/ (LoRA)" if n == "lora" else f"{MODEL_DIR}/ (trained base weights)"
+             for n in ("lora", "model") if parts.get(n)]  # fmt: skip
+    if extra:
+        raise ValueError(
+            f"--adapter {adapter} holds {' and '.join(extra)} besides the Focus routers: focus "
+            "export writes a base model with a Focus adapter only (export a run of focus train "
+            "--method focus)"
+        )

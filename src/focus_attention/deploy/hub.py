@@ -1,0 +1,118 @@
+"""Focus adapters on the Hugging Face hub, as PEFT shares its adapters (docs/deploy.md):
+an adapter reference that is a repo id (``org/name``) resolves to its snapshot in the hub
+cache (``huggingface_hub.snapshot_download``, which handles the revision, the token, the
+cache folder and ``HF_HUB_OFFLINE``), and an adapter uploads with ``HfApi.upload_folder``."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+
+__all__ = ["ADAPTER_FILES", "is_repo_id", "push_adapter", "resolve_adapter"]
+
+#: the files of an adapter on the hub
+ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
+#: ``name`` or ``org/name`` as the hub spells repo ids
+REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*$")
+
+
+def is_repo_id(reference: Any) -> bool:
+    """Whether ``reference`` reads as a hub repo id: a string ``org/name`` (one slash, no
+    leading ``.``, ``/`` or ``~``) that is not an existing path. A ``Path`` never is one."""
+    return (
+        isinstance(reference, str)
+        and reference.count("/") == 1
+        and REPO_ID.match(reference) is not None
+        and ".." not in reference
+        and not Path(reference).expanduser().exists()
+    )
+
+
+def resolve_adapter(
+    reference: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """The local folder of the adapter ``reference``: a path as it is, or the snapshot of
+    the hub repo ``reference`` (:func:`is_repo_id`) holding :data:`ADAPTER_FILES`, from the
+    hub or, with ``HF_HUB_OFFLINE=1``, from the hub cache.
+
+    Args:
+        reference: a folder, or a hub repo id.
+        revision, token, cache_dir: ``snapshot_download``'s, for a repo id (ignored for a
+            folder).
+
+    Raises:
+        FileNotFoundError: a repo id the hub (or its cache, offline) cannot provide; the
+            message names the repo, the revision and the error.
+    """
+    if not is_repo_id(reference):
+        return Path(reference)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                reference,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                allow_patterns=list(ADAPTER_FILES),
+                library_name="focus-attention",
+            )
+        )
+    except Exception as err:  # network, authentication, missing revision, offline cache miss
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise FileNotFoundError(
+            f"Focus adapter {reference!r}: no such local folder, and the Hugging Face hub "
+            f"could not provide the repo (revision {revision or 'main'}; "
+            f"{type(err).__name__}: {first}). Offline (HF_HUB_OFFLINE=1) only repos already in "
+            "the hub cache load"
+        ) from err
+
+
+def push_adapter(
+    model: Any,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+) -> Any:
+    """Upload ``model``'s adapter (``model.save_pretrained`` output: config, weights and
+    model card) to the hub repo ``repo_id``, creating the repo if needed
+    (``FocusModel.push_to_hub``).
+
+    Returns:
+        the ``huggingface_hub.CommitInfo`` of the upload.
+
+    Raises:
+        ValueError: ``repo_id`` is not ``name`` or ``org/name``.
+    """
+    if not isinstance(repo_id, str) or REPO_ID.match(repo_id) is None or ".." in repo_id:
+        raise ValueError(
+            f"push_to_hub: repo_id {repo_id!r} is not a hub repo id; expected 'name' or 'org/name'"
+        )
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token, library_name="focus-attention")
+    with tempfile.TemporaryDirectory(prefix="focus-push-") as folder:
+        model.save_pretrained(folder)
+        repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        return api.upload_folder(
+            repo_id=getattr(repo, "repo_id", repo_id),
+            folder_path=folder,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or "Upload Focus adapter",
+            create_pr=create_pr,
+        )

@@ -1,0 +1,16 @@
+"""Custom code of an exported Focus model (docs/deploy.md), copied into the directory as
+``modeling_focus.py``: transformers imports it when a model is loaded with
+``trust_remote_code=True`` (``config.json`` ``auto_map``). It only imports the classes from
+the installed ``focus-attention`` package, which does the work."""
+
+try:
+    from focus_attention.deploy.config import FocusExportConfig
+    from focus_attention.deploy.remote import FocusForCausalLM
+except ImportError as err:
+    raise ImportError(
+        "this model uses Focus sparse attention, which needs the focus-attention package: "
+        "pip install focus-attention (the Python package focus_attention, with its torch and "
+        f"transformers); importing it failed: {err}"
+    ) from err
+
+__all__ = ["FocusExportConfig", "FocusForCausalLM"]

@@ -1,0 +1,267 @@
+"""``focus export`` / ``export_model``: a model directory that transformers loads through
+``trust_remote_code`` with Focus active, equal to the FocusModel it was exported from
+(logits, generation, ``pipeline``, lm-eval's ``HFLM``), with settings that change at load
+time, written all-or-nothing (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from tiny import ARCHS, focus, ids, word_tokenizer
+from tiny_assets import WORDS
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from focus_attention import export_model
+from focus_attention.deploy.settings import AUTO_MAP, REMOTE_CODE_NAME, SETTING_FIELDS
+from focus_attention.hf import FocusModel, FocusSlidingWindowWarning
+from focus_attention.hf.files import CONFIG_NAME, WEIGHTS_NAME
+
+
+def load(directory, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FocusSlidingWindowWarning)  # Mistral's default window
+        return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs)
+
+
+def exported(tmp_path, arch: str = "llama", **cfg):
+    """``(focus_model, directory)``: a tiny FocusModel and its export (with a tokenizer)."""
+    _, fm = focus(arch, **cfg)
+    out = tmp_path / f"export-{arch}"
+    export_model(fm, out, word_tokenizer(WORDS))
+    return fm, out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_export_loads_with_focus_and_equal_logits(tmp_path, arch):
+    fm, out = exported(tmp_path, arch)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", CONFIG_NAME, WEIGHTS_NAME, REMOTE_CODE_NAME,
+            "README.md", "tokenizer.json"} <= names  # fmt: skip
+    model = load(out)
+    assert type(model) is type(fm.base_model)  # the base model's own class
+    assert not model.training and model.config._attn_implementation == "focus"
+    assert isinstance(model.focus_model, FocusModel)
+    assert model.focus_model.focus_config == fm.focus_config
+    x = ids(2, 48, seed=3)  # longer than the window: the sparse mask matters
+    with torch.no_grad():
+        want, got = fm(input_ids=x).logits, model(input_ids=x).logits
+        with fm.disable_focus():
+            dense = fm(input_ids=x).logits
+    print(f"{arch}: max |logit difference| export vs FocusModel {(got - want).abs().max():.3g}")
+    assert torch.equal(got, want)
+    assert not torch.equal(got, dense)  # Focus is active, not the dense base
+    kw = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(x[:, :20], **kw), fm.generate(x[:, :20], **kw))
+
+
+def test_settings_change_at_load_time_by_keyword_or_config_edit(tmp_path):
+    fm, out = exported(tmp_path, "llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 48, seed=4)
+    fm.focus_config = fm.focus_config.replace(top_k=2, window=16, dense_layers=[1])
+    with torch.no_grad():
+        want = fm(input_ids=x).logits
+    by_keyword = load(out, top_k=2, window=16, dense_layers=[1])
+    config = by_keyword.focus_model.focus_config
+    assert (config.top_k, config.window, config.dense_layers) == (2, 16, (1,))
+    doc = json.loads((out / "config.json").read_text())
+    assert {k: doc[k] for k in SETTING_FIELDS}["top_k"] == 1
+    doc.update(top_k=2, window=16, dense_layers=[1])
+    (out / "config.json").write_text(json.dumps(doc))
+    by_edit = load(out)
+    edited = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    edited.top_k = 1
+    in_memory = load(out, config=edited)
+    with torch.no_grad():
+        assert torch.equal(by_keyword(input_ids=x).logits, want)
+        assert torch.equal(by_edit(input_ids=x).logits, want)
+    assert in_memory.focus_model.focus_config.top_k == 1
+    with pytest.raises(ValueError, match="top_k"):
+        load(out, top_k=9)  # more than num_groups
+
+
+def test_the_config_names_the_custom_code(tmp_path):
+    fm, out = exported(tmp_path)
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["model_type"] == "focus" and doc["auto_map"] == AUTO_MAP
+    assert doc["base_config"]["model_type"] == "llama"
+    assert "architectures" not in doc  # tools that read it look among transformers' classes
+    assert (out / REMOTE_CODE_NAME).read_text().count("pip install focus-attention") == 1
+    # without trust_remote_code transformers refuses (no silent dense base model)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+
+
+def test_pipeline_generates_as_the_focus_model(tmp_path):
+    from transformers import pipeline
+
+    fm, out = exported(tmp_path)
+    tok = word_tokenizer(WORDS)
+    prompt = " ".join(WORDS[i % len(WORDS)] for i in range(0, 60, 7))
+    generate = pipeline("text-generation", str(out), trust_remote_code=True)
+    assert generate.model.focus_model.focus_config == fm.focus_config
+    text = generate(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)
+    x = tok(prompt, return_tensors="pt").input_ids
+    want = fm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False)
+    assert text[0]["generated_text"] == tok.decode(want[0, x.shape[1] :])
+
+
+def test_the_loader_of_transformers_serve_loads_it(tmp_path):
+    try:
+        from transformers.cli.serving.model_manager import ModelLoader
+    except ImportError as err:
+        pytest.skip(f"transformers serve's model loader is not importable: {err}")
+    fm, out = exported(tmp_path)
+    model, tokenizer = ModelLoader(device="cpu", trust_remote_code=True).load_model_and_processor(str(out))  # fmt: skip
+    assert model.focus_model.focus_config == fm.focus_config
+    x = ids(1, 40, seed=6)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, fm(input_ids=x).logits)
+
+
+def test_lm_eval_hflm_scores_as_the_focus_model(tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    fm, out = exported(tmp_path)
+    lm = HFLM(pretrained=str(out), trust_remote_code=True, batch_size=1, device="cpu")
+    assert lm.model.focus_model.focus_config == fm.focus_config
+    context = " ".join(WORDS[i % len(WORDS)] for i in range(0, 120, 3))
+    requests = [Instance("loglikelihood", {}, (context, " the house"), 0)]
+    ((got, _),) = lm.loglikelihood(requests, disable_tqdm=True)
+    ctx, cont = lm._encode_pair(context, " the house")
+    whole = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(fm(input_ids=whole[:, :-1]).logits.double(), -1)[0]
+    want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+    print(f"HFLM loglikelihood {got:.6f}, FocusModel {want:.6f}")
+    assert abs(got - want) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_missing_package_is_named(tmp_path):
+    _, out = exported(tmp_path)
+    code = (
+        "import sys\n"
+        "sys.modules['focus_attention'] = None  # as if not installed\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "try:\n"
+        f"    AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+        "except ImportError as err:\n"
+        "    print('ImportError:', err)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ImportError:" in done.stdout and "pip install focus-attention" in done.stdout
+
+
+def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
+    fm, out = exported(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_model(fm, out)
+    fm.focus_config = fm.focus_config.replace(top_k=2)
+    export_model(fm, out, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["top_k"] == 2
+    assert "tokenizer.json" not in {p.name for p in out.iterdir()}  # replaced as a whole
+    assert before["config.json"] != (out / "config.json").read_bytes()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        export_model(fm, tmp_path / "file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_model(fm, empty)
+    assert (empty / "config.json").is_file()
+
+
+def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    fm, out = exported(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    tok = word_tokenizer(WORDS)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tok, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_model(fm, out, tok, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no staging left
+
+
+def test_a_loaded_export_exports_again(tmp_path):
+    fm, out = exported(tmp_path)
+    model = load(out)
+    again = export_model(model.focus_model, tmp_path / "again")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same base, no stray router weights
+        reloaded = load(again)
+    x = ids(1, 40, seed=5)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, fm(input_ids=x).logits)
+
+
+def test_focus_export_command(tmp_path, capsys):
+    from tiny_assets import make_model_dir
+
+    from focus_attention.cli import main
+    from focus_attention.hf import FocusConfig, get_focus_model
+
+    model_dir = make_model_dir(tmp_path / "model")
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    fm = get_focus_model(base, FocusConfig(num_groups=4, top_k=1, window=8, sink_tokens=1))
+    fm.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "out"
+    argv = ["export", "--model", str(model_dir), "--adapter", str(tmp_path / "adapter"),
+            "--out", str(out), "--top-k", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert str(out) in capsys.readouterr().out
+    model = load(out)
+    assert model.focus_model.focus_config.top_k == 2
+    assert main(argv) == 1  # not empty, no --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
+    (tmp_path / "adapter" / "lora").mkdir()
+    (tmp_path / "adapter" / "lora" / "adapter_config.json").write_text("{}")
+    assert main([*argv, "--overwrite"]) == 1  # a run with LoRA: the export would drop it
+    assert "lora/ (LoRA)" in capsys.readouterr().err
+
+
+@pytest.mark.assets
+@pytest.mark.slow
+def test_smollm2_export_matches_its_focus_model(tmp_path):
+    from focus_attention.assets.models import is_prepared, load_model
+    from focus_attention.hf import FocusConfig, get_focus_model
+
+    if not is_prepared("smollm2-135m"):
+        pytest.skip("smollm2-135m is not prepared (run `focus setup`)")
+    base, tokenizer = load_model("smollm2-135m", quiet=True)
+    fm = get_focus_model(base, FocusConfig(num_groups=8, top_k=2, window=32)).eval()
+    out = export_model(fm, tmp_path / "smollm2-focus", tokenizer)
+    model = load(out)
+    text = "It is a truth universally acknowledged, that a single man in possession " * 6
+    x = tokenizer(text, return_tensors="pt").input_ids[:, :96]
+    with torch.no_grad():
+        want, got = fm(input_ids=x).logits, model(input_ids=x).logits
+    print(f"smollm2-135m: max |logit difference| {(got - want).abs().max():.3g}")
+    assert torch.equal(got, want)
+    kw = dict(max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(x))
+    assert torch.equal(model.generate(x, **kw), fm.generate(x, **kw))
+
+
+def test_the_settings_import_without_torch():
+    code = (
+        "import sys, focus_attention.deploy, focus_attention.deploy.settings\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

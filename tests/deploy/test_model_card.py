@@ -1,0 +1,124 @@
+"""The model card (``README.md``) ``FocusModel.save_pretrained`` and ``export_model``
+write: the base model, the settings, the training and ``focus eval`` records found beside the
+adapter (only numbers a record holds), part of the all-or-nothing save, never replacing a
+README of someone else's (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pathlib
+
+import pytest
+import torch
+from tiny import focus
+
+from focus_attention import export_model
+from focus_attention.deploy.card import CARD_MARKER
+from focus_attention.hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+
+TRAIN_CONFIG = {"model": "org/tiny-base", "corpus": "austen", "method": "focus", "steps": 80,
+                "seq_len": 512, "lr": 0.03}  # fmt: skip
+TRAIN_RESULT = {"steps": 80, "final_loss": 3.51234,
+                "validation": [{"step": 80, "val_ppl_topk": 36.1419, "val_ppl_base": 34.9}]}  # fmt: skip
+
+
+def eval_record(adapter: str, base: float = 34.926, top1: float = 37.009) -> dict:
+    """A ``focus eval`` document (the keys a card reads)."""
+    return {
+        "ppl": {"base": base, "focus_soft": 36.142, "focus_topk": {"1": top1, "2": 35.77}},
+        "pairs_retained": {"1": 0.37, "2": 0.632},
+        "tokens": 4092,
+        "config": {"adapter": adapter, "corpus": "austen", "split": "test", "seq_len": 1024},
+    }
+
+
+def card_of(directory: pathlib.Path) -> str:
+    return (directory / CARD_NAME).read_text(encoding="utf-8")
+
+
+def test_a_save_writes_a_card_with_the_settings(tmp_path):
+    _, fm = focus("llama", window=8, top_k=1)
+    fm.save_pretrained(tmp_path)
+    card = card_of(tmp_path)
+    assert card.startswith("---\n") and "library_name: focus-attention" in card
+    assert CARD_MARKER in card
+    assert "| window | `8` |" in card and "| top_k | `1` |" in card
+    assert "llama, 2 layers, hidden size 64" in card
+    assert "No training record" in card and "No `focus eval` record" in card
+    assert "base_model:" not in card  # a local, unnamed base is not hub metadata
+
+
+def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
+    run = tmp_path / "runs" / "austen"
+    run.mkdir(parents=True)
+    (run / "train_config.json").write_text(json.dumps(TRAIN_CONFIG))
+    (run / "train_result.json").write_text(json.dumps(TRAIN_RESULT))
+    (run / "eval.json").write_text(json.dumps(eval_record("runs/austen")))
+    (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen-4k", 1.0, 2.0)))
+    (run / "broken.json").write_text("{not json")
+    _, fm = focus("llama")
+    fm.save_pretrained(run)
+    card = card_of(run)
+    assert "base_model: org/tiny-base" in card and "Focus adapter for org/tiny-base" in card
+    assert "| corpus | `austen` |" in card and "| steps | `80` |" in card
+    assert "final training loss: 3.5123" in card and "val_ppl_topk at step 80: 36.142" in card
+    assert "| `eval.json` | austen (test) | 1024 | 4092 | Focus top-1 | 37.009 | 0.370 |" in card
+    assert "| base (dense) | 34.926 |" in card
+    assert "eval-4096.json" not in card  # another adapter's evaluation
+
+
+def test_a_loaded_adapter_carries_its_records_while_its_routers_are_unchanged(tmp_path):
+    from tiny import build_model
+
+    from focus_attention.hf import FocusModel
+
+    run = tmp_path / "run"
+    _, fm = focus("llama")
+    fm.save_pretrained(run)
+    (run / "eval.json").write_text(json.dumps(eval_record(str(run))))
+    loaded = FocusModel.from_pretrained(build_model("llama"), run)
+    loaded.save_pretrained(tmp_path / "copy")
+    assert "37.009" in card_of(tmp_path / "copy")
+    export_model(loaded, tmp_path / "export")
+    card = card_of(tmp_path / "export")
+    assert "37.009" in card and "trust_remote_code=True" in card and "custom_code" in card
+    with torch.no_grad():
+        next(loaded.routers.parameters()).add_(1.0)  # other weights: the numbers are not theirs
+    loaded.save_pretrained(tmp_path / "changed")
+    assert "37.009" not in card_of(tmp_path / "changed")
+
+
+def test_a_readme_of_someone_elses_is_left_alone(tmp_path):
+    (tmp_path / CARD_NAME).write_text("# my notes\n")
+    _, fm = focus("llama")
+    fm.save_pretrained(tmp_path)
+    assert card_of(tmp_path) == "# my notes\n"
+    (tmp_path / CARD_NAME).unlink()
+    fm.save_pretrained(tmp_path, model_card=False)
+    assert not (tmp_path / CARD_NAME).exists()
+    fm.save_pretrained(tmp_path)
+    first = card_of(tmp_path)
+    fm.set_top_k(2)
+    fm.save_pretrained(tmp_path)  # its own card is rewritten
+    assert card_of(tmp_path) != first and "| top_k | `2` |" in card_of(tmp_path)
+
+
+def test_a_save_that_fails_at_the_card_leaves_the_previous_adapter(tmp_path, monkeypatch):
+    _, fm = focus("llama", top_k=1)
+    fm.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == sorted([CARD_NAME, CONFIG_NAME, WEIGHTS_NAME])
+    fm.set_top_k(2)
+    real, calls = pathlib.Path.write_text, []
+
+    def fail_at_the_card(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 2:  # the config, then the card
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", fail_at_the_card)
+    with pytest.raises(OSError, match="No space left"):
+        fm.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
