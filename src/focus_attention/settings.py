@@ -10,12 +10,15 @@ that build on it (``evaluation/settings.py``, ``bench/settings.py``, ``cli/setti
 import neither torch nor transformers; checks that need torch import it when they run.
 
 Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``progress``),
-:class:`ResultFile` (``json``), :class:`ModelSettings` (``model``, ``adapter``), :class:`TextSettings` (``corpus``,
-``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
+:class:`ResultFile` (``json``), :class:`BaseModelSettings` (``model``),
+:class:`ModelSettings` (it and ``adapter``),
+:class:`CorpusSettings` (``corpus``), :class:`TextSettings` (it and ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
 :class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
 ``sink_tokens``, ``dense_layers``, ``query_top_k``, ``inference_routing``),
 :class:`FreshRouters` (``num_groups``), :class:`SeedSettings` (``seed``),
-:class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``).
+:class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``),
+:class:`OutputSettings` (``out``), :class:`BosSettings` (``prepend_bos``),
+:class:`BatchSettings` (``batch_size``).
 """
 
 from __future__ import annotations
@@ -36,11 +39,16 @@ __all__ = [
     "ADAPTER_OVERRIDES",
     "SHARED_CHECKS",
     "AdapterOverrides",
+    "BaseModelSettings",
+    "BatchSettings",
     "BlockSettings",
+    "BosSettings",
+    "CorpusSettings",
     "DeviceSettings",
     "FreshRouters",
     "LengthSettings",
     "ModelSettings",
+    "OutputSettings",
     "ResultFile",
     "RunSettings",
     "SeedSettings",
@@ -180,6 +188,8 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "seed": _int_at_least(0, optional=False),
     "lengths": _ints(1, optional=False),
     "threads": _int_at_least(1, optional=True),
+    "out": _text(optional=True),
+    "batch_size": _int_at_least(1, optional=False),
 }
 
 
@@ -207,13 +217,19 @@ class ResultFile(Settings):
 
 
 @dataclass
-class ModelSettings(Settings):
-    """The base model and the Focus adapter (or ``focus train`` run) on top of it."""
+class BaseModelSettings(Settings):
+    """The base model a command loads."""
 
     model: str = field(
         default=DEFAULT_MODEL,
         metadata={"help": "base model: registered name, model directory or hub id"},
     )
+
+
+@dataclass
+class ModelSettings(BaseModelSettings):
+    """The base model and the Focus adapter (or ``focus train`` run) on top of it."""
+
     adapter: str | None = field(
         default=None,
         metadata={"help": "directory of a saved Focus adapter or of a focus train run of any "
@@ -222,13 +238,19 @@ class ModelSettings(Settings):
 
 
 @dataclass
-class TextSettings(Settings):
-    """The text a command reads: a corpus and one of its splits."""
+class CorpusSettings(Settings):
+    """The corpus a command reads."""
 
     corpus: str = field(
         default=DEFAULT_CORPUS,
         metadata={"help": "registered corpus or local text file / folder"},
     )
+
+
+@dataclass
+class TextSettings(CorpusSettings):
+    """The text a command reads: a corpus and one of its splits."""
+
     split: str = field(
         default="test",
         metadata={"help": "split of the corpus (keep the test split for evaluation)",
@@ -325,7 +347,39 @@ class SeedSettings(Settings):
 
     seed: int = field(
         default=0,
-        metadata={"help": "seed of the random draws (inputs, needles, prompts, permutations)"},
+        metadata={"help": "seed of the random draws (data order, initialisation, inputs, "
+                  "needles, prompts)"},
+    )  # fmt: skip
+
+
+@dataclass
+class OutputSettings(Settings):
+    """The directory a command writes its results into."""
+
+    out: str | None = field(
+        default=None,
+        metadata={"help": "directory the results are written into (default: a folder under "
+                  "runs/ where the command names one)"},
+    )  # fmt: skip
+
+
+@dataclass
+class BosSettings(Settings):
+    """Whether the text's blocks start with the tokenizer's BOS token."""
+
+    prepend_bos: bool | None = field(
+        default=None,
+        metadata={"help": "start every block with BOS (default: automatic, on for Gemma)"},
+    )
+
+
+@dataclass
+class BatchSettings(Settings):
+    """How many sequences a batch holds."""
+
+    batch_size: int = field(
+        default=1,
+        metadata={"help": "sequences per batch (training: blocks per process and micro-batch)"},
     )
 
 

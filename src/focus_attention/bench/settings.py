@@ -10,6 +10,7 @@ from dataclasses import field
 from ..assets.benchmarks import BENCHMARKS
 from ..settings import (
     AdapterOverrides,
+    BatchSettings,
     DeviceSettings,
     FreshRouters,
     LengthSettings,
@@ -326,8 +327,8 @@ class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues,
             raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
-@settings_class(several=("top_k", "window"))
-class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
+@settings_class(defaults={"batch_size": 8}, several=("top_k", "window"))
+class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, BatchSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus bench instructions``: the untouched model (an instruct model with
     a chat template), or it and Focus at every ``top_k`` and ``window`` (default: the
     adapter's; 32 is a stressed window); the passages come from the corpus split;
@@ -343,7 +344,6 @@ class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSetti
     )
     passage_share: float = field(default=0.5, metadata={"help": "share of passage prompts"})
     max_new_tokens: int = field(default=256, metadata={"help": "bound on each response, in tokens"})  # fmt: skip
-    batch_size: int = field(default=8, metadata={"help": "prompts per generate call (left-padded)"})  # fmt: skip
     kl: bool = field(default=True, metadata={"help": "measure the KL divergence from the untouched model"})  # fmt: skip
 
     def __post_init__(self) -> None:

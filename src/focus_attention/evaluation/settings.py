@@ -12,7 +12,9 @@ from dataclasses import field
 from ..settings import (
     AdapterOverrides,
     BlockSettings,
+    BosSettings,
     ModelSettings,
+    OutputSettings,
     ResultFile,
     RunSettings,
     SeedSettings,
@@ -61,7 +63,7 @@ def parse_max_tokens(text: str) -> int | None:
 @settings_class(
     defaults={"adapter": "runs/austen"}, renamed={"top_k_values": "top_k"}, several=("top_k",)
 )
-class EvalConfig(ResultFile, RunSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+class EvalConfig(ResultFile, RunSettings, BosSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
     """Settings of one evaluation; every field is a ``focus eval`` flag (``seq_len`` ->
     ``--seq-len``) and a key of the ``[eval]`` table of ``--config``.
 
@@ -78,10 +80,6 @@ class EvalConfig(ResultFile, RunSettings, AdapterOverrides, BlockSettings, TextS
         metadata={"help": "cap on evaluated tokens, 'all' for the whole split",
                   "type": parse_max_tokens},
     )  # fmt: skip
-    prepend_bos: bool | None = field(
-        default=None,
-        metadata={"help": "start windows with BOS (default: automatic, on for Gemma)"},
-    )
     calibrate_blocks: int = field(
         default=0,
         metadata={"help": "collect the causal routing bias afresh from this many "
@@ -129,7 +127,7 @@ class EvalConfig(ResultFile, RunSettings, AdapterOverrides, BlockSettings, TextS
 
 
 @settings_class(defaults={"split": "validation", "seq_len": 4096})
-class CalibrateConfig(RunSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus calibrate`` (each field a flag and a key of the ``[calibrate]``
     table of ``--config``): the calibration text (``split`` defaults to validation, keep the
     test split for evaluation; ``seq_len`` is the length to serve) and the new inference
@@ -139,16 +137,10 @@ class CalibrateConfig(RunSettings, AdapterOverrides, BlockSettings, TextSettings
         ValueError: on construction, naming the first bad field.
     """
 
-    out: str | None = field(default=None, metadata={"help": "directory of the new adapter (required)"})  # fmt: skip
     blocks: int = field(
         default=4,
         metadata={"help": "blocks the bias is collected from (0: keep the bias as trained "
                   "and change only the settings)"},
-    )  # fmt: skip
-    prepend_bos: bool | None = field(
-        default=None,
-        metadata={"help": "start blocks with BOS (default: automatic, on for Gemma), as "
-                  "focus eval does"},
     )  # fmt: skip
     overwrite: bool = field(default=False, metadata={"help": "replace an adapter already in --out"})
 
@@ -163,7 +155,7 @@ class CalibrateConfig(RunSettings, AdapterOverrides, BlockSettings, TextSettings
 
 
 @settings_class(defaults={"top_k": 1}, renamed={"tokens": "max_tokens"})
-class InspectConfig(RunSettings, SeedSettings, TopKValues, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
+class InspectConfig(OutputSettings, RunSettings, SeedSettings, TopKValues, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
     """Settings of one inspection (each field with help text a ``focus inspect`` flag and a
     key of the ``[inspect]`` table of ``--config``). ``top_k`` is one value (default 1:
     each token's first group); ``seed`` seeds the permutations; ``tokens`` is the
@@ -189,9 +181,6 @@ class InspectConfig(RunSettings, SeedSettings, TopKValues, BlockSettings, TextSe
     )
     shuffles: int = field(
         default=20, metadata={"help": "permutations for the chance-level NMI (0: none)"}
-    )
-    out: str | None = field(
-        default=None, metadata={"help": "output directory: inspect.json, inspect.md, PNGs"}
     )
 
     def __post_init__(self) -> None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from ..assets.corpora import DEFAULT_CORPUS
-from ..assets.models import DEFAULT_MODEL
 from ..hf.config import FocusConfig
+from ..settings import BaseModelSettings, BosSettings, settings_class
 from ..utils.checks import bad, check_int, check_known_keys, check_number
+from .settings import TrainingSettings
 
 __all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
 
@@ -96,8 +96,8 @@ def _betas(text: str) -> tuple[float, float]:
         ) from err
 
 
-@dataclass
-class TrainConfig:
+@settings_class(defaults={"seq_len": 512})
+class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
     """Settings of a training run (docs/method.md §6).
 
     Defaults are sized so that training plus the README's evaluation finish within about
@@ -122,23 +122,6 @@ class TrainConfig:
         ValueError: on construction or :meth:`validate`, naming the first bad field.
     """
 
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": "registered model, local model directory or hub id"},
-    )
-    corpus: str = field(
-        default=DEFAULT_CORPUS,
-        metadata={"help": "registered corpus or local text file / folder"},
-    )
-    out: str | None = field(
-        default=None, metadata={"help": "output directory (default: runs/<corpus name>)"}
-    )
-    steps: int = field(
-        default=80, metadata={"help": "optimizer steps (0 saves the untrained adapter)"}
-    )
-    seq_len: int = field(default=512, metadata={"help": "tokens per training block"})
-    batch_size: int = field(default=1, metadata={"help": "blocks per micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     method: str = field(
         default="focus",
         metadata={
@@ -202,20 +185,9 @@ class TrainConfig:
             "choices": ("full", "lora"),
         },
     )
-    warmup_steps: int = field(
-        default=8, metadata={"help": "linear warm-up steps from 0, then cosine decay to 0"}
-    )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
     betas: tuple[float, float] = field(
         default=(0.9, 0.99),
         metadata={"help": "AdamW betas", "type": _betas, "metavar": "B1,B2"},
-    )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "gradient-norm clip (0 = no clipping)"}
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "seed of Python, NumPy, torch, the data order and the routers"},
     )
     eval_every: int = field(
         default=0,
@@ -224,26 +196,12 @@ class TrainConfig:
             "(0: only then; < 0: never)"
         },
     )
-    eval_tokens: int = field(
-        default=1024, metadata={"help": "validation tokens (whole seq_len windows)"}
-    )
     save_every: int = field(
         default=20, metadata={"help": "checkpoint every N steps and at the end (0: end only)"}
-    )
-    keep_checkpoints: int = field(default=2, metadata={"help": "newest checkpoints kept"})
-    max_train_tokens: int | None = field(
-        default=None, metadata={"help": "cap on training tokens (default: the whole split)"}
-    )
-    threads: int | None = field(
-        default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
-    )
-    resume: bool = field(
-        default=False, metadata={"help": "continue from the newest checkpoint in --out"}
     )
     overwrite: bool = field(
         default=False, metadata={"help": "delete an earlier run in --out and start again"}
     )
-    progress: bool = field(default=True, metadata={"help": "progress bar and messages"})
     objective: str = field(
         default="lm",
         metadata={
@@ -274,10 +232,6 @@ class TrainConfig:
             "metavar": "DIR",
         },
     )
-    prepend_bos: bool | None = field(
-        default=None,
-        metadata={"help": "start every block with BOS (default: automatic, on for Gemma)"},
-    )
     focus: FocusConfig = field(default_factory=FocusConfig)
 
     def __post_init__(self) -> None:
@@ -289,8 +243,8 @@ class TrainConfig:
         """Check every field; raises ``ValueError`` naming the first bad one (the Focus
         settings are checked by :class:`~focus_attention.hf.FocusConfig`)."""
         owner = "TrainConfig"
+        self.check_shared()
         check_int(owner, "steps", self.steps, 0)
-        check_int(owner, "seq_len", self.seq_len, 2)
         for name in ("batch_size", "grad_accum", "keep_checkpoints"):
             check_int(owner, name, getattr(self, name), 1)
         self._validate_method()
@@ -302,12 +256,10 @@ class TrainConfig:
         betas = self.betas
         if not isinstance(betas, tuple) or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise bad(owner, "betas", betas, "two numbers in [0, 1)")
-        check_int(owner, "seed", self.seed)
         check_int(owner, "eval_every", self.eval_every)
         check_int(owner, "eval_tokens", self.eval_tokens, 1)
         check_int(owner, "save_every", self.save_every, 0)
         check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
         if self.objective not in OBJECTIVES:
             raise bad(owner, "objective", self.objective, f"one of {OBJECTIVES}")
         check_number(owner, "distill_weight", self.distill_weight, inclusive=True)

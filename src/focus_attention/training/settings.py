@@ -10,10 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from ..hf.config import FocusConfig
+from ..settings import (
+    BatchSettings,
+    BlockSettings,
+    CorpusSettings,
+    OutputSettings,
+    RunSettings,
+    SeedSettings,
+    settings_class,
+)
 from ..utils.checks import bad, check_int, check_known_keys, check_number, comma_ints
 from .scratch_model import SIZES, ModelSize, resolve_size
 
 __all__ = [
+    "TrainingSettings",
     "ATTENTIONS",
     "PRETRAIN_CONFIG_NAME",
     "PRETRAIN_NUM_GROUPS",
@@ -37,12 +47,43 @@ PRETRAIN_RESUME_FREE_FIELDS = ("resume", "out", "threads", "progress")
 PRETRAIN_NUM_GROUPS = 4
 
 
+@dataclass
+class TrainingSettings(RunSettings, CorpusSettings, BlockSettings, BatchSettings, SeedSettings,
+                       OutputSettings):  # fmt: skip
+    """The settings ``focus train`` and ``focus pretrain`` share (each command gives some
+    of them its own default): the run, the corpus and its blocks, the optimizer steps and
+    their micro-batches, clipping, weight decay, validation tokens, checkpoints, resume."""
+
+    steps: int = field(default=80, metadata={"help": "optimizer steps"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    warmup_steps: int = field(
+        default=8, metadata={"help": "linear warm-up steps from 0, then cosine decay to 0"}
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "gradient-norm clip (0 = no clipping)"}
+    )
+    eval_tokens: int = field(
+        default=1024, metadata={"help": "validation tokens (whole seq_len blocks)"}
+    )
+    max_train_tokens: int | None = field(
+        default=None, metadata={"help": "cap on training tokens (default: the whole split)"}
+    )
+    keep_checkpoints: int = field(default=2, metadata={"help": "newest checkpoints kept"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the newest checkpoint in --out"}
+    )
+
+
 def _default_focus() -> FocusConfig:
     return FocusConfig(num_groups=PRETRAIN_NUM_GROUPS)
 
 
-@dataclass
-class PretrainConfig:
+@settings_class(
+    defaults={"corpus": "linux-docs", "seq_len": 512, "progress": False, "steps": 300,
+              "batch_size": 4, "warmup_steps": 30, "weight_decay": 0.1, "eval_tokens": 8192}
+)  # fmt: skip
+class PretrainConfig(TrainingSettings):
     """Settings of a from-scratch run (docs/method.md §6, "From scratch").
 
     Defaults: the ``small`` model (4.2M parameters with its 4,096-token BPE) on ``linux-docs``
@@ -61,9 +102,6 @@ class PretrainConfig:
 
     attention: str = field(
         default="focus", metadata={"help": "attention type", "choices": ATTENTIONS}
-    )
-    corpus: str = field(
-        default="linux-docs", metadata={"help": "registered corpus or local text file / folder"}
     )
     size: str = field(
         default="small", metadata={"help": "model size preset", "choices": tuple(SIZES)}
@@ -84,25 +122,9 @@ class PretrainConfig:
         default=None,
         metadata={"help": "tokenizer directory to use instead of training one on the corpus"},
     )
-    out: str | None = field(
-        default=None, metadata={"help": "output directory (default runs/pretrain/<run name>)"}
-    )
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
-    seq_len: int = field(default=512, metadata={"help": "tokens per block"})
-    batch_size: int = field(default=4, metadata={"help": "blocks per device and micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=2e-3, metadata={"help": "peak AdamW learning rate"})
-    warmup_steps: int = field(default=30, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
-    seed: int = field(
-        default=0, metadata={"help": "seed of the initialisation, data order and routers"}
-    )
     eval_every: int = field(
         default=50, metadata={"help": "validate and checkpoint every N steps (and at step 0)"}
-    )
-    eval_tokens: int = field(
-        default=8192, metadata={"help": "validation tokens (whole blocks of seq_len)"}
     )
     eval_top_k: tuple[int, ...] = field(
         default=(1, 2),
@@ -112,16 +134,7 @@ class PretrainConfig:
             "metavar": "K1,K2",
         },  # fmt: skip
     )
-    max_train_tokens: int | None = field(
-        default=None, metadata={"help": "cap on the training split's tokens (default all)"}
-    )
-    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
     log_every: int = field(default=10, metadata={"help": "log the training loss every N steps"})
-    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads"})
-    resume: bool = field(
-        default=False, metadata={"help": "continue from the latest checkpoint in --out"}
-    )
-    progress: bool = field(default=False, metadata={"help": "show the Trainer's progress bar"})
     focus: FocusConfig = field(default_factory=_default_focus)
 
     def __post_init__(self) -> None:
@@ -132,6 +145,7 @@ class PretrainConfig:
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the first bad one."""
         owner = "PretrainConfig"
+        self.check_shared()
         if self.attention not in ATTENTIONS:
             raise bad(owner, "attention", self.attention, f"one of {ATTENTIONS}")
         self.model_size()
@@ -139,11 +153,8 @@ class PretrainConfig:
             check_int(owner, name, getattr(self, name), 1)
         for name in ("keep_checkpoints", "log_every"):
             check_int(owner, name, getattr(self, name), 1)
-        check_int(owner, "seq_len", self.seq_len, 2)
         check_int(owner, "warmup_steps", self.warmup_steps, 0)
-        check_int(owner, "seed", self.seed)
         check_int(owner, "max_train_tokens", self.max_train_tokens, 1, optional=True)
-        check_int(owner, "threads", self.threads, 1, optional=True)
         check_number(owner, "lr", self.lr)
         check_number(owner, "weight_decay", self.weight_decay, inclusive=True)
         check_number(owner, "max_grad_norm", self.max_grad_norm, inclusive=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hf.config import FocusConfig
+from ..settings import OutputSettings
 from ..utils.checks import bad, check_int
 from ..utils.io import atomic_write_text, read_json_file, read_toml, write_json_atomic
 from .config import TrainConfig
@@ -70,7 +71,7 @@ FOCUS_KEYS = frozenset(f.name for f in dataclasses.fields(FocusConfig))
 
 
 @dataclass
-class SweepConfig:
+class SweepConfig(OutputSettings):
     """Settings of one sweep; every field is a ``focus sweep`` flag.
 
     Raises:
@@ -84,9 +85,6 @@ class SweepConfig:
             "[[evals]]; required)",
             "metavar": "FILE",
         },
-    )
-    out: str | None = field(
-        default=None, metadata={"help": "output directory (default: runs/sweep-<grid name>)"}
     )
     jobs: int = field(default=1, metadata={"help": "cells run at once, in separate processes"})
     threads: int | None = field(
