@@ -7,6 +7,7 @@ copied unchanged; only ``routing_bias`` and ``bias_updates`` change."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from ..hf.files import CONFIG_NAME, weights_file_sha256
 from ..utils.env import environment, library_versions
-from ..utils.io import write_json_atomic
+from ..utils.io import replace_entries, write_json_atomic
 from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks"]  # fmt: skip
@@ -68,8 +69,9 @@ def _check_out(config: CalibrateConfig) -> Path:
 def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
-    tokens, into ``config.out`` (the adapter all-or-nothing, docs/method.md §8 "Files and
-    failures"), then a :data:`CALIBRATION_NAME` record (atomically).
+    tokens, into ``config.out`` with a :data:`CALIBRATION_NAME` record: both are staged and
+    put in place together, so a failure leaves ``out`` as it was (docs/method.md §8, "Files
+    and failures").
 
     Returns:
         The record: ``config``, the ``source`` adapter and the SHA-256 of its weights,
@@ -107,7 +109,6 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         tokens = int(blocks.numel())
     change = max((float((r.routing_bias - before[i]).abs().max()) for i, r in fm.routers.items()),
                  default=0.0)  # fmt: skip
-    fm.save_pretrained(out)
     record = {
         "config": asdict(config),
         "source": {
@@ -121,5 +122,9 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         "versions": library_versions(),
         "environment": environment(),
     }
-    write_json_atomic(out / CALIBRATION_NAME, record)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".calibrated-", dir=out) as staged:
+        fm.save_pretrained(staged)
+        write_json_atomic(Path(staged) / CALIBRATION_NAME, record)
+        replace_entries(staged, out)  # the adapter and its record together
     return record
