@@ -45,8 +45,10 @@ def test_decoding_through_the_helpers_is_exact_and_raises_no_deprecation():
     [
         ("focus_attention.hf.model", "some_call is deprecated"),
         ("focus_attention.bench.decode", "an argument will change"),
-        ("test_hf_generation", "a test's own call"),
+        ("test_settings", "a test's own call"),
         ("hf.test_something", "a test's own call in a package"),
+        ("hf.conftest", "a fixture's call in a package"),
+        ("ops.helpers", "a test helper's call in a package"),
         (
             "torch.nn.modules.module",
             "`past_key_values` is deprecated and will be removed in version 9.0",
