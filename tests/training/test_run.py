@@ -84,6 +84,8 @@ def test_reference_run(reference):
         assert torch.equal(v, ckpt[k])
     assert (out / "train.png").stat().st_size > 1000
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left
+    card = (out / "README.md").read_text()  # the adapter's model card reports the run
+    assert "steps run: 6" in card and "val_ppl_topk at step 6" in card
     # the same library versions block as focus eval's JSON
     from focus_attention.utils.env import library_versions
 

@@ -379,8 +379,8 @@ class _Run:
                            checkpoint=None, log=self.log_path, extra=extra)  # fmt: skip
 
     def publish(self, result: TrainResult) -> None:
-        """Rank 0: the final output (the trained parts and ``train_result.json``) into
-        ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
+        """Rank 0: the final output (the trained parts, ``train_config.json`` and
+        ``train_result.json``) into ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
         plot."""
         result.checkpoint = _newest_path(self.out)
         png = self.out / PLOT_NAME
@@ -392,8 +392,10 @@ class _Run:
                "focus_config": focus.focus_config.to_dict() if focus is not None else None,
                "versions": library_versions(), "environment": environment()}  # fmt: skip
         with tempfile.TemporaryDirectory(prefix=".final-", dir=self.out) as tmp:
-            self.trainee.save_pretrained(tmp)
+            # the records first: the adapter's model card reports them
+            write_json_atomic(Path(tmp) / CONFIG_FILE, self.cfg.to_dict())
             write_json_atomic(Path(tmp) / RESULT_NAME, doc)
+            self.trainee.save_pretrained(tmp)
             replace_entries(tmp, self.out)
         result.plot = write_plot(self.log_path, png)
 

@@ -133,10 +133,13 @@ class FocusTrainer(Trainer):
         self._micro = (-1, 0)  # (optimizer step, micro-batches of it run so far)
 
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
-        """Checkpoints and ``save_model``: the trainee's parts (:meth:`Trainee.
-        save_pretrained`: the Focus adapter, ``lora/``, ``model/``) and the arguments."""
+        """Checkpoints and ``save_model``, on the main process: the trainee's parts
+        (:meth:`Trainee.save_pretrained`: the Focus adapter, ``lora/``, ``model/``), the
+        arguments and the run state."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
+        if not self.args.should_save:  # the Trainer calls this on every process
+            return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.trainee.save_pretrained(out)
