@@ -14,7 +14,7 @@ import torch
 from tiny import focus
 
 from focus_attention import export_model
-from focus_attention.deploy.card import CARD_MARKER
+from focus_attention.hf.card import CARD_MARKER
 from focus_attention.hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 
 TRAIN_CONFIG = {"model": "org/tiny-base", "corpus": "austen", "method": "focus", "steps": 80,

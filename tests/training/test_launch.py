@@ -210,9 +210,16 @@ def test_only_rank_zero_writes(assets, one_process, tmp_path):
          _env(OUT=str(out), TRACE=str(trace)))  # fmt: skip
     rank0 = json.loads((trace / "rank0.json").read_text())
     rank1 = json.loads((trace / "rank1.json").read_text())
-    # rank 1 writes only its own RNG state into each checkpoint (the Trainer's resume needs it)
-    assert rank1 and all(Path(p).name == "rng_state_1.pth" and Path(p).parent.name.startswith("checkpoint-")
-                         for _, *paths in rank1 for p in paths)  # fmt: skip
+    # rank 1 writes only its own RNG state into each checkpoint folder (the Trainer's resume
+    # needs it), creating the folder where rank 0 has not yet
+    for event, *paths in rank1:
+        path = Path(paths[-1])
+        if event == "os.mkdir":
+            assert path.name.startswith("checkpoint-") and path.parent == out / "checkpoints", path
+        else:
+            assert path.name == "rng_state_1.pth" and path.parent.name.startswith("checkpoint-"), (
+                path
+            )
     written = {Path(p).name for _, *paths in rank0 for p in paths}
     assert {"log.jsonl", "train_config.json", "train_result.json", "checkpoint-6"} <= written
     _assert_same_run(out, one_process[2])

@@ -11,10 +11,10 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     exports_of(
         {
-            ".card": ("adapter_card", "export_card", "read_records"),
+            "..hf.card": ("adapter_card", "export_card", "read_records"),
             ".config": ("FocusExportConfig",),
             ".export": ("export_adapter", "export_model"),
-            ".hub": ("push_adapter", "resolve_adapter"),
+            "..hf.hub": ("push_adapter", "resolve_adapter"),
             ".loading": ("load_exported",),
             ".remote": ("FocusForCausalLM",),
             ".settings": ("ExportConfig",),

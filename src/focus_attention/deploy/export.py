@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..hf.card import base_model_name, export_card, model_records
 from ..hf.files import CARD_NAME, base_model_fingerprint
 from ..utils.io import staged_directory
-from .card import base_model_name, export_card, model_records
 from .loading import ROUTERS_MODULE
 from .settings import (
     AUTO_MAP,

@@ -784,7 +784,7 @@ class FocusModel(nn.Module):
         text = config_document(config, fingerprint)
         card = None
         if model_card:
-            from ..deploy.card import adapter_card_of
+            from .card import adapter_card_of
 
             card = adapter_card_of(self, save_directory, config.to_dict(), fingerprint)
         write_adapter(Path(save_directory), tensors, text, card)
@@ -830,7 +830,7 @@ class FocusModel(nn.Module):
             FocusBaseMismatchWarning: same structure but different parameter shapes or
                 weights than the base the adapter was saved with.
         """
-        from ..deploy.hub import resolve_adapter
+        from .hub import resolve_adapter
 
         directory = resolve_adapter(directory, revision=revision, token=token, cache_dir=cache_dir)
         adapter = adapter_layout(directory) == "adapter"
@@ -855,7 +855,7 @@ class FocusModel(nn.Module):
             model.requires_grad_(False)
             model.eval()
         if adapter:
-            from ..deploy.card import remember_source
+            from .card import remember_source
 
             remember_source(model, directory)
         return model
@@ -881,7 +881,7 @@ class FocusModel(nn.Module):
             huggingface_hub errors: authentication, network (as ``HfApi`` raises them).
         """
         self._check_live()
-        from ..deploy.hub import push_adapter
+        from .hub import push_adapter
 
         return push_adapter(
             self,

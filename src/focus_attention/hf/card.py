@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 from ..utils.io import TRAIN_CONFIG_NAME
+from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = [
     "CARD_MARKER",

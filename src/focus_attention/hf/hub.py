@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = ["ADAPTER_FILES", "is_repo_id", "push_adapter", "resolve_adapter"]
 
