@@ -345,8 +345,13 @@ def test_data_order_is_a_seeded_permutation_per_epoch():
     assert seen == _order(5)
     assert _order(6)[:4] != seen[:4]
     assert len(EpochPermutations(7, 0)) == 7
-    with pytest.raises(ValueError, match="num_blocks 0"):
-        EpochPermutations(0, 1)
+    # whole optimizer steps: 10 blocks, 4 a step: 8 of each epoch's permutation
+    cut = EpochPermutations(10, 5, step_blocks=4)
+    assert list(cut) == seen[:8] and len(cut) == 8
+    cut.set_epoch(1)
+    assert list(cut) == seen[10:18]
+    with pytest.raises(ValueError, match="3 training blocks, 4 per optimizer step"):
+        EpochPermutations(3, 1, step_blocks=4)
 
 
 @pytest.mark.parametrize(

@@ -25,22 +25,33 @@ def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
 class EpochPermutations(torch.utils.data.Sampler[int]):
     """The training blocks' order: the indices ``0 .. num_blocks - 1`` in a seeded random
     permutation, a fresh one per epoch (``torch.randperm`` with a CPU generator seeded by
-    ``seed * 1_000_003 + epoch``). ``set_epoch`` (called by the Trainer and by accelerate's
-    data loader) picks the epoch. Under data parallelism accelerate deals the batches of
-    this one order to the ranks in turn, so the blocks of a step are those of one process
-    with the ranks' micro-batches in rank order."""
+    ``seed * 1_000_003 + epoch``), cut to a whole number of ``step_blocks`` (the blocks one
+    optimizer step takes over every process: batch size x accumulation x processes; the
+    rest of a permutation waits for a later epoch). ``set_epoch`` (called by the Trainer and
+    by accelerate's data loader) picks the epoch. Under data parallelism accelerate deals
+    the batches of this one order to the ranks in turn, so every step takes the blocks one
+    process takes with the ranks' micro-batches in rank order, in every epoch.
 
-    def __init__(self, num_blocks: int, seed: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"EpochPermutations: num_blocks {num_blocks}; expected at least 1")
+    Raises:
+        ValueError: fewer blocks than one step takes.
+    """
+
+    def __init__(self, num_blocks: int, seed: int, step_blocks: int = 1) -> None:
+        if step_blocks < 1 or num_blocks < step_blocks:
+            raise ValueError(
+                f"EpochPermutations: {num_blocks} training blocks, {step_blocks} per optimizer "
+                "step; expected at least one step's blocks (more text, a shorter seq_len or a "
+                "smaller batch_size x grad_accum x processes)"
+            )
         self.num_blocks, self.seed, self.epoch = num_blocks, seed, 0
+        self.length = num_blocks // step_blocks * step_blocks
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.num_blocks, generator=gen).tolist())
+        return iter(torch.randperm(self.num_blocks, generator=gen)[: self.length].tolist())
 
     def __len__(self) -> int:
-        return self.num_blocks
+        return self.length

@@ -149,9 +149,11 @@ class FocusTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """The data order: :class:`~.schedule.EpochPermutations` of the training rows,
-        seeded by the run's ``seed``."""
+        seeded by the run's ``seed``, in whole optimizer steps of every process."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
-        return EpochPermutations(len(dataset), self.train_config.seed)
+        args = self.args
+        step_blocks = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size  # fmt: skip
+        return EpochPermutations(len(dataset), self.train_config.seed, step_blocks)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """``resume_from_checkpoint``: the trainee's parts back in place
