@@ -71,7 +71,7 @@ def test_no_setting_is_declared_in_more_than_two_classes():
 
 def test_adapter_settings_are_declared_by_focusconfig_and_one_group():
     found = _declarations(COMMAND_CLASSES)
-    for name in ("window", "top_k", "sink_tokens", "dense_layers", "query_top_k",
+    for name in ("window", "top_k", "sink_tokens", "dense_layers", "dense_heads", "query_top_k",
                  "inference_routing"):  # fmt: skip
         assert found[name] == {"FocusConfig", _group_of(name)}, name
     for name in ("seq_len", "split", "threads", "progress", "json"):

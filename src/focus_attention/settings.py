@@ -14,7 +14,7 @@ Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``pr
 :class:`ModelSettings` (it and ``adapter``),
 :class:`CorpusSettings` (``corpus``), :class:`TextSettings` (it and ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
 :class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
-``sink_tokens``, ``dense_layers``, ``query_top_k``, ``inference_routing``),
+``sink_tokens``, ``dense_layers``, ``dense_heads``, ``query_top_k``, ``inference_routing``),
 :class:`FreshRouters` (``num_groups``), :class:`SeedSettings` (``seed``),
 :class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``),
 :class:`OutputSettings` (``out``), :class:`BosSettings` (``prepend_bos``),
@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
 from .assets.models import DEFAULT_MODEL
-from .hf.config import INFERENCE_ROUTINGS
+from .hf.config import INFERENCE_ROUTINGS, parse_layer_heads
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
@@ -304,6 +304,12 @@ class AdapterOverrides(WindowValues, TopKValues):
         metadata={"help": "Focus layers that run dense attention, over the adapter's (the "
                   "retrieval layers focus bench retrieval-layers ranks)"},
     )  # fmt: skip
+    dense_heads: tuple[tuple[int, int], ...] | None = field(
+        default=None,
+        metadata={"help": "(layer, key-value head) pairs that attend densely while the other "
+                  "heads of their layer route, over the adapter's", "type": parse_layer_heads,
+                  "metavar": "L:H,..."},
+    )  # fmt: skip
     query_top_k: int | None = field(
         default=None,
         metadata={"help": "groups each query keeps, over the adapter's (keys keep top_k; "
@@ -326,6 +332,7 @@ ADAPTER_OVERRIDES = (
     "window",
     "sink_tokens",
     "dense_layers",
+    "dense_heads",
     "top_k",
     "query_top_k",
     "inference_routing",

@@ -16,6 +16,7 @@ that keeps every key and the group memberships of the cached keys).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import threading
@@ -533,9 +534,110 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     return out, q_groups, k_groups, maps
 
 
+@dataclass
+class HeadSplit:
+    """The heads of a layer with ``FocusConfig.dense_heads``: int64 indices of the routed
+    and the dense query heads ``[H_routed]``, ``[H_dense]`` and of their key-value heads."""
+
+    routed_q: torch.Tensor
+    routed_kv: torch.Tensor
+    dense_q: torch.Tensor
+    dense_kv: torch.Tensor
+
+
+def head_split(layer_idx: int, dense_heads: tuple, num_heads: int, num_kv_heads: int,
+               device: Any) -> HeadSplit | None:  # fmt: skip
+    """The :class:`HeadSplit` of layer ``layer_idx`` (None when none of its heads is dense):
+    key-value head ``h`` and its query heads ``h * G .. h * G + G - 1`` (``G = num_heads //
+    num_kv_heads``, grouped-query attention) attend densely.
+
+    Raises:
+        ValueError: a dense head beyond the layer's key-value heads.
+    """
+    dense = [h for layer, h in dense_heads if layer == layer_idx]
+    if not dense:
+        return None
+    beyond = [h for h in dense if h >= num_kv_heads]
+    if beyond:
+        raise ValueError(
+            f"FocusConfig.dense_heads: layer {layer_idx} has {num_kv_heads} key-value heads "
+            f"(0..{num_kv_heads - 1}); received heads {beyond}"
+        )
+    group = num_heads // num_kv_heads
+    is_dense = torch.zeros(num_kv_heads, dtype=torch.bool)
+    is_dense[dense] = True
+    kv = torch.arange(num_kv_heads)
+    q = torch.arange(num_heads)
+    q_dense = is_dense[q // group]
+    return HeadSplit(q[~q_dense].to(device), kv[~is_dense].to(device), q[q_dense].to(device),
+                     kv[is_dense].to(device))  # fmt: skip
+
+
+def _routed_heads(call: LayerCall, split: HeadSplit) -> LayerCall:
+    """``call`` with the routed heads' queries, keys and values only."""
+    return dataclasses.replace(
+        call,
+        query=call.query.index_select(1, split.routed_q),
+        key=call.key.index_select(1, split.routed_kv),
+        value=call.value.index_select(1, split.routed_kv),
+    )
+
+
+def _dense_heads_attention(handle, module, call: LayerCall, split: HeadSplit, attention_mask,
+                           kwargs) -> torch.Tensor:  # fmt: skip
+    """The dense heads' attention ``[B, H_dense, Nq, D]``: the base implementation on their
+    queries, keys and values under the base mask (as a layer in ``dense_layers`` runs)."""
+    impl = handle.runtime.base_impl
+    mask = attention_mask.base_mask(impl) if isinstance(attention_mask, FocusMask) else attention_mask  # fmt: skip
+    fn = _base_attention(impl, module)
+    q = call.query.index_select(1, split.dense_q)
+    k = call.key.index_select(1, split.dense_kv)
+    v = call.value.index_select(1, split.dense_kv)
+    out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=call.scale, **kwargs)
+    return out.transpose(1, 2)
+
+
+def _merge_heads(split: HeadSplit, routed: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``[B, H, Nq, D]`` from the routed heads' ``[B, H_routed, Nq, D]`` and the dense
+    heads' ``[B, H_dense, Nq, D]`` outputs."""
+    bsz, _, nq, dim = routed.shape
+    heads = split.routed_q.numel() + split.dense_q.numel()
+    out = routed.new_zeros(bsz, heads, nq, dim)
+    return out.index_copy(1, split.routed_q, routed).index_copy(1, split.dense_q, dense.to(routed.dtype))  # fmt: skip
+
+
+def _dense_maps(call: LayerCall, split: HeadSplit) -> torch.Tensor:
+    """Attention probabilities ``[B, H_dense, Nq, Nk]`` of the dense heads: every earlier
+    real key (bottom-right aligned queries)."""
+    nq, nk = call.query.shape[2], call.key.shape[2]
+    rows = torch.arange(nk - nq, nk, device=call.query.device)[:, None]
+    visible = (torch.arange(nk, device=call.query.device)[None, :] <= rows)[None]
+    if call.real is not None:
+        visible = visible & call.real[:, None, :]
+    visible = visible.expand(call.query.shape[0], nq, nk)
+    q = call.query.index_select(1, split.dense_q)
+    k = call.key.index_select(1, split.dense_kv)
+    return attention_probs(q, k, visible, call.scale, call.softcap)
+
+
 def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwargs):
-    """One Focus-layer call: ``(out [B, H, Nq, D], maps or None)``."""
-    call = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
+    """One Focus-layer call: ``(out [B, H, Nq, D], maps or None)``; the heads of
+    ``FocusConfig.dense_heads`` attend densely beside the routed ones."""
+    full = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
+    split = head_split(handle.layer_idx, handle.runtime.focus_config.dense_heads,
+                       full.query.shape[1], full.key.shape[1], full.query.device)  # fmt: skip
+    out, maps = _routed_layer(handle, full if split is None else _routed_heads(full, split))
+    if split is None:
+        return out, maps
+    dense = _dense_heads_attention(handle, module, full, split, attention_mask, kwargs)
+    if maps is not None:
+        maps = _merge_heads(split, maps, _dense_maps(full, split))
+    return _merge_heads(split, out, dense), maps
+
+
+def _routed_layer(handle: LayerHandle, call: LayerCall):
+    """Routing and the routed attention of one call: ``(out [B, H, Nq, D], maps or None)``
+    over the heads of ``call``."""
     runtime = handle.runtime
     mode = runtime.mode(handle.router)
     record: dict[str, Any] = {"layer": handle.layer_idx, "mode": mode}

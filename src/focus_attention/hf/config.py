@@ -36,6 +36,21 @@ _int = functools.partial(check_int, "FocusConfig")
 _positive_float = functools.partial(check_number, "FocusConfig")
 
 
+def parse_layer_heads(text: str) -> tuple[tuple[int, int], ...]:
+    """``"18:0,20:1"`` -> ``((18, 0), (20, 1))``: the ``--dense-heads`` flag.
+
+    Raises:
+        ValueError: an item that is not ``LAYER:HEAD`` with two whole numbers.
+    """
+    pairs = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        layer, sep, head = item.partition(":")
+        if not sep or not layer.strip().isdigit() or not head.strip().isdigit():
+            raise ValueError(f"expected LAYER:HEAD pairs like 18:0,20:1, got {text!r}")
+        pairs.append((int(layer), int(head)))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class FocusConfig:
     """Settings of a Focus retrofit (docs/method.md §1-§4 and §8).
@@ -88,6 +103,13 @@ class FocusConfig:
             soft training or :meth:`FocusModel.calibrate`) and no routing record. A KV cache
             filled earlier keeps the layout it was filled with (a layer switched
             mid-generation raises ``ValueError``).
+        dense_heads: ``(layer, kv_head)`` pairs of Focus layers whose key-value heads (and
+            the query heads that share them) attend densely, with the base model's own
+            attention, while the layer's other heads route through their groups; stored as
+            a sorted tuple of pairs; default none (docs/method.md §9). The layer is routed
+            once for its other heads; a head index beyond the layer's key-value heads raises
+            ``ValueError`` when the layer runs. Pairs of layers in ``dense_layers`` are
+            refused (every head of those is dense).
         seed: seed of the deterministic router initialisation.
         bias_momentum: momentum of the running mean of the Sinkhorn column bias kept during
             soft training (cumulative mean for the first ``1 / bias_momentum`` updates, then
@@ -148,6 +170,12 @@ class FocusConfig:
         metadata={"help": "Focus layers that run dense attention, e.g. the retrieval layers "
                   "(default: none)"},
     )  # fmt: skip
+    dense_heads: tuple[tuple[int, int], ...] = field(
+        default=(),
+        metadata={"help": "(layer, key-value head) pairs that attend densely while the other "
+                  "heads of their layer route, as LAYER:HEAD,... (default: none)",
+                  "type": parse_layer_heads, "metavar": "L:H,..."},
+    )  # fmt: skip
     seed: int = field(default=0, metadata={"help": "seed of the router initialisation"})
     bias_momentum: float = field(
         default=0.01, metadata={"help": "momentum of the calibrated causal routing bias"}
@@ -205,6 +233,7 @@ class FocusConfig:
             raise _bad(
                 "dense_layers", self.dense_layers, f"Focus layers (layers {outside} are not)"
             )
+        self._validate_dense_heads()
         _int("seed", self.seed)
         self._validate_straight_through()
         if (
@@ -213,6 +242,21 @@ class FocusConfig:
             or not 0 < self.bias_momentum <= 1
         ):
             raise _bad("bias_momentum", self.bias_momentum, "a number in (0, 1]")
+
+    def _validate_dense_heads(self) -> None:
+        """``dense_heads`` as a sorted tuple of distinct ``(layer, kv_head)`` pairs of Focus
+        layers that are not in ``dense_layers`` (a whole dense layer needs no heads)."""
+        heads = _layer_heads("dense_heads", self.dense_heads)
+        object.__setattr__(self, "dense_heads", heads)  # frozen dataclass
+        layers = {layer for layer, _ in heads}
+        if self.layers is not None and not layers <= set(self.layers):
+            outside = sorted(layers - set(self.layers))
+            raise _bad("dense_heads", heads, f"heads of Focus layers (layers {outside} are not)")
+        both = sorted(layers & set(self.dense_layers))
+        if both:
+            raise _bad("dense_heads", heads,
+                       f"heads of routed layers (layers {both} are in dense_layers, every head "
+                       "of them is dense)")  # fmt: skip
 
     def _validate_straight_through(self) -> None:
         """``straight_through`` is a bool (its combination with the routing is checked when
@@ -387,6 +431,25 @@ def _refuse_assignment(self: FocusConfig, name: str, value: object) -> None:
 # The frozen dataclass's own __setattr__ only says "cannot assign to field": replace it with
 # one that says what to do instead (construction does not go through __setattr__).
 FocusConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assign]
+
+
+def _layer_heads(name: str, value: Any) -> tuple[tuple[int, int], ...]:
+    """``value`` as a sorted tuple of distinct ``(layer, kv_head)`` pairs of ints >= 0 (lists
+    of two ints, as JSON holds them, are accepted); ``ValueError`` naming ``name`` otherwise."""
+    want = "a list of (layer, key-value head) pairs of ints >= 0"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise _bad(name, value, want)
+    pairs = []
+    for pair in value:
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__iter__"):
+            raise _bad(name, value, want)
+        pair = tuple(pair)
+        if len(pair) != 2 or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in pair):  # fmt: skip
+            raise _bad(name, value, want)
+        pairs.append(pair)
+    if len(set(pairs)) != len(pairs):
+        raise _bad(name, value, "distinct (layer, key-value head) pairs")
+    return tuple(sorted(pairs))
 
 
 def _layer_indices(name: str, value: Any) -> tuple[int, ...]:
