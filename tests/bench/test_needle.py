@@ -257,6 +257,12 @@ def test_retrieval_layers_rank_and_suggest(tiny, monkeypatch, tmp_path):
     for k, v in by_layer.items():
         per_hay = [result["by_haystack"][h][k] for h in ("passkey", "book")]
         assert v == pytest.approx(sum(per_hay) / 2)
+    # head by head: the ranking of every (layer, kv head), its top --heads as dense_heads
+    by_head = result["by_head"]
+    ranked = [by_head[f"{layer}:{head}"] for layer, head in result["head_ranking"]]
+    assert ranked == sorted(by_head.values(), reverse=True) and len(ranked) == len(by_head)
+    assert result["dense_heads"] == sorted(result["head_ranking"][:8])
+    assert max(by_head.values()) <= max(means) + 1e-12  # a layer's share is its best head's
     with pytest.raises(ValueError, match="count"):
         needle.rank_retrieval_layers(needle.RetrievalLayersConfig(
             model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),

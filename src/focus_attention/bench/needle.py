@@ -269,51 +269,84 @@ def _load(config: NeedleBenchConfig | RetrievalLayersConfig) -> tuple[Any, Any, 
 
 
 def rank_retrieval_layers(config: RetrievalLayersConfig) -> dict[str, Any]:
-    """Rank the Focus layers by the attention the dense model's strongest head of the last
-    query gives the needle (:func:`~focus_attention.evaluation.retrieval.needle_attention`),
-    averaged over the needle prompts of ``config`` (module docstring; docs/method.md §9).
+    """Rank the Focus layers, and their key-value heads, by the attention the dense model's
+    strongest (query) head of the last query gives the needle
+    (:func:`~focus_attention.evaluation.retrieval.needle_attention_by_head`), averaged over
+    the needle prompts of ``config`` (module docstring; docs/method.md §9).
 
     Returns:
         JSON-able dict: ``config``, ``ranking`` (layers, most attentive first), ``by_layer``
         ``{layer: mean share}``, ``by_haystack`` ``{haystack: {layer: mean share}}``,
         ``dense_layers`` (the first ``count`` of the ranking, sorted: the value for
-        ``FocusConfig.dense_layers`` or ``--dense-layers``), ``prompts``, ``seconds``,
-        ``versions`` and ``environment``.
+        ``FocusConfig.dense_layers`` or ``--dense-layers``), ``head_ranking`` (``[layer,
+        kv_head]`` pairs, most attentive first), ``by_head`` ``{"layer:kv_head": mean
+        share}``, ``dense_heads`` (the first ``heads`` pairs, sorted: the value for
+        ``FocusConfig.dense_heads``), ``prompts``, ``seconds``, ``versions`` and
+        ``environment``.
 
     Raises:
         ValueError: as :func:`run_needle_benchmark`; ``count`` above the Focus layers.
     """
-    from ..evaluation.retrieval import needle_attention
-
     fm, tokenizer, bos_id = _load(config)
     if config.count > len(fm.focus_layers):
         raise bad("RetrievalLayersConfig", "count", config.count,
                   f"at most the {len(fm.focus_layers)} Focus layers")  # fmt: skip
     t = time.monotonic()
-    sums: dict[str, dict[int, list[float]]] = {}
     cases = _cases(config, tokenizer, bos_id)
-    for i, case in enumerate(cases):
-        shares = needle_attention(fm, case.input_ids, (case.needle_start, case.needle_end))
-        for layer, share in shares.items():
-            sums.setdefault(case.haystack, {}).setdefault(layer, []).append(share)
-        if config.progress:
-            print(f"[retrieval-layers] prompt {i + 1}/{len(cases)} ({case.haystack}, "
-                  f"{case.length} tokens, depth {case.depth:.2f})", file=sys.stderr)  # fmt: skip
-    by_haystack = {h: {k: sum(v) / len(v) for k, v in sorted(d.items())} for h, d in sums.items()}
+    shares = _head_shares(fm, cases, config.progress)
+    by_haystack = {h: {k: _mean([max(row) for row in rows]) for k, rows in sorted(d.items())}
+                   for h, d in shares.items()}  # fmt: skip
     layers = sorted(next(iter(by_haystack.values())))
-    by_layer = {k: sum(d[k] for d in by_haystack.values()) / len(by_haystack) for k in layers}
+    by_layer = {k: _mean([d[k] for d in by_haystack.values()]) for k in layers}
     ranking = sorted(layers, key=lambda k: -by_layer[k])
+    by_head = _by_head(shares)
+    head_ranking = sorted(by_head, key=lambda pair: -by_head[pair])
     return {
         "config": asdict(config),
         "ranking": ranking,
         "by_layer": {str(k): v for k, v in by_layer.items()},
         "by_haystack": {h: {str(k): v for k, v in d.items()} for h, d in by_haystack.items()},
         "dense_layers": sorted(ranking[: config.count]),
+        "head_ranking": [list(pair) for pair in head_ranking],
+        "by_head": {f"{layer}:{head}": v for (layer, head), v in by_head.items()},
+        "dense_heads": [list(pair) for pair in sorted(head_ranking[: config.heads])],
         "prompts": len(cases),
         "seconds": time.monotonic() - t,
         "versions": library_versions(),
         "environment": environment(),
     }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _head_shares(fm: Any, cases: list[NeedleCase], progress: bool) -> dict[str, dict[int, list]]:
+    """``{haystack: {layer: [per-prompt list of the key-value heads' shares]}}``."""
+    from ..evaluation.retrieval import needle_attention_by_head
+
+    sums: dict[str, dict[int, list[list[float]]]] = {}
+    for i, case in enumerate(cases):
+        by_head = needle_attention_by_head(fm, case.input_ids, (case.needle_start, case.needle_end))
+        for layer, heads in by_head.items():
+            sums.setdefault(case.haystack, {}).setdefault(layer, []).append(heads)
+        if progress:
+            print(f"[retrieval-layers] prompt {i + 1}/{len(cases)} ({case.haystack}, "
+                  f"{case.length} tokens, depth {case.depth:.2f})", file=sys.stderr)  # fmt: skip
+    return sums
+
+
+def _by_head(shares: dict[str, dict[int, list]]) -> dict[tuple[int, int], float]:
+    """Mean share of every ``(layer, kv_head)``: over each haystack's prompts, then over the
+    haystacks."""
+    per_haystack = []
+    for layers in shares.values():
+        means = {}
+        for layer, rows in layers.items():
+            for head in range(len(rows[0])):
+                means[(layer, head)] = _mean([row[head] for row in rows])
+        per_haystack.append(means)
+    return {pair: _mean([m[pair] for m in per_haystack]) for pair in sorted(per_haystack[0])}
 
 
 def retrieval_layers_table(result: dict[str, Any]) -> str:
@@ -330,6 +363,9 @@ def retrieval_layers_table(result: dict[str, Any]) -> str:
         )
     dense = " ".join(str(k) for k in result["dense_layers"])
     lines += ["", f"suggested: --dense-layers {dense}"]
+    if result.get("dense_heads"):
+        heads = ",".join(f"{layer}:{head}" for layer, head in result["dense_heads"])
+        lines.append(f"or, head by head: --dense-heads {heads}")
     return "\n".join(lines)
 
 

@@ -270,10 +270,14 @@ class RetrievalLayersConfig(ResultFile, RunSettings, SeedSettings, LengthSetting
     )
     trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
     count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
+    heads: int = field(
+        default=8, metadata={"help": "(layer, key-value head) pairs to suggest as dense_heads"}
+    )
 
     def __post_init__(self) -> None:
         self.check_shared()
         check_int("RetrievalLayersConfig", "count", self.count, 1)
+        check_int("RetrievalLayersConfig", "heads", self.heads, 1)
         check_prompts("RetrievalLayersConfig", self)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["base_sliding_window", "needle_attention"]
+__all__ = ["base_sliding_window", "needle_attention", "needle_attention_by_head"]
 
 
 def base_sliding_window(model_config: Any, layer: int) -> int | None:
@@ -34,9 +34,26 @@ def base_sliding_window(model_config: Any, layer: int) -> int | None:
 @torch.no_grad()
 def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) -> dict[int, float]:
     """Per Focus layer, the largest share of its attention that one head of the prompt's last
-    query gives the tokens ``span = (start, end)`` (end excluded), in the dense model (the
-    base model's own attention, through ``FocusModel.record_dense_attention``, so a base
-    layer's sliding window applies: the attention a dense layer would have).
+    query gives the tokens ``span = (start, end)`` (end excluded), in the dense model: the
+    largest of :func:`needle_attention_by_head`'s shares.
+
+    Returns:
+        ``{layer: share}``, each share in ``[0, 1]``.
+
+    Raises:
+        ValueError: as :func:`needle_attention_by_head`.
+    """
+    return {layer: max(shares) for layer, shares in needle_attention_by_head(fm, input_ids, span).items()}  # fmt: skip
+
+
+def needle_attention_by_head(
+    fm: Any, input_ids: torch.Tensor, span: tuple[int, int]
+) -> dict[int, list[float]]:
+    """Per Focus layer and key-value head, the largest share of its attention that one of
+    its query heads gives, from the prompt's last query, the tokens ``span = (start, end)``
+    (end excluded), in the dense model (the base model's own attention, through
+    ``FocusModel.record_dense_attention``, so a base layer's sliding window applies: the
+    attention a dense layer or dense head would have; docs/method.md §9).
 
     Args:
         fm: a :class:`~focus_attention.hf.FocusModel`.
@@ -44,8 +61,9 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
         span: token indices ``0 <= start < end < N`` of the needle.
 
     Returns:
-        ``{layer: share}``, each share in ``[0, 1]`` (the softmax mass, computed in float32,
-        of the best head; logit soft-capping applied where the layer has it).
+        ``{layer: [share of key-value head 0, 1, ...]}``, each share in ``[0, 1]`` (the
+        softmax mass, computed in float32; logit soft-capping applied where the layer has
+        it), the index of the list being the ``kv_head`` of ``FocusConfig.dense_heads``.
 
     Raises:
         ValueError: a batch other than one prompt, a span outside ``0 <= start < end < N``,
@@ -58,7 +76,7 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
     if not 0 <= start < end < n:
         raise ValueError(f"needle_attention: span {span} outside 0 <= start < end < N={n}")
     saved = fm.focus_config
-    fm.focus_config = saved.replace(dense_layers=())  # every Focus layer records
+    fm.focus_config = saved.replace(dense_layers=(), dense_heads=())  # every head records
     try:
         with fm.record_dense_attention() as records:
             fm(input_ids=input_ids, use_cache=False)
@@ -72,14 +90,14 @@ def needle_attention(fm: Any, input_ids: torch.Tensor, span: tuple[int, int]) ->
     out = {}
     for rec in records:
         query = rec["query"][:, :, -1:].float()  # [1, H, 1, D]
-        key = rec["key"].float()
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        kv_heads = rec["key"].shape[1]
+        key = rec["key"].float().repeat_interleave(query.shape[1] // kv_heads, dim=1)
         logits = (query @ key.transpose(-1, -2)) * rec["scale"]
         if rec["softcap"] is not None:
             logits = rec["softcap"] * torch.tanh(logits / rec["softcap"])
         window = base_sliding_window(fm.base_model.config, int(rec["layer"]))
         if window is not None:  # the base layer sees only its last ``window`` keys
             logits[..., : max(0, n - window)] = -torch.inf
-        probs = logits.softmax(dim=-1)[0, :, 0]  # [H, N]
-        out[int(rec["layer"])] = float(probs[:, start:end].sum(dim=-1).max())
+        shares = logits.softmax(dim=-1)[0, :, 0, start:end].sum(dim=-1)  # [H]
+        out[int(rec["layer"])] = shares.view(kv_heads, -1).max(dim=1).values.tolist()
     return out
