@@ -192,6 +192,7 @@ def test_resume_after_crash_from_periodic_checkpoint(assets, reference, tmp_path
     _same_log(_log(out), _log(reference.out))
 
 
+@pytest.mark.slow
 def test_resume_accepts_changed_validation_and_save_settings(assets, reference, tmp_path):
     out = tmp_path / "run"
     _crash_at(assets, out, 3)

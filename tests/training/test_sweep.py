@@ -209,6 +209,7 @@ def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monke
     assert again_ppl["focus_topk"] == pytest.approx(ppl["focus_topk"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path, monkeypatch):
     cfg, summary = serial_sweep
     monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))

@@ -203,11 +203,11 @@ def _crash(assets, out, method, step):
     ("method", "crash_at"),
     [
         ("focus", 3),
-        ("lora", 3),
-        ("attention", 3),
+        pytest.param("lora", 3, marks=pytest.mark.slow),
+        pytest.param("attention", 3, marks=pytest.mark.slow),
         ("full", 2),
-        ("focus+lora", 3),
-        ("two-phase", 3),
+        pytest.param("focus+lora", 3, marks=pytest.mark.slow),
+        pytest.param("two-phase", 3, marks=pytest.mark.slow),
         ("two-phase", 4),
     ],  # fmt: skip
 )
@@ -408,6 +408,7 @@ def test_dense_validation_is_logged(runs):
     assert "val_ppl_topk" in runs["focus+lora"].validation[-1]
 
 
+@pytest.mark.slow
 def test_two_phase_with_lora_resumes_exactly_inside_phase_2(assets, tmp_path):
     """Phase 2 with LoRA: the uninterrupted run injects LoRA under the routers at the
     boundary, the resumed one loads both; same losses and tensors."""

@@ -237,7 +237,7 @@ def test_two_processes_under_torchrun_end_with_identical_routers(assets, tmp_pat
 
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -273,7 +273,7 @@ def test_accelerate_launch_with_the_committed_configs(assets, tmp_path, config):
 
 @pytest.mark.parametrize(
     "path",
-    sorted((Path(__file__).resolve().parents[1] / "configs" / "pretrain").glob("*.toml")),
+    sorted((Path(__file__).resolve().parents[2] / "configs" / "pretrain").glob("*.toml")),
     ids=lambda p: p.name,
 )
 def test_shipped_pretrain_settings_files_are_valid_and_flags_override_them(path):

@@ -103,7 +103,9 @@ def test_coverage_rows_sample_queries_with_distant_keys():
     assert torch.equal(coverage_rows(12, 10, 50, g), torch.tensor([10, 11]))
 
 
-@pytest.mark.parametrize("objective", ["distill", "mix", "coverage"])
+@pytest.mark.parametrize(
+    "objective", ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage"]
+)
 def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_path, objective):
     cfg = tiny_config(assets, tmp_path / "full", objective=objective, steps=4,
                       coverage_queries=8, save_every=2, eval_every=-1)  # fmt: skip
