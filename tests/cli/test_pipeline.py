@@ -84,11 +84,19 @@ def test_cli_errors_are_clear(assets, tmp_path, capsys):
     assert _cli(["eval", "--model", str(assets["model"]), "--adapter", str(tmp_path)]) == 1
     assert "not a Focus adapter" in capsys.readouterr().err
     out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
+    out.mkdir()
+    (out / "log.jsonl").write_text("")  # an earlier run's log
     argv = ["train", "--model", str(assets["model"]), "--corpus", str(assets["corpus"]),
             "--out", str(out), "--no-progress"]  # fmt: skip
     assert _cli(argv) == 1
     assert "--resume" in capsys.readouterr().err
+    # an output path under a file: one line, no traceback
+    (tmp_path / "afile").write_text("")
+    argv[argv.index("--out") + 1] = str(tmp_path / "afile" / "sub")
+    assert _cli([*argv, "--steps", "1", "--seq-len", "32", "--eval-every", "-1", "--num-groups",
+                 "4", "--window", "8", "--group-dim", "8", "--threads", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "focus: error: [Errno 20] Not a directory" in err and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from tiny import focus
 
 from focus_attention import export_model
 from focus_attention.hf.card import CARD_MARKER
-from focus_attention.hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+from focus_attention.hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, weights_file_sha256
 
 TRAIN_CONFIG = {"model": "org/tiny-base", "corpus": "austen", "method": "focus", "steps": 80,
                 "seq_len": 512, "lr": 0.03}  # fmt: skip
@@ -23,13 +23,21 @@ TRAIN_RESULT = {"steps": 80, "final_loss": 3.51234,
                 "validation": [{"step": 80, "val_ppl_topk": 36.1419, "val_ppl_base": 34.9}]}  # fmt: skip
 
 
-def eval_record(adapter: str, base: float = 34.926, top1: float = 37.009) -> dict:
-    """A ``focus eval`` document (the keys a card reads)."""
+def eval_record(adapter: str, base: float = 34.926, top1: float = 37.009, *,
+                weights: str | None = None) -> dict:  # fmt: skip
+    """A ``focus eval`` document (the keys a card reads) of the adapter whose weights file
+    has the SHA-256 ``weights``."""
     return {
         "ppl": {"base": base, "focus_soft": 36.142, "focus_topk": {"1": top1, "2": 35.77}},
         "pairs_retained": {"1": 0.37, "2": 0.632},
         "tokens": 4092,
-        "config": {"adapter": adapter, "corpus": "austen", "split": "test", "seq_len": 1024},
+        "config": {
+            "adapter": adapter,
+            "corpus": "austen",
+            "split": "test",
+            "seq_len": 1024,
+            "adapter_weights_sha256": weights,
+        },  # fmt: skip
     }
 
 
@@ -54,11 +62,15 @@ def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
     run.mkdir(parents=True)
     (run / "train_config.json").write_text(json.dumps(TRAIN_CONFIG))
     (run / "train_result.json").write_text(json.dumps(TRAIN_RESULT))
-    (run / "eval.json").write_text(json.dumps(eval_record("runs/austen")))
-    (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen-4k", 1.0, 2.0)))
     (run / "broken.json").write_text("{not json")
     _, fm = focus("llama")
     fm.save_pretrained(run)
+    weights = weights_file_sha256(run)
+    (run / "eval.json").write_text(json.dumps(eval_record("runs/austen", weights=weights)))
+    (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen-4k", 1.0, 2.0, weights=weights)))  # fmt: skip
+    (run / "eval-old.json").write_text(json.dumps(eval_record("runs/austen", 9.0, weights="0" * 64)))  # fmt: skip
+    fm.save_pretrained(run)  # the same routers: the same weights file, now with its records
+    assert weights_file_sha256(run) == weights
     card = card_of(run)
     assert "base_model: org/tiny-base" in card and "Focus adapter for org/tiny-base" in card
     assert "| corpus | `austen` |" in card and "| steps | `80` |" in card
@@ -66,6 +78,7 @@ def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
     assert "| `eval.json` | austen (test) | 1024 | 4092 | Focus top-1 | 37.009 | 0.370 |" in card
     assert "| base (dense) | 34.926 |" in card
     assert "eval-4096.json" not in card  # another adapter's evaluation
+    assert "eval-old.json" not in card  # an earlier adapter's in this folder
 
 
 def test_a_loaded_adapter_carries_its_records_while_its_routers_are_unchanged(tmp_path):
@@ -76,7 +89,7 @@ def test_a_loaded_adapter_carries_its_records_while_its_routers_are_unchanged(tm
     run = tmp_path / "run"
     _, fm = focus("llama")
     fm.save_pretrained(run)
-    (run / "eval.json").write_text(json.dumps(eval_record(str(run))))
+    (run / "eval.json").write_text(json.dumps(eval_record(str(run), weights=weights_file_sha256(run))))  # fmt: skip
     loaded = FocusModel.from_pretrained(build_model("llama"), run)
     loaded.save_pretrained(tmp_path / "copy")
     assert "37.009" in card_of(tmp_path / "copy")

@@ -64,6 +64,8 @@ def test_a_resumed_log_drops_what_came_after_the_checkpoint(tmp_path):
 
 def test_an_output_directory_holds_one_run(tmp_path):
     prepare_out(tmp_path, resume=False, overwrite=False)  # empty: fine
+    checkpoint_root(tmp_path).mkdir(parents=True)  # a run that stopped before a checkpoint
+    prepare_out(tmp_path, resume=False, overwrite=False)
     (tmp_path / LOG_NAME).write_text("")
     _checkpoint(tmp_path, 1)
     (tmp_path / "notes.txt").write_text("mine")

@@ -309,10 +309,21 @@ def test_zero_steps_saves_untrained_adapter(assets, tmp_path):
 def test_out_directory_guards(assets, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(assets, out, steps=1, eval_every=-1))
+    assert json.loads((out / "train_result.json").read_text())["plot"] == str(out / "train.png")
     with pytest.raises(ValueError, match="--resume"):
         train(tiny_config(assets, out, steps=1, eval_every=-1))
     with pytest.raises(ValueError, match="settings differ"):
         train(tiny_config(assets, out, steps=1, eval_every=-1, lr=0.5, resume=True))
+    # the Focus settings one by one, and what a resume may change
+    with pytest.raises(ValueError, match=r"'focus.top_k': \(2, 1\).*may change only --threads"):
+        train(tiny_config(assets, out, steps=1, eval_every=-1, top_k=1, resume=True))
+    # --overwrite deletes the earlier run only once the new inputs load
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="nonexistent"):
+        train(
+            tiny_config(assets, out, steps=1, corpus=str(tmp_path / "nonexistent"), overwrite=True)
+        )
+    assert sorted(p.name for p in out.iterdir()) == before
     with pytest.raises(FileNotFoundError):
         train(tiny_config(assets, tmp_path / "empty", resume=True))
     res = train(tiny_config(assets, out, steps=2, eval_every=-1, overwrite=True))

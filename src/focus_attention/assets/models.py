@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -494,6 +495,20 @@ def _snapshot_hub(repo_id: str, *, quiet: bool) -> Path:
     return Path(path)
 
 
+@contextlib.contextmanager
+def _transformers_bars(show: bool) -> Iterator[None]:
+    """transformers' own progress bars (``Loading weights``) on or off inside the block,
+    as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     dtype: torch.dtype | str = "float32",
@@ -528,7 +543,8 @@ def load_model(
         dtype = resolved_dtype
     path = prepare_model(name_or_path, quiet=quiet)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        with _transformers_bars(not quiet):
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise RuntimeError(f"cannot load a causal LM from {path}: {e}") from e

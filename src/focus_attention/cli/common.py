@@ -50,9 +50,10 @@ def summary(command: str) -> str:
 
 
 #: the errors a command reports in one line: bad settings or input, missing files, an
-#: output that is already there, and failures the code detected and explained (a changed
-#: base model, a non-finite loss...)
-REPORTED_ERRORS = (ValueError, RuntimeError, FileNotFoundError, FileExistsError)
+#: output that is already there, failures the code detected and explained (a changed base
+#: model, a non-finite loss...) and the system's (a path that is a file, no permission, a
+#: full disk)
+REPORTED_ERRORS = (ValueError, RuntimeError, OSError)
 
 
 def run_guarded(func: Command) -> Command:

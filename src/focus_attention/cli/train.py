@@ -43,8 +43,9 @@ def _run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0  # a distributed run's summary is printed by rank 0
     last = result.validation[-1] if result.validation else {}
-    print(f"trained {result.steps} steps ({result.train_seconds:.0f} s in the loop, "
-          f"{result.seconds:.0f} s in all); final loss {result.final_loss}")  # fmt: skip
+    loss = "" if result.final_loss is None else f"; final loss {result.final_loss:.4f}"
+    print(f"trained {result.steps} steps ({result.train_seconds:.0f} s of optimizer steps "
+          f"over every run, {result.seconds:.0f} s in this call){loss}")  # fmt: skip
     if "val_ppl_topk" in last:
         print(f"validation PPL at step {last['step']}: top-k {last['val_ppl_topk']:.3f}, "
               f"soft {last['val_ppl_soft']:.3f} ({last['val_tokens']} tokens)")  # fmt: skip
@@ -58,7 +59,10 @@ def _run(args: argparse.Namespace) -> int:
     weights = result.extra["base_weights_sha256"]
     if not weights["equal"]:
         print(f"base weights changed: {weights['changed_count']} tensors")
-    print(f"adapter: {result.adapter}  log: {result.log}  plot: {result.plot}")
+    files = [f"adapter: {result.adapter}"]
+    files += [f"{name}: {path}" for name, path in (("log", result.log), ("plot", result.plot))
+              if path is not None and path.is_file()]  # fmt: skip
+    print("  ".join(files))
     return 0
 
 

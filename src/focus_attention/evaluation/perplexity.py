@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..hf.files import CONFIG_NAME
+from ..hf.files import CONFIG_NAME, weights_file_sha256
 from ..ops import pairs_retained
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
@@ -391,6 +391,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
     return {
         "model": str(cfg.model),
         "adapter": str(cfg.adapter),
+        "adapter_weights_sha256": weights_file_sha256(cfg.adapter) if cfg.adapter else None,
         "corpus": str(cfg.corpus),
         "split": cfg.split,
         "seq_len": cfg.seq_len,

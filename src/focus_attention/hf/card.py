@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.io import TRAIN_CONFIG_NAME
-from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
+from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, weights_file_sha256
 
 __all__ = [
     "CARD_MARKER",
@@ -96,13 +96,16 @@ def _names_directory(reference: Any, directory: Path) -> bool:
 def read_records(directory: str | os.PathLike) -> dict[str, Any]:
     """The records of the adapter in ``directory`` that a card reports: ``train_config``
     and ``train_result`` (dicts or None) and ``evals``, the ``focus eval`` documents among
-    its ``*.json`` files whose ``config.adapter`` names ``directory`` (sorted by file name).
+    its ``*.json`` files whose ``config.adapter`` names ``directory`` and whose
+    ``config.adapter_weights_sha256`` is that of the weights there now (an evaluation of
+    an earlier adapter in the same folder is not reported; sorted by file name).
     Unreadable files are skipped."""
     directory = Path(directory)
     out: dict[str, Any] = {"train_config": None, "train_result": None, "evals": []}
     for key, name in (("train_config", TRAIN_CONFIG_NAME), ("train_result", TRAIN_RESULT_NAME)):
         doc = _json(directory / name)
         out[key] = doc if isinstance(doc, dict) else None
+    weights = weights_file_sha256(directory)
     for path in sorted(directory.glob("*.json")):
         doc = _json(path)
         if (
@@ -110,6 +113,8 @@ def read_records(directory: str | os.PathLike) -> dict[str, Any]:
             and isinstance(doc.get("ppl"), dict)
             and isinstance(doc.get("config"), dict)
             and _names_directory(doc["config"].get("adapter"), directory)
+            and weights is not None
+            and doc["config"].get("adapter_weights_sha256") == weights
         ):
             out["evals"].append((path.name, doc))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,6 +173,8 @@ class SigintCheckpoint(TrainerCallback):
             self._restore()
             raise KeyboardInterrupt
         self._pending = True
+        print("\nCtrl-C: stopping after the step in progress and saving it "
+              "(Ctrl-C again stops at once, without saving)", file=sys.stderr, flush=True)  # fmt: skip
 
     def _restore(self) -> None:
         if self._installed:

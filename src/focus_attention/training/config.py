@@ -413,11 +413,16 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         return cls(**data, focus=FocusConfig.from_dict(focus))
 
     def locked_differences(self, other: TrainConfig) -> dict[str, tuple[Any, Any]]:
-        """Fields (``focus`` as one) that differ between ``self`` and ``other``, except
-        :data:`RESUME_FREE_FIELDS`: ``{name: (self's, other's)}``."""
+        """Fields that differ between ``self`` and ``other``, except
+        :data:`RESUME_FREE_FIELDS`: ``{name: (self's, other's)}``, the Focus settings as
+        ``focus.<name>``."""
         mine, theirs = self.to_dict(), other.to_dict()
-        return {
+        diff = {
             name: (mine[name], theirs[name])
             for name in mine
-            if name not in RESUME_FREE_FIELDS and mine[name] != theirs[name]
+            if name not in RESUME_FREE_FIELDS and name != "focus" and mine[name] != theirs[name]
         }
+        for name, value in mine["focus"].items():  # the Focus settings one by one
+            if value != theirs["focus"].get(name):
+                diff[f"focus.{name}"] = (value, theirs["focus"].get(name))
+        return diff

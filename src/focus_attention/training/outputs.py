@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..evaluation.trained import LORA_DIR, MODEL_DIR
+from ..hf.card import card_replaceable
+from ..hf.files import CARD_NAME
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 
@@ -161,10 +163,14 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to mix runs: ``out`` may hold an earlier run only with ``resume`` (continue)
     or ``overwrite`` (its log, checkpoints, adapter, plot and results are deleted).
 
+    An empty ``checkpoints/`` (a run that stopped before its first step) holds no run.
+
     Raises:
         ValueError: ``out`` holds a run and neither flag is set.
     """
     existing = [name for name in RUN_MARKERS if (out / name).exists()]
+    if CHECKPOINT_DIR in existing and newest_checkpoint(out) is None:
+        existing.remove(CHECKPOINT_DIR)  # a run that stopped before its first checkpoint
     if resume or not existing:
         return
     if not overwrite:
@@ -176,3 +182,5 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
+    if card_replaceable(out):  # the adapter's card, written by this package
+        (out / CARD_NAME).unlink(missing_ok=True)

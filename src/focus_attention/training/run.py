@@ -41,7 +41,7 @@ from .callbacks import (
     StepProgress,
     StepTimer,
 )
-from .config import RESUME_LOCKED_WHY, TrainConfig
+from .config import RESUME_FREE_FIELDS, RESUME_LOCKED_WHY, TrainConfig
 from .methods import Trainee, build_trainee, start_phase2
 from .outputs import (
     CONFIG_FILE,
@@ -185,12 +185,18 @@ def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
 
     model, tokenizer = load_model(cfg.model, quiet=not cfg.progress)
     bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
-    train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
-                                max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+    try:
+        train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
+                                    max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+    except ValueError as err:
+        raise ValueError(f"the train split (--max-train-tokens {cfg.max_train_tokens}): {err}") from err  # fmt: skip
     val_blocks = None
     if cfg.eval_every >= 0:
-        val_blocks = token_blocks(tokenizer, corpus.texts("validation"), cfg.seq_len,
-                                  max_tokens=cfg.eval_tokens, prepend_bos=bos)  # fmt: skip
+        try:
+            val_blocks = token_blocks(tokenizer, corpus.texts("validation"), cfg.seq_len,
+                                      max_tokens=cfg.eval_tokens, prepend_bos=bos)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"the validation split (--eval-tokens {cfg.eval_tokens}): {err}") from err  # fmt: skip
     return _Data(model, tokenizer, train_blocks, val_blocks, bos)
 
 
@@ -211,8 +217,11 @@ def _resume_point(cfg: TrainConfig, out: Path, world_size: int) -> Checkpoint | 
     diff = TrainConfig.from_dict(saved).locked_differences(cfg)
     if diff:
         why = "".join(f"; {RESUME_LOCKED_WHY[k]}" for k in diff if k in RESUME_LOCKED_WHY)
+        free = ", ".join(f"--{name.replace('_', '-')}" for name in RESUME_FREE_FIELDS
+                         if name not in ("resume", "overwrite", "out"))  # fmt: skip
         raise ValueError(f"--resume: settings differ from the run in {out} "
-                         f"(field: (saved, now)): {diff}{why}")  # fmt: skip
+                         f"(field: (saved, now)): {diff}{why}; a resume may change only "
+                         f"{free}")  # fmt: skip
     if ckpt.world_size != world_size:
         raise ValueError(
             f"--resume: the checkpoint was written by {ckpt.world_size} processes, this run "
@@ -379,14 +388,15 @@ class _Run:
                            checkpoint=None, log=self.log_path, extra=extra)  # fmt: skip
 
     def publish(self, result: TrainResult) -> None:
-        """Rank 0: the final output (the trained parts, ``train_config.json`` and
-        ``train_result.json``) into ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
+        """Rank 0: the plot, then the final output (the trained parts,
+        ``train_config.json`` and ``train_result.json``) into ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
         plot."""
         result.checkpoint = _newest_path(self.out)
         png = self.out / PLOT_NAME
         if not self.main:
             result.plot = png if png.is_file() else None
             return
+        result.plot = write_plot(self.log_path, png)
         focus = self.trainee.focus
         doc = {**result.to_dict(), "config": self.cfg.to_dict(),
                "focus_config": focus.focus_config.to_dict() if focus is not None else None,
@@ -397,7 +407,6 @@ class _Run:
             write_json_atomic(Path(tmp) / RESULT_NAME, doc)
             self.trainee.save_pretrained(tmp)
             replace_entries(tmp, self.out)
-        result.plot = write_plot(self.log_path, png)
 
 
 def _newest_path(out: Path) -> Path | None:
@@ -419,13 +428,14 @@ def _check_frozen(cfg: TrainConfig, weights: dict[str, Any]) -> None:
 
 
 def _prepare(cfg: TrainConfig, t_call: float) -> tuple[Any, Checkpoint | None, TrainResult | None]:
-    """Check the output directory and the resume point: ``(arguments, checkpoint,
-    finished result)``; the last is not None when a resumed run has nothing left to do."""
+    """Check the resume point: ``(arguments, checkpoint, finished result)``; the last is not
+    None when a resumed run has nothing left to do. The output directory is checked (and,
+    with ``overwrite``, cleared) once the corpus and the model have loaded
+    (:func:`_claim_out`)."""
     out = cfg.out_dir()
     args = training_arguments(cfg, out, 1, max(1, cfg.steps), validate_at_start=False)
-    with args.main_process_first(local=False):  # the other ranks read out once rank 0 cleared it
-        if args.should_save:
-            prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    if not cfg.resume and not cfg.overwrite and args.should_save:
+        prepare_out(out, resume=False, overwrite=False)  # refuse early, delete nothing
     ckpt = _resume_point(cfg, out, args.world_size)
     if ckpt is not None and ckpt.step >= cfg.steps and (out / RESULT_NAME).is_file():
         return args, ckpt, _finished_result(out, ckpt, t_call)
@@ -475,11 +485,12 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
         return finished
     with args.main_process_first(local=False):  # rank 0 prepares the caches, the others read
         corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model
-        if args.should_save:
-            out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
         set_seed(cfg.seed)
         data = _load_data(cfg, corpus)
+        if args.should_save:  # what --overwrite deletes goes only once the inputs are good
+            prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
+            out.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(out / CONFIG_FILE, cfg.to_dict())
     run = _Run(cfg, out, data, ckpt, args, callback)
     run.start_log()
     if cfg.progress and run.main:
