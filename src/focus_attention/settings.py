@@ -189,7 +189,6 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "lengths": _ints(1, optional=False),
     "threads": _int_at_least(1, optional=True),
     "out": _text(optional=True),
-    "batch_size": _int_at_least(1, optional=False),
 }
 
 
