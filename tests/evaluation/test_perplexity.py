@@ -287,3 +287,24 @@ def test_coverage_of_top_k_routing(assets, adapter):
     assert "kept by top-k routing" in markdown_table(r)
     with pytest.raises(ValueError, match="coverage_queries"):
         _evaluate(assets, adapter, coverage_queries=-1)
+
+
+def test_dense_heads_count_as_keeping_their_pairs():
+    """A layer with dense heads keeps, besides its routed heads' share, every pair of its
+    dense key-value heads (their share of the layer's key-value heads)."""
+    from tiny import focus
+
+    from focus_attention.evaluation.perplexity import RoutingStats, dense_head_share
+
+    _, fm = focus("llama")
+    first, last = fm.focus_layers[0], fm.focus_layers[-1]
+    assert dense_head_share(fm) == {}
+    fm.focus_config = fm.focus_config.replace(dense_heads=[(last, 0)])
+    kv = fm.base_model.config.num_key_value_heads
+    assert dense_head_share(fm) == {last: 1 / kv}
+    stats = RoutingStats(8, 4, (), dense_head_share(fm))
+    stats.layer_pairs = {first: [1.0, 4.0], last: [2.0, 4.0]}
+    stats.kept, stats.pairs = 3.0, 8.0
+    by_layer = stats.summary()["pairs_retained_by_layer"]
+    assert by_layer[str(first)] == 0.25
+    assert by_layer[str(last)] == pytest.approx(1 / kv + (1 - 1 / kv) * 0.5)

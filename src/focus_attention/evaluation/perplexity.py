@@ -193,12 +193,15 @@ class RoutingStats:
     """Routing statistics of one routing setting, accumulated over windows: pairs retained
     (top-k), group shares and dominance per layer (docs/method.md §2, §9). The layers in
     ``dense_layers`` run dense attention and record nothing: they count as keeping every
-    pair."""
+    pair. ``dense_head_share`` ``{layer: share}``: the share of a layer's key-value heads
+    in ``FocusConfig.dense_heads``, which keep every pair beside the routed heads' mask."""
 
-    def __init__(self, window: int, num_groups: int, dense_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, window: int, num_groups: int, dense_layers: tuple[int, ...] = (),
+                 dense_head_share: dict[int, float] | None = None) -> None:  # fmt: skip
         self.window = window
         self.num_groups = num_groups
         self.dense_layers = tuple(dense_layers)
+        self.dense_head_share = dict(dense_head_share or {})
         self.kept = 0.0
         self.pairs = 0.0
         self.layer_mass: dict[int, Any] = {}
@@ -249,14 +252,32 @@ class RoutingStats:
         }
         if self.pairs or self.dense_layers:
             by_layer = {k: v[0] / v[1] for k, v in self.layer_pairs.items()}
+            for k, share in self.dense_head_share.items():
+                if k in by_layer:  # the dense heads keep every pair
+                    by_layer[k] = share + (1 - share) * by_layer[k]
             by_layer.update({k: 1.0 for k in self.dense_layers})
             out["pairs_retained"] = (
                 sum(by_layer.values()) / len(by_layer)
-                if self.dense_layers
+                if self.dense_layers or self.dense_head_share
                 else self.kept / self.pairs
             )
             out["pairs_retained_by_layer"] = {str(k): v for k, v in sorted(by_layer.items())}
         return out
+
+
+def dense_head_share(fm: Any) -> dict[int, float]:
+    """``{layer: share of its key-value heads in FocusConfig.dense_heads}`` of a
+    :class:`~focus_attention.hf.FocusModel` (empty without dense heads)."""
+    pairs = fm.focus_config.dense_heads
+    if not pairs:
+        return {}
+    config = fm.base_model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    share: dict[int, float] = {}
+    for layer, _ in pairs:
+        share[layer] = share.get(layer, 0.0) + 1 / kv
+    return share
 
 
 def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
@@ -335,7 +356,7 @@ def _score_routed(fm: Any, blocks: torch.Tensor, bar: Any, bounds: list) -> tupl
     of the adapter in its current routing."""
     t = time.monotonic()
     cfg = fm.focus_config
-    stats = RoutingStats(cfg.window, cfg.num_groups, cfg.dense_layers)
+    stats = RoutingStats(cfg.window, cfg.num_groups, cfg.dense_layers, dense_head_share(fm))
     positions = PositionNLL(blocks.shape[1])
     nll, n = score_windows(
         fm, blocks, recorder=fm, on_window=stats.add, progress=bar, positions=positions
