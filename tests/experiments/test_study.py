@@ -15,7 +15,7 @@ from focus_attention.experiments import check_study, load_study, step_argv
 ROOT = Path(__file__).resolve().parents[2]
 STUDIES = sorted(p.parent for p in (ROOT / "experiments").glob("*/config.toml"))
 #: the studies the project agreed on; each holds config.toml, README.md and results/
-EXPECTED = {"main-job", "kernel", "prefill", "decode", "needle", "dense-layers",
+EXPECTED = {"main-job", "kernel", "prefill", "decode", "needle", "dense-layers", "dense-heads",
             "long-input-recipe", "query-top-k", "other-k", "quality", "groups", "ablations",
             "zero-shot", "retention", "pretrain", "soft-leak"}  # fmt: skip
 
