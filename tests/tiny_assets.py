@@ -206,3 +206,16 @@ def check_eval_schema(result: dict, num_groups: int) -> None:
     assert result["config"]["focus"]["num_groups"] == num_groups
     assert {"torch", "transformers", "python"} <= set(result["versions"])
     json.dumps(result)  # plain JSON
+
+
+def require_real_assets() -> None:
+    """Skip unless smollm2-135m and the Austen corpus are prepared (`focus setup`)."""
+    from focus_attention.assets.cache import read_manifest
+    from focus_attention.assets.corpora import corpus_dir
+    from focus_attention.assets.models import is_prepared
+    from focus_attention.utils.io import focus_home
+
+    if not is_prepared("smollm2-135m"):
+        pytest.skip(f"smollm2-135m is not prepared in {focus_home()}: run `focus setup`")
+    if read_manifest(corpus_dir("austen")) is None:
+        pytest.skip(f"corpus 'austen' is not prepared in {focus_home()}: run `focus setup`")

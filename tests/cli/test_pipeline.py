@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_assets import (
     check_eval_schema,
+    require_real_assets,
     train_config,
 )
 
@@ -104,23 +105,11 @@ def test_cli_errors_are_clear(assets, tmp_path, capsys):
 # --------------------------------------------------------------------------------------------
 
 
-def _require_real() -> None:
-    from focus_attention.assets.cache import read_manifest
-    from focus_attention.assets.corpora import corpus_dir
-    from focus_attention.assets.models import is_prepared
-    from focus_attention.utils.io import focus_home
-
-    if not is_prepared("smollm2-135m"):
-        pytest.skip(f"smollm2-135m is not prepared in {focus_home()}: run `focus setup`")
-    if read_manifest(corpus_dir("austen")) is None:
-        pytest.skip(f"corpus 'austen' is not prepared in {focus_home()}: run `focus setup`")
-
-
 @pytest.mark.assets
 @pytest.mark.slow
 def test_real_smollm2_austen_train_and_eval(tmp_path):
     """A tiny real run: 3 steps of 128 tokens, then eval on 512 tokens of Persuasion."""
-    _require_real()
+    require_real_assets()
     from focus_attention.evaluation import evaluate
     from focus_attention.training import train
 

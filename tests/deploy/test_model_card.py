@@ -69,8 +69,7 @@ def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
     (run / "eval.json").write_text(json.dumps(eval_record("runs/austen", weights=weights)))
     (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen-4k", 1.0, 2.0, weights=weights)))  # fmt: skip
     (run / "eval-old.json").write_text(json.dumps(eval_record("runs/austen", 9.0, weights="0" * 64)))  # fmt: skip
-    fm.save_pretrained(run)  # the same routers: the same weights file, now with its records
-    assert weights_file_sha256(run) == weights
+    fm.save_pretrained(run)  # the card reads the records of the weights in the folder
     card = card_of(run)
     assert "base_model: org/tiny-base" in card and "Focus adapter for org/tiny-base" in card
     assert "| corpus | `austen` |" in card and "| steps | `80` |" in card

@@ -271,9 +271,9 @@ def test_clear_errors(assets, adapter, tmp_path):
 def test_real_smollm2_inspect(tmp_path):
     """smollm2-135m with a fresh (untrained) adapter on 384 tokens of Persuasion: the
     counts, the categories of real BPE tokens, and the files."""
-    from tiny_assets import _require_real
+    from tiny_assets import require_real_assets
 
-    _require_real()
+    require_real_assets()
     from focus_attention.assets.models import load_model
     from focus_attention.hf import FocusConfig, get_focus_model
 

@@ -372,9 +372,9 @@ def test_training_digests_match_the_untouched_base(assets, runs):
 def test_smollm2_lora_counts():
     """The trainable counts on the real model: Focus 280,320; LoRA per rank on q, v and on
     q, k, v, o; the matched ranks."""
-    from tiny_assets import _require_real
+    from tiny_assets import require_real_assets
 
-    _require_real()
+    require_real_assets()
     from focus_attention.assets.models import load_model
 
     base, _ = load_model("smollm2-135m", quiet=True)
