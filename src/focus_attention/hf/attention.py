@@ -211,10 +211,19 @@ def focus_attention_forward(
         _record_dense(handle, module, query, key, attention_mask, scaling, kwargs)
     elif handle.routed:
         return _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
+    return base_call(runtime, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def base_call(runtime: FocusRuntime, module: torch.nn.Module, query: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
+              scaling: float | None, kwargs: dict) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """The base model's own attention implementation on ``query`` ``[B, H, Nq, D]``, ``key``
+    and ``value`` ``[B, H_kv, Nk, D]`` under the base mask (a :class:`FocusMask` is turned
+    into the implementation's own): ``(out [B, Nq, H, D], maps or None)`` as the
+    implementation returns them. Layers without Focus routing, ``dense_layers`` and the
+    dense heads of ``dense_heads`` run through it."""
     impl = runtime.base_impl
-    mask = attention_mask
-    if isinstance(mask, FocusMask):
-        mask = mask.base_mask(impl)
+    mask = attention_mask.base_mask(impl) if isinstance(attention_mask, FocusMask) else attention_mask  # fmt: skip
     fn = _base_attention(impl, module)
     return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -587,13 +596,10 @@ def _dense_heads_attention(handle, module, call: LayerCall, split: HeadSplit, at
                            kwargs) -> torch.Tensor:  # fmt: skip
     """The dense heads' attention ``[B, H_dense, Nq, D]``: the base implementation on their
     queries, keys and values under the base mask (as a layer in ``dense_layers`` runs)."""
-    impl = handle.runtime.base_impl
-    mask = attention_mask.base_mask(impl) if isinstance(attention_mask, FocusMask) else attention_mask  # fmt: skip
-    fn = _base_attention(impl, module)
     q = call.query.index_select(1, split.dense_q)
     k = call.key.index_select(1, split.dense_kv)
     v = call.value.index_select(1, split.dense_kv)
-    out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=call.scale, **kwargs)
+    out, _ = base_call(handle.runtime, module, q, k, v, attention_mask, 0.0, call.scale, kwargs)
     return out.transpose(1, 2)
 
 
