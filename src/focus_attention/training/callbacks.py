@@ -56,12 +56,13 @@ class StepTimer(TrainerCallback):
 
 class JsonlLog(TrainerCallback):
     """Appends every Trainer log entry (``{"step": step_offset + global step, **logs}``) to
-    the JSON-lines file ``path``, on the main process only; ``rows`` keeps this process's
-    entries of this run in memory (every process)."""
+    the JSON-lines file ``path``, on the main process only; ``rows`` (a new list, or the one
+    given, which several Trainer runs may share) keeps this process's entries in memory
+    (every process)."""
 
-    def __init__(self, path: Path, step_offset: int = 0) -> None:
+    def __init__(self, path: Path, step_offset: int = 0, rows: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
         self.path, self.step_offset = Path(path), step_offset
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = [] if rows is None else rows
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if not logs:

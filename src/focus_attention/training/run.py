@@ -292,7 +292,7 @@ class _Run:
         cfg = self.cfg
         args = training_arguments(cfg, self.out, phase, steps, validate_at_start=offset == 0 and not resume)  # fmt: skip
         rows = [{"input_ids": b} for b in self.data.train_blocks]
-        log = JsonlLog(self.log_path, offset)
+        log = JsonlLog(self.log_path, offset, self.rows)  # this call's entries, every phase
         callbacks: list[Any] = [CurrentIntervals(), self.timer, log]
         if self.callback is not None:  # before the Ctrl-C check of the same entry
             callbacks.append(StepHook(self.callback, offset))
@@ -305,7 +305,6 @@ class _Run:
                                step_offset=offset, callbacks=callbacks)  # fmt: skip
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-        self.rows_of = log.rows
         return trainer
 
     def run_phase(self, phase: int, steps: int, offset: int) -> None:
@@ -322,10 +321,7 @@ class _Run:
             return
         trainer = self.trainer(phase, steps, offset, resume)
         self.distributed = sharding(trainer)
-        try:
-            trainer.train(resume_from_checkpoint=str(ckpt.path) if resume else None)
-        finally:
-            self.rows.extend(self.rows_of)
+        trainer.train(resume_from_checkpoint=str(ckpt.path) if resume else None)
 
     def validate_untrained(self) -> None:
         """A run of 0 steps: the validation of step 0 (when validation is on)."""
@@ -333,7 +329,6 @@ class _Run:
             return
         trainer = self.trainer(1, 1, 0, False)
         trainer.evaluate()
-        self.rows.extend(self.rows_of)
 
     def train(self) -> None:
         """Every phase in turn, until the end or Ctrl-C."""
