@@ -21,6 +21,11 @@ def _run(args: argparse.Namespace) -> int:
           f"dense_layers {focus['dense_layers']}, top_k {focus['top_k']}; bias from "
           f"{record['tokens']:,} tokens (largest change {record['bias_change']:.4f}); "
           f"{record['seconds']:.0f} s; record: {config.out}/{CALIBRATION_NAME}")  # fmt: skip
+    budget = record["head_budget"]
+    if budget is not None:
+        heads = ",".join(f"{layer}:{head}" for layer, head in budget["dense_heads"])
+        print(f"head budget {budget['share']}: {budget['dense_kv_heads']} of {budget['kv_heads']} "
+              f"key-value heads dense; dense_heads {heads or 'none'}")  # fmt: skip
     return 0
 
 

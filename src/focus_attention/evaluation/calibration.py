@@ -20,7 +20,8 @@ from ..utils.env import environment, library_versions
 from ..utils.io import replace_entries, write_json_atomic
 from .settings import CalibrateConfig
 
-__all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks"]  # fmt: skip
+__all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks",
+           "head_budget_choice", "rank_heads_here"]  # fmt: skip
 
 #: the record :func:`calibrate_adapter` writes beside the adapter
 CALIBRATION_NAME = "calibration.json"
@@ -66,6 +67,58 @@ def _check_out(config: CalibrateConfig) -> Path:
     return out
 
 
+def rank_heads_here(config: CalibrateConfig) -> dict[str, Any]:
+    """Rank the ``(layer, kv_head)`` pairs of ``config.adapter``'s Focus layers by the
+    attention the dense model gives the needle of pass-key prompts of ``config.split``
+    (``config.ranking_length`` tokens, seed 1: :func:`~focus_attention.bench.needle.rank_retrieval_layers`,
+    as ``focus bench retrieval-layers --haystacks passkey``): its result, without the
+    environment records."""
+    from ..bench.needle import rank_retrieval_layers
+    from ..bench.settings import RetrievalLayersConfig
+
+    result = rank_retrieval_layers(RetrievalLayersConfig(
+        model=config.model, adapter=config.adapter, corpus=config.corpus, split=config.split,
+        lengths=(config.ranking_length,), haystacks=("passkey",), count=1, threads=config.threads,
+        progress=config.progress,
+    ))  # fmt: skip
+    return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}
+
+
+def head_budget_choice(config: CalibrateConfig, fm: Any) -> dict[str, Any]:
+    """Set ``fm``'s ``dense_heads`` to the top pairs of the head ranking that fill
+    ``config.head_budget`` (:func:`~.head_budget.choose_dense_heads`; the ranking read from
+    ``config.head_ranking``, else :func:`rank_heads_here`).
+
+    Returns:
+        The record: ``share``, ``kv_heads`` (of the Focus layers, all), ``dense_kv_heads``
+        (dense layers' and dense heads'), ``dense_heads`` chosen, ``ranking`` (``source``,
+        ``head_ranking``, ``by_head``).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` and
+            :func:`~.head_budget.choose_dense_heads` raise them.
+    """
+    from .head_budget import choose_dense_heads, kv_heads_of, read_head_ranking
+
+    if config.head_ranking is not None:
+        ranking = read_head_ranking(config.head_ranking, config.model)
+        source = {"file": ranking["file"], "model": ranking["model"]}
+    else:
+        ranking = rank_heads_here(config)
+        ranking["head_ranking"] = [tuple(p) for p in ranking["head_ranking"]]
+        source = {"ranked_here": {k: ranking[k] for k in ("config", "prompts", "seconds")}}
+    cfg, kv = fm.focus_config, kv_heads_of(fm.base_model.config)
+    chosen = choose_dense_heads(ranking["head_ranking"], config.head_budget, fm.focus_layers,
+                                kv, cfg.dense_layers)  # fmt: skip
+    fm.focus_config = cfg.replace(dense_heads=chosen)
+    total = len(fm.focus_layers) * kv
+    dense = len(chosen) + len(set(cfg.dense_layers)) * kv
+    return {"share": config.head_budget, "kv_heads": total, "dense_kv_heads": dense,
+            "dense_share": dense / total, "dense_heads": [list(p) for p in chosen],
+            "ranking": {"source": source, "head_ranking": [list(p) for p in ranking["head_ranking"]],
+                        "by_head": ranking["by_head"]}}  # fmt: skip
+
+
 def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
@@ -77,11 +130,12 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         The record: ``config``, the ``source`` adapter and the SHA-256 of its weights,
         ``focus`` (the new adapter's settings), ``bias_change`` (largest absolute change of a
         router's ``routing_bias``), ``tokens`` calibrated on, ``seconds``, ``versions``,
-        ``environment``.
+        ``environment``; ``head_budget`` (:func:`head_budget_choice`'s record, or None).
 
     Raises:
         ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` equal to the
-            source, too few blocks in the split.
+            source, too few blocks in the split, a head ranking that does not fit the budget
+            or the model.
         FileExistsError: ``out`` already holds an adapter and ``overwrite`` is False.
         FileNotFoundError: the source adapter is missing.
     """
@@ -98,6 +152,7 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     base, tokenizer = load_model(config.model, quiet=quiet)
     fm = FocusModel.from_pretrained(base, config.adapter)
     fm.focus_config = fm.focus_config.override(**config.overrides())
+    budget = None if config.head_budget is None else head_budget_choice(config, fm)
     before = {i: r.routing_bias.clone() for i, r in fm.routers.items()}
     tokens = 0
     if config.blocks:
@@ -117,6 +172,7 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         },  # fmt: skip
         "focus": fm.focus_config.to_dict(),
         "bias_change": change,
+        "head_budget": budget,
         "tokens": tokens,
         "seconds": time.monotonic() - t0,
         "versions": library_versions(),

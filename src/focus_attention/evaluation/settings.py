@@ -143,6 +143,24 @@ class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides
                   "and change only the settings)"},
     )  # fmt: skip
     overwrite: bool = field(default=False, metadata={"help": "replace an adapter already in --out"})
+    head_budget: float | None = field(
+        default=None,
+        metadata={"help": "share of the Focus layers' key-value heads kept dense, in (0, 1]: "
+                  "the top ceil(share x heads) pairs of the head ranking become dense_heads "
+                  "(a dense layer's heads count as dense)"},
+    )  # fmt: skip
+    head_ranking: str | None = field(
+        default=None,
+        metadata={"help": "JSON ranking of (layer, key-value head) pairs for --head-budget "
+                  "(head_ranking of focus bench retrieval-layers --json or of focus train "
+                  "--method head-gates); default: rank them here by the dense model's "
+                  "attention on pass-key prompts of --split"},
+    )  # fmt: skip
+    ranking_length: int = field(
+        default=2048,
+        metadata={"help": "tokens of the pass-key prompts the heads are ranked on (--head-budget "
+                  "without --head-ranking)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.check_shared()
@@ -152,6 +170,19 @@ class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides
                 raise bad(owner, name, getattr(self, name), "a directory")
         self.out = str(self.out)
         check_int(owner, "blocks", self.blocks, 0)
+        check_int(owner, "ranking_length", self.ranking_length, 16)
+        self._check_head_budget(owner)
+
+    def _check_head_budget(self, owner: str) -> None:
+        budget = self.head_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not 0 < budget <= 1):  # fmt: skip
+            raise bad(owner, "head_budget", budget, "a share of the key-value heads in (0, 1]")
+        if self.head_ranking is not None and budget is None:
+            raise bad(owner, "head_ranking", self.head_ranking, "--head-budget with it")
+        if budget is not None and self.dense_heads is not None:
+            raise bad(owner, "dense_heads", self.dense_heads,
+                      "no --dense-heads with --head-budget (the budget chooses them)")  # fmt: skip
 
 
 @settings_class(defaults={"top_k": 1}, renamed={"tokens": "max_tokens"})
