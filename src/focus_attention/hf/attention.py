@@ -33,6 +33,7 @@ from ..ops import focus_mask, gated_attention, sparse_attention, straight_throug
 from ..utils.compile import eager_only
 from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
+from .head_gates import mix_heads
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
 from .router import FocusRouter
 from .runtime import ATTN_IMPLEMENTATION, FocusRuntime
@@ -628,17 +629,24 @@ def _dense_maps(call: LayerCall, split: HeadSplit) -> torch.Tensor:
 
 def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwargs):
     """One Focus-layer call: ``(out [B, H, Nq, D], maps or None)``; the heads of
-    ``FocusConfig.dense_heads`` attend densely beside the routed ones."""
+    ``FocusConfig.dense_heads`` attend densely beside the routed ones, and with head gates
+    attached (:mod:`.head_gates`) every head's output is mixed with its dense output."""
     full = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
     split = head_split(handle.layer_idx, handle.runtime.focus_config.dense_heads,
                        full.query.shape[1], full.key.shape[1], full.query.device)  # fmt: skip
     out, maps = _routed_layer(handle, full if split is None else _routed_heads(full, split))
-    if split is None:
-        return out, maps
-    dense = _dense_heads_attention(handle, module, full, split, attention_mask, kwargs)
-    if maps is not None:
-        maps = _merge_heads(split, maps, _dense_maps(full, split))
-    return _merge_heads(split, out, dense), maps
+    if split is not None:
+        dense = _dense_heads_attention(handle, module, full, split, attention_mask, kwargs)
+        if maps is not None:
+            maps = _merge_heads(split, maps, _dense_maps(full, split))
+        out = _merge_heads(split, out, dense)
+    gates = handle.runtime.head_gates
+    alpha = None if gates is None else gates.alpha(handle.layer_idx)
+    if alpha is not None:  # maps stay the Focus layer's
+        dense, _ = base_call(handle.runtime, module, full.query, full.key, full.value,
+                             attention_mask, 0.0, full.scale, kwargs)  # fmt: skip
+        out = mix_heads(alpha, dense.transpose(1, 2), out)
+    return out, maps
 
 
 def _routed_layer(handle: LayerHandle, call: LayerCall):

@@ -57,13 +57,15 @@ class FocusRuntime:
             while ``FocusModel.record_dense_attention()`` is active (Focus layers then run
             the base implementation), else None (set for its own thread).
         calls: number of model calls so far (the routing bias is updated once per call).
-        want_attentions: per thread, whether its current call asked for attention maps
-            (read it with :meth:`wants_attentions`).
+        want_attentions: the threads whose current call asked for attention maps (True;
+            read it with :meth:`wants_attentions`).
         focus_layers: indices of the Focus layers; num_layers: attention layers of the model.
         routers: the routers of the Focus layers, keyed by layer index.
         warned: warnings already given for this model (each is given once).
         model_config: the wrapped model's ``PretrainedConfig`` (its mask function finds the
             runtime through it, see :func:`disabled_base_impl`).
+        head_gates: a :class:`~focus_attention.hf.head_gates.HeadGates` mixing every routed
+            Focus layer's heads with their dense outputs, or None (the default).
     """
 
     focus_config: Any
@@ -79,6 +81,7 @@ class FocusRuntime:
     routers: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
     model_config: Any = field(default=None, repr=False)
+    head_gates: Any = field(default=None, repr=False)
 
     def current(self, name: str) -> Any:
         """The value of the switch ``name`` (one of :data:`SWITCHES`) for the calling thread or
@@ -123,6 +126,13 @@ class FocusRuntime:
         if routing == "auto":
             return "soft" if router.training else "topk"
         return routing
+
+
+def overrides_open() -> bool:
+    """Whether a :meth:`FocusRuntime.switched` context is open in any thread. Under
+    ``torch.compile`` dynamo guards on it: while none is, every switch is its model-wide field
+    and a compiled Focus layer reads the fields; while one is, it runs eagerly."""
+    return _open_switches > 0
 
 
 def disabled_base_impl(model_config: Any) -> str | None:
@@ -173,16 +183,47 @@ def attention_maps_error(runtime: FocusRuntime) -> ValueError | None:
     return None
 
 
-@eager_only
 def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on every ``PreTrainedModel`` of a wrapped model: counts calls, notes
     whether attention maps are asked for, and refuses a model whose attention implementation
     was switched away from Focus while Focus is on.
 
+    Under ``torch.compile`` a call that :func:`traced_model_call` accepts is traced (nothing
+    to count or note); any other runs :func:`eager_model_pre_hook` behind a graph break.
+
     Raises:
         ValueError: a switched implementation (the message names ``disable_focus()``), or
             attention maps that cannot be returned one per layer.
     """
+    if torch.compiler.is_compiling() and traced_model_call(module, kwargs):
+        return
+    eager_model_pre_hook(module, args, kwargs)
+
+
+def traced_model_call(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether a compiled call of ``module`` (a ``PreTrainedModel`` of a wrapped model) may
+    skip :func:`eager_model_pre_hook`: no switch open in any thread, no thread's latest call
+    asking for attention maps, the attention implementation still ``"focus"``, no maps asked
+    for and no router in training mode (training counts calls for its routing bias). Reads
+    only values dynamo guards on (docs/method.md §8, "torch.compile")."""
+    runtime = runtime_of(module)
+    if runtime is None:
+        return True
+    if overrides_open() or runtime.want_attentions:
+        return False
+    if not runtime.enabled:
+        return True
+    if module.config._attn_implementation != ATTN_IMPLEMENTATION:
+        return False
+    want = kwargs.get("output_attentions")
+    if want is None:
+        want = getattr(module.config, "output_attentions", False)
+    return not want and not any(r.training for r in runtime.routers.values())
+
+
+@eager_only
+def eager_model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """:func:`model_pre_hook`'s eager body (a graph break under ``torch.compile``)."""
     runtime = runtime_of(module)
     if runtime is None or not runtime.current("enabled"):
         return
@@ -193,7 +234,10 @@ def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(module.config, "output_attentions", False)
-    runtime.want_attentions[threading.get_ident()] = bool(want)
+    if want:
+        runtime.want_attentions[threading.get_ident()] = True
+    else:  # only the threads whose latest call wants maps are kept (see traced_model_call)
+        runtime.want_attentions.pop(threading.get_ident(), None)
     if want:
         err = attention_maps_error(runtime)
         if err is not None:
