@@ -39,6 +39,7 @@ __all__ = [
     "RetrievalLayersConfig",
     "answer_of",
     "build_case",
+    "needle_blocks",
     "needle_table",
     "plot_needle",
     "rank_retrieval_layers",
@@ -170,6 +171,31 @@ def _cases(
                         )  # fmt: skip
                     )
     return cases
+
+
+def needle_blocks(tokenizer: Any, corpus: str, split: str, length: int, count: int, seed: int,
+                  bos_id: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``count`` needle prompts of ``length`` tokens as training blocks, long ``[count,
+    length]``: the benchmark's prompts (:func:`build_case`), the haystacks alternating
+    ``passkey`` and ``book`` (``split`` of ``corpus``), each needle at a depth drawn
+    uniformly from [0.05, 0.95]; deterministic in ``seed``.
+
+    Raises:
+        ValueError: as :func:`build_case` (a split too short for ``length``).
+    """
+    from ..assets.corpora import load_corpus
+
+    rng = random.Random(seed)
+    filler = _ids(tokenizer, FILLER)
+    sources = {
+        "passkey": filler * (length // len(filler) + 2),
+        "book": _ids(tokenizer, "\n\n".join(load_corpus(corpus, quiet=True).texts(split))),
+    }
+    kinds = list(HAYSTACKS)
+    rows = [build_case(tokenizer, sources[kinds[i % len(kinds)]], kinds[i % len(kinds)], length,
+                       rng.uniform(0.05, 0.95), i, rng, bos_id=bos_id).input_ids[0]
+            for i in range(count)]  # fmt: skip
+    return torch.stack(rows)
 
 
 def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -> tuple[str, float]:  # fmt: skip

@@ -22,10 +22,11 @@ OBJECTIVES = ("lm", "distill", "mix", "coverage")
 
 #: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
 #: on the attention projections (dense); every attention weight (dense); every base weight
-#: (dense); LoRA and the routers together; routers first, then the base too (Focus active)
-METHODS = ("focus", "lora", "attention", "full", "focus+lora", "two-phase")
+#: (dense); LoRA and the routers together; routers first, then the base too (Focus active);
+#: a gate per key-value head of a trained adapter (routers and base frozen)
+METHODS = ("focus", "lora", "attention", "full", "focus+lora", "two-phase", "head-gates")
 #: methods whose model has Focus routers
-FOCUS_METHODS = ("focus", "focus+lora", "two-phase")
+FOCUS_METHODS = ("focus", "focus+lora", "two-phase", "head-gates")
 #: methods that use the LoRA settings (two-phase only with ``phase2_method = "lora"``)
 LORA_METHODS = ("lora", "focus+lora", "two-phase")
 #: peak learning rate when ``lr`` is not given: the routers' 3e-2 (the best of 3e-3, 1e-2,
@@ -33,7 +34,10 @@ LORA_METHODS = ("lora", "focus+lora", "two-phase")
 #: the first probe's); 5e-5 when pretrained weights themselves train (a usual fine-tuning
 #: rate, 10x below LoRA's: every weight moves). None of the base-side rates was tuned here.
 DEFAULT_LR = {"focus": 3e-2, "lora": 5e-4, "attention": 5e-5, "full": 5e-5,
-              "focus+lora": 3e-2, "two-phase": 3e-2}  # fmt: skip
+              "focus+lora": 3e-2, "two-phase": 3e-2, "head-gates": 2e-2}  # fmt: skip
+#: ``gate_penalty`` of ``--method head-gates`` when not given: the weight of the mean gate
+#: beside the KL divergence (nats per token; DuoAttention's 0.05 is on another loss scale)
+DEFAULT_GATE_PENALTY = 0.05
 #: ``base_lr`` when not given: of LoRA matrices, of base weights
 DEFAULT_BASE_LR = {"lora": 5e-4, "full": 5e-5}
 #: the LoRA defaults (rank 8 on q, k, v and o; alpha = rank; no dropout)
@@ -129,7 +133,9 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "model; lora = LoRA on the attention projections, dense attention; attention = "
             "every attention weight, dense; full = every base weight, dense; focus+lora = LoRA "
             "and the routers together; two-phase = the routers for --phase1-steps, then the "
-            "base weights too (--phase2-method) with Focus active",
+            "base weights too (--phase2-method) with Focus active; head-gates = a gate per key-value "
+            "head mixing its dense and Focus outputs, on pass-key prompts of the validation "
+            "split, the --init-adapter's routers and the base frozen (--objective distill)",
             "choices": METHODS,
         },
     )
@@ -138,7 +144,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         metadata={
             "help": "peak AdamW learning rate of what trains (the routers' with focus+lora "
             "and two-phase); default by method: focus 3e-2, lora 5e-4, attention and full "
-            "5e-5, focus+lora and two-phase 3e-2"
+            "5e-5, focus+lora and two-phase 3e-2, head-gates 2e-2"
         },
     )
     base_lr: float | None = field(
@@ -232,6 +238,13 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "metavar": "DIR",
         },
     )
+    gate_penalty: float | None = field(
+        default=None,
+        metadata={
+            "help": "--method head-gates: the loss is KL(dense || gated) + gate_penalty * "
+            f"mean gate (default {DEFAULT_GATE_PENALTY})"
+        },
+    )
     focus: FocusConfig = field(default_factory=FocusConfig)
 
     def __post_init__(self) -> None:
@@ -282,7 +295,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad(owner, "method", method, f"one of {METHODS}")
         if self.lr is None:
             self.lr = DEFAULT_LR[method]
-        if method != "focus" and self.objective != "lm":
+        self._validate_gates()
+        if method not in ("focus", "head-gates") and self.objective != "lm":
             raise bad(owner, "objective", self.objective,
                       f"'lm' with --method {method}: the other objectives compare with the "
                       "frozen dense model, which is no longer the untouched base once base "
@@ -309,6 +323,24 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad(owner, "base_lr", self.base_lr,
                       f"None with --method {method} (use --lr)")  # fmt: skip
         self._validate_lora()
+
+    def _validate_gates(self) -> None:
+        """``--method head-gates``: an ``init_adapter``, the distill objective and a
+        ``gate_penalty >= 0`` (filled in); other methods: no ``gate_penalty``."""
+        owner = "TrainConfig"
+        if self.method != "head-gates":
+            if self.gate_penalty is not None:
+                raise bad(owner, "gate_penalty", self.gate_penalty, "None: a head-gates setting")
+            return
+        if self.objective != "distill":
+            raise bad(owner, "objective", self.objective,
+                      "'distill' with --method head-gates (the gates learn to match the "
+                      "dense model)")  # fmt: skip
+        if self.init_adapter is None:
+            raise bad(owner, "init_adapter", None, "the trained adapter whose heads get gates")
+        if self.gate_penalty is None:
+            self.gate_penalty = DEFAULT_GATE_PENALTY
+        check_number(owner, "gate_penalty", self.gate_penalty, inclusive=True)
 
     def uses_lora(self) -> bool:
         """Whether this run trains LoRA matrices (lora, focus+lora, two-phase with

@@ -10,6 +10,9 @@ validation and how it is saved.
 - ``full``: every base parameter, dense attention.
 - ``focus+lora``: LoRA on the projections and the Focus routers together (two parameter
   groups: routers at ``lr``, LoRA at ``base_lr``).
+- ``head-gates``: a gate per key-value head of the Focus layers of ``init_adapter``
+  (:class:`~focus_attention.hf.head_gates.HeadGates`), routers and base frozen, top-k
+  routing; saved as the ranking file ``head_gates.json`` beside the unchanged adapter.
 - ``two-phase``: phase 1 (``phase1_steps``) trains the routers of the frozen model, as
   ``focus``; phase 2 trains the routers (``lr``) and the base weights or LoRA
   (``phase2_method``, at ``base_lr``) with Focus routing active, with a fresh AdamW and
@@ -42,7 +45,7 @@ from ..hf.architectures import attention_modules, get_architecture
 from ..hf.compat import peft_reads_old_names
 from ..utils.io import staged_directory
 from .config import DEFAULT_LORA_RANK, DEFAULT_LORA_TARGETS, FOCUS_METHODS, TrainConfig
-from .objectives import StepLoss, objective_loss
+from .objectives import StepLoss, head_gates_step, objective_loss
 from .schedule import lr_factor
 
 __all__ = [
@@ -106,6 +109,8 @@ class Trainee:
             ``routers``, ``lora`` or ``base``), each sorted by parameter name.
         tokenizer: saved with trained base weights.
         info: what :meth:`describe` adds (LoRA rank, targets, rank matching).
+        gates: the :class:`~focus_attention.hf.head_gates.HeadGates` of ``head-gates``, or
+            None.
     """
 
     method: str
@@ -117,6 +122,7 @@ class Trainee:
     groups: list[dict[str, Any]]
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    gates: Any = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -142,7 +148,10 @@ class Trainee:
 
     def train_mode(self) -> None:
         """Routers in training mode (soft routing), base model in eval mode, LoRA dropout
-        on."""
+        on; ``head-gates``: everything in eval mode (top-k routing, as at inference)."""
+        if self.gates is not None:
+            self.model.eval()
+            return
         self.model.train()
         self.hf.eval()
         if self.peft is not None:
@@ -166,6 +175,8 @@ class Trainee:
                 self.peft.save_pretrained(str(tmp))
         if self.focus is not None:
             self.focus.save_pretrained(directory)
+        if self.gates is not None:
+            self.gates.save(directory, config=self.info.get("head_gates", {}))
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load into this trainee, in place, what :meth:`save_pretrained` wrote into
@@ -194,6 +205,8 @@ class Trainee:
             import_peft().set_peft_model_state_dict(self.peft, lora)
         if self.focus is not None:
             self.focus.load_routers(directory)
+        if self.gates is not None:
+            self.gates.load(directory)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary: method, phase, trained values in all and per group, the
@@ -407,6 +420,25 @@ def _with_focus(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any, ph
     return trainee
 
 
+def _head_gates(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any) -> Trainee:
+    """``head-gates``: the frozen Focus model of ``init_adapter`` (or of checkpoint
+    ``ckpt``, its gates loaded too) with a gate per key-value head, every gate 1."""
+    from ..evaluation.head_budget import kv_heads_of
+    from ..hf.head_gates import HeadGates
+
+    fm = _focus(hf, cfg, ckpt)
+    fm.requires_grad_(False)
+    gates = HeadGates(fm.focus_layers, kv_heads_of(hf.config)).attach(fm)
+    if ckpt is not None:
+        gates.load(ckpt)
+    info = {"head_gates": {"model": cfg.model, "init_adapter": cfg.init_adapter,
+                           "gate_penalty": cfg.gate_penalty, "gates": gates.values.numel()}}  # fmt: skip
+    groups = [{"name": "gates", "params": [gates.values], "lr": cfg.lr}]
+    trainee = Trainee(cfg.method, 1, fm, hf, fm, None, groups, tokenizer, info, gates)
+    _check_only(fm, [], cfg.method)
+    return trainee
+
+
 def build_trainee(cfg: TrainConfig, base: Any, tokenizer: Any, ckpt: Path | None, step: int) -> Trainee:  # fmt: skip
     """The model of ``cfg.method`` on the base model ``base``: fresh, or continuing the
     checkpoint ``ckpt`` of optimizer step ``step`` (in the phase of its last step, so that
@@ -418,6 +450,8 @@ def build_trainee(cfg: TrainConfig, base: Any, tokenizer: Any, ckpt: Path | None
         RuntimeError: a parameter that is frozen or trainable against the method.
     """
     phase = phase_at(cfg, max(0, step - 1))
+    if cfg.method == "head-gates":
+        return _head_gates(cfg, base, ckpt, tokenizer)
     if cfg.method in FOCUS_METHODS:
         return _with_focus(cfg, base, ckpt, tokenizer, phase)
     return _dense(cfg, base, ckpt, tokenizer)
@@ -452,6 +486,8 @@ def step_loss(trainee: Trainee, x: torch.Tensor, cfg: TrainConfig, generator: to
     Raises:
         RuntimeError: a non-finite loss.
     """
+    if trainee.gates is not None:
+        return head_gates_step(trainee.model, x, trainee.gates, cfg.gate_penalty, forward)
     if trainee.focus is not None:
         return objective_loss(trainee.model, x, cfg, generator, forward)
     loss = (forward or trainee.model)(input_ids=x, labels=x, use_cache=False).loss

@@ -9,6 +9,8 @@ model stays frozen in every objective.
 - ``distill``: ``KL(p_dense || p_focus)`` per token, averaged: the frozen model with Focus
   disabled is the teacher (no extra weights), the soft-routed Focus model the student.
 - ``mix``: ``lm + distill_weight * distill``.
+- ``distill`` with ``--method head-gates``: the KL plus ``gate_penalty`` times the mean head
+  gate (:func:`head_gates_step`); only the gates train.
 - ``coverage``: the share of the dense model's attention beyond the window that the soft
   groups drop, averaged over layers (:mod:`focus_attention.ops.coverage`). The dense model
   runs once without gradients; each router then sees the hidden state the dense model gives
@@ -27,7 +29,7 @@ import torch
 from ..evaluation.coverage import recorded_distant, recorded_groups
 from ..ops.coverage import hard_coverage, soft_coverage
 
-__all__ = ["StepLoss", "coverage_rows", "objective_loss"]
+__all__ = ["StepLoss", "coverage_rows", "head_gates_step", "objective_loss"]
 
 
 @dataclass
@@ -73,6 +75,21 @@ def distill_step(model: Any, x: torch.Tensor, weight_lm: float, weight_kl: float
     metrics = {"loss": float(loss.detach()), "lm_loss": float(out.loss.detach()),
                "distill_kl": float(kl.detach())}  # fmt: skip
     return StepLoss(loss, metrics, records)
+
+
+def head_gates_step(model: Any, x: torch.Tensor, gates: Any, penalty: float,
+                    forward: Any = None) -> StepLoss:  # fmt: skip
+    """``KL(dense || gated) + penalty * mean gate`` on ``x`` (``--method head-gates``): the
+    KL of :func:`distill_step` (per token, nats) between the dense model and the Focus model
+    whose heads ``gates`` (a :class:`~focus_attention.hf.head_gates.HeadGates`, attached)
+    mix with their dense outputs, plus the penalty that pushes the gates to Focus."""
+    step = distill_step(model, x, 0.0, 1.0, forward)
+    mean = gates.mean()
+    loss = step.loss + penalty * mean
+    _check_finite(loss, "loss")
+    metrics = {**step.metrics, "loss": float(loss.detach()), "gate_mean": float(mean.detach()),
+               "gates_open": float((gates.values.detach() > 0.5).float().mean())}  # fmt: skip
+    return StepLoss(loss, metrics, step.records)
 
 
 def coverage_rows(num_queries: int, window: int, count: int, generator: torch.Generator) -> torch.Tensor:  # fmt: skip

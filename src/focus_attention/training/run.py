@@ -178,6 +178,21 @@ class _Data:
     prepend_bos: bool
 
 
+def _train_blocks(cfg: TrainConfig, corpus: Any, tokenizer: Any, bos: bool) -> torch.Tensor:
+    """The training blocks: the ``train`` split cut into blocks; with ``head-gates`` needle
+    prompts of the ``validation`` split instead, one per block of the run."""
+    from ..assets.corpora import token_blocks
+
+    if cfg.method != "head-gates":
+        return token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
+                            max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+    from ..bench.needle import needle_blocks
+
+    count = max(1, cfg.steps) * cfg.batch_size * cfg.grad_accum
+    return needle_blocks(tokenizer, cfg.corpus, "validation", cfg.seq_len, count, cfg.seed,
+                         tokenizer.bos_token_id if bos else None)  # fmt: skip
+
+
 def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
     """Load the model, then cut the corpus' ``train`` (and ``validation``) split into blocks."""
     from ..assets.corpora import token_blocks
@@ -186,8 +201,7 @@ def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
     model, tokenizer = load_model(cfg.model, quiet=not cfg.progress)
     bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
     try:
-        train_blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
-                                    max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+        train_blocks = _train_blocks(cfg, corpus, tokenizer, bos)
     except ValueError as err:
         raise ValueError(f"the train split (--max-train-tokens {cfg.max_train_tokens}): {err}") from err  # fmt: skip
     val_blocks = None
