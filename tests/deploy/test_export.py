@@ -265,3 +265,38 @@ def test_the_settings_import_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("how", ["keyword", "config.json", "config object"])
+def test_a_trained_shape_is_refused_at_load_time_naming_it(tmp_path, how):
+    _, out = exported(tmp_path, "llama", num_groups=4)
+    kwargs = {}
+    if how == "keyword":
+        kwargs["num_groups"] = 2
+    elif how == "config.json":
+        doc = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**doc, "num_groups": 2}))
+    else:
+        config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+        config.num_groups = 2
+        kwargs["config"] = config
+    with pytest.raises(ValueError, match=r"num_groups=2 cannot change at load time.*training"):
+        load(out, **kwargs)
+
+
+def test_the_exported_files_get_the_umask_mode(tmp_path):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    _, out = exported(tmp_path, "llama")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes  # model.safetensors too
+
+
+def test_the_config_gives_the_base_models_context_length(tmp_path):
+    """``transformers serve`` reads the context length of the directory's config (its text
+    config): the base model's, so that it refuses prompts longer than the model's."""
+    fm, out = exported(tmp_path, "llama")
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    text = config.get_text_config(decoder=True)
+    assert text.max_position_embeddings == fm.base_model.config.max_position_embeddings == 1024
+    assert text.vocab_size == fm.base_model.config.vocab_size

@@ -134,3 +134,27 @@ def test_a_save_that_fails_at_the_card_leaves_the_previous_adapter(tmp_path, mon
     with pytest.raises(OSError, match="No space left"):
         fm.save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def code_blocks(card: str) -> str:
+    return "\n".join(part.split("```", 1)[0] for part in card.split("```python")[1:])
+
+
+def test_the_export_card_loads_by_what_loads_not_the_registered_name(tmp_path):
+    """A registered name (``smollm2-135m``) loads through focus-attention's ``load_model``,
+    not transformers'; the export's example loads the exported directory itself."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    _, fm = focus("llama")
+    out = export_model(fm, tmp_path / "exported", base_name="smollm2-135m")
+    code = code_blocks(card_of(out))
+    assert "smollm2-135m" not in code
+    (target,) = set(re.findall(r'from_pretrained\("([^"]+)", trust_remote_code=True\)', code))
+    model = AutoModelForCausalLM.from_pretrained(target, trust_remote_code=True)
+    assert hasattr(model, "focus_model")
+    assert f"transformers serve {target} --trust-remote-code" in card_of(out)
+    fm.save_pretrained(tmp_path / "adapter")  # the adapter card: the base by load_model
+    adapter_code = code_blocks(card_of(tmp_path / "adapter")).replace("BASE_MODEL", "x")
+    assert 'from_pretrained("' not in adapter_code.split("FocusModel.from_pretrained")[0]

@@ -34,6 +34,16 @@ class FocusExportConfig(PreTrainedConfig):
     query_top_k: int | None = None
     inference_routing: str | None = None
 
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None):
+        """The base model's text config (its own class, :func:`base_config_of`): tools that
+        read the model's shape from the directory's config (``transformers serve`` takes its
+        context length, ``max_position_embeddings``, from here) see the base model's. The
+        export's own config while no valid base config is set (during construction)."""
+        data = getattr(self, BASE_CONFIG_KEY, None)
+        if not isinstance(data, dict) or data.get("model_type") not in CONFIG_MAPPING:
+            return super().get_text_config(decoder=decoder, encoder=encoder)
+        return base_config_of(self).get_text_config(decoder=decoder, encoder=encoder)
+
 
 def base_config_of(config: FocusExportConfig) -> PreTrainedConfig:
     """The base model's config held by ``config`` (its own transformers config class).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .settings import (
     ExportConfig,
 )
 
-__all__ = ["export_adapter", "export_model"]
+__all__ = ["export_adapter", "export_model", "plain_modes"]
 
 #: the keys of the base model's ``config.json`` that describe the saved checkpoint rather
 #: than the model, kept at the top level of the export's ``config.json`` too
@@ -120,9 +121,25 @@ def export_model(
         (stage / "config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), stage / REMOTE_CODE_NAME)
         fingerprint = base_model_fingerprint(base)
-        card = export_card(model.focus_config.to_dict(), fingerprint, base_name=name, records=records)  # fmt: skip
+        card = export_card(model.focus_config.to_dict(), fingerprint, base_name=name,
+                           records=records, location=str(out.resolve()))  # fmt: skip
         (stage / CARD_NAME).write_text(card, encoding="utf-8")
+        plain_modes(stage)
     return out
+
+
+def plain_modes(directory: Path) -> None:
+    """Give every file of ``directory`` the mode ``open()`` gives a new file there (``0o666``
+    less the umask, typically ``0o644``): transformers writes ``model.safetensors`` through
+    a private temporary file (``0o600``), which other users of a shared export could not
+    read."""
+    probe = directory / ".mode-probe"
+    probe.open("x").close()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _base_state(base: Any) -> dict[str, Any] | None:

@@ -6,16 +6,25 @@ model's own transformers class so that every tool that takes a transformers mode
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from ..hf.config import FocusConfig
 from ..hf.files import ATTACHED_ROUTERS, CONFIG_NAME, WEIGHTS_NAME
 from .config import FocusExportConfig, base_config_of
 from .settings import EXPORT_FORMAT_VERSION, FORMAT_KEY, SETTING_FIELDS
 
-__all__ = ["FOCUS_MODEL_ATTR", "ROUTERS_MODULE", "attach_routers", "load_exported"]
+__all__ = [
+    "FOCUS_MODEL_ATTR",
+    "ROUTERS_MODULE",
+    "TRAINED_FIELDS",
+    "attach_routers",
+    "check_trained_settings",
+    "load_exported",
+]
 
 #: attribute of a loaded exported model holding its FocusModel
 FOCUS_MODEL_ATTR = "focus_model"
@@ -33,6 +42,30 @@ HUB_KEYS = (
     "token",
 )
 
+#: the Focus settings fixed by training (the routers' shapes, the layers they route, how they
+#: were trained): an exported model loads with its adapter's own values
+TRAINED_FIELDS = tuple(f.name for f in fields(FocusConfig) if f.name not in SETTING_FIELDS)
+
+
+def check_trained_settings(path: str, config: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse a setting of :data:`TRAINED_FIELDS` given to ``from_pretrained`` (``kwargs``)
+    or set on the export's config (``config.json`` or the ``config`` object).
+
+    Raises:
+        ValueError: naming the setting and the settings that can change at load time.
+    """
+    given = {k: kwargs[k] for k in TRAINED_FIELDS if k in kwargs}
+    given.update({k: v for k, v in vars(config).items() if k in TRAINED_FIELDS})
+    if given:
+        names = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(
+            f"{path}: {names} cannot change at load time: {', '.join(given)} is fixed by "
+            "training (the routers' weights have the shape num_groups x group_dim in each "
+            "Focus layer, trained on its layers); only the inference settings "
+            f"{', '.join(SETTING_FIELDS)} change at load time (train another adapter for "
+            "other shapes)"
+        )
+
 
 def attach_routers(base: nn.Module, focus_model: nn.Module) -> nn.Module:
     """Make the base model of ``focus_model`` carry it: the routers become the submodule
@@ -40,6 +73,8 @@ def attach_routers(base: nn.Module, focus_model: nn.Module) -> nn.Module:
     base model reach them) and ``base.focus_model`` is ``focus_model``. Returns ``base``."""
     base.add_module(ROUTERS_MODULE, focus_model.routers)
     base.__dict__[FOCUS_MODEL_ATTR] = focus_model
+    # generate_batch / continuous batching build the FocusModel's manager (hf/paged.py)
+    base.__dict__["init_continuous_batching"] = focus_model.init_continuous_batching
     return base
 
 
@@ -103,7 +138,8 @@ def load_exported(
     Raises:
         FileNotFoundError: the directory or its adapter files are missing.
         ValueError: a config that is not an exported model's, or of another layout version;
-            invalid settings (as :class:`~focus_attention.hf.FocusConfig` raises them).
+            a setting fixed by training (:data:`TRAINED_FIELDS`, such as ``num_groups``)
+            given as a keyword or in the config; invalid settings (as :class:`~focus_attention.hf.FocusConfig` raises them).
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -113,6 +149,7 @@ def load_exported(
     hub = {k: kwargs[k] for k in HUB_KEYS if kwargs.get(k) is not None}
     given = {k: kwargs.pop(k) for k in SETTING_FIELDS if k in kwargs}
     config = _export_config(path, config, hub)
+    check_trained_settings(path, config, kwargs)
     base_config = base_config_of(config)
     base_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
     base = base_class.from_pretrained(path, *model_args, config=base_config, **kwargs)

@@ -276,11 +276,7 @@ def adapter_card(
         "router weights (float32). The base model's weights are not included.",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM",
-        "",
-        "from focus_attention import FocusModel",
-        "",
-        f'base = AutoModelForCausalLM.from_pretrained("{base_name or "BASE_MODEL"}")',
+        *_base_loading_lines(base_name),
         'model = FocusModel.from_pretrained(base, "THIS_FOLDER_OR_REPO_ID")',
         "```",
         "",
@@ -303,18 +299,34 @@ def adapter_card(
     ])  # fmt: skip
 
 
+def _base_loading_lines(base_name: str | None) -> list[str]:
+    """The card's lines that load the base model: ``from_pretrained`` of a hub id or a
+    folder, else focus-attention's ``load_model`` (which also prepares a model registered
+    by name, such as ``smollm2-135m``, that transformers cannot load by that name)."""
+    head = ["from focus_attention import FocusModel"]
+    if base_name and (HUB_ID.match(base_name) or Path(base_name).exists()):
+        return ["from transformers import AutoModelForCausalLM", "", *head, "",
+                f'base = AutoModelForCausalLM.from_pretrained("{base_name}")']  # fmt: skip
+    return [*head, "from focus_attention.assets.models import load_model", "",
+            f'base, tokenizer = load_model("{base_name or "BASE_MODEL"}")']  # fmt: skip
+
+
 def export_card(
     settings: dict[str, Any],
     fingerprint: dict[str, Any],
     *,
     base_name: str | None = None,
     records: dict[str, Any] | None = None,
+    location: str | None = None,
 ) -> str:
     """The ``README.md`` of an exported model directory (arguments as :func:`adapter_card`):
-    how to load it, then the adapter's settings, base model, training and evaluation."""
+    how to load it, then the adapter's settings, base model, training and evaluation.
+    ``location`` (the exported directory's path) is what its example loads; the export
+    loads by that path, or by the hub repo id it is pushed to, never by ``base_name``."""
     adapter = adapter_card(settings, fingerprint, base_name=base_name, records=records)
     details = adapter[adapter.index("## Settings") :]
     name = base_name or "a base model"
+    where = location or "THIS_FOLDER_OR_REPO_ID"
     return "\n".join([
         _metadata(base_name, ["focus-attention", "sparse-attention", "custom_code"]),
         f"# {name} with Focus sparse attention",
@@ -326,13 +338,17 @@ def export_card(
         "```python",
         "from transformers import AutoModelForCausalLM, pipeline",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER_OR_REPO_ID", trust_remote_code=True)',
-        'generate = pipeline("text-generation", "THIS_FOLDER_OR_REPO_ID", trust_remote_code=True)',
+        "# this folder, or the hub repo id it is pushed to",
+        f'model = AutoModelForCausalLM.from_pretrained("{where}", trust_remote_code=True)',
+        f'generate = pipeline("text-generation", "{where}", trust_remote_code=True)',
         "```",
         "",
         "`from_pretrained(..., top_k=1)` (or `window=`, `dense_layers=`, `sink_tokens=`, "
         "`query_top_k=`, `inference_routing=`), or an edit of these keys in `config.json`, "
         "changes the inference settings.",
+        "",
+        "Serve it over HTTP (an OpenAI-compatible API; `pip install focus-attention[serve]`): "
+        f"`transformers serve {where} --trust-remote-code`.",
         "",
         details,
     ])  # fmt: skip
