@@ -35,6 +35,16 @@ from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
 from .head_gates import mix_heads
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
+from .paged import (
+    PackedSequence,
+    PagedGroups,
+    SequenceGroups,
+    check_topk,
+    is_paged_cache,
+    is_paged_call,
+    paged_groups,
+    run_packed,
+)
 from .router import FocusRouter
 from .runtime import ATTN_IMPLEMENTATION, FocusRuntime
 
@@ -85,11 +95,13 @@ class LayerHandle:
 @dataclass
 class Captured:
     """What the pre-hook captured for one Focus-layer call: the hidden state entering the
-    attention module ``[B, N, d_model]``, the layer's cache layer (or None) and whether the
-    call has a KV cache at all."""
+    attention module ``[B, N, d_model]``, the layer's cache layer (or None; under continuous
+    batching the layer's :class:`~focus_attention.hf.paged.PagedGroups`, then per packed
+    sequence its :class:`~focus_attention.hf.paged.SequenceGroups`) and whether the call has
+    a KV cache at all."""
 
     hidden: torch.Tensor
-    cache_layer: FocusCacheLayer | None
+    cache_layer: FocusCacheLayer | PagedGroups | SequenceGroups | None
     has_cache: bool
 
 
@@ -125,7 +137,8 @@ def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 "a token's groups depend on later tokens, so it cannot use a KV cache. Call the "
                 "model with use_cache=False, or use inference_routing='causal'."
             )
-        cache_layer = focus_cache_layer(cache, handle.layer_idx)
+        paged = is_paged_cache(cache)  # continuous batching: the groups by physical slot
+        cache_layer = (paged_groups if paged else focus_cache_layer)(cache, handle.layer_idx)
     handle.pending[threading.get_ident()] = Captured(hidden, cache_layer, cache is not None)
 
 
@@ -207,12 +220,39 @@ def focus_attention_forward(
     handle = handle_of(module)
     if handle is None:
         raise _no_adapter_error()
+    if is_paged_call(kwargs):  # transformers' continuous batching: each packed sequence alone
+        return packed_call(handle, module, query, key, value, dropout, scaling, kwargs)
     runtime = handle.runtime
     if handle.routed and runtime.current("dense_recorder") is not None:
         _record_dense(handle, module, query, key, attention_mask, scaling, kwargs)
     elif handle.routed:
         return _focus_call(handle, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
     return base_call(runtime, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def packed_call(handle: LayerHandle, module: torch.nn.Module, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None,
+                kwargs: dict) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """A packed batch of transformers' continuous batching (:mod:`focus_attention.hf.paged`):
+    each sequence through this layer's call alone, its keys' groups in the paged cache;
+    ``(out [1, N_total, H, D], None)``.
+
+    Raises:
+        ValueError: soft routing or ``inference_routing="sequence"`` on a routed layer; see
+            also :func:`~focus_attention.hf.paged.run_packed`.
+    """
+    captured = handle.pending.pop(threading.get_ident(), None) if handle.routed else None
+    if captured is not None:
+        check_topk(handle.runtime, handle.router)
+
+    def one(seq: PackedSequence) -> tuple:
+        if captured is not None:
+            groups = seq.groups(captured.cache_layer)
+            handle.pending[threading.get_ident()] = Captured(seq.rows(captured.hidden), groups, True)  # fmt: skip
+        return focus_attention_forward(module, seq.query, seq.key, seq.value, seq.mask,
+                                       dropout, scaling, **seq.kwargs)  # fmt: skip
+
+    return run_packed(one, module, query, key, value, kwargs, captured is not None)
 
 
 def base_call(runtime: FocusRuntime, module: torch.nn.Module, query: torch.Tensor,

@@ -37,6 +37,7 @@ from .files import (
     to_file_tensors,
     write_adapter,
 )
+from .paged import FocusContinuousBatching
 from .router import FocusRouter
 from .runtime import (
     ATTN_IMPLEMENTATION,
@@ -150,7 +151,7 @@ def _pretrained_parts(model: nn.Module) -> list[nn.Module]:
 # --------------------------------------------------------------------------------------------
 
 
-class FocusModel(nn.Module):
+class FocusModel(FocusContinuousBatching, nn.Module):
     """A Hugging Face causal LM with Focus routers on its attention layers (docs/method.md §8).
 
     Build it with :func:`get_focus_model`. Every base parameter is frozen; one

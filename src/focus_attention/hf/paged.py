@@ -1,0 +1,474 @@
+"""Focus layers under transformers' continuous batching (docs/method.md §5 and §8).
+
+transformers' continuous batching (``generate_batch``, ``init_continuous_batching`` and the
+``ContinuousBatchingManager`` behind ``transformers serve``) packs requests of different
+lengths into one row (``[1, N_total]``, boundaries in ``cu_seq_lens_q`` / ``cu_seq_lens_k``)
+and keeps their keys and values in a paged cache (``PagedAttentionCache``): each layer writes
+the new keys at the physical slots ``write_index`` and reads every key of the packed
+sequences back through ``read_index``.
+
+Here a Focus layer runs each packed sequence on its own, exactly as that request alone
+(:func:`run_packed`, one call of the layer per sequence; heads are never looped over): the
+same routing code, the same exact sparse op, and a :class:`~focus_attention.hf.masks.FocusMask`
+of that sequence alone. Inference routing is causal (a token's groups depend on its own
+hidden state and the calibrated routing bias only), so the groups of every written key are
+kept beside it, in a per-layer bool tensor indexed by the same physical slots
+(:class:`PagedGroups`); a sequence reads its keys' groups back through its ``read_index``.
+Layers without routing (non-Focus layers, ``dense_layers``) run the base implementation per
+sequence, under the mask their layer type gives them alone (causal or sliding-window).
+
+Not causal, hence refused: soft (Sinkhorn) routing and ``inference_routing="sequence"``.
+Also refused: Focus layers that the paged cache keeps in its sliding-window group (it keeps
+only the last ``sliding_window`` keys there), CUDA graphs, ``torch.compile`` and the
+flash block-table decode path (the per-sequence loop reads the sequence boundaries on the
+host).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import (
+    PagedAttentionCache,
+    group_layers_by_attn_type,
+)
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousMixin,
+)
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from .masks import FocusMask
+from .runtime import FocusRuntime
+
+#: keyword arguments of a continuous-batching forward that only the packed call reads (they
+#: are not passed on to the per-sequence calls)
+PAGED_KWARGS = (
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "read_index",
+    "write_index",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "is_causal",
+    "position_ids",
+)
+FULL_ATTENTION = "full_attention"
+
+
+def is_paged_cache(cache: Any) -> bool:
+    """Whether ``cache`` is transformers' continuous-batching ``PagedAttentionCache``."""
+    return isinstance(cache, PagedAttentionCache)
+
+
+def is_paged_call(kwargs: dict) -> bool:
+    """Whether an attention call's keyword arguments come from continuous batching (a packed
+    batch over a paged cache: ``read_index`` and ``write_index`` are present)."""
+    return "read_index" in kwargs and "write_index" in kwargs
+
+
+# --------------------------------------------------------------------------------------------
+# the groups of the cached keys, by physical slot
+# --------------------------------------------------------------------------------------------
+
+
+class PagedGroups:
+    """The groups whose queries see each cached key of one Focus layer, by physical slot of
+    the paged cache: bool ``[slots, K]`` (a key's ``top_k`` memberships, every group for one
+    of the first ``sink_tokens`` tokens of its sequence; docs/method.md §3 and §5). Written at
+    ``write_index`` when the layer writes the key, read through ``read_index``; a freed slot
+    is always written again before it is read. The tensor grows to the highest slot used."""
+
+    def __init__(self) -> None:
+        self.storage: torch.Tensor | None = None
+        self.sink_tokens: int | None = None
+
+    def write(self, slots: torch.Tensor, groups: torch.Tensor, sink_tokens: int) -> None:
+        """Store ``groups`` bool ``[n, K]`` at ``slots`` int ``[n]``.
+
+        Raises:
+            ValueError: groups stored earlier were computed with another ``sink_tokens``.
+        """
+        if self.sink_tokens is not None and self.sink_tokens != sink_tokens:
+            raise ValueError(
+                f"the paged KV cache holds Focus groups computed with sink_tokens="
+                f"{self.sink_tokens}, this call has sink_tokens={sink_tokens}; start a new "
+                "continuous-batching manager after changing sink_tokens"
+            )
+        self.sink_tokens = sink_tokens
+        if slots.numel() == 0:
+            return
+        self._reserve(int(slots.max()) + 1, groups)
+        self.storage[slots.to(self.storage.device)] = groups.to(self.storage.device)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """The groups bool ``[n, K]`` stored at ``slots`` int ``[n]``."""
+        return self.storage.index_select(0, slots.to(self.storage.device))
+
+    def _reserve(self, rows: int, like: torch.Tensor) -> None:
+        if self.storage is not None and self.storage.shape[0] >= rows:
+            return
+        held = 0 if self.storage is None else len(self.storage)
+        grown = like.new_zeros(max(rows, 2 * held), like.shape[-1])
+        if held:
+            grown[:held] = self.storage
+        self.storage = grown
+
+
+#: per paged cache, the :class:`PagedGroups` of each Focus layer
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def paged_groups(cache: PagedAttentionCache, layer_idx: int) -> PagedGroups:
+    """The :class:`PagedGroups` of Focus layer ``layer_idx`` in ``cache`` (created empty).
+
+    Raises:
+        ValueError: the cache keeps the layer in its sliding-window group (only the last
+            ``sliding_window`` keys of each request), where a Focus layer needs every key.
+    """
+    allocator = cache.layer_to_allocator[layer_idx]
+    if allocator.layer_type != FULL_ATTENTION:
+        raise ValueError(sliding_error([layer_idx], getattr(cache.config, "sliding_window", None)))
+    return _GROUPS.setdefault(cache, {}).setdefault(layer_idx, PagedGroups())
+
+
+def sliding_error(layers: list[int], window: Any) -> str:
+    """The message refusing Focus layers in the paged cache's sliding-window group."""
+    return (
+        f"continuous batching: the paged KV cache keeps layers {layers} in its sliding-window "
+        f"group (sliding_window={window}), which holds only the last sliding_window keys of "
+        "each request, and Focus layers need every key. Load the base model with "
+        "sliding_window=None (Focus layers replace the window anyway), or put these layers "
+        "in FocusConfig.dense_layers"
+    )
+
+
+@dataclass
+class SequenceGroups:
+    """The cache layer of one packed sequence of a Focus layer (what the Focus layer uses of
+    a ``FocusCacheLayer``): ``group_length`` keys before this call; :meth:`append_groups`
+    stores the new keys' groups in the paged storage and sets ``groups`` bool ``[1, Nk, K]``
+    to the groups of every key of the sequence."""
+
+    store: PagedGroups
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor | None
+    group_length: int
+    groups: torch.Tensor | None = None
+
+    def append_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
+        """Store the new keys' groups bool ``[1, N_new, K]`` at their slots."""
+        self.store.write(self.write_slots, groups[0], sink_tokens)
+        self.groups = groups if self.read_slots is None else self.store.read(self.read_slots)[None]
+
+
+# --------------------------------------------------------------------------------------------
+# the packed batch, one sequence at a time
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedSequence:
+    """One sequence of a packed batch: its queries ``[1, H, Nq, D]``, keys and values
+    ``[1, H_kv, Nk, D]`` (earlier keys first), the rows ``q_rows`` of its queries in the
+    packed batch, its key slots (``write_slots`` of the new keys; ``read_slots`` of every
+    key, None when the batch reads no cache), its :class:`FocusMask` and the keyword
+    arguments of its own call."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    q_rows: slice
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor | None
+    mask: FocusMask
+    kwargs: dict
+
+    def rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """This sequence's rows ``[1, Nq, ...]`` of a packed ``[1, N_total, ...]`` tensor."""
+        return packed[:, self.q_rows]
+
+    def groups(self, store: PagedGroups) -> SequenceGroups:
+        """This sequence's cache layer over ``store``."""
+        past = self.key.shape[2] - self.query.shape[2]
+        return SequenceGroups(store, self.write_slots, self.read_slots, past)
+
+
+def layer_window(config: Any, layer_idx: int, routed: bool) -> int | None:
+    """The sliding window of layer ``layer_idx`` under continuous batching: the model's
+    ``sliding_window`` on the layers its paged cache keeps in the sliding-window group, None
+    on the others and on routed Focus layers (they replace the window)."""
+    if routed:
+        return None
+    groups = group_layers_by_attn_type(config)
+    if layer_idx in groups.get(FULL_ATTENTION, ()):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def sequence_mask(
+    config: Any, nq: int, nk: int, window: int | None, query: torch.Tensor
+) -> FocusMask:
+    """The :class:`FocusMask` of one sequence alone: ``nq`` queries bottom-right aligned on
+    ``nk`` keys without padding, causal, or sliding-window causal over ``window`` tokens."""
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return FocusMask(
+        dict(
+            batch_size=1, q_length=nq, kv_length=nk, q_offset=nk - nq, kv_offset=0,
+            mask_function=fn, attention_mask=None, allow_is_causal_skip=True,
+            dtype=query.dtype, config=config, use_vmap=False, device=query.device,
+            local_size=window,
+        )
+    )  # fmt: skip
+
+
+def packed_sequences(module: torch.nn.Module, query, key, value, kwargs: dict,
+                     routed: bool) -> list[PackedSequence]:  # fmt: skip
+    """Split a packed continuous-batching call into its sequences.
+
+    Args:
+        module: the attention module (``layer_idx``, ``config``).
+        query: ``[1, H, N_total, D]``; key, value: ``[1, H_kv, Nk_total, D]`` as the paged
+            cache returned them (each sequence's keys contiguous, earlier keys first).
+        kwargs: the call's keyword arguments (``cu_seq_lens_q``, ``cu_seq_lens_k`` of this
+            layer's type, ``read_index``, ``write_index``).
+        routed: whether the layer routes (Focus) this call.
+
+    Raises:
+        ValueError: the flash block-table decode path (``block_table``), or a batch that is
+            not one packed row.
+    """
+    if kwargs.get("block_table") is not None:
+        raise ValueError(
+            "continuous batching: the block-table decode path writes the cache inside flash "
+            "attention; Focus layers need the index-based path (max_blocks_per_request=0)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"continuous batching: expected one packed row, received batch {query.shape[0]}")  # fmt: skip
+    cu_q = kwargs["cu_seq_lens_q"].tolist()
+    cu_k = kwargs["cu_seq_lens_k"].tolist()
+    index = _allocator_index(module)
+    read = kwargs["read_index"][index]
+    write = kwargs["write_index"][index]
+    rest = {k: v for k, v in kwargs.items() if k not in PAGED_KWARGS}
+    config = module.config
+    window = layer_window(config, module.layer_idx, routed)
+    out = []
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        if q1 == q0:
+            continue  # an empty (padding) sequence
+        out.append(
+            PackedSequence(
+                query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], slice(q0, q1),
+                write[q0:q1], read[k0:k1] if read.numel() else None,
+                sequence_mask(config, q1 - q0, k1 - k0, window, query), dict(rest),
+            )
+        )  # fmt: skip
+    return out
+
+
+def _allocator_index(module: torch.nn.Module) -> int:
+    """Which entry of ``read_index`` / ``write_index`` belongs to the layer of ``module``:
+    the position of its layer type among the paged cache's groups."""
+    groups = group_layers_by_attn_type(module.config)
+    for i, layers in enumerate(groups.values()):
+        if module.layer_idx in layers:
+            return i
+    raise ValueError(f"layer {module.layer_idx} is in no attention group of the paged cache")
+
+
+def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, query, key,
+               value, kwargs: dict, routed: bool) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Run ``one`` on each sequence of a packed continuous-batching call and pack the outputs.
+
+    A loop over the packed sequences (one layer call per sequence, every head at once): the
+    first, exact version; each sequence is routed and masked exactly as alone.
+
+    Args:
+        one: runs one :class:`PackedSequence`, returning ``(out [1, Nq, H, D], maps)``.
+        module, query, key, value, kwargs, routed: as in :func:`packed_sequences`.
+
+    Returns:
+        ``(out [1, N_total, H, D] in the query's dtype, None)``; query rows of no sequence
+        (padding) are zeros.
+
+    Raises:
+        ValueError: see :func:`packed_sequences`.
+    """
+    bsz, heads, total, dim = query.shape
+    out = query.new_zeros(bsz, total, heads, dim)
+    for seq in packed_sequences(module, query, key, value, kwargs, routed):
+        out[:, seq.q_rows] = one(seq)[0].to(out.dtype)
+    return out, None
+
+
+def soft_routing_error() -> ValueError:
+    """The error for soft routing under continuous batching."""
+    return ValueError(
+        "continuous batching with soft routing (set_routing('soft'), or routing='auto' in "
+        "train() mode): soft (Sinkhorn) routing is not causal and cannot decode from a KV "
+        "cache; call eval() or set_routing('topk')"
+    )
+
+
+def sequence_routing_error() -> ValueError:
+    """The error for ``inference_routing="sequence"`` under continuous batching."""
+    return ValueError(
+        "continuous batching with inference_routing='sequence': the sequence-wide Sinkhorn "
+        "is not causal (a token's groups depend on later tokens), so it cannot use a KV "
+        "cache; use inference_routing='causal'"
+    )
+
+
+def check_topk(runtime: FocusRuntime, router: torch.nn.Module) -> None:
+    """Refuse, at a call of a routed layer, a routing that continuous batching cannot run.
+
+    Raises:
+        ValueError: soft (Sinkhorn) routing (:func:`soft_routing_error`), or
+            ``inference_routing="sequence"`` (:func:`sequence_routing_error`).
+    """
+    if runtime.mode(router) != "topk":
+        raise soft_routing_error()
+    if runtime.focus_config.inference_routing == "sequence":
+        raise sequence_routing_error()
+
+
+# --------------------------------------------------------------------------------------------
+# the manager
+# --------------------------------------------------------------------------------------------
+
+
+def check_continuous_batching(model: Any) -> None:
+    """Refuse a Focus model that continuous batching cannot run exactly (checked when the
+    manager is built; the manager's thread checks the routing again at every call).
+
+    Raises:
+        ValueError: an unloaded model or a switched attention implementation; soft routing
+            or ``inference_routing="sequence"`` (:func:`check_topk`); a call inside
+            ``disable_focus()`` (the manager's own thread would not see it); Focus layers
+            the paged cache keeps in its sliding-window group.
+    """
+    model._check_live()
+    runtime = model._runtime
+    if not runtime.current("enabled"):
+        raise ValueError(
+            "continuous batching inside disable_focus(): the manager runs the model in its own "
+            "thread, where disable_focus() does not hold; use the base model (unload()) instead"
+        )
+    if runtime.current("routing") == "soft":
+        raise soft_routing_error()
+    if runtime.focus_config.inference_routing == "sequence":
+        raise sequence_routing_error()
+    dense = set(runtime.focus_config.dense_layers)
+    config = model.config.get_text_config()
+    full = set(group_layers_by_attn_type(config).get(FULL_ATTENTION, ()))
+    sliding = [i for i in model.focus_layers if i not in full and i not in dense]
+    if sliding:
+        raise ValueError(sliding_error(sliding, getattr(config, "sliding_window", None)))
+
+
+def _eager_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
+    """``cb_config`` (or the default) checked for what Focus layers cannot run: CUDA graphs,
+    compile and input padding (they trace a fixed graph; Focus layers read the sequence
+    boundaries on the host) and the flash block-table decode path.
+
+    Raises:
+        ValueError: one of those asked for explicitly.
+    """
+    cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
+    asked = {
+        "use_cuda_graph": cfg.use_cuda_graph not in (None, False, (False, False)),
+        "varlen_compile_config": cfg.varlen_compile_config is not None,
+        "decode_compile_config": cfg.decode_compile_config is not None,
+        "default_compile_level": bool(cfg.default_compile_level),
+        "q_padding_interval_size": bool(cfg.q_padding_interval_size),
+        "kv_padding_interval_size": bool(cfg.kv_padding_interval_size),
+        "max_blocks_per_request": bool(cfg.max_blocks_per_request),
+    }
+    bad = [name for name, on in asked.items() if on]
+    if bad:
+        raise ValueError(
+            f"continuous batching of a Focus model: ContinuousBatchingConfig {', '.join(bad)} "
+            "cannot be used (Focus layers run eagerly, one packed sequence at a time, on the "
+            "index-based paged cache); leave them at their defaults"
+        )
+    return cfg
+
+
+class FocusBatchingManager(ContinuousBatchingManager):
+    """transformers' ``ContinuousBatchingManager`` for a :class:`~focus_attention.FocusModel`:
+    the attention implementation stays ``"focus"`` (checked by
+    :func:`check_continuous_batching`), and the manager runs eagerly on the index-based
+    paged cache (no CUDA graphs, compile or block-table decode path).
+
+    Raises:
+        ValueError: see :func:`check_continuous_batching` and, for
+            ``continuous_batching_config``, the settings Focus layers cannot run with.
+    """
+
+    def __init__(self, model: Any, generation_config: GenerationConfig,
+                 continuous_batching_config: ContinuousBatchingConfig | None = None,
+                 workload_hints: Any = None) -> None:  # fmt: skip
+        cfg = _eager_config(continuous_batching_config)
+        super().__init__(model, generation_config, cfg, workload_hints)
+        resolved = self.continuous_batching_config
+        resolved.use_cuda_graph = False
+        resolved.varlen_compile_config = resolved.decode_compile_config = None
+        resolved.max_blocks_per_request = 0
+
+    def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
+        """Keep ``"focus"``: check the model instead of switching its implementation."""
+        check_continuous_batching(model)
+
+
+class FocusContinuousBatching:
+    """Continuous batching for :class:`~focus_attention.FocusModel`: transformers'
+    ``generate_batch`` and ``continuous_batching_context_manager`` over a
+    :class:`FocusBatchingManager` (``init_continuous_batching``). Greedy tokens equal
+    per-request ``generate``; see :mod:`focus_attention.hf.paged` for what is refused."""
+
+    generate_batch = ContinuousMixin.generate_batch
+    continuous_batching_context_manager = ContinuousMixin.continuous_batching_context_manager
+
+    def init_continuous_batching(
+        self,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        workload_hints: Any = None,
+    ) -> FocusBatchingManager:
+        """A :class:`FocusBatchingManager` for this model (transformers'
+        ``init_continuous_batching``: ``add_request``, ``cancel_request``, ``get_result``,
+        ``request_id_iter``; ``start()`` / ``stop()``). Its thread routes top-k (the manager
+        puts the model in ``eval()``).
+
+        Raises:
+            ValueError: see :class:`FocusBatchingManager`; no generation config.
+        """
+        cached = self.__dict__.get("_cached_continuous_batching_manager")
+        if isinstance(cached, FocusBatchingManager):
+            check_continuous_batching(self)
+            return cached
+        gen_config = generation_config if generation_config is not None else self.generation_config
+        if gen_config is None:
+            raise ValueError(
+                "init_continuous_batching: no generation_config given and none on the model"
+            )
+        if gen_config.eos_token_id is None:
+            gen_config.eos_token_id = -1  # as transformers does: no end of sequence
+        return FocusBatchingManager(self, gen_config, continuous_batching_config, workload_hints)
+
+    def destroy_cached_continuous_batching_manager(self) -> None:
+        """Destroy a manager kept with ``persistent_manager=True``."""
+        cached = self.__dict__.pop("_cached_continuous_batching_manager", None)
+        if cached is not None:
+            cached.destroy()

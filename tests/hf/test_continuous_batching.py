@@ -1,0 +1,241 @@
+"""Focus layers under transformers' continuous batching (``generate_batch`` and the
+``ContinuousBatchingManager``; :mod:`focus_attention.hf.paged`): packed requests of different
+lengths over the paged KV cache give each request the greedy tokens of its own ``generate``,
+and logits within float32 tolerance, on every supported architecture; with requests added,
+finishing and cancelled at different times; with dense layers, dense heads, sink tokens and
+``query_top_k``; what is not causal is refused."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+from tiny import ARCHS, focus, ids, word_tokenizer
+from tiny_assets import WORDS
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from focus_attention import export_model
+from focus_attention.hf import FocusSlidingWindowWarning
+from focus_attention.hf.paged import FocusBatchingManager
+
+TOL = 1e-4
+NEW = 6
+#: prompt lengths: odd, shorter and longer than the window (8), one longer than a batch
+#: (64 tokens: a chunked prefill), two sharing a 40-token prefix (shared cache blocks)
+LENGTHS = (5, 13, 41, 100)
+#: Mistral's default sliding_window puts every layer in the paged cache's sliding group
+NO_SLIDING = {"mistral": {"sliding_window": None}}
+
+
+def cb_config(**kw) -> ContinuousBatchingConfig:
+    """A small paged cache (16-token pages, 64 tokens per batch): fast on CPU."""
+    return ContinuousBatchingConfig(page_size=16, num_blocks=48, max_batch_tokens=64, **kw)
+
+
+def gen_config(new: int = NEW) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
+
+
+def prompts() -> list[list[int]]:
+    out = [ids(1, n, seed=n)[0].tolist() for n in LENGTHS]
+    shared = ids(1, 40, seed=99)[0].tolist()
+    return out + [shared + ids(1, 7, seed=7)[0].tolist(), shared + ids(1, 11, seed=8)[0].tolist()]
+
+
+def alone(model, prompt: list[int], new: int = NEW) -> tuple[list[int], list[torch.Tensor]]:
+    """Per-request greedy ``generate``: the tokens and each step's logits ``[V]``."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.logits]
+
+
+class StepLogits:
+    """Records, from a forward hook on the model the manager runs, every packed forward's
+    tokens, positions, sequence boundaries and next-token logits."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[tuple] = []
+        self.hook = model.register_forward_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs, output) -> None:
+        self.calls.append((
+            kwargs["input_ids"][0].tolist(), kwargs["position_ids"][0].tolist(),
+            kwargs["cu_seq_lens_q"].tolist(), output.logits[0].detach().float(),
+        ))  # fmt: skip
+
+    def by_request(self, full: dict[str, list[int]], prompt_len: dict[str, int]) -> dict:
+        """``{request: {step: logits [V]}}``: each packed sequence matched to the one request
+        whose tokens it holds at its positions (ambiguous matches are left out)."""
+        rows: dict[str, dict[int, torch.Tensor]] = {r: {} for r in full}
+        for tokens, pos, cu, logits in self.calls:
+            for s in range(len(cu) - 1):
+                part, start = tokens[cu[s] : cu[s + 1]], pos[cu[s]]
+                end = start + len(part)
+                match = [r for r, seq in full.items() if seq[start:end] == part]
+                if len(match) == 1 and end - prompt_len[match[0]] >= 0:
+                    rows[match[0]][end - prompt_len[match[0]]] = logits[s]
+        return rows
+
+
+def check_batch(ref, fm, requests: list[list[int]], **kw) -> tuple[float, int]:
+    """``generate_batch`` against per-request ``generate``: equal tokens, every step's
+    logits within :data:`TOL`, and tokens that differ from the dense base model's on some
+    request (Focus matters). Returns the largest logit difference and the number of tokens
+    the packed forwards ran."""
+    recorder = StepLogits(fm)
+    try:
+        out = fm.generate_batch(requests, generation_config=gen_config(), continuous_batching_config=cb_config(**kw), progress_bar=False)  # fmt: skip
+    finally:
+        recorder.hook.remove()
+    got = {r: out[r].generated_tokens for r in out}
+    assert len(got) == len(requests)
+    want = {f"req_{i}": alone(fm, p) for i, p in enumerate(requests)}
+    assert got == {r: w[0] for r, w in want.items()}
+    full = {f"req_{i}": p + got[f"req_{i}"] for i, p in enumerate(requests)}
+    lens = {f"req_{i}": len(p) for i, p in enumerate(requests)}
+    rows = recorder.by_request(full, lens)
+    worst = 0.0
+    for r, (_, logits) in want.items():
+        assert len(rows[r]) >= NEW - 1, f"{r}: steps {sorted(rows[r])}"
+        for step, row in rows[r].items():
+            if step < NEW:
+                worst = max(worst, float((row - logits[step]).abs().max()))
+    assert worst <= TOL
+    dense = [alone(ref, p)[0] for p in requests]
+    assert dense != list(got.values())
+    return worst, sum(len(call[0]) for call in recorder.calls)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_batch_equals_generate_per_request(arch):
+    ref, fm = focus(arch, model_overrides=NO_SLIDING.get(arch))
+    requests = prompts()
+    worst, ran = check_batch(ref, fm, requests)
+    print(f"{arch}: generate_batch == generate per request, max |logit diff| {worst:.3g}")
+    if arch not in ("gemma2", "gemma3_text"):  # no sliding layers: cache blocks are shared
+        # the 40-token common prefix: one full 16-token block read from the cache, not rerun
+        assert ran == sum(map(len, requests)) + len(requests) * (NEW - 1) - 16
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(dense_layers=(0,)),
+        dict(dense_heads=((1, 0),)),
+        dict(sink_tokens=0),
+        dict(sink_tokens=4),
+        dict(top_k=1, query_top_k=2),
+        dict(top_k=2, window=4),
+    ],
+)
+def test_settings(settings):
+    ref, fm = focus("llama", **settings)
+    check_batch(ref, fm, prompts())
+
+
+def test_sliding_base_layers_of_gemma2_with_dense_heads():
+    """Gemma-2: the sliding layer runs the base attention with its window per sequence,
+    beside a Focus layer with a dense head (prompts longer than the 16-token window)."""
+    ref, fm = focus("gemma2", dense_heads=((1, 1),))
+    check_batch(ref, fm, prompts())
+
+
+def _collect(manager, on_result, wanted: set[str], timeout: float = 120.0) -> dict:
+    """Final results of ``wanted`` (streamed partial results go to ``on_result``)."""
+    finals, deadline = {}, time.monotonic() + timeout
+    while not wanted <= set(finals) and time.monotonic() < deadline:
+        result = manager.get_result(timeout=0.5)
+        if result is None:
+            continue
+        on_result(result)
+        if result.is_finished():
+            finals[result.request_id] = result
+    return finals
+
+
+def test_requests_added_finishing_and_cancelled_at_different_times():
+    """A manager serving requests that arrive while others decode, finish at different
+    lengths, and one cancelled mid-way: the others' tokens are those of their own generate."""
+    _, fm = focus("llama")
+    p = prompts()
+    manager = fm.init_continuous_batching(gen_config(), cb_config())
+    assert isinstance(manager, FocusBatchingManager)
+    news = {"a": 40, "b": 3, "c": 9, "d": 60}
+    streamed: dict[str, list[int]] = {}
+    manager.start()
+    try:
+        manager.add_request(p[3], request_id="a", max_new_tokens=news["a"], streaming=True)
+        manager.add_request(p[0], request_id="b", max_new_tokens=news["b"])
+        manager.add_request(p[4], request_id="d", max_new_tokens=news["d"], streaming=True)
+
+        def on_result(result):
+            rid, tokens = result.request_id, list(result.generated_tokens)
+            streamed[rid] = tokens
+            if rid == "a" and len(tokens) == 2:  # a later request joins the running ones
+                manager.add_request(p[1], request_id="c", max_new_tokens=news["c"])
+            if rid == "d" and len(tokens) == 3:
+                manager.cancel_request("d")
+
+        finals = _collect(manager, on_result, {"a", "b", "c"})
+    finally:
+        manager.stop(block=True)
+    assert set(finals) >= {"a", "b", "c"}
+    assert finals["c"].lifespan[0] < finals["a"].lifespan[1]  # c started before a finished
+    for rid, prompt in (("a", p[3]), ("b", p[0]), ("c", p[1])):
+        assert finals[rid].generated_tokens == alone(fm, prompt, news[rid])[0], rid
+    assert "d" not in finals or len(finals["d"].generated_tokens) < news["d"]
+    d_want = alone(fm, p[4], news["d"])[0]
+    assert 3 <= len(streamed["d"]) < news["d"]
+    assert streamed["d"] == d_want[: len(streamed["d"])]
+
+
+def test_refused_settings():
+    _, fm = focus("llama")
+    x = prompts()[:2]
+    run = dict(generation_config=gen_config(), continuous_batching_config=cb_config())
+    fm.set_routing("soft")
+    with pytest.raises(ValueError, match="soft"):
+        fm.generate_batch(x, **run)
+    fm.set_routing("auto")
+    fm.focus_config = fm.focus_config.replace(inference_routing="sequence")
+    with pytest.raises(ValueError, match="inference_routing='sequence'"):
+        fm.generate_batch(x, **run)
+    fm.focus_config = fm.focus_config.replace(inference_routing="causal")
+    with fm.disable_focus(), pytest.raises(ValueError, match="disable_focus"):
+        fm.generate_batch(x, **run)
+    for bad in (dict(use_cuda_graph=True), dict(default_compile_level=1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fm.generate_batch(x, generation_config=gen_config(), continuous_batching_config=cb_config(**bad))  # fmt: skip
+    assert fm.generate_batch(x, **run)  # still usable
+
+
+def test_focus_layers_in_the_paged_sliding_group_are_refused():
+    """Mistral with its model-wide sliding_window: the paged cache keeps only the last
+    sliding_window keys of every layer; Focus layers need every key."""
+    _, fm = focus("mistral")
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        fm.generate_batch(prompts()[:2], generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
+    # the same layers as dense layers run the base attention, with the window
+    fm.focus_config = fm.focus_config.replace(dense_layers=(0, 1))
+    requests = prompts()[:2]
+    got = fm.generate_batch(requests, generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
+    assert [got[f"req_{i}"].generated_tokens for i in range(2)] == [alone(fm, p)[0] for p in requests]  # fmt: skip
+
+
+def test_the_exported_directory_runs_generate_batch(tmp_path):
+    _, fm = focus("llama")
+    out = export_model(fm, tmp_path / "export", word_tokenizer(WORDS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FocusSlidingWindowWarning)
+        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    requests = prompts()
+    got = model.generate_batch(requests, generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
+    assert [got[f"req_{i}"].generated_tokens for i in range(len(requests))] == [
+        alone(fm, p)[0] for p in requests
+    ]
