@@ -33,6 +33,7 @@ from ..ops import focus_mask, gated_attention, sparse_attention, straight_throug
 from ..utils.compile import eager_only
 from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
+from .compiled import plain_call, register_layer, traced_call, traced_capture
 from .head_gates import mix_heads
 from .masks import FocusMask, focus_mask_interface, sink_keys, unsupported_mask_message
 from .paged import (
@@ -46,7 +47,7 @@ from .paged import (
     run_packed,
 )
 from .router import FocusRouter
-from .runtime import ATTN_IMPLEMENTATION, FocusRuntime
+from .runtime import ATTN_IMPLEMENTATION, FocusRuntime, overrides_open
 
 #: attribute (in ``module.__dict__``) holding a :class:`LayerHandle` on attention modules
 HANDLE_ATTR = "_focus_handle"
@@ -65,7 +66,10 @@ class LayerHandle:
     took for the one attention call of that thread that follows (consumed by
     :func:`focus_attention_forward`), so threads sharing a model do not see each other's;
     ``unmasked_state`` is ``(model call, routing state)`` of the latest call that passed no
-    :class:`FocusMask` to the layer (see :func:`call_state`).
+    :class:`FocusMask` to the layer (see :func:`call_state`). Under ``torch.compile``
+    ``compiled_key`` names the layer to the ``focus_layer`` operator and ``traced_hidden``
+    passes the captured hidden state from the traced pre-hook to the traced attention call
+    (:mod:`focus_attention.hf.compiled`).
     """
 
     layer_idx: int
@@ -74,6 +78,7 @@ class LayerHandle:
     pending: dict = field(default_factory=dict, repr=False)
     unmasked_state: tuple[int, dict] = field(default_factory=lambda: (-1, {}), repr=False)
     hook: Any = field(default=None, repr=False)
+    module: Any = field(default=None, repr=False)
 
     @property
     def routed(self) -> bool:
@@ -86,10 +91,30 @@ class LayerHandle:
             and self.layer_idx not in runtime.focus_config.dense_layers
         )
 
+    def __post_init__(self) -> None:
+        self.compiled_key = register_layer(self)
+        self.traced_hidden: torch.Tensor | None = None
+
     def __setstate__(self, state: dict) -> None:
-        # an unpickled model in a fresh process needs "focus" registered with transformers
+        # an unpickled model in a fresh process needs "focus" registered with transformers;
+        # a copy is a layer of its own for the compiled operator
         self.__dict__.update(state)
+        self.__post_init__()
         register_focus_attention()
+
+    def run_operator(self, query, key, value, hidden, padding, scaling, softcap) -> torch.Tensor:
+        """What the ``focus_layer`` operator runs (:mod:`focus_attention.hf.compiled`): this
+        layer's eager call (Focus, or its base attention in ``dense_layers``) on ``hidden``
+        ``[B, N, d_model]`` without a cache, under the causal mask with the 2-D ``padding``
+        bool ``[B, N]`` or None; ``out [B, N, H, D]``."""
+        runtime = self.runtime
+        mask = FocusMask.of_call(padding, query, runtime.model_config)
+        kwargs = {} if softcap is None else {"softcap": softcap}
+        args = (self.module, query, key, value, mask, 0.0, scaling, kwargs)
+        if not self.routed:
+            return base_call(runtime, *args)[0]
+        self.pending[threading.get_ident()] = Captured(hidden, None, False)
+        return _focus_call(self, *args)[0]
 
 
 @dataclass
@@ -110,13 +135,21 @@ def handle_of(module: torch.nn.Module) -> LayerHandle | None:
     return module.__dict__.get(HANDLE_ATTR)
 
 
-@eager_only
 def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on a Focus attention module: capture the hidden state entering it
     (``[B, N, d_model]``) and prepare its KV-cache layer (docs/method.md §8).
 
-    Runs eagerly under ``torch.compile`` (``torch.compiler.disable``), like the Focus layer
-    itself: see :func:`focus_attention_forward`."""
+    Under ``torch.compile`` a call the ``focus_layer`` operator can run is traced
+    (:func:`~focus_attention.hf.compiled.traced_capture`); any other runs eagerly behind a
+    graph break, like the Focus layer: see :func:`focus_attention_forward`."""
+    if torch.compiler.is_compiling() and traced_capture(handle_of(module), args, kwargs):
+        return
+    eager_pre_hook(module, args, kwargs)
+
+
+@eager_only
+def eager_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """:func:`focus_pre_hook`'s eager body (a graph break under ``torch.compile``)."""
     handle = handle_of(module)
     if handle is None or not handle.routed:
         return
@@ -174,7 +207,6 @@ def _no_adapter_error() -> ValueError:
     )
 
 
-@eager_only
 def focus_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -211,12 +243,49 @@ def focus_attention_forward(
             :mod:`focus_attention.hf.masks`); soft routing with a non-empty KV cache;
             ``inference_routing="sequence"`` with a KV cache.
 
-    Under ``torch.compile`` this function and the pre-hook run eagerly
-    (``torch.compiler.disable``: dynamo breaks the graph around them, and compiles nothing
-    of them, so they add no entries to its cache however many layers and settings there
-    are): the routing state (handles, the runtime, the KV cache's groups) passes through
-    Python objects. The rest of the model compiles as usual.
+    Under ``torch.compile`` (docs/method.md §8, "torch.compile") a call without gradients,
+    cache or open switch is traced as one ``focus_layer`` operator that reads the settings
+    when it runs (:mod:`focus_attention.hf.compiled`), and a layer without Focus routing as
+    its base attention: the model compiles to one graph however the settings change. Any
+    other call runs :func:`eager_focus_attention` behind a graph break.
     """
+    if torch.compiler.is_compiling():
+        traced = _traced_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
+        if traced is not None:
+            return traced
+    return eager_focus_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # fmt: skip
+
+
+def _traced_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """The traced call of :func:`focus_attention_forward`, or None for the eager one."""
+    handle = handle_of(module)
+    if handle is None:
+        return None
+    hidden = handle.traced_hidden  # None when the eager pre-hook ran
+    handle.traced_hidden = None
+    runtime = handle.runtime
+    eager = overrides_open() or is_paged_call(kwargs) or runtime.dense_recorder is not None
+    if not eager and handle.router is None:
+        return base_call(runtime, module, query, key, value, attention_mask, dropout, scaling, kwargs)  # fmt: skip
+    if hidden is None:
+        return None
+    if eager or not plain_call(handle, (query, key, value), attention_mask, dropout):
+        _capture_eagerly(handle, hidden)
+        return None
+    return traced_call(handle, query, key, value, hidden, attention_mask, scaling, kwargs), None
+
+
+@eager_only
+def _capture_eagerly(handle: LayerHandle, hidden: torch.Tensor) -> None:
+    """Hand the hidden state the traced pre-hook kept to the eager call (no cache)."""
+    handle.pending[threading.get_ident()] = Captured(hidden, None, False)
+
+
+@eager_only
+def eager_focus_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs: Any) -> tuple:  # fmt: skip
+    """:func:`focus_attention_forward`'s eager body (a graph break under ``torch.compile``)."""
     handle = handle_of(module)
     if handle is None:
         raise _no_adapter_error()

@@ -44,6 +44,20 @@ class FocusMask:
         self._keys: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.routing_state: dict[int, Any] = {}
 
+    @classmethod
+    def of_call(cls, padding: torch.Tensor | None, query: torch.Tensor, config: Any) -> FocusMask:
+        """The mask transformers builds for a causal call without cache of the model with
+        ``config``, with ``query`` ``[B, H, N, D]`` under the 2-D ``padding`` mask bool
+        ``[B, N]`` or None: what a compiled Focus layer's operator rebuilds from its tensor
+        inputs (its base implementation's mask included, built when asked for)."""
+        bsz, _, n, _ = query.shape
+        return cls(dict(
+            batch_size=bsz, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
+            mask_function=causal_mask_function, attention_mask=padding,
+            allow_is_causal_skip=True, dtype=query.dtype, config=config, use_vmap=False,
+            device=query.device,
+        ))  # fmt: skip
+
     def base_mask(self, impl: str) -> Any:
         """The mask the implementation ``impl`` (``"eager"``, ``"sdpa"``...) would have
         received (built once per implementation, lazily)."""

@@ -249,7 +249,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         routers = dict(self.routers.items())
         for i, module in modules.items():
             router = routers.get(str(i))
-            handle = LayerHandle(i, router, runtime)
+            handle = LayerHandle(i, router, runtime, module=module)
             if router is not None:
                 handle.hook = module.register_forward_pre_hook(focus_pre_hook, with_kwargs=True)
                 handles[i] = handle

@@ -183,21 +183,47 @@ def attention_maps_error(runtime: FocusRuntime) -> ValueError | None:
     return None
 
 
-def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """Forward pre-hook on every ``PreTrainedModel`` of a wrapped model: counts calls, notes
     whether attention maps are asked for, and refuses a model whose attention implementation
     was switched away from Focus while Focus is on.
 
     Under ``torch.compile`` a call that :func:`traced_model_call` accepts is traced (nothing
-    to count or note); any other runs :func:`eager_model_pre_hook` behind a graph break.
+    to count or note; the arguments may be given an all-ones mask, see
+    :func:`unpacked_call`); any other runs :func:`eager_model_pre_hook` behind a graph break.
 
     Raises:
         ValueError: a switched implementation (the message names ``disable_focus()``), or
             attention maps that cannot be returned one per layer.
     """
     if torch.compiler.is_compiling() and traced_model_call(module, kwargs):
-        return
+        return unpacked_call(args, kwargs)
     eager_model_pre_hook(module, args, kwargs)
+    return None
+
+
+def unpacked_call(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The arguments of a traced model call, with an all-ones ``attention_mask`` ``[B, N]``
+    (int64) when the call has neither ``attention_mask`` nor ``position_ids`` nor a cache,
+    else None (unchanged).
+
+    Such a call is one sequence per row, but under ``torch.compile`` transformers cannot
+    check the positions it makes up for packed sequences and hands every layer a mask
+    function that only an eager check could accept; with the all-ones mask, which says the
+    same, the mask is plain causal and the Focus layers stay traced (docs/method.md §8)."""
+    if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids",
+                                                "past_key_values", "cache")):  # fmt: skip
+        return None
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if tokens is None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            return None
+        tokens = embeds[..., 0]
+    if len(args) > 1 or tokens.dim() != 2:
+        return None
+    ones = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
+    return args, {**kwargs, "attention_mask": ones}
 
 
 def traced_model_call(module: torch.nn.Module, kwargs: dict) -> bool:

@@ -1,0 +1,147 @@
+"""A Focus layer as one operator under ``torch.compile`` (docs/method.md §8, "torch.compile").
+
+Under ``torch.compile`` the common call of a Focus layer (no gradients to compute, no router
+in training mode, no KV cache, no switch open, a causal mask with or without padding) is
+traced as one call of the custom operator ``torch.ops.focus_attention.focus_layer``: its
+inputs are the layer's query, key, value, the hidden state the router reads and the 2-D
+padding mask, plus an integer that names the layer (:func:`register_layer`) and the logit
+scale; its fake implementation gives the output's shape. Dynamo sees no graph break in the
+model, so it traces the model (transformers' own wrappers included) as one graph, and the
+Focus settings (``top_k``, ``window``, ``sink_tokens``, ``dense_layers``, ``dense_heads``,
+the routing mode, ...) are read by the operator when it runs: changing them compiles nothing. The operator runs the eager Focus
+layer, so a compiled model gives the eager result.
+
+Whether a call can run as the operator is decided by values dynamo guards on (no setting
+among them); any other call (gradients, a router in training mode, a KV cache, an open
+switch or recorder, attention maps, autocast, a mask that is not plain causal) runs the
+eager layer behind a graph break. Layers without a router are traced as their base
+attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from transformers.masking_utils import causal_mask_function
+
+from ..utils.precision import autocast_dtype
+from .masks import FocusMask
+from .runtime import overrides_open
+
+#: the layers the operator can run, by the integer it names them with (weakly held)
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor hidden, Tensor? padding, int layer, "
+    "float? scaling, float? softcap) -> Tensor"
+)
+
+
+def register_layer(layer: Any) -> int:
+    """A new integer naming ``layer`` (a Focus layer handle, held weakly) for the operator.
+    The handle's ``run_operator(query, key, value, hidden, padding, scaling, softcap)`` is
+    what the operator runs."""
+    key = next(_KEYS)
+    _LAYERS[key] = layer
+    return key
+
+
+@torch.library.custom_op("focus_attention::focus_layer", mutates_args=(), schema=_SCHEMA)
+def focus_layer_op(query, key, value, hidden, padding, layer, scaling, softcap):  # fmt: skip
+    """One Focus-layer call without gradients, as an opaque operator.
+
+    Args:
+        query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, Nk, D]`` (``Nk == Nq``: no cache).
+        hidden: the hidden state entering the attention module ``[B, Nq, d_model]``.
+        padding: bool ``[B, Nk]`` (True = real token) or None.
+        layer: the integer :func:`register_layer` gave the layer.
+        scaling: the logit scale the model passed, or None; softcap: logit soft-capping or
+            None.
+
+    Returns:
+        ``out [B, Nq, H, D]`` in the query's dtype, contiguous: the eager layer's output
+        (the Focus layer's, or the base attention's while the layer is in ``dense_layers``;
+        every setting is read here, when the operator runs).
+
+    Raises:
+        ValueError: no layer registered under ``layer`` (a model freed meanwhile), and
+            whatever the eager layer raises.
+    """
+    handle = _LAYERS.get(layer)
+    if handle is None:
+        raise ValueError(f"focus_layer: no Focus layer is registered as {layer}")
+    return handle.run_operator(query, key, value, hidden, padding, scaling, softcap).contiguous()
+
+
+@focus_layer_op.register_fake
+def _focus_layer_fake(query, *rest):
+    b, h, nq, d = query.shape
+    return query.new_empty(b, nq, h, d)
+
+
+def traced_capture(handle: Any, args: tuple, kwargs: dict) -> bool:
+    """Under ``torch.compile``, the Focus pre-hook of the layer of ``handle``: keep the
+    hidden state entering the module (``args[0]`` or ``hidden_states=``) for
+    :func:`traced_call` when this call can run as the operator, or do nothing for a layer
+    that is not routed; False when the eager pre-hook must run (a graph break).
+
+    Reads only values dynamo guards on and no setting: the switches (:func:`overrides_open`),
+    the recorders, the router's training mode and ``requires_grad``, grad mode, and whether
+    there is a cache."""
+    if handle is None or overrides_open():
+        return False
+    runtime = handle.runtime
+    if runtime.recorder is not None or runtime.dense_recorder is not None:
+        return False
+    if handle.router is None:
+        return True
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor):
+        return False
+    if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
+        return False
+    router = handle.router
+    if router.training:
+        return False
+    if torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in router.parameters())
+    ):
+        return False
+    handle.traced_hidden = hidden
+    return True
+
+
+def plain_call(handle: Any, qkv: tuple[torch.Tensor, ...], attention_mask: Any,
+               dropout: float) -> bool:  # fmt: skip
+    """Whether a traced Focus-layer call on ``qkv`` (query, key, value) can run as the
+    operator: no gradient to any of them (the operator has no backward), a causal mask
+    (with or without padding) or none, no dropout, no autocast and no attention maps asked
+    for in any thread (values dynamo guards on)."""
+    runtime = handle.runtime
+    if dropout or runtime.want_attentions or autocast_dtype(qkv[0].device.type) is not None:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in qkv):
+        return False
+    if attention_mask is None:
+        return True
+    return (
+        isinstance(attention_mask, FocusMask)
+        and attention_mask.kwargs.get("mask_function") is causal_mask_function
+    )
+
+
+def traced_call(handle: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                hidden: torch.Tensor, attention_mask: Any, scaling: float | None,
+                kwargs: dict) -> torch.Tensor:  # fmt: skip
+    """The operator's call for one traced Focus-layer call (see :func:`plain_call`):
+    ``out [B, Nq, H, D]``."""
+    scaling = None if scaling is None else float(scaling)
+    padding = attention_mask.padding if isinstance(attention_mask, FocusMask) else None
+    softcap = kwargs.get("softcap")
+    softcap = None if softcap is None else float(softcap)
+    return focus_layer_op(query, key, value, hidden, padding, handle.compiled_key, scaling,
+                          softcap)  # fmt: skip
