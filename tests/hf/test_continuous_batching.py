@@ -146,6 +146,21 @@ def test_sliding_base_layers_of_gemma2_with_dense_heads():
     check_batch(ref, fm, prompts())
 
 
+def test_forked_requests_copy_the_groups_of_their_cache_blocks():
+    """``num_return_sequences=2``: the manager forks each request after its prefill, copying
+    its partly filled cache blocks; the Focus groups are copied with them, so each child
+    (sampling with top_k=1: the greedy tokens) equals the request's own generate."""
+    _, fm = focus("llama")
+    requests = prompts()
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=None,
+                           num_return_sequences=2)  # fmt: skip
+    out = fm.generate_batch(requests, generation_config=gen, continuous_batching_config=cb_config())  # fmt: skip
+    assert len(out) == 2 * len(requests)
+    want = {f"req_{i}": alone(fm, p)[0] for i, p in enumerate(requests)}
+    for rid, result in out.items():
+        assert result.generated_tokens == want[rid.split("__")[0]], rid
+
+
 def _collect(manager, on_result, wanted: set[str], timeout: float = 120.0) -> dict:
     """Final results of ``wanted`` (streamed partial results go to ``on_result``)."""
     finals, deadline = {}, time.monotonic() + timeout

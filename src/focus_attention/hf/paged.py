@@ -13,7 +13,8 @@ same routing code, the same exact sparse op, and a :class:`~focus_attention.hf.m
 of that sequence alone. Inference routing is causal (a token's groups depend on its own
 hidden state and the calibrated routing bias only), so the groups of every written key are
 kept beside it, in a per-layer bool tensor indexed by the same physical slots
-(:class:`PagedGroups`); a sequence reads its keys' groups back through its ``read_index``.
+(:class:`PagedGroups`); a sequence reads its keys' groups back through its ``read_index``,
+and cache blocks copied for a forked request (``num_return_sequences``) carry their groups.
 Layers without routing (non-Focus layers, ``dense_layers``) run the base implementation per
 sequence, under the mask their layer type gives them alone (causal or sliding-window).
 
@@ -114,6 +115,18 @@ class PagedGroups:
         """The groups bool ``[n, K]`` stored at ``slots`` int ``[n]``."""
         return self.storage.index_select(0, slots.to(self.storage.device))
 
+    def copy_blocks(self, source: list[int], dest: list[int], stride: int, page: int) -> None:
+        """Copy the groups of the keys of cache blocks ``source`` to blocks ``dest`` (what
+        the paged cache does with their keys and values when it forks a request): block
+        ``b`` holds this layer's keys at slots ``b * stride + [0, page)``."""
+        if not source or self.storage is None:
+            return
+        rows = torch.arange(page, device=self.storage.device)
+        src = (torch.tensor(source, device=rows.device)[:, None] * stride + rows).flatten()
+        dst = (torch.tensor(dest, device=rows.device)[:, None] * stride + rows).flatten()
+        self._reserve(int(max(src.max(), dst.max())) + 1, self.storage)
+        self.storage[dst] = self.storage[src]
+
     def _reserve(self, rows: int, like: torch.Tensor) -> None:
         if self.storage is not None and self.storage.shape[0] >= rows:
             return
@@ -139,6 +152,24 @@ def paged_groups(cache: PagedAttentionCache, layer_idx: int) -> PagedGroups:
     if allocator.layer_type != FULL_ATTENTION:
         raise ValueError(sliding_error([layer_idx], getattr(cache.config, "sliding_window", None)))
     return _GROUPS.setdefault(cache, {}).setdefault(layer_idx, PagedGroups())
+
+
+def copy_groups_with_blocks(cache: PagedAttentionCache) -> None:
+    """Make ``cache``'s block copies (a request forked into ``num_return_sequences``
+    children) copy the Focus groups of the copied keys too (:meth:`PagedGroups.copy_blocks`)."""
+    copy_kv = cache.perform_cache_copy
+    if getattr(copy_kv, "copies_focus_groups", False):
+        return
+
+    def perform_cache_copy(copy_src_and_dst: dict) -> None:
+        copy_kv(copy_src_and_dst)
+        for layer_idx, store in _GROUPS.get(cache, {}).items():
+            allocator = cache.layer_to_allocator[layer_idx]
+            source, dest = copy_src_and_dst.get(allocator.layer_type, ([], []))
+            store.copy_blocks(source, dest, allocator.block_physical_stride, allocator.tokens_per_page)  # fmt: skip
+
+    perform_cache_copy.copies_focus_groups = True
+    cache.perform_cache_copy = perform_cache_copy
 
 
 def sliding_error(layers: list[int], window: Any) -> str:
@@ -425,6 +456,11 @@ class FocusBatchingManager(ContinuousBatchingManager):
         resolved.use_cuda_graph = False
         resolved.varlen_compile_config = resolved.decode_compile_config = None
         resolved.max_blocks_per_request = 0
+
+    def _create_batch_processor(self) -> Any:
+        processor = super()._create_batch_processor()
+        copy_groups_with_blocks(processor.cache)
+        return processor
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         """Keep ``"focus"``: check the model instead of switching its implementation."""
