@@ -232,10 +232,15 @@ def test_refused_settings():
 
 def test_focus_layers_in_the_paged_sliding_group_are_refused():
     """Mistral with its model-wide sliding_window: the paged cache keeps only the last
-    sliding_window keys of every layer; Focus layers need every key."""
+    sliding_window keys of every layer; Focus layers need every key (so do Focus layers
+    chosen among Gemma's sliding layers)."""
     _, fm = focus("mistral")
     with pytest.raises(ValueError, match="sliding_window=None"):
         fm.generate_batch(prompts()[:2], generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
+    # Gemma-2 with a Focus layer chosen among its sliding layers
+    _, gemma = focus("gemma2", layers=[0, 1])
+    with pytest.raises(ValueError, match=r"layers \[0\] in its sliding-window group"):
+        gemma.generate_batch(prompts()[:2], generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
     # the same layers as dense layers run the base attention, with the window
     fm.focus_config = fm.focus_config.replace(dense_layers=(0, 1))
     requests = prompts()[:2]

@@ -177,9 +177,10 @@ def sliding_error(layers: list[int], window: Any) -> str:
     return (
         f"continuous batching: the paged KV cache keeps layers {layers} in its sliding-window "
         f"group (sliding_window={window}), which holds only the last sliding_window keys of "
-        "each request, and Focus layers need every key. Load the base model with "
-        "sliding_window=None (Focus layers replace the window anyway), or put these layers "
-        "in FocusConfig.dense_layers"
+        "each request, and Focus layers need every key. Load a model with a model-wide "
+        "window (Mistral) with sliding_window=None (Focus layers replace the window anyway), "
+        "choose FocusConfig.layers among the full-attention layers, or put these layers in "
+        "FocusConfig.dense_layers"
     )
 
 
