@@ -43,6 +43,9 @@ __all__ = [
     "ModelBenchConfig",
     "NeedleBenchConfig",
     "RetrievalLayersConfig",
+    "SERVE_CONCURRENCY",
+    "SERVE_LENGTHS",
+    "ServeBenchConfig",
     "TasksBenchConfig",
     "parse_batch_size",
 ]
@@ -361,3 +364,74 @@ class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSetti
             raise bad(owner, "passage_share", self.passage_share, "a share in [0, 1]")
         if self.adapter is None and (self.top_k is not None or self.window is not None):
             raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
+
+
+#: prompt lengths of the serving benchmark (tokens; the longest leaves room for the answer
+#: in SmolLM2's 8,192-token context)
+SERVE_LENGTHS = (1024, 2048, 4096, 8000)
+#: concurrent requests of the serving benchmark
+SERVE_CONCURRENCY = (16, 64)
+
+
+@settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS}, several=("top_k",))
+class ServeBenchConfig(ResultFile, DeviceSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of ``focus bench serve``: ``transformers serve`` on 127.0.0.1 answering
+    ``concurrency`` simultaneous streaming completion requests with ``lengths``-token
+    prompts of the corpus split, for Focus (``--adapter`` exported with ``--model``, or an
+    exported directory ``--export``) at every ``top_k`` and, with ``dense``, the dense base
+    model served the same way (the same weights, without the adapter).
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    export: str | None = field(
+        default=None,
+        metadata={"help": "a directory written by focus export to serve (instead of exporting "
+                  "--model with --adapter)"},
+    )  # fmt: skip
+    concurrency: tuple[int, ...] = field(
+        default=SERVE_CONCURRENCY, metadata={"help": "simultaneous requests (one cell each)"}
+    )
+    requests: int | None = field(
+        default=None,
+        metadata={"help": "requests sent per cell (default: its concurrency, all at once)"},
+    )
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens generated per request"})
+    dense: bool = field(default=True, metadata={"help": "also serve the dense base model"})
+    cell_timeout: float = field(
+        default=1800.0,
+        metadata={"help": "seconds a cell may take; requests unanswered by then are cancelled "
+                  "and counted as not answered"},
+    )  # fmt: skip
+    ready_timeout: float = field(
+        default=600.0, metadata={"help": "seconds the server may take to load the model"}
+    )
+    continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "serve with transformers serve --continuous-batching"},
+    )
+    work_dir: str | None = field(
+        default=None,
+        metadata={"help": "where the served directories and server logs go (default: a "
+                  "temporary directory, removed after the run)"},
+    )  # fmt: skip
+    plot: str | None = field(
+        default=None, metadata={"help": "PNG plot path (default: the JSON path with .png)"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "ServeBenchConfig"
+        self.concurrency = tuple(self.concurrency)
+        if not self.concurrency:
+            raise bad(owner, "concurrency", self.concurrency, "one or more ints >= 1")
+        for v in self.concurrency:
+            check_int(owner, "concurrency", v, 1)
+        check_int(owner, "requests", self.requests, 1, optional=True)
+        check_int(owner, "max_new_tokens", self.max_new_tokens, 1)
+        check_number(owner, "cell_timeout", self.cell_timeout)
+        check_number(owner, "ready_timeout", self.ready_timeout)
+        if (self.adapter is None) == (self.export is None):
+            raise bad(owner, "adapter", self.adapter, "an adapter, or an exported directory "
+                      "given as export (one of them)")  # fmt: skip

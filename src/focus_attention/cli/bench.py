@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|decode|needle|retrieval-layers|tasks|instructions``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|decode|needle|retrieval-layers|tasks|instructions|serve``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..bench.settings import (
     ModelBenchConfig,
     NeedleBenchConfig,
     RetrievalLayersConfig,
+    ServeBenchConfig,
     TasksBenchConfig,
 )
 from .common import run_guarded, summary
@@ -123,6 +124,16 @@ def _instructions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from ..bench.serve import plot_serve, run_serve_benchmark, serve_table
+
+    config = _config(args, ServeBenchConfig)
+    result = run_serve_benchmark(config)
+    print(serve_table(result))
+    _write(result, config, plot_serve)
+    return 0
+
+
 def _add_benchmark(sub: Any, name: str, config: type, run: Callable, **text: str) -> None:
     """One ``focus bench NAME`` sub-command: ``--config`` (table ``[bench.NAME]``) and the
     flags of ``config``."""
@@ -195,4 +206,15 @@ def register_cli(subparsers: Any) -> None:
         "--window; scores them strict and loose with IFEval's checkers (if-verifiable) and "
         "measures the KL divergence from the untouched model on its own responses. Needs "
         "the prepared assets (focus setup).",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "serve", ServeBenchConfig, _serve,
+        help="a Focus model served by transformers serve under load, against dense served alike",
+        description="Exports --model with --adapter (or takes an exported directory, --export), "
+        "serves it with transformers serve on 127.0.0.1 at each --top-k and, with --dense, the "
+        "dense base model the same way (one server at a time), and sends each cell (a "
+        "--concurrency and a prompt length of --lengths) its streaming completion requests, "
+        "prompts drawn from the corpus split. Reports per cell the requests answered of those "
+        "sent, generated tokens per second, time to first token and latency p50/p99; writes "
+        "JSON and a plot. Needs the serve extra and the prepared assets (focus setup).",
     )  # fmt: skip

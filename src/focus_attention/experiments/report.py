@@ -23,6 +23,7 @@ TABLES = {
     "bench retrieval-layers": "focus_attention.bench.needle:retrieval_layers_table",
     "bench tasks": "focus_attention.bench.tasks:tasks_table",
     "bench instructions": "focus_attention.bench.instructions:instructions_table",
+    "bench serve": "focus_attention.bench.serve:serve_table",
     "inspect": "focus_attention.evaluation.group_report:markdown_summary",
     "sweep": "focus_attention.training.sweep:sweep_report",
 }
@@ -32,6 +33,7 @@ TABLES = {
 PLOTS = {
     "bench kernel": "focus_attention.bench.kernel:plot_kernel",
     "bench needle": "focus_attention.bench.needle:plot_needle",
+    "bench serve": "focus_attention.bench.serve:plot_serve",
     "inspect": "focus_attention.evaluation.group_report:write_group_plots",
     "sweep": "focus_attention.training.sweep:plot_sweep_result",
 }

@@ -1,0 +1,100 @@
+"""``focus bench serve`` (docs/deploy.md): its settings, the summary of a cell (every request
+counted, answered or not), the directories it serves (Focus at each top_k, the dense base on
+the same weights) and, end to end on a tiny exported model, a result with every request
+answered, its JSON and its plot. Timings are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import focus, ids, word_tokenizer
+from tiny_assets import PUNCT, WORDS, make_corpus_dir
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+from transformers.utils.import_utils import is_serve_available
+
+from focus_attention import export_model
+from focus_attention.bench.serve import cell_row, percentile, served_variants
+from focus_attention.bench.settings import ServeBenchConfig
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tok = word_tokenizer(WORDS + PUNCT)
+    overrides = {"vocab_size": len(tok), "max_position_embeddings": 256}
+    _, fm = focus("llama", window=8, top_k=1, model_overrides=overrides)
+    return export_model(fm, tmp_path_factory.mktemp("bench-serve") / "tiny-focus", tok)
+
+
+def test_the_settings_name_a_bad_field():
+    with pytest.raises(ValueError, match="ServeBenchConfig.adapter"):
+        ServeBenchConfig()  # neither an adapter nor an exported directory
+    with pytest.raises(ValueError, match="ServeBenchConfig.adapter"):
+        ServeBenchConfig(adapter="a", export="b")
+    with pytest.raises(ValueError, match="ServeBenchConfig.concurrency"):
+        ServeBenchConfig(adapter="a", concurrency=(0,))
+    with pytest.raises(ValueError, match="ServeBenchConfig.max_new_tokens"):
+        ServeBenchConfig(adapter="a", max_new_tokens=0)
+    config = ServeBenchConfig(adapter="a")
+    assert (config.top_k, config.concurrency, config.lengths) == ((1, 2), (16, 64), (1024, 2048, 4096, 8000))  # fmt: skip
+
+
+def test_a_cell_counts_every_request_and_its_percentiles():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
+    assert percentile(list(range(1, 101)), 99) == 99
+    ok = [{"ttft_s": t, "latency_s": 2 * t, "tokens": 4, "prompt_tokens": 10, "error": None}
+          for t in (1.0, 2.0, 3.0)]  # fmt: skip
+    failed = [{"ttft_s": None, "latency_s": None, "tokens": 0, "error": "cell timeout"}] * 2
+    row = cell_row(ok + failed, wall=6.0)
+    assert (row["sent"], row["answered"], row["errors"]) == (5, 3, {"cell timeout": 2})
+    assert row["tokens_per_second"] == 2.0 and row["generated_tokens"] == 12
+    assert (row["ttft_p50_s"], row["latency_p99_s"]) == (2.0, 6.0)
+
+
+def test_the_variants_serve_focus_at_each_top_k_and_the_dense_base(exported, tmp_path):
+    variants = served_variants(exported, (1, 2), True, tmp_path)
+    assert [(v["method"], v["top_k"]) for v in variants] == [("focus", 1), ("focus", 2), ("dense", None)]  # fmt: skip
+    assert variants[0]["directory"] == exported  # its own top_k: the export itself
+    assert AutoConfig.from_pretrained(variants[1]["directory"], trust_remote_code=True).top_k == 2
+    focus_model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    dense = AutoModelForCausalLM.from_pretrained(variants[2]["directory"])  # no custom code
+    assert type(dense) is LlamaForCausalLM and not hasattr(dense, "focus_model")
+    x = ids(1, 48, seed=2, vocab=focus_model.config.vocab_size)
+    with torch.no_grad():
+        with focus_model.focus_model.disable_focus():
+            want = focus_model(input_ids=x).logits
+        got = dense(input_ids=x).logits
+        assert torch.equal(got, want)
+        assert not torch.equal(focus_model(input_ids=x).logits, want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_serve_available(), reason="the serve extra: pip install '.[serve]'")
+def test_the_benchmark_answers_every_request_and_writes_json_and_a_plot(exported, tmp_path, monkeypatch):  # fmt: skip
+    from focus_attention.assets.corpora import prepare_corpus
+    from focus_attention.bench.serve import plot_serve, run_serve_benchmark, serve_table
+
+    monkeypatch.setenv("FOCUS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    corpus = make_corpus_dir(tmp_path / "books", n_docs=3, n_words=600)
+    prepare_corpus(corpus, quiet=True)
+    config = ServeBenchConfig(export=str(exported), corpus=str(corpus), top_k=(2,),
+                              concurrency=(2,), requests=3, lengths=(24, 40),
+                              max_new_tokens=3, device="cpu", ready_timeout=180,
+                              cell_timeout=300)  # fmt: skip
+    result = run_serve_benchmark(config, log=lambda line: None)
+    rows = result["rows"]
+    assert [(r["method"], r["top_k"], r["prompt_tokens"]) for r in rows] == [
+        (m, k, n) for m, k in (("focus", 2), ("dense", None)) for n in (24, 40)
+    ]
+    for r in rows:
+        assert (r["sent"], r["answered"], r["errors"]) == (3, 3, {}), r
+        assert r["generated_tokens"] == 9 and r["tokens_per_second"] > 0
+        assert r["ttft_p50_s"] <= r["latency_p99_s"]
+    assert {"git_commit", "torch", "cpu"} <= set(result["environment"])
+    json.dumps(result)
+    assert "| focus top_k=2 | 2 | 40 | 3/3 |" in serve_table(result)
+    plot_serve(result, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").stat().st_size > 0
