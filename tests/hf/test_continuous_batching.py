@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from focus_attention import export_model
-from focus_attention.hf import FocusSlidingWindowWarning
+from focus_attention.hf import FocusConfig, FocusSlidingWindowWarning, get_focus_model
 from focus_attention.hf.paged import FocusBatchingManager
 
 TOL = 1e-4
@@ -246,6 +246,46 @@ def test_focus_layers_in_the_paged_sliding_group_are_refused():
     requests = prompts()[:2]
     got = fm.generate_batch(requests, generation_config=gen_config(), continuous_batching_config=cb_config())  # fmt: skip
     assert [got[f"req_{i}"].generated_tokens for i in range(2)] == [alone(fm, p)[0] for p in requests]  # fmt: skip
+
+
+PRIDE = (
+    "It is a truth universally acknowledged, that a single man in possession of a good "
+    "fortune, must be in want of a wife. However little known the feelings or views of such a "
+    "man may be on his first entering a neighbourhood, this truth is so well fixed in the minds "
+    "of the surrounding families, that he is considered the rightful property of some one or "
+    "other of their daughters. "
+)
+
+
+@pytest.mark.assets
+@pytest.mark.slow
+def test_smollm2_generate_batch_equals_generate_per_request():
+    """The real smollm2-135m (30 layers, GQA 9/3) with Focus: equal greedy tokens, logits
+    within float32 rounding of 30 layers (measured 4.7e-5 on logits of magnitude ~20)."""
+    from focus_attention.assets.models import is_prepared, load_model
+
+    if not is_prepared("smollm2-135m"):
+        pytest.skip("smollm2-135m is not prepared (run `focus setup` to download the assets)")
+    model, tokenizer = load_model("smollm2-135m")
+    model.generation_config.eos_token_id = None
+    text = tokenizer(PRIDE * 4).input_ids
+    requests = [text[:37], text[5:95], text[11:222]]
+    fm = get_focus_model(model, FocusConfig(num_groups=8, top_k=2, window=32, sink_tokens=4))
+    recorder = StepLogits(fm.eval())
+    try:
+        out = fm.generate_batch(requests, generation_config=gen_config(12), continuous_batching_config=cb_config())  # fmt: skip
+    finally:
+        recorder.hook.remove()
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(requests))]
+    want = [alone(fm, p, 12) for p in requests]
+    assert got == [w[0] for w in want]
+    full = {f"req_{i}": p + got[i] for i, p in enumerate(requests)}
+    rows = recorder.by_request(full, {f"req_{i}": len(p) for i, p in enumerate(requests)})
+    diffs = [(rows[r][s] - want[int(r[4:])][1][s]).abs().max() for r in rows for s in rows[r]]
+    assert len(diffs) == 3 * 12 and max(diffs) <= 1e-3
+    print(f"smollm2-135m: max |logit diff| {max(diffs):.3g} over {len(diffs)} steps")
+    with fm.disable_focus():
+        assert [alone(fm, p, 12)[0] for p in requests] != got
 
 
 def test_the_exported_directory_runs_generate_batch(tmp_path):
