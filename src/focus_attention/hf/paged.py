@@ -46,7 +46,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 from .masks import FocusMask
-from .runtime import FocusRuntime
+from .runtime import FocusRuntime, runtime_of
 
 #: keyword arguments of a continuous-batching forward that only the packed call reads (they
 #: are not passed on to the per-sequence calls)
@@ -391,7 +391,7 @@ def check_continuous_batching(model: Any) -> None:
             the paged cache keeps in its sliding-window group.
     """
     model._check_live()
-    runtime = model._runtime
+    runtime = runtime_of(model.base_model)
     if not runtime.current("enabled"):
         raise ValueError(
             "continuous batching inside disable_focus(): the manager runs the model in its own "
