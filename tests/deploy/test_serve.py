@@ -165,3 +165,30 @@ def test_a_client_leaving_mid_stream_cancels_cleanly(server, offline):
     # the connection is closed here, mid-stream
     assert_serving(server, offline)
     assert "Traceback" not in server.log_tail(20000)
+
+
+@pytest.fixture(scope="module")
+def batching_server(exported, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-log") / "server-cb.log"
+    with ServedModel(exported, log, extra=("--continuous-batching",), ready_timeout=180,
+                     env={"OMP_NUM_THREADS": "1"}) as served:  # fmt: skip
+        yield served
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_batching_answers_equal_offline_generate(batching_server, offline, endpoint):
+    """``--continuous-batching`` (paged attention, requests batched): Focus still runs, and
+    concurrent requests each get offline ``generate``'s answer."""
+    import concurrent.futures
+
+    server = batching_server
+    url = f"{server.url}/v1/{'completions' if endpoint == 'completions' else 'chat/completions'}"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: httpx.post(url, json=body(endpoint, server), timeout=120), range(3)))  # fmt: skip
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer_text(endpoint, answer.json()) == offline[endpoint, True]
+    with httpx.stream("POST", url, json=body(endpoint, server, stream=True), timeout=120) as r:
+        assert r.status_code == 200
+        assert streamed_text(endpoint, r).strip() == offline[endpoint, True].strip()
+    assert_serving(server, offline)
