@@ -38,10 +38,12 @@ def test_compiled_focus_model_matches_eager(inductor):
     compiled = torch.compile(fm)
     # one compile thread: no worker-process pool (minutes to start on a loaded machine)
     with torch._inductor.config.patch(compile_threads=1), torch.no_grad():
-        first = compiled(x).logits
+        first = compiled(x).logits  # with a KV cache: the eager Focus layers
         second = compiled(x).logits
+        traced = compiled(x, use_cache=False).logits  # the Focus layers as operators
     torch.testing.assert_close(first, eager, rtol=0, atol=1e-5)
     torch.testing.assert_close(second, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(traced, eager, rtol=0, atol=1e-5)
 
 
 class _Recompiles(logging.Handler):
@@ -97,7 +99,7 @@ SETTINGS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,layers", [("llama", 6), ("gpt2", 3)])
+@pytest.mark.parametrize("arch,layers", [("llama", 6), ("gpt2", 3), ("mistral", 3)])
 def test_compiled_focus_model_compiles_boundedly_without_hitting_the_limit(arch, layers):
     """A compiled Focus model (transformers' own forward wrappers in place) traces to one
     graph per call: the settings (top_k, window, sink_tokens, dense_layers, dense_heads,
@@ -105,7 +107,8 @@ def test_compiled_focus_model_compiles_boundedly_without_hitting_the_limit(arch,
     padding compiles nothing beyond the entry point's variants (mask or none, static or
     dynamic length); the limit is never hit (graph breaks around each layer once made dynamo
     compile transformers' shared keyword-deprecation wrapper over and over until "hit
-    config.recompile_limit (8)"), and a second round at new lengths compiles nothing."""
+    config.recompile_limit (8)"), and a second round at new lengths compiles nothing.
+    Mistral's layers carry a sliding-window mask."""
     _, fm = focus(arch, top_k=1, window=8, sink_tokens=2,
                   model_overrides=dict(num_hidden_layers=layers))  # fmt: skip
     torch._dynamo.reset()

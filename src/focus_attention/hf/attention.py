@@ -102,13 +102,15 @@ class LayerHandle:
         self.__post_init__()
         register_focus_attention()
 
-    def run_operator(self, query, key, value, hidden, padding, scaling, softcap) -> torch.Tensor:
+    def run_operator(self, query, key, value, hidden, padding, local_size, scaling,
+                     softcap) -> torch.Tensor:  # fmt: skip
         """What the ``focus_layer`` operator runs (:mod:`focus_attention.hf.compiled`): this
         layer's eager call (Focus, or its base attention in ``dense_layers``) on ``hidden``
-        ``[B, N, d_model]`` without a cache, under the causal mask with the 2-D ``padding``
-        bool ``[B, N]`` or None; ``out [B, N, H, D]``."""
+        ``[B, N, d_model]`` without a cache, under the causal (sliding-window causal over
+        ``local_size`` tokens) mask with the 2-D ``padding`` bool ``[B, N]`` or None;
+        ``out [B, N, H, D]``."""
         runtime = self.runtime
-        mask = FocusMask.of_call(padding, query, runtime.model_config)
+        mask = FocusMask.of_call(padding, query, runtime.model_config, local_size)
         kwargs = {} if softcap is None else {"softcap": softcap}
         args = (self.module, query, key, value, mask, 0.0, scaling, kwargs)
         if not self.routed:

@@ -36,28 +36,29 @@ _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 _SCHEMA = (
-    "(Tensor query, Tensor key, Tensor value, Tensor hidden, Tensor? padding, int layer, "
-    "float? scaling, float? softcap) -> Tensor"
+    "(Tensor query, Tensor key, Tensor value, Tensor hidden, Tensor? padding, "
+    "int? local_size, int layer, float? scaling, float? softcap) -> Tensor"
 )
 
 
 def register_layer(layer: Any) -> int:
     """A new integer naming ``layer`` (a Focus layer handle, held weakly) for the operator.
-    The handle's ``run_operator(query, key, value, hidden, padding, scaling, softcap)`` is
-    what the operator runs."""
+    The handle's ``run_operator(query, key, value, hidden, padding, local_size, scaling,
+    softcap)`` is what the operator runs."""
     key = next(_KEYS)
     _LAYERS[key] = layer
     return key
 
 
 @torch.library.custom_op("focus_attention::focus_layer", mutates_args=(), schema=_SCHEMA)
-def focus_layer_op(query, key, value, hidden, padding, layer, scaling, softcap):  # fmt: skip
+def focus_layer_op(query, key, value, hidden, padding, local_size, layer, scaling, softcap):  # fmt: skip
     """One Focus-layer call without gradients, as an opaque operator.
 
     Args:
         query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, Nk, D]`` (``Nk == Nq``: no cache).
         hidden: the hidden state entering the attention module ``[B, Nq, d_model]``.
         padding: bool ``[B, Nk]`` (True = real token) or None.
+        local_size: the window of a sliding-window causal mask, None for a causal one.
         layer: the integer :func:`register_layer` gave the layer.
         scaling: the logit scale the model passed, or None; softcap: logit soft-capping or
             None.
@@ -74,7 +75,8 @@ def focus_layer_op(query, key, value, hidden, padding, layer, scaling, softcap):
     handle = _LAYERS.get(layer)
     if handle is None:
         raise ValueError(f"focus_layer: no Focus layer is registered as {layer}")
-    return handle.run_operator(query, key, value, hidden, padding, scaling, softcap).contiguous()
+    args = (query, key, value, hidden, padding, local_size, scaling, softcap)
+    return handle.run_operator(*args).contiguous()
 
 
 @focus_layer_op.register_fake
@@ -118,19 +120,36 @@ def traced_capture(handle: Any, args: tuple, kwargs: dict) -> bool:
 def plain_call(handle: Any, qkv: tuple[torch.Tensor, ...], attention_mask: Any,
                dropout: float) -> bool:  # fmt: skip
     """Whether a traced Focus-layer call on ``qkv`` (query, key, value) can run as the
-    operator: no gradient to any of them (the operator has no backward), a causal mask
-    (with or without padding) or none, no dropout, no autocast and no attention maps asked
-    for in any thread (values dynamo guards on)."""
+    operator: no gradient to any of them (the operator has no backward), a plain causal or
+    sliding-window causal mask (with or without padding, see :func:`plain_mask`) or none, no
+    dropout, no autocast and no attention maps asked for in any thread (values dynamo
+    guards on)."""
     runtime = handle.runtime
     if dropout or runtime.want_attentions or autocast_dtype(qkv[0].device.type) is not None:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in qkv):
         return False
-    if attention_mask is None:
+    return attention_mask is None or plain_mask(attention_mask)
+
+
+def plain_mask(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is a :class:`FocusMask` of a plain causal or sliding-window
+    causal pattern: transformers' causal mask function itself, or the mask of its
+    sliding-window causal helper, told by what that helper passes (``local_size`` equal to
+    the config's ``sliding_window``, no vmap overlay for ``or``/``and`` masks, and the causal
+    skip allowed, which packed sequences, block overlays and bidirectional masks forbid).
+    Anything else is checked eagerly (a graph break)."""
+    if not isinstance(attention_mask, FocusMask):
+        return False
+    kw = attention_mask.kwargs
+    if kw.get("mask_function") is causal_mask_function:
         return True
+    local = kw.get("local_size")
     return (
-        isinstance(attention_mask, FocusMask)
-        and attention_mask.kwargs.get("mask_function") is causal_mask_function
+        local is not None
+        and local == getattr(kw.get("config"), "sliding_window", None)
+        and kw.get("allow_is_causal_skip") is True
+        and not kw.get("use_vmap")
     )
 
 
@@ -140,8 +159,11 @@ def traced_call(handle: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     """The operator's call for one traced Focus-layer call (see :func:`plain_call`):
     ``out [B, Nq, H, D]``."""
     scaling = None if scaling is None else float(scaling)
-    padding = attention_mask.padding if isinstance(attention_mask, FocusMask) else None
+    masked = isinstance(attention_mask, FocusMask)
+    padding = attention_mask.padding if masked else None
+    local_size = attention_mask.kwargs.get("local_size") if masked else None
+    local_size = None if local_size is None else int(local_size)
     softcap = kwargs.get("softcap")
     softcap = None if softcap is None else float(softcap)
-    return focus_layer_op(query, key, value, hidden, padding, handle.compiled_key, scaling,
-                          softcap)  # fmt: skip
+    return focus_layer_op(query, key, value, hidden, padding, local_size, handle.compiled_key,
+                          scaling, softcap)  # fmt: skip

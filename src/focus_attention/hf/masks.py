@@ -14,7 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
 
 from .runtime import disabled_base_impl
 
@@ -45,18 +49,24 @@ class FocusMask:
         self.routing_state: dict[int, Any] = {}
 
     @classmethod
-    def of_call(cls, padding: torch.Tensor | None, query: torch.Tensor, config: Any) -> FocusMask:
+    def of_call(cls, padding: torch.Tensor | None, query: torch.Tensor, config: Any,
+                local_size: int | None = None) -> FocusMask:  # fmt: skip
         """The mask transformers builds for a causal call without cache of the model with
-        ``config``, with ``query`` ``[B, H, N, D]`` under the 2-D ``padding`` mask bool
-        ``[B, N]`` or None: what a compiled Focus layer's operator rebuilds from its tensor
-        inputs (its base implementation's mask included, built when asked for)."""
+        ``config`` (sliding-window causal over ``local_size`` tokens when given), with
+        ``query`` ``[B, H, N, D]`` under the 2-D ``padding`` mask bool ``[B, N]`` or None:
+        what a compiled Focus layer's operator rebuilds from its inputs (its base
+        implementation's mask included, built when asked for)."""
         bsz, _, n, _ = query.shape
-        return cls(dict(
+        kwargs = dict(
             batch_size=bsz, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
             mask_function=causal_mask_function, attention_mask=padding,
             allow_is_causal_skip=True, dtype=query.dtype, config=config, use_vmap=False,
             device=query.device,
-        ))  # fmt: skip
+        )  # fmt: skip
+        if local_size is not None:
+            kwargs.update(mask_function=sliding_window_causal_mask_function(local_size),
+                          local_size=local_size)  # fmt: skip
+        return cls(kwargs)
 
     def base_mask(self, impl: str) -> Any:
         """The mask the implementation ``impl`` (``"eager"``, ``"sdpa"``...) would have

@@ -56,7 +56,9 @@ class FocusRuntime:
         dense_recorder: list receiving, per Focus-layer call, the dense attention's inputs
             while ``FocusModel.record_dense_attention()`` is active (Focus layers then run
             the base implementation), else None (set for its own thread).
-        calls: number of model calls so far (the routing bias is updated once per call).
+        calls: number of model calls so far (the routing bias is updated once per call);
+            a compiled inference call traced without the eager hook is not counted
+            (see :func:`traced_model_call`: training always counts).
         want_attentions: the threads whose current call asked for attention maps (True;
             read it with :meth:`wants_attentions`).
         focus_layers: indices of the Focus layers; num_layers: attention layers of the model.
