@@ -19,6 +19,8 @@ import torch._logging
 from tiny import focus, ids, left_pad
 
 import focus_attention
+from focus_attention.hf.attention import eager_focus_attention, eager_pre_hook, handle_of
+from focus_attention.hf.masks import FocusMask
 
 #: the package's source directory
 SOURCE = Path(focus_attention.__file__).resolve().parent
@@ -177,3 +179,30 @@ def test_compiled_model_honours_switches_recorders_and_training():
     for a, b in zip(fm.routers.buffers(), twin.routers.buffers(), strict=True):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+def test_focus_layer_operator_passes_opcheck_and_equals_the_eager_layer():
+    """``focus_attention::focus_layer`` passes ``torch.library.opcheck`` (schema, fake
+    implementation, dynamic shapes) and gives the eager layer's output bitwise, without and
+    with padding; a name no layer holds is a clear error."""
+    _, fm = focus("llama", top_k=1, window=4, sink_tokens=1)
+    module = next(m for m in fm.modules() if getattr(handle_of(m), "router", None) is not None)
+    handle, cfg = handle_of(module), fm.base_model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim, (bsz, n) = cfg.hidden_size // heads, (2, 12)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(bsz, heads, n, dim, generator=gen)
+    k, v = (torch.randn(bsz, kv, n, dim, generator=gen) for _ in range(2))
+    hidden = torch.randn(bsz, n, cfg.hidden_size, generator=gen)
+    padding = torch.ones(bsz, n, dtype=torch.bool)
+    padding[1, :3] = False
+    op = torch.ops.focus_attention.focus_layer
+    for pad in (None, padding):
+        args = (q, k, v, hidden, pad, None, handle.compiled_key, None, None)
+        torch.library.opcheck(op, args)
+        mask = None if pad is None else FocusMask.of_call(pad, q, fm.base_model.config)
+        eager_pre_hook(module, (hidden,), {})
+        expected, _ = eager_focus_attention(module, q, k, v, mask)
+        assert torch.equal(op(*args), expected)
+    with pytest.raises(ValueError, match="no Focus layer is registered"):
+        op(q, k, v, hidden, None, None, -1, None, None)
