@@ -175,13 +175,20 @@ def _command_lines(text: str) -> list[str]:
     for info, body in _prose_and_code(text)[1]:
         if info not in ("", "bash", "sh", "console"):
             continue
-        for command in body.replace("\\\n", " ").splitlines():
-            command = command.split(" #", 1)[0].strip()
-            command = re.sub(r"^.*?-m focus_attention\.cli\b", "focus", command)
-            command = re.sub(r"^\.venv/bin/focus\b", "focus", command)
-            if command.startswith("focus "):
-                lines.append(command)
+        for line in body.replace("\\\n", " ").splitlines():
+            # each command of a chain (`a && b; c`) on its own: another tool's flags stay its own
+            for command in re.split(r"&&|;|\|\|", line.split(" #", 1)[0]):
+                command = command.strip()
+                command = re.sub(r"^.*?-m focus_attention\.cli\b", "focus", command)
+                command = re.sub(r"^\.venv/bin/focus\b", "focus", command)
+                if command.startswith("focus "):
+                    lines.append(command)
     return lines
+
+
+def test_command_lines_split_chains_and_keep_other_tools_out():
+    page = "```bash\nfocus export --out e && transformers serve e --port 8 # note\nls; focus eval \\\n  --model m\n```\n"
+    assert _command_lines(page) == ["focus export --out e", "focus eval    --model m"]
 
 
 def _subparser(parser: argparse.ArgumentParser, words: list[str]):

@@ -16,5 +16,7 @@ if __name__ == "__main__":
     source, target = (Path(a) for a in sys.argv[1:3])
     data = json.loads(source.read_text())
     write_json_atomic(target, data)
-    top = ", ".join(f"{a}:{b} {data['by_head'][f'{a}:{b}']:.3f}" for a, b in data["head_ranking"][:10])
+    top = ", ".join(
+        f"{a}:{b} {data['by_head'][f'{a}:{b}']:.3f}" for a, b in data["head_ranking"][:10]
+    )
     print(f"wrote {target}: largest gates {top}")

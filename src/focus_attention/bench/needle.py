@@ -16,7 +16,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from .settings import (
     RetrievalLayersConfig,
 )
 
+if TYPE_CHECKING:
+    from ..evaluation.settings import CalibrateConfig
+
 __all__ = [
     "HAYSTACKS",
     "NEEDLE_DEPTHS",
@@ -42,6 +45,7 @@ __all__ = [
     "needle_blocks",
     "needle_table",
     "plot_needle",
+    "rank_calibration_heads",
     "rank_retrieval_layers",
     "retrieval_layers_table",
     "run_needle_benchmark",
@@ -341,6 +345,29 @@ def rank_retrieval_layers(config: RetrievalLayersConfig) -> dict[str, Any]:
         "versions": library_versions(),
         "environment": environment(),
     }
+
+
+def rank_calibration_heads(config: CalibrateConfig) -> dict[str, Any]:
+    """Rank the ``(layer, kv_head)`` pairs of ``config.adapter``'s Focus layers for
+    ``focus calibrate --head-budget`` without a ``--head-ranking`` file: by the attention the
+    dense model gives the needle of pass-key prompts of ``config.split``
+    (``config.ranking_length`` tokens, seed 1), that is :func:`rank_retrieval_layers` as
+    ``focus bench retrieval-layers --haystacks passkey`` runs it.
+
+    Returns:
+        ``config`` (the ranking's own), ``head_ranking``, ``by_head``, ``prompts`` and
+        ``seconds`` of :func:`rank_retrieval_layers`' result; the value
+        :func:`focus_attention.evaluation.calibration.calibrate_adapter` takes as ``ranked``.
+
+    Raises:
+        ValueError: as :func:`rank_retrieval_layers`.
+    """
+    result = rank_retrieval_layers(RetrievalLayersConfig(
+        model=config.model, adapter=config.adapter, corpus=config.corpus, split=config.split,
+        lengths=(config.ranking_length,), haystacks=("passkey",), count=1, threads=config.threads,
+        progress=config.progress,
+    ))  # fmt: skip
+    return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}
 
 
 def _mean(values: list[float]) -> float:

@@ -21,7 +21,7 @@ from ..utils.io import replace_entries, write_json_atomic
 from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks",
-           "head_budget_choice", "rank_heads_here"]  # fmt: skip
+           "head_budget_choice"]  # fmt: skip
 
 #: the record :func:`calibrate_adapter` writes beside the adapter
 CALIBRATION_NAME = "calibration.json"
@@ -67,27 +67,12 @@ def _check_out(config: CalibrateConfig) -> Path:
     return out
 
 
-def rank_heads_here(config: CalibrateConfig) -> dict[str, Any]:
-    """Rank the ``(layer, kv_head)`` pairs of ``config.adapter``'s Focus layers by the
-    attention the dense model gives the needle of pass-key prompts of ``config.split``
-    (``config.ranking_length`` tokens, seed 1: :func:`~focus_attention.bench.needle.rank_retrieval_layers`,
-    as ``focus bench retrieval-layers --haystacks passkey``): its result, without the
-    environment records."""
-    from ..bench.needle import rank_retrieval_layers
-    from ..bench.settings import RetrievalLayersConfig
-
-    result = rank_retrieval_layers(RetrievalLayersConfig(
-        model=config.model, adapter=config.adapter, corpus=config.corpus, split=config.split,
-        lengths=(config.ranking_length,), haystacks=("passkey",), count=1, threads=config.threads,
-        progress=config.progress,
-    ))  # fmt: skip
-    return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}
-
-
-def head_budget_choice(config: CalibrateConfig, fm: Any) -> dict[str, Any]:
+def head_budget_choice(config: CalibrateConfig, fm: Any, ranked: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Set ``fm``'s ``dense_heads`` to the top pairs of the head ranking that fill
     ``config.head_budget`` (:func:`~.head_budget.choose_dense_heads`; the ranking read from
-    ``config.head_ranking``, else :func:`rank_heads_here`).
+    ``config.head_ranking``, else ``ranked``: a ranking made for this calibration, as
+    :func:`focus_attention.bench.needle.rank_calibration_heads` returns it, which is what
+    ``focus calibrate`` passes when no file is given).
 
     Returns:
         The record: ``share``, ``kv_heads`` (of the Focus layers, all), ``dense_kv_heads``
@@ -96,15 +81,22 @@ def head_budget_choice(config: CalibrateConfig, fm: Any) -> dict[str, Any]:
 
     Raises:
         ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` and
-            :func:`~.head_budget.choose_dense_heads` raise them.
+            :func:`~.head_budget.choose_dense_heads` raise them; ValueError when there is
+            neither a ``head_ranking`` file nor ``ranked``.
     """
     from .head_budget import choose_dense_heads, kv_heads_of, read_head_ranking
 
     if config.head_ranking is not None:
         ranking = read_head_ranking(config.head_ranking, config.model)
         source = {"file": ranking["file"], "model": ranking["model"]}
+    elif ranked is None:
+        raise ValueError(
+            "CalibrateConfig.head_budget needs a head ranking: set head_ranking to a file (from "
+            "focus bench retrieval-layers or focus train --method head-gates) or pass ranked="
+            "focus_attention.bench.needle.rank_calibration_heads(config), as focus calibrate does"
+        )
     else:
-        ranking = rank_heads_here(config)
+        ranking = dict(ranked)
         ranking["head_ranking"] = [tuple(p) for p in ranking["head_ranking"]]
         source = {"ranked_here": {k: ranking[k] for k in ("config", "prompts", "seconds")}}
     cfg, kv = fm.focus_config, kv_heads_of(fm.base_model.config)
@@ -119,7 +111,7 @@ def head_budget_choice(config: CalibrateConfig, fm: Any) -> dict[str, Any]:
                         "by_head": ranking["by_head"]}}  # fmt: skip
 
 
-def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
+def calibrate_adapter(config: CalibrateConfig, ranked: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
     tokens, into ``config.out`` with a :data:`CALIBRATION_NAME` record: both are staged and
@@ -130,7 +122,8 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
         The record: ``config``, the ``source`` adapter and the SHA-256 of its weights,
         ``focus`` (the new adapter's settings), ``bias_change`` (largest absolute change of a
         router's ``routing_bias``), ``tokens`` calibrated on, ``seconds``, ``versions``,
-        ``environment``; ``head_budget`` (:func:`head_budget_choice`'s record, or None).
+        ``environment``; ``head_budget`` (:func:`head_budget_choice`'s record, or None; a
+        ``head_budget`` without a ``head_ranking`` file takes its ranking from ``ranked``).
 
     Raises:
         ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` equal to the
@@ -152,7 +145,7 @@ def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     base, tokenizer = load_model(config.model, quiet=quiet)
     fm = FocusModel.from_pretrained(base, config.adapter)
     fm.focus_config = fm.focus_config.override(**config.overrides())
-    budget = None if config.head_budget is None else head_budget_choice(config, fm)
+    budget = None if config.head_budget is None else head_budget_choice(config, fm, ranked)
     before = {i: r.routing_bias.clone() for i, r in fm.routers.items()}
     tokens = 0
     if config.blocks:
