@@ -10,7 +10,8 @@ that build on it (``evaluation/settings.py``, ``bench/settings.py``, ``cli/setti
 import neither torch nor transformers; checks that need torch import it when they run.
 
 Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``progress``),
-:class:`ResultFile` (``json``), :class:`BaseModelSettings` (``model``),
+:class:`ResultFile` (``json``), :class:`PlotFile` (``plot``), :class:`GenerationLength`
+(``max_new_tokens``), :class:`BaseModelSettings` (``model``),
 :class:`ModelSettings` (it and ``adapter``),
 :class:`CorpusSettings` (``corpus``), :class:`TextSettings` (it and ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
 :class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
@@ -46,9 +47,11 @@ __all__ = [
     "CorpusSettings",
     "DeviceSettings",
     "FreshRouters",
+    "GenerationLength",
     "LengthSettings",
     "ModelSettings",
     "OutputSettings",
+    "PlotFile",
     "ResultFile",
     "RunSettings",
     "SeedSettings",
@@ -189,6 +192,8 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "lengths": _ints(1, optional=False),
     "threads": _int_at_least(1, optional=True),
     "out": _text(optional=True),
+    "max_new_tokens": _int_at_least(1, optional=False),
+    "plot": _text(optional=True),
 }
 
 
@@ -213,6 +218,24 @@ class ResultFile(Settings):
     """Where a command writes its result."""
 
     json: str | None = field(default=None, metadata={"help": "write the result JSON here"})
+
+
+@dataclass
+class PlotFile(Settings):
+    """Where a command draws its result."""
+
+    plot: str | None = field(
+        default=None, metadata={"help": "PNG plot path (default: the JSON path with .png)"}
+    )
+
+
+@dataclass
+class GenerationLength(Settings):
+    """How many tokens a command generates per answer."""
+
+    max_new_tokens: int = field(
+        default=32, metadata={"help": "tokens generated per answer, at most"}
+    )
 
 
 @dataclass

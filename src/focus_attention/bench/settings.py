@@ -13,8 +13,10 @@ from ..settings import (
     BatchSettings,
     DeviceSettings,
     FreshRouters,
+    GenerationLength,
     LengthSettings,
     ModelSettings,
+    PlotFile,
     ResultFile,
     RunSettings,
     SeedSettings,
@@ -75,7 +77,7 @@ HAYSTACKS = ("passkey", "book")
     defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu"},
     several=("top_k",),
 )
-class KernelBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
     the values timed, ``window`` is the one local window; ``device`` is cpu or cuda.
@@ -108,9 +110,6 @@ class KernelBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, L
         metadata={"help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
                   "efficient or math force one)", "choices": DENSE_KERNELS},
     )  # fmt: skip
-    plot: str | None = field(
-        default=None, metadata={"help": "PNG plot path (default: the JSON path with .png)"}
-    )
 
     def __post_init__(self) -> None:
         self.check_shared()
@@ -222,10 +221,15 @@ def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig)
 
 
 @settings_class(
-    defaults={"adapter": "runs/austen", "top_k": (1, 2), "lengths": NEEDLE_LENGTHS},
+    defaults={
+        "adapter": "runs/austen",
+        "top_k": (1, 2),
+        "lengths": NEEDLE_LENGTHS,
+        "max_new_tokens": 8,
+    },
     several=("top_k",),
 )
-class NeedleBenchConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class NeedleBenchConfig(PlotFile, GenerationLength, ResultFile, RunSettings, SeedSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of the retrieval benchmark (``focus bench needle``): the dense model and
     Focus at every ``top_k``, with the other :class:`AdapterOverrides` (one value each)
     over the adapter's; ``seed`` seeds the needles and book offsets.
@@ -242,14 +246,9 @@ class NeedleBenchConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, A
     )
     trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
     dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})
-    max_new_tokens: int = field(default=8, metadata={"help": "tokens generated per answer"})
-    plot: str | None = field(
-        default=None, metadata={"help": "PNG heatmaps (default: the JSON path with .png)"}
-    )
 
     def __post_init__(self) -> None:
         self.check_shared()
-        check_int("NeedleBenchConfig", "max_new_tokens", self.max_new_tokens, 1)
         check_prompts("NeedleBenchConfig", self)
 
 
@@ -334,8 +333,8 @@ class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues,
             raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
-@settings_class(defaults={"batch_size": 8}, several=("top_k", "window"))
-class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSettings, BatchSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
+@settings_class(defaults={"batch_size": 8, "max_new_tokens": 256}, several=("top_k", "window"))
+class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceSettings, SeedSettings, BatchSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus bench instructions``: the untouched model (an instruct model with
     a chat template), or it and Focus at every ``top_k`` and ``window`` (default: the
     adapter's; 32 is a stressed window); the passages come from the corpus split;
@@ -350,13 +349,12 @@ class InstructionsBenchConfig(ResultFile, RunSettings, DeviceSettings, SeedSetti
         default=None, metadata={"help": "answer the first N prompts of the set (default all)"}
     )
     passage_share: float = field(default=0.5, metadata={"help": "share of passage prompts"})
-    max_new_tokens: int = field(default=256, metadata={"help": "bound on each response, in tokens"})  # fmt: skip
     kl: bool = field(default=True, metadata={"help": "measure the KL divergence from the untouched model"})  # fmt: skip
 
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "InstructionsBenchConfig"
-        for name in ("prompts", "max_new_tokens", "batch_size"):
+        for name in ("prompts", "batch_size"):
             check_int(owner, name, getattr(self, name), 1)
         check_int(owner, "limit", self.limit, 1, optional=True)
         check_number(owner, "passage_share", self.passage_share, low=0.0, inclusive=True)
@@ -374,7 +372,7 @@ SERVE_CONCURRENCY = (16, 64)
 
 
 @settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS}, several=("top_k",))
-class ServeBenchConfig(ResultFile, DeviceSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus bench serve``: ``transformers serve`` on 127.0.0.1 answering
     ``concurrency`` simultaneous streaming completion requests with ``lengths``-token
     prompts of the corpus split, for Focus (``--adapter`` exported with ``--model``, or an
@@ -397,7 +395,6 @@ class ServeBenchConfig(ResultFile, DeviceSettings, LengthSettings, AdapterOverri
         default=None,
         metadata={"help": "requests sent per cell (default: its concurrency, all at once)"},
     )
-    max_new_tokens: int = field(default=32, metadata={"help": "tokens generated per request"})
     dense: bool = field(default=True, metadata={"help": "also serve the dense base model"})
     cell_timeout: float = field(
         default=1800.0,
@@ -416,9 +413,6 @@ class ServeBenchConfig(ResultFile, DeviceSettings, LengthSettings, AdapterOverri
         metadata={"help": "where the served directories and server logs go (default: a "
                   "temporary directory, removed after the run)"},
     )  # fmt: skip
-    plot: str | None = field(
-        default=None, metadata={"help": "PNG plot path (default: the JSON path with .png)"}
-    )
 
     def __post_init__(self) -> None:
         self.check_shared()
@@ -429,7 +423,6 @@ class ServeBenchConfig(ResultFile, DeviceSettings, LengthSettings, AdapterOverri
         for v in self.concurrency:
             check_int(owner, "concurrency", v, 1)
         check_int(owner, "requests", self.requests, 1, optional=True)
-        check_int(owner, "max_new_tokens", self.max_new_tokens, 1)
         check_number(owner, "cell_timeout", self.cell_timeout)
         check_number(owner, "ready_timeout", self.ready_timeout)
         if (self.adapter is None) == (self.export is None):
