@@ -193,7 +193,6 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "threads": _int_at_least(1, optional=True),
     "out": _text(optional=True),
     "max_new_tokens": _int_at_least(1, optional=False),
-    "plot": _text(optional=True),
 }
 
 

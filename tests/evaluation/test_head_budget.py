@@ -117,7 +117,7 @@ def test_without_a_file_the_heads_are_ranked_on_pass_keys(assets, adapter, tmp_p
     config = CalibrateConfig(model=str(assets["model"]), adapter=str(adapter), out=str(out),
                              corpus=str(assets["corpus"]), seq_len=64, blocks=0, progress=False,
                              head_budget=0.25, ranking_length=64)  # fmt: skip
-    record = calibrate_adapter(config, rank_calibration_heads(config))["head_budget"]
+    record = calibrate_adapter(config, rank_calibration_heads)["head_budget"]
     ranked = record["ranking"]
     assert len(ranked["head_ranking"]) == 4 and ranked["source"]["ranked_here"]["prompts"] == 6
     assert ranked["source"]["ranked_here"]["config"]["haystacks"] == ("passkey",)

@@ -356,8 +356,9 @@ def rank_calibration_heads(config: CalibrateConfig) -> dict[str, Any]:
 
     Returns:
         ``config`` (the ranking's own), ``head_ranking``, ``by_head``, ``prompts`` and
-        ``seconds`` of :func:`rank_retrieval_layers`' result; the value
-        :func:`focus_attention.evaluation.calibration.calibrate_adapter` takes as ``ranked``.
+        ``seconds`` of :func:`rank_retrieval_layers`' result (this function is the
+        ``rank_heads`` that ``focus calibrate`` hands to
+        :func:`focus_attention.evaluation.calibration.calibrate_adapter`).
 
     Raises:
         ValueError: as :func:`rank_retrieval_layers`.

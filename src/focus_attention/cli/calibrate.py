@@ -12,15 +12,11 @@ from .flags import add_config_flag, add_flags, command_config
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..bench.needle import rank_calibration_heads
     from ..evaluation.calibration import CALIBRATION_NAME, calibrate_adapter
 
     config = command_config(args, CalibrateConfig, "calibrate", required=("adapter", "out"))
-    ranked = None
-    if config.head_budget is not None and config.head_ranking is None:
-        from ..bench.needle import rank_calibration_heads
-
-        ranked = rank_calibration_heads(config)
-    record = calibrate_adapter(config, ranked)
+    record = calibrate_adapter(config, rank_calibration_heads)
     focus = record["focus"]
     print(f"wrote {config.out}: window {focus['window']}, sink_tokens {focus['sink_tokens']}, "
           f"dense_layers {focus['dense_layers']}, top_k {focus['top_k']}; bias from "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ..utils.io import replace_entries, write_json_atomic
 from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks",
-           "head_budget_choice"]  # fmt: skip
+           "head_budget_choice", "head_ranking_for"]  # fmt: skip
 
 #: the record :func:`calibrate_adapter` writes beside the adapter
 CALIBRATION_NAME = "calibration.json"
@@ -67,12 +68,43 @@ def _check_out(config: CalibrateConfig) -> Path:
     return out
 
 
-def head_budget_choice(config: CalibrateConfig, fm: Any, ranked: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Set ``fm``'s ``dense_heads`` to the top pairs of the head ranking that fill
-    ``config.head_budget`` (:func:`~.head_budget.choose_dense_heads`; the ranking read from
-    ``config.head_ranking``, else ``ranked``: a ranking made for this calibration, as
-    :func:`focus_attention.bench.needle.rank_calibration_heads` returns it, which is what
-    ``focus calibrate`` passes when no file is given).
+def head_ranking_for(config: CalibrateConfig, rank_heads: Callable[[CalibrateConfig], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The head ranking ``config.head_budget`` is filled from: read from the
+    ``config.head_ranking`` file (:func:`~.head_budget.read_head_ranking`), else made by
+    ``rank_heads(config)`` (``focus calibrate`` passes
+    :func:`focus_attention.bench.needle.rank_calibration_heads`).
+
+    Returns:
+        ``head_ranking`` (``(layer, kv_head)`` tuples, first ranked first), ``by_head`` and
+        ``source`` (the file and its model, or the ranking's ``config``, ``prompts`` and
+        ``seconds``).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` raises
+            them; ValueError when there is neither a ``head_ranking`` file nor ``rank_heads``.
+    """
+    from .head_budget import read_head_ranking
+
+    if config.head_ranking is not None:
+        ranking = read_head_ranking(config.head_ranking, config.model)
+        source = {"file": ranking["file"], "model": ranking["model"]}
+    elif rank_heads is None:
+        raise ValueError(
+            "CalibrateConfig.head_budget needs a head ranking: set head_ranking to a file (from "
+            "focus bench retrieval-layers or focus train --method head-gates) or pass rank_heads="
+            "focus_attention.bench.needle.rank_calibration_heads, as focus calibrate does"
+        )
+    else:
+        ranking = rank_heads(config)
+        source = {"ranked_here": {k: ranking[k] for k in ("config", "prompts", "seconds")}}
+    return {"head_ranking": [tuple(p) for p in ranking["head_ranking"]],
+            "by_head": ranking["by_head"], "source": source}  # fmt: skip
+
+
+def head_budget_choice(config: CalibrateConfig, fm: Any, ranking: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Set ``fm``'s ``dense_heads`` to the top pairs of ``ranking`` (as
+    :func:`head_ranking_for` returns it) that fill ``config.head_budget``
+    (:func:`~.head_budget.choose_dense_heads`).
 
     Returns:
         The record: ``share``, ``kv_heads`` (of the Focus layers, all), ``dense_kv_heads``
@@ -80,25 +112,10 @@ def head_budget_choice(config: CalibrateConfig, fm: Any, ranked: dict[str, Any] 
         ``head_ranking``, ``by_head``).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` and
-            :func:`~.head_budget.choose_dense_heads` raise them; ValueError when there is
-            neither a ``head_ranking`` file nor ``ranked``.
+        ValueError: as :func:`~.head_budget.choose_dense_heads` raises it.
     """
-    from .head_budget import choose_dense_heads, kv_heads_of, read_head_ranking
+    from .head_budget import choose_dense_heads, kv_heads_of
 
-    if config.head_ranking is not None:
-        ranking = read_head_ranking(config.head_ranking, config.model)
-        source = {"file": ranking["file"], "model": ranking["model"]}
-    elif ranked is None:
-        raise ValueError(
-            "CalibrateConfig.head_budget needs a head ranking: set head_ranking to a file (from "
-            "focus bench retrieval-layers or focus train --method head-gates) or pass ranked="
-            "focus_attention.bench.needle.rank_calibration_heads(config), as focus calibrate does"
-        )
-    else:
-        ranking = dict(ranked)
-        ranking["head_ranking"] = [tuple(p) for p in ranking["head_ranking"]]
-        source = {"ranked_here": {k: ranking[k] for k in ("config", "prompts", "seconds")}}
     cfg, kv = fm.focus_config, kv_heads_of(fm.base_model.config)
     chosen = choose_dense_heads(ranking["head_ranking"], config.head_budget, fm.focus_layers,
                                 kv, cfg.dense_layers)  # fmt: skip
@@ -107,11 +124,12 @@ def head_budget_choice(config: CalibrateConfig, fm: Any, ranked: dict[str, Any] 
     dense = len(chosen) + len(set(cfg.dense_layers)) * kv
     return {"share": config.head_budget, "kv_heads": total, "dense_kv_heads": dense,
             "dense_share": dense / total, "dense_heads": [list(p) for p in chosen],
-            "ranking": {"source": source, "head_ranking": [list(p) for p in ranking["head_ranking"]],
+            "ranking": {"source": ranking["source"],
+                        "head_ranking": [list(p) for p in ranking["head_ranking"]],
                         "by_head": ranking["by_head"]}}  # fmt: skip
 
 
-def calibrate_adapter(config: CalibrateConfig, ranked: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateConfig], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
     tokens, into ``config.out`` with a :data:`CALIBRATION_NAME` record: both are staged and
@@ -123,7 +141,8 @@ def calibrate_adapter(config: CalibrateConfig, ranked: dict[str, Any] | None = N
         ``focus`` (the new adapter's settings), ``bias_change`` (largest absolute change of a
         router's ``routing_bias``), ``tokens`` calibrated on, ``seconds``, ``versions``,
         ``environment``; ``head_budget`` (:func:`head_budget_choice`'s record, or None; a
-        ``head_budget`` without a ``head_ranking`` file takes its ranking from ``ranked``).
+        ``head_budget`` without a ``head_ranking`` file is filled from ``rank_heads(config)``,
+        called after ``out`` is checked and before the model loads).
 
     Raises:
         ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` equal to the
@@ -139,13 +158,14 @@ def calibrate_adapter(config: CalibrateConfig, ranked: dict[str, Any] | None = N
 
     t0 = time.monotonic()
     out = _check_out(config)
+    ranking = None if config.head_budget is None else head_ranking_for(config, rank_heads)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     quiet = not config.progress
     base, tokenizer = load_model(config.model, quiet=quiet)
     fm = FocusModel.from_pretrained(base, config.adapter)
     fm.focus_config = fm.focus_config.override(**config.overrides())
-    budget = None if config.head_budget is None else head_budget_choice(config, fm, ranked)
+    budget = None if ranking is None else head_budget_choice(config, fm, ranking)
     before = {i: r.routing_bias.clone() for i, r in fm.routers.items()}
     tokens = 0
     if config.blocks:
