@@ -36,7 +36,12 @@ def test_the_settings_name_a_bad_field():
         ServeBenchConfig(adapter="a", concurrency=(0,))
     with pytest.raises(ValueError, match="ServeBenchConfig.max_new_tokens"):
         ServeBenchConfig(adapter="a", max_new_tokens=0)
+    with pytest.raises(ValueError, match="ServeBenchConfig.dtype"):
+        ServeBenchConfig(adapter="a", dtype="bf16")
+    with pytest.raises(ValueError, match="ServeBenchConfig.warmup"):
+        ServeBenchConfig(adapter="a", warmup=-1)
     config = ServeBenchConfig(adapter="a")
+    assert (config.dtype, config.warmup) == (None, 1)
     assert (config.top_k, config.concurrency, config.lengths) == ((1, 2), (16, 64), (1024, 2048, 4096, 8000))  # fmt: skip
 
 
@@ -78,21 +83,31 @@ def test_the_benchmark_answers_every_request_and_writes_json_and_a_plot(exported
 
     monkeypatch.setenv("FOCUS_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     corpus = make_corpus_dir(tmp_path / "books", n_docs=3, n_words=600)
     prepare_corpus(corpus, quiet=True)
     config = ServeBenchConfig(export=str(exported), corpus=str(corpus), top_k=(2,),
                               concurrency=(2,), requests=3, lengths=(24, 40),
                               max_new_tokens=3, device="cpu", ready_timeout=180,
-                              cell_timeout=300)  # fmt: skip
-    result = run_serve_benchmark(config, log=lambda line: None)
+                              cell_timeout=300, dtype="float32", warmup=1)  # fmt: skip
+    partial = []
+    result = run_serve_benchmark(config, log=lambda line: None, checkpoint=partial.append)
     rows = result["rows"]
+    # both served at once, each cell sent to each in turn
     assert [(r["method"], r["top_k"], r["prompt_tokens"]) for r in rows] == [
-        (m, k, n) for m, k in (("focus", 2), ("dense", None)) for n in (24, 40)
+        (m, k, n) for n in (24, 40) for m, k in (("focus", 2), ("dense", None))
     ]
+    # after every cell, the result so far
+    assert [len(p["rows"]) for p in partial] == [1, 2, 3, 4]
+    assert not any(p["complete"] for p in partial) and result["complete"]
+    assert partial[-1]["rows"] == rows
     for r in rows:
         assert (r["sent"], r["answered"], r["errors"]) == (3, 3, {}), r
         assert r["generated_tokens"] == 9 and r["tokens_per_second"] > 0
         assert r["ttft_p50_s"] <= r["latency_p99_s"]
+        assert r["warmup_s"] > 0  # one request of each length before the cells
+    assert (result["config"]["dtype"], result["config"]["warmup_requests_per_length"]) == ("float32", 1)  # fmt: skip
+    assert result["config"]["server_env"] == {"USE_HUB_KERNELS": "0"}  # no Hub kernels offline
     assert {"git_commit", "torch", "cpu"} <= set(result["environment"])
     json.dumps(result)
     assert "| focus top_k=2 | 2 | 40 | 3/3 |" in serve_table(result)

@@ -138,6 +138,37 @@ def test_flex_refuses_inputs_that_require_grad_on_cpu():
     assert_matches_oracle(case, out)
 
 
+def test_a_failed_dynamic_compilation_falls_back_to_kernels_per_shape(monkeypatch):
+    """When compiling FlexAttention with dynamic shapes fails (seen on CUDA, torch 2.11),
+    the call and every later one run the per-shape compiled function, with one warning;
+    the result is the oracle's (the functions are stood in for by eager FlexAttention)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = {"dynamic": 0, "static": 0}
+
+    def function(device, *, static=False):
+        def run(*args, **kwargs):
+            calls["static" if static else "dynamic"] += 1
+            if not static:
+                raise BackendCompilerFailed(None, RuntimeError("NoValidChoicesError"), None)
+            return flex.flex_attention(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(flex, "_flex_function", function)
+    monkeypatch.setattr(flex, "_STATIC_ONLY", False)
+    case = make_case(nk=40, heads=4, kv_heads=2, dim=8, window=8, top_k=2, padding="random")
+    args = (case.q, case.k, case.v, case.qg, case.kg, case.window)
+    with pytest.warns(RuntimeWarning, match="did not compile with dynamic shapes"):
+        out = sparse_attention(*args, key_padding_mask=case.kpm, backend="flex")
+    assert_matches_oracle(case, out)
+    assert calls["dynamic"] == 1 and calls["static"] >= 1
+    static_calls = calls["static"]
+    again = sparse_attention(*args, key_padding_mask=case.kpm, backend="flex")
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    assert calls["dynamic"] == 1 and calls["static"] == 2 * static_calls  # no second try
+
+
 def test_the_custom_op_passes_opcheck_with_flex():
     case = make_case(nk=40, heads=4, kv_heads=2, dim=8, window=8, top_k=2, padding="random")
     args = (case.q, case.k, case.v, case.qg, case.kg, case.kpm, 8, 0.35, None, "flex")
@@ -538,7 +569,9 @@ def _cuda(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("params", CUDA_GRID)
 def test_cuda_compiled_flex_equals_oracle(params, dtype):
-    """Compiled FlexAttention with log-sum-exp (block-sparse kernels) on the grid."""
+    """Compiled FlexAttention with log-sum-exp (block-sparse kernels) on the grid; "auto"
+    gives bitwise the backend its resolver names for the call (flex, or gather for a call
+    of at most 8 queries), and that backend matches the oracle too."""
     case = make_case(**params).to(dtype)
     q, k, v, qg, kg, kpm = _cuda(case)
     out, lse = sparse_attention(
@@ -546,8 +579,14 @@ def test_cuda_compiled_flex_equals_oracle(params, dtype):
     )
     assert out.device.type == "cuda"
     assert_matches_oracle(case, out.cpu(), lse.cpu())
+    request = SparseRequest(q.device, q.dtype, False, qg.shape[-1], num_queries=qg.shape[1])
+    chosen = resolve_backend("auto", request).name
+    assert chosen == ("gather" if qg.shape[1] <= 8 else "flex")
+    want, want_lse = sparse_attention(q, k, v, qg, kg, case.window, key_padding_mask=kpm,
+                                      backend=chosen, return_lse=True)  # fmt: skip
+    assert_matches_oracle(case, want.cpu(), want_lse.cpu())
     auto = sparse_attention(q, k, v, qg, kg, case.window, key_padding_mask=kpm)
-    torch.testing.assert_close(auto, out, atol=0, rtol=0)  # auto chose flex
+    torch.testing.assert_close(auto, want, atol=0, rtol=0)
 
 
 @pytest.mark.gpu

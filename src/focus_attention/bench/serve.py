@@ -5,6 +5,7 @@ only, bounded in count (``requests`` per cell) and time (``cell_timeout`` per ce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -23,10 +24,12 @@ from .settings import ServeBenchConfig
 
 __all__ = [
     "ServeBenchConfig",
+    "variant_name",
     "percentile",
     "plot_serve",
     "run_serve_benchmark",
     "serve_table",
+    "server_env",
     "served_variants",
 ]
 
@@ -191,69 +194,98 @@ def _export_for(config: ServeBenchConfig, work: Path) -> Path:
     return out
 
 
-def _serve_variant(variant: dict[str, Any], config: ServeBenchConfig, work: Path,
-                   texts: dict[int, list[str]], log: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """Serve one variant and run its cells (every concurrency and length)."""
-    name = f"{variant['method']}-top{variant['top_k']}" if variant["method"] == "focus" else "dense"
-    extra = ("--continuous-batching",) if config.continuous_batching else ()
-    device = config.device or "auto"
-    rows = []
+def _warm_up(server: ServedModel, texts: dict[int, list[str]], config: ServeBenchConfig) -> float:
+    """Send ``config.warmup`` requests of each prompt length to ``server``, one at a time,
+    before any cell (not counted; the last prompts of ``texts``, which no cell sends).
+    Returns the seconds it took.
+
+    Raises:
+        RuntimeError: a warm-up request was not answered (with the end of the server's log).
+    """
     started = time.perf_counter()
-    with ServedModel(variant["directory"], work / f"{name}.log", device=device, extra=extra,
-                     ready_timeout=config.ready_timeout) as server:  # fmt: skip
-        ready_s = time.perf_counter() - started
+    for length, batch in texts.items():
+        for text in batch[len(batch) - config.warmup :]:
+            (record,), _ = asyncio.run(_cell(server, [text], config, 1))
+            if record["error"] is not None:
+                raise RuntimeError(f"the warm-up request of {length} tokens failed: "
+                                   f"{record['error']}\n{server.log_tail()}")  # fmt: skip
+    return time.perf_counter() - started
+
+
+def variant_name(variant: dict[str, Any]) -> str:
+    """``focus-top{k}`` or ``dense``: a served variant's name in logs and file names."""
+    return f"{variant['method']}-top{variant['top_k']}" if variant["method"] == "focus" else "dense"
+
+
+def server_env() -> dict[str, str]:
+    """Environment of the servers: ``USE_HUB_KERNELS=0`` unless it is set. transformers
+    otherwise replaces layers of a model loaded on CUDA by kernels it fetches from the Hub
+    when the ``kernels`` package is installed, which fails offline and would time
+    different code than the model's own."""
+    return {"USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "0")}
+
+
+def _start_servers(variants: list[dict[str, Any]], config: ServeBenchConfig, work: Path,
+                   stack: contextlib.ExitStack) -> list[tuple[ServedModel, float]]:  # fmt: skip
+    """Start a server per variant at once (they load together), each stopped when ``stack``
+    closes; wait until each answers. Returns (server, seconds from the common start until
+    it answered)."""
+    extra = ("--continuous-batching",) if config.continuous_batching else ()
+    extra += ("--dtype", config.dtype) if config.dtype else ()
+    servers = []
+    for variant in variants:
+        server = ServedModel(variant["directory"], work / f"{variant_name(variant)}.log",
+                             device=config.device or "auto", extra=extra,
+                             ready_timeout=config.ready_timeout, env=server_env())  # fmt: skip
+        stack.callback(server.stop)
+        server.start()
+        servers.append(server)
+    started = time.perf_counter()
+    ready = []
+    for server in servers:
+        server.wait_ready()
+        ready.append((server, time.perf_counter() - started))
+    return ready
+
+
+def _run_cells(variants: list[dict[str, Any]], config: ServeBenchConfig, work: Path,
+               texts: dict[int, list[str]], log: Any, on_row: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Serve every variant at once and run the cells: for each concurrency and prompt
+    length, each variant in turn (so every variant meets the machine in the same state and
+    an interrupted run holds all of them for the cells it reached). ``on_row(rows)`` after
+    each cell."""
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        servers = _start_servers(variants, config, work, stack)
+        warmups = [_warm_up(server, texts, config) for server, _ in servers]
         for concurrency in config.concurrency:
             for length in config.lengths:
-                count = config.requests or concurrency
-                records, wall = asyncio.run(_cell(server, texts[length][:count], config, concurrency))  # fmt: skip
-                row = {"method": variant["method"], "top_k": variant["top_k"],
-                       "concurrency": concurrency, "prompt_tokens": length,
-                       **cell_row(records, wall), "server_ready_s": ready_s}  # fmt: skip
-                log(f"{name} concurrency={concurrency} N={length}: answered {row['answered']}"
-                    f"/{row['sent']}, {row['tokens_per_second'] or 0:.2f} tokens/s, "
-                    f"TTFT p50 {row['ttft_p50_s']}, latency p99 {row['latency_p99_s']}")  # fmt: skip
-                rows.append(row)
-            if not server.alive():
-                raise RuntimeError(f"the server of {name} stopped:\n{server.log_tail()}")
+                for variant, (server, ready_s), warmup_s in zip(variants, servers, warmups, strict=True):  # fmt: skip
+                    count = config.requests or concurrency
+                    records, wall = asyncio.run(_cell(server, texts[length][:count], config, concurrency))  # fmt: skip
+                    row = {"method": variant["method"], "top_k": variant["top_k"],
+                           "concurrency": concurrency, "prompt_tokens": length,
+                           **cell_row(records, wall), "server_ready_s": ready_s,
+                           "warmup_s": warmup_s}  # fmt: skip
+                    log(f"{variant_name(variant)} concurrency={concurrency} N={length}: "
+                        f"answered {row['answered']}/{row['sent']}, "
+                        f"{row['tokens_per_second'] or 0:.2f} tokens/s, TTFT p50 "
+                        f"{row['ttft_p50_s']}, latency p99 {row['latency_p99_s']}")  # fmt: skip
+                    rows.append(row)
+                    on_row(rows)
+                    if not server.alive():
+                        raise RuntimeError(f"the server of {variant_name(variant)} stopped:\n"
+                                           f"{server.log_tail()}")  # fmt: skip
     return rows
 
 
-def run_serve_benchmark(config: ServeBenchConfig, log: Any = print) -> dict[str, Any]:
-    """Serve Focus (each ``top_k``) and, with ``config.dense``, the dense base model with
-    ``transformers serve`` on 127.0.0.1, one at a time, and send each cell (a concurrency
-    and a prompt length) its requests: streaming completions, greedy, ``max_new_tokens``
-    each, prompts of the corpus split (the same prompts for every variant).
-
-    Returns:
-        ``{"benchmark": "serve", "config", "environment", "rows"}``: per (method, top_k,
-        concurrency, prompt_tokens) the requests sent and answered (errors by message),
-        generated tokens per second of wall time, TTFT and latency p50/p99 (seconds, from
-        the cell's start: queueing included).
-
-    Raises:
-        RuntimeError: a server did not start, or stopped during its cells.
-        ValueError, FileNotFoundError: as ``focus export`` raises them.
-    """
-    from transformers import AutoTokenizer
-
-    work_root = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="focus-serve-"))  # fmt: skip
-    work_root.mkdir(parents=True, exist_ok=True)
-    try:
-        export = _export_for(config, work_root)
-        tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
-        count = config.requests or max(config.concurrency)
-        texts = {n: prompts(config, tokenizer, n, count) for n in config.lengths}
-        rows = []
-        for variant in served_variants(export, config.top_k or (None,), config.dense, work_root):
-            rows += _serve_variant(variant, config, work_root, texts, log)
-    finally:
-        if not config.work_dir:
-            shutil.rmtree(work_root, ignore_errors=True)
-    record = {
+def _record(config: ServeBenchConfig) -> dict[str, Any]:
+    """The settings part of a serving result."""
+    return {
         "model": config.model,
         "adapter": config.adapter,
         "export": config.export,
-        "routers": routers_record(config.adapter),
+        "routers": routers_record(config.adapter or config.export),
         "corpus": config.corpus,
         "split": config.split,
         "lengths": list(config.lengths),
@@ -264,11 +296,65 @@ def run_serve_benchmark(config: ServeBenchConfig, log: Any = print) -> dict[str,
         "dense": config.dense,
         "device": config.device or "auto",
         "continuous_batching": config.continuous_batching,
+        "dtype": config.dtype,
+        "warmup_requests_per_length": config.warmup,
         "cell_timeout_s": config.cell_timeout,
-        "server": "transformers serve (127.0.0.1), /v1/completions, stream, temperature 0",
+        "server": "transformers serve (127.0.0.1), /v1/completions, stream, temperature 0; "
+        "every variant served at once, the cells taken in turn",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "server_env": server_env(),
     }
-    return {"benchmark": "serve", "config": record, "environment": environment(), "rows": rows}
+
+
+def run_serve_benchmark(config: ServeBenchConfig, log: Any = print,
+                        checkpoint: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Serve Focus (each ``top_k``) and, with ``config.dense``, the dense base model with
+    ``transformers serve`` on 127.0.0.1, all at once, warm each up (``config.warmup``
+    requests per length, not counted), then send each cell (a concurrency and a prompt
+    length) to each served model in turn: streaming completions, greedy,
+    ``max_new_tokens`` each, prompts of the corpus split (the same prompts for every
+    variant). A server answers while the others wait idle.
+
+    Args:
+        checkpoint: called after every cell with the result so far (``"complete": False``),
+            so that an interrupted run keeps the cells it finished.
+
+    Returns:
+        ``{"benchmark": "serve", "complete": True, "config", "environment", "rows"}``: per
+        (method, top_k, concurrency, prompt_tokens) the requests sent and answered (errors
+        by message), generated tokens per second of wall time, TTFT and latency p50/p99
+        (seconds, from the cell's start: queueing included).
+
+    Raises:
+        RuntimeError: a server did not start, failed a warm-up request, or stopped during
+            its cells.
+        ValueError, FileNotFoundError: as ``focus export`` raises them.
+    """
+    from transformers import AutoTokenizer
+
+    work_root = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="focus-serve-"))  # fmt: skip
+    work_root.mkdir(parents=True, exist_ok=True)
+    record, env = _record(config), environment()
+
+    def result(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        return {"benchmark": "serve", "complete": complete, "config": record,
+                "environment": env, "rows": list(rows)}  # fmt: skip
+
+    def on_row(rows: list[dict[str, Any]]) -> None:
+        if checkpoint is not None:
+            checkpoint(result(rows, False))
+
+    try:
+        export = _export_for(config, work_root)
+        tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
+        count = (config.requests or max(config.concurrency)) + config.warmup
+        texts = {n: prompts(config, tokenizer, n, count) for n in config.lengths}
+        variants = served_variants(export, config.top_k or (None,), config.dense, work_root)
+        rows = _run_cells(variants, config, work_root, texts, log, on_row)
+    finally:
+        if not config.work_dir:
+            shutil.rmtree(work_root, ignore_errors=True)
+    return result(rows, True)
 
 
 def serve_table(result: dict[str, Any]) -> str:

@@ -369,6 +369,8 @@ class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceS
 SERVE_LENGTHS = (1024, 2048, 4096, 8000)
 #: concurrent requests of the serving benchmark
 SERVE_CONCURRENCY = (16, 64)
+#: weight dtypes the served models can be loaded in (transformers serve --dtype)
+SERVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS}, several=("top_k",))
@@ -408,6 +410,16 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
         default=False,
         metadata={"help": "serve with transformers serve --continuous-batching"},
     )
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "dtype the server loads the weights in (transformers serve --dtype; "
+                  "default: the checkpoint's own)", "choices": SERVE_DTYPES},
+    )  # fmt: skip
+    warmup: int = field(
+        default=1,
+        metadata={"help": "requests of each prompt length sent to a server and not counted "
+                  "before its cells (compilation and caches warm up outside the timing)"},
+    )  # fmt: skip
     work_dir: str | None = field(
         default=None,
         metadata={"help": "where the served directories and server logs go (default: a "
@@ -423,6 +435,9 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
         for v in self.concurrency:
             check_int(owner, "concurrency", v, 1)
         check_int(owner, "requests", self.requests, 1, optional=True)
+        check_int(owner, "warmup", self.warmup, 0)
+        if self.dtype is not None and self.dtype not in SERVE_DTYPES:
+            raise bad(owner, "dtype", self.dtype, f"one of {SERVE_DTYPES}")
         check_number(owner, "cell_timeout", self.cell_timeout)
         check_number(owner, "ready_timeout", self.ready_timeout)
         if (self.adapter is None) == (self.export is None):

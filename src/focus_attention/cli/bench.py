@@ -126,9 +126,15 @@ def _instructions(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from ..bench.serve import plot_serve, run_serve_benchmark, serve_table
+    from ..utils.io import write_json_atomic
 
     config = _config(args, ServeBenchConfig)
-    result = run_serve_benchmark(config)
+
+    def checkpoint(partial: dict) -> None:
+        if config.json:
+            write_json_atomic(config.json, partial)
+
+    result = run_serve_benchmark(config, checkpoint=checkpoint)
     print(serve_table(result))
     _write(result, config, plot_serve)
     return 0

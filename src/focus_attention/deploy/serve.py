@@ -87,16 +87,22 @@ class ServedModel:
         self._log: IO[Any] | None = None
 
     def __enter__(self) -> ServedModel:
-        self._log = self.log_path.open("w", encoding="utf-8")
-        self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
-        )
+        self.start()
         try:
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start(self) -> None:
+        """Start the server's process without waiting for it (:meth:`wait_ready` waits; the
+        context manager does both). Servers started one after another this way load at
+        the same time."""
+        self._log = self.log_path.open("w", encoding="utf-8")
+        self.process = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

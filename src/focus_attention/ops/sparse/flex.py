@@ -67,6 +67,9 @@ CODE_BITS = 62
 _FILL_QUERY, _FILL_KEY = -1, -2
 
 _COMPILED = None
+_COMPILED_STATIC = None
+#: set once compiling with dynamic shapes failed: every later call compiles per shape
+_STATIC_ONLY = False
 
 
 def membership_codes(groups: torch.Tensor) -> list[torch.Tensor]:
@@ -378,15 +381,50 @@ def _flex_context(eager: bool) -> Iterator[None]:
         yield
 
 
-def _flex_function(device: torch.device):
+def _flex_function(device: torch.device, *, static: bool = False):
     """Eager FlexAttention on CPU (the only form with a log-sum-exp there), compiled
-    elsewhere (created once)."""
-    global _COMPILED
+    elsewhere (created once): with automatic dynamic shapes, or with ``static`` one kernel
+    per shape (:func:`flex_call` falls back to it)."""
+    global _COMPILED, _COMPILED_STATIC
     if device.type == "cpu":
         return flex_attention
+    if static:
+        if _COMPILED_STATIC is None:
+            _COMPILED_STATIC = torch.compile(flex_attention, dynamic=False)
+        return _COMPILED_STATIC
     if _COMPILED is None:
         _COMPILED = torch.compile(flex_attention)
     return _COMPILED
+
+
+def _compile_failures() -> tuple[type[BaseException], ...]:
+    """The errors of a failed compilation (Inductor's lowering errors among them)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return (BackendCompilerFailed,)
+
+
+def _flex_forward(q, k, v, block_mask: BlockMask, scale: float, score_mod):
+    """``(out, aux)`` of one FlexAttention call. When compiling with dynamic shapes fails
+    (seen on CUDA with torch 2.11: Inductor found no kernel for a head_dim-16 input whose
+    length had become dynamic, "NoValidChoicesError"), this call and every later one use a
+    kernel compiled for its shapes (slower to warm up, recompiled per shape), with one
+    ``RuntimeWarning``."""
+    global _STATIC_ONLY
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale,
+                  enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))  # fmt: skip
+    if not _STATIC_ONLY:
+        try:
+            return _flex_function(q.device)(q, k, v, **kwargs)
+        except _compile_failures() as err:
+            _STATIC_ONLY = True
+            warnings.warn(
+                f"FlexAttention did not compile with dynamic shapes ({type(err).__name__}); "
+                "compiling a kernel per shape from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return _flex_function(q.device, static=True)(q, k, v, **kwargs)
 
 
 def flex_call(q, k, v, block_mask: BlockMask, *, scale: float, score_mod=None):
@@ -396,16 +434,12 @@ def flex_call(q, k, v, block_mask: BlockMask, *, scale: float, score_mod=None):
     ``-inf``. On CPU half-precision inputs are computed in float32 (eager FlexAttention
     would round the probabilities to the input dtype before multiplying by the values), so
     ``out`` is float32 there."""
-    fn = _flex_function(q.device)
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
     with warnings.catch_warnings(), _flex_context(eager=q.device.type == "cpu"):
         # eager on CPU is deliberate (module docstring)
         warnings.filterwarnings("ignore", message="flex_attention called without")
-        out, aux = fn(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
-        )  # fmt: skip
+        out, aux = _flex_forward(q, k, v, block_mask, scale, score_mod)
     lse = aux.lse
     return out.masked_fill((lse == float("-inf"))[..., None], 0.0), lse
 
