@@ -26,7 +26,10 @@ block-sparse Triton kernels with log-sum-exp and backward), and ``"auto"`` choos
 backend there. On CPU it runs eagerly: PyTorch's eager FlexAttention returns the
 log-sum-exp but materialises each part's score matrix (``O(Nq x Nk)`` memory) and has no
 backward, and compiled FlexAttention on CPU returns no log-sum-exp. So on CPU the backend
-is exact, slow and inference-only, used when asked for by name (tests, comparisons).
+is exact, slow and inference-only, used when asked for by name (tests, comparisons). On
+CUDA the compiled function takes PyTorch's automatic dynamic shapes; if compiling it that way
+fails (seen once, torch 2.11 on an H200: Inductor found no kernel for a head_dim-16 input),
+every later call compiles a kernel per shape instead, with one ``RuntimeWarning``.
 """
 
 from __future__ import annotations
