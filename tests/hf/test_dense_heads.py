@@ -13,6 +13,7 @@ from tiny import ARCHS, focus, ids, left_pad, positions
 
 from focus_attention.hf import FocusConfig, FocusModel
 from focus_attention.hf.architectures import attention_modules, get_architecture
+from focus_attention.hf.attention import head_split
 from focus_attention.hf.compat import cache_kwargs, cache_of
 from focus_attention.hf.config import parse_layer_heads
 
@@ -89,24 +90,64 @@ def test_every_head_dense_is_a_dense_layer(arch):
     torch.testing.assert_close(every_head, _logits(fm, x), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decoding_with_a_cache_equals_the_whole_sequence(arch):
-    """Prefill then one token at a time through the KV cache: every step's logits equal the
-    whole sequence's (the cache keeps what both kinds of heads need)."""
-    fm, last, _, _, dense_kv = _setup(arch)
-    fm.focus_config = fm.focus_config.replace(dense_heads=[(last, dense_kv)])
-    x = ids(2, N, seed=8)
+def _assert_decoding_equals_whole(fm, x, prefill: int) -> None:
+    """Prefill ``prefill`` tokens, then one token at a time through the KV cache (calls of
+    one query: every head routed, the dense heads' outputs overwritten): every step's
+    logits equal the whole sequence's."""
+    n = x.shape[1]
     whole = _logits(fm, x)
-    prefill = N - 6
     with torch.no_grad():
         out = fm(input_ids=x[:, :prefill], use_cache=True)
         steps = [out.logits[:, -1]]
         cache = cache_of(out)
-        for i in range(prefill, N - 1):
+        for i in range(prefill, n - 1):
             out = fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
             cache = cache_of(out)
             steps.append(out.logits[:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : N - 1], atol=TOL, rtol=0)  # fmt: skip
+    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : n - 1], atol=TOL, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoding_with_a_cache_equals_the_whole_sequence(arch):
+    """The cache keeps what both kinds of heads need."""
+    fm, last, _, _, dense_kv = _setup(arch)
+    fm.focus_config = fm.focus_config.replace(dense_heads=[(last, dense_kv)])
+    _assert_decoding_equals_whole(fm, ids(2, N, seed=8), N - 6)
+
+
+@pytest.mark.parametrize("arch,overrides", [("gpt2", {}), ("llama", {"num_key_value_heads": 4})])
+def test_heads_apart_attend_as_their_kind_in_prefill_and_decoding(arch, overrides):
+    """Dense key-value heads 0 and 2 of 4 (not consecutive: selected by index, not by a
+    view): each head attends as its kind over a whole sequence, and decoding through the
+    cache equals the whole sequence."""
+    _, fm = focus(arch, model_overrides=overrides)
+    last = fm.focus_layers[-1]
+    group = fm.base_model.config.num_attention_heads // 4
+    x = ids(2, N, seed=9)
+    cfg = fm.focus_config
+    fm.focus_config = cfg.replace(dense_heads=[(last, 0), (last, 2)])
+    mixed = _head_inputs(fm, last, x)
+    _assert_decoding_equals_whole(fm, x, N - 5)
+    fm.focus_config = cfg.replace(dense_layers=[last])
+    dense = _head_inputs(fm, last, x)
+    fm.focus_config = cfg
+    routed = _head_inputs(fm, last, x)
+    is_dense = torch.isin(torch.arange(mixed.shape[2]) // group, torch.tensor([0, 2]))
+    torch.testing.assert_close(mixed[:, :, is_dense], dense[:, :, is_dense], atol=TOL, rtol=0)
+    torch.testing.assert_close(mixed[:, :, ~is_dense], routed[:, :, ~is_dense], atol=TOL, rtol=0)  # fmt: skip
+    assert not torch.allclose(dense[:, :, is_dense], routed[:, :, is_dense], atol=1e-4)
+
+
+def test_the_head_split_selects_consecutive_heads_by_a_view():
+    split = head_split(3, ((3, 1), (3, 2), (0, 0)), num_heads=8, num_kv_heads=4, device="cpu")
+    assert (split.dense_kv_span, split.dense_q_span) == ((1, 2), (2, 4))
+    t = torch.randn(1, 4, 5, 2)
+    assert split.dense_keys(t)._base is t  # a view
+    torch.testing.assert_close(split.dense_keys(t), t[:, 1:3])
+    apart = head_split(3, ((3, 0), (3, 2)), num_heads=8, num_kv_heads=4, device="cpu")
+    assert apart.dense_kv_span is None
+    torch.testing.assert_close(apart.dense_keys(t), t[:, [0, 2]])
+    assert apart.dense_queries(torch.randn(1, 8, 5, 2)).shape == (1, 4, 5, 2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

@@ -655,15 +655,35 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     return out, q_groups, k_groups, maps
 
 
+#: calls of at most this many queries (decoding steps) route every head and then overwrite
+#: the dense heads' outputs: the op on a few extra heads costs less than copying the routed
+#: heads' cached keys and values out of the cache at every step
+ROUTE_ALL_HEADS_QUERIES = 8
+
+
 @dataclass
 class HeadSplit:
     """The heads of a layer with ``FocusConfig.dense_heads``: int64 indices of the routed
-    and the dense query heads ``[H_routed]``, ``[H_dense]`` and of their key-value heads."""
+    and the dense query heads ``[H_routed]``, ``[H_dense]`` and of their key-value heads,
+    and ``(start, length)`` of the dense heads when they are consecutive (a view then
+    selects them, no copy), else None."""
 
     routed_q: torch.Tensor
     routed_kv: torch.Tensor
     dense_q: torch.Tensor
     dense_kv: torch.Tensor
+    dense_kv_span: tuple[int, int] | None = None
+    dense_q_span: tuple[int, int] | None = None
+
+    def dense_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """The dense key-value heads of ``t [B, H_kv, N, D]`` (a view when consecutive)."""
+        span = self.dense_kv_span
+        return t.narrow(1, *span) if span else t.index_select(1, self.dense_kv)
+
+    def dense_queries(self, t: torch.Tensor) -> torch.Tensor:
+        """The dense query heads of ``t [B, H, N, D]`` (a view when consecutive)."""
+        span = self.dense_q_span
+        return t.narrow(1, *span) if span else t.index_select(1, self.dense_q)
 
 
 def head_split(layer_idx: int, dense_heads: tuple, num_heads: int, num_kv_heads: int,
@@ -690,8 +710,12 @@ def head_split(layer_idx: int, dense_heads: tuple, num_heads: int, num_kv_heads:
     kv = torch.arange(num_kv_heads)
     q = torch.arange(num_heads)
     q_dense = is_dense[q // group]
+    heads = sorted(set(dense))
+    consecutive = heads[-1] - heads[0] + 1 == len(heads)
+    kv_span = (heads[0], len(heads)) if consecutive else None
+    q_span = (heads[0] * group, len(heads) * group) if consecutive else None
     return HeadSplit(q[~q_dense].to(device), kv[~is_dense].to(device), q[q_dense].to(device),
-                     kv[is_dense].to(device))  # fmt: skip
+                     kv[is_dense].to(device), kv_span, q_span)  # fmt: skip
 
 
 def _routed_heads(call: LayerCall, split: HeadSplit) -> LayerCall:
@@ -708,9 +732,9 @@ def _dense_heads_attention(handle, module, call: LayerCall, split: HeadSplit, at
                            kwargs) -> torch.Tensor:  # fmt: skip
     """The dense heads' attention ``[B, H_dense, Nq, D]``: the base implementation on their
     queries, keys and values under the base mask (as a layer in ``dense_layers`` runs)."""
-    q = call.query.index_select(1, split.dense_q)
-    k = call.key.index_select(1, split.dense_kv)
-    v = call.value.index_select(1, split.dense_kv)
+    q = split.dense_queries(call.query)
+    k = split.dense_keys(call.key)
+    v = split.dense_keys(call.value)
     out, _ = base_call(handle.runtime, module, q, k, v, attention_mask, 0.0, call.scale, kwargs)
     return out.transpose(1, 2)
 
@@ -733,8 +757,8 @@ def _dense_maps(call: LayerCall, split: HeadSplit) -> torch.Tensor:
     if call.real is not None:
         visible = visible & call.real[:, None, :]
     visible = visible.expand(call.query.shape[0], nq, nk)
-    q = call.query.index_select(1, split.dense_q)
-    k = call.key.index_select(1, split.dense_kv)
+    q = split.dense_queries(call.query)
+    k = split.dense_keys(call.key)
     return attention_probs(q, k, visible, call.scale, call.softcap)
 
 
@@ -745,12 +769,10 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     full = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
     split = head_split(handle.layer_idx, handle.runtime.focus_config.dense_heads,
                        full.query.shape[1], full.key.shape[1], full.query.device)  # fmt: skip
-    out, maps = _routed_layer(handle, full if split is None else _routed_heads(full, split))
     if split is not None:
-        dense = _dense_heads_attention(handle, module, full, split, attention_mask, kwargs)
-        if maps is not None:
-            maps = _merge_heads(split, maps, _dense_maps(full, split))
-        out = _merge_heads(split, out, dense)
+        out, maps = _split_layer(handle, module, full, split, attention_mask, kwargs)
+    else:
+        out, maps = _routed_layer(handle, full)
     gates = handle.runtime.head_gates
     alpha = None if gates is None else gates.alpha(handle.layer_idx)
     if alpha is not None:  # maps stay the Focus layer's
@@ -758,6 +780,24 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
                              attention_mask, 0.0, full.scale, kwargs)  # fmt: skip
         out = mix_heads(alpha, dense.transpose(1, 2), out)
     return out, maps
+
+
+def _split_layer(handle, module, call: LayerCall, split: HeadSplit, attention_mask, kwargs):
+    """A layer with dense heads: ``(out [B, H, Nq, D], maps or None)``, the routed heads'
+    from the Focus op and the dense heads' from the base attention. A call of at most
+    :data:`ROUTE_ALL_HEADS_QUERIES` queries routes every head and overwrites the dense ones
+    (routing is per token, so the routed heads' outputs are those of the op on them alone);
+    a longer one runs the op on the routed heads only."""
+    route_all = call.query.shape[2] <= ROUTE_ALL_HEADS_QUERIES
+    out, maps = _routed_layer(handle, call if route_all else _routed_heads(call, split))
+    dense = _dense_heads_attention(handle, module, call, split, attention_mask, kwargs)
+    dense_maps = None if maps is None else _dense_maps(call, split)
+    if route_all:
+        out = out.index_copy(1, split.dense_q, dense.to(out.dtype))
+        maps = None if maps is None else maps.index_copy(1, split.dense_q, dense_maps.to(maps.dtype))  # fmt: skip
+        return out, maps
+    maps = None if maps is None else _merge_heads(split, maps, dense_maps)
+    return _merge_heads(split, out, dense), maps
 
 
 def _routed_layer(handle: LayerHandle, call: LayerCall):
