@@ -54,7 +54,7 @@ __all__ = [
 
 #: sequence lengths of the README's kernel table (tokens)
 KERNEL_LENGTHS = (1024, 4096, 16384, 32768)
-#: input dtypes the kernel benchmark can time (torch dtype names)
+#: torch dtype names a benchmark runs in (the kernel benchmark's inputs, the served weights)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: dense kernels: ``auto`` lets SDPA choose; the others force one SDPA backend
 DENSE_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
@@ -369,8 +369,6 @@ class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceS
 SERVE_LENGTHS = (1024, 2048, 4096, 8000)
 #: concurrent requests of the serving benchmark
 SERVE_CONCURRENCY = (16, 64)
-#: weight dtypes the served models can be loaded in (transformers serve --dtype)
-SERVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS}, several=("top_k",))
@@ -413,7 +411,7 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
     dtype: str | None = field(
         default=None,
         metadata={"help": "dtype the server loads the weights in (transformers serve --dtype; "
-                  "default: the checkpoint's own)", "choices": SERVE_DTYPES},
+                  "default: the checkpoint's own)", "choices": DTYPE_NAMES},
     )  # fmt: skip
     warmup: int = field(
         default=1,
@@ -436,8 +434,8 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
             check_int(owner, "concurrency", v, 1)
         check_int(owner, "requests", self.requests, 1, optional=True)
         check_int(owner, "warmup", self.warmup, 0)
-        if self.dtype is not None and self.dtype not in SERVE_DTYPES:
-            raise bad(owner, "dtype", self.dtype, f"one of {SERVE_DTYPES}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise bad(owner, "dtype", self.dtype, f"one of {DTYPE_NAMES}")
         check_number(owner, "cell_timeout", self.cell_timeout)
         check_number(owner, "ready_timeout", self.ready_timeout)
         if (self.adapter is None) == (self.export is None):
