@@ -2,8 +2,8 @@
 ``ContinuousBatchingManager``; :mod:`focus_attention.hf.paged`): packed requests of different
 lengths over the paged KV cache give each request the greedy tokens of its own ``generate``,
 and logits within float32 tolerance, on every supported architecture; with requests added,
-finishing and cancelled at different times; with dense layers, dense heads, sink tokens and
-``query_top_k``; what is not causal is refused."""
+finishing and cancelled at different times; with dense layers, dense heads, sink tokens,
+``query_top_k`` and streaming routing; what is not causal is refused."""
 
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ def test_generate_batch_equals_generate_per_request(arch):
         dict(sink_tokens=4),
         dict(top_k=1, query_top_k=2),
         dict(top_k=2, window=4),
+        dict(inference_routing="streaming", sink_tokens=3, window=4),
     ],
 )
 def test_settings(settings):

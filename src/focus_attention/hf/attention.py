@@ -584,6 +584,8 @@ def _new_token_groups(handle: LayerHandle, call: LayerCall, top_ks: tuple[int, i
     """Memberships bool ``[B, Nq, K]`` of this call's tokens for each of ``top_ks`` (the
     same tensor twice when the two are equal); padding joins no group."""
     router, cfg = handle.router, handle.runtime.focus_config
+    if cfg.inference_routing == "streaming":
+        return _streaming_groups(call, router.num_groups)
     if cfg.inference_routing == "sequence":
         if call.has_cache:
             raise ValueError("inference_routing='sequence' cannot use a KV cache")
@@ -597,6 +599,18 @@ def _new_token_groups(handle: LayerHandle, call: LayerCall, top_ks: tuple[int, i
     if call.real_q is not None:
         groups = {k: g & call.real_q[..., None] for k, g in groups.items()}
     return groups[top_ks[0]], groups[top_ks[1]]
+
+
+def _streaming_groups(call: LayerCall, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key memberships, query memberships)`` bool ``[B, Nq, K]`` of
+    ``inference_routing="streaming"``: no key joins a group and every real query joins group
+    0, which then holds the sink tokens only (:func:`_key_groups` puts them in every group),
+    so a query sees its window and the sinks."""
+    bsz, nq = call.hidden.shape[:2]
+    keys = torch.zeros(bsz, nq, num_groups, dtype=torch.bool, device=call.hidden.device)
+    queries = keys.clone()
+    queries[..., 0] = True
+    return keys, _real_only(queries, call)
 
 
 def _key_groups(call: LayerCall, memberships: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 ROUTINGS = ("auto", "soft", "topk")
-INFERENCE_ROUTINGS = ("causal", "sequence")
+INFERENCE_ROUTINGS = ("causal", "sequence", "streaming")
 
 
 # checks that name the field as "FocusConfig.<field>"
@@ -87,7 +87,10 @@ class FocusConfig:
         inference_routing: how top-k groups are chosen: ``"causal"`` (default; top-k of the
             token's own scores plus a per-group bias calibrated during soft training, so a
             token's groups depend on that token only) or ``"sequence"`` (the paper's
-            sequence-wide Sinkhorn before top-k: non-causal, refuses a KV cache).
+            sequence-wide Sinkhorn before top-k: non-causal, refuses a KV cache), or
+            ``"streaming"``, a reference without groups: a query sees its window and the
+            sink tokens only, the "streaming heads" of DuoAttention (Xiao et al., 2024),
+            so ``top_k`` and the routers go unused (docs/method.md §9).
         layers: indices of the layers that get Focus, stored as a sorted tuple (any iterable
             of ints is accepted); ``None`` = every full-attention layer (layers a model
             declares as sliding-window in ``config.layer_types`` are left as they are). An
@@ -160,7 +163,11 @@ class FocusConfig:
     )
     inference_routing: str = field(
         default="causal",
-        metadata={"help": "how top-k groups are chosen", "choices": INFERENCE_ROUTINGS},
+        metadata={
+            "help": "how top-k groups are chosen (streaming: none, only the window and "
+            "the sink tokens)",
+            "choices": INFERENCE_ROUTINGS,
+        },
     )
     layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers that get Focus (default: every full layer)"}
