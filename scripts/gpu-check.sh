@@ -5,7 +5,8 @@
 #
 #   OUT=/some/dir bash scripts/gpu-check.sh        # results land in $OUT (default runs/gpu)
 #
-# Writes: hardware.txt, gpu-tests.log, kernel-cuda-flash.json/.png, kernel-cuda-auto.json/.png.
+# Writes: hardware.txt, gpu-tests.log, kernel-cuda-flash.json/.png, kernel-cuda-auto.json/.png,
+# and decode-cuda.json with FOCUS_ADAPTER=DIR (an adapter whose base model is prepared).
 # Each step runs even when an earlier one fails; the exit status is that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +36,11 @@ for dense in flash auto; do
     --backend flex --dense-kernel "$dense" --lengths $lengths --top-k 1 2 --repeats 5 \
     --no-gates --json "$out/kernel-cuda-$dense.json"
 done
+# decoding steps of the real model on the GPU, Focus against dense (only with FOCUS_ADAPTER, an
+# adapter directory, and its base model prepared in the asset cache: the weights must be there)
+if [ -n "${FOCUS_ADAPTER:-}" ]; then
+  step "$py" -m focus_attention.cli bench decode --device cuda --dtype bfloat16 \
+    --adapter "$FOCUS_ADAPTER" --contexts 4096 16384 --levels op model --top-k 1 2 \
+    --json "$out/decode-cuda.json"
+fi
 exit "$status"

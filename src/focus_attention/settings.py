@@ -338,7 +338,8 @@ class AdapterOverrides(WindowValues, TopKValues):
     )  # fmt: skip
     inference_routing: str | None = field(
         default=None,
-        metadata={"help": "how top-k groups are chosen, over the adapter's",
+        metadata={"help": "how top-k groups are chosen, over the adapter's (streaming: "
+                  "none, only the window and the sink tokens)",
                   "choices": INFERENCE_ROUTINGS},
     )  # fmt: skip
 

@@ -238,10 +238,41 @@ def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, ke
         run_model_benchmark(replace(cfg, query_top_k=5))
 
 
+def _decode_in(tmp_path, monkeypatch, **kw) -> dict:
+    """``focus bench decode`` of the tiny model at both levels, 24 cached tokens."""
+    from tiny_assets import make_tiny_assets, use_tiny_assets
+
+    from focus_attention.bench.decode import DecodeBenchConfig, run_decode_benchmark
+
+    assets = use_tiny_assets(make_tiny_assets(tmp_path), monkeypatch)
+    cfg = DecodeBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                            contexts=(24,), top_k=(1,), num_groups=4, window=8, steps=2,
+                            warmup=1, threads=1, progress=False, **kw)  # fmt: skip
+    return run_decode_benchmark(cfg)
+
+
+def test_decode_benchmark_in_bfloat16_records_dtype_and_device(tmp_path, monkeypatch, kernel_built):
+    """``--dtype bfloat16 --device cpu``: both levels run in bfloat16 and say so."""
+    result = _decode_in(tmp_path, monkeypatch, dtype="bfloat16", device="cpu")
+    assert (result["config"]["dtype"], result["config"]["device"]) == ("bfloat16", "cpu")
+    assert {r["level"] for r in result["rows"]} == {"op", "model"}
+    assert all(r["seconds"] > 0 for r in result["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_benchmark_on_cuda_names_the_decoding_backend(tmp_path, monkeypatch):
+    """On CUDA a one-query call goes to ``gather`` (auto's choice for decoding), and the
+    model level runs on the device."""
+    result = _decode_in(tmp_path, monkeypatch, dtype="bfloat16", device="cuda")
+    assert result["config"]["device"] == "cuda"
+    assert {r["backend"] for r in result["rows"] if r["level"] == "op" and r["method"] == "focus"} == {"gather"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [(dict(levels=("gpu",)), "levels"), (dict(contexts=()), "contexts"), (dict(steps=0), "steps"),
-     (dict(top_k=(0,)), "top_k")],
+     (dict(top_k=(0,)), "top_k"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device")],
 )  # fmt: skip
 def test_decode_benchmark_rejects_bad_settings(changes, match):
     from focus_attention.bench.decode import DecodeBenchConfig

@@ -47,14 +47,18 @@ def _random_groups(n: int, k: int, top_k: int, gen: torch.Generator) -> torch.Te
     return torch.zeros(1, n, k, dtype=torch.bool).scatter_(-1, order, True)
 
 
-def _op_rows(config: DecodeBenchConfig, shape: dict[str, int]) -> list[dict[str, Any]]:
-    """The op level: one query against ``N`` cached keys, dense then each top_k."""
+def _op_rows(config: DecodeBenchConfig, shape: dict[str, int], device: str) -> list[dict[str, Any]]:  # fmt: skip
+    """The op level: one query against ``N`` cached keys, dense then each top_k; the inputs
+    drawn in float32 on the CPU, then moved to ``device`` and ``config.dtype`` (every device
+    times the same numbers)."""
     gen = torch.Generator().manual_seed(config.seed)
+    dtype = getattr(torch, config.dtype)
     rows = []
     for n in config.contexts:
         h, h_kv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
         q = torch.randn(1, h, 1, d, generator=gen)
         key, value = (torch.randn(1, h_kv, n, d, generator=gen) for _ in range(2))
+        q, key, value = (t.to(device=device, dtype=dtype) for t in (q, key, value))
         rows += _op_context(config, q, key, value, gen)
     return rows
 
@@ -68,18 +72,24 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
     calls = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)}  # fmt: skip
     groups = {}
     for top_k in config.top_k:
-        kg = _random_groups(n, k, min(top_k, k), gen)
+        kg = _random_groups(n, k, min(top_k, k), gen).to(q.device)
         groups[top_k] = (kg[:, -1:], kg)
         calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window)  # fmt: skip
     with torch.inference_mode():
-        timed = interleaved_median_seconds(calls, config.steps, config.warmup)
+        timed = interleaved_median_seconds(calls, config.steps, config.warmup, synchronize=_sync(q.device))  # fmt: skip
     rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0}]  # fmt: skip
     for top_k, (qg, kg) in groups.items():
         rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
                      "seconds": timed[f"focus-{top_k}"][0],
                      "share": _share(qg[0, 0], kg[0], config.op_window),
-                     "backend": sparse_backend_name("auto", k)})  # fmt: skip
+                     "backend": sparse_backend_name("auto", k, q.device.type, config.dtype, num_queries=1)})  # fmt: skip
     return rows
+
+
+def _sync(device: torch.device) -> Any:
+    """What the timing calls around each call: ``torch.cuda.synchronize`` on CUDA (the
+    device's queued work then falls inside the timing), else nothing."""
+    return torch.cuda.synchronize if device.type == "cuda" else None
 
 
 def _share(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> float:
@@ -97,15 +107,15 @@ def _model_shape(model: Any) -> dict[str, int]:
     return {"heads": heads, "kv_heads": getattr(cfg, "num_key_value_heads", heads), "head_dim": head_dim}  # fmt: skip
 
 
-def _input_ids(config: DecodeBenchConfig, tokenizer: Any, total: int) -> torch.Tensor:
-    """The first ``total`` tokens of the corpus split (repeated if shorter)."""
+def _input_ids(config: DecodeBenchConfig, tokenizer: Any, total: int, device: Any) -> torch.Tensor:  # fmt: skip
+    """The first ``total`` tokens of the corpus split (repeated if shorter), on ``device``."""
     from ..assets.corpora import load_corpus
 
     text = "\n\n".join(load_corpus(config.corpus).texts(config.split))
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     if ids.shape[1] < total:
         ids = ids.repeat(1, -(-total // ids.shape[1]))
-    return ids[:, :total]
+    return ids[:, :total].to(device)
 
 
 def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
@@ -188,7 +198,8 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
         for kind in DENSE_CACHES:
             calls[kind] = _Stepper(runner, ids, n, _dense_cache(caches[config.top_k[0]], n, kind))
             contexts[kind] = runner.disable_focus
-        timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts)
+        timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts,
+                                           synchronize=_sync(ids.device))  # fmt: skip
     fc = runner.focus_config
     rows = []
     for top_k, cache in caches.items():
@@ -211,7 +222,7 @@ def _with_top_k(runner: Any, top_k: int) -> Iterator[None]:
 def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any) -> list[dict[str, Any]]:  # fmt: skip
     """The model level, one context after another (see :func:`_model_context`)."""
     extra = config.warmup + config.steps + 1
-    ids = _input_ids(config, tokenizer, max(config.contexts) + extra)
+    ids = _input_ids(config, tokenizer, max(config.contexts) + extra, model.device)
     rows = []
     for n in config.contexts:
         bar.set_postfix(N=n)
@@ -267,10 +278,11 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     config = config or DecodeBenchConfig()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    model, tokenizer = load_model(config.model, quiet=True)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(config.model, config.dtype, device=device, quiet=True)
     model.config._attn_implementation = "sdpa"
     shape = _model_shape(model)
-    rows = _op_rows(config, shape) if "op" in config.levels else []
+    rows = _op_rows(config, shape, device) if "op" in config.levels else []
     if "model" in config.levels:
         total = len(config.contexts)
         with tqdm(total=total, desc="decode", disable=not config.progress) as bar:
@@ -281,7 +293,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         "contexts": list(config.contexts), "top_ks": list(config.top_k),
         "levels": list(config.levels), "num_groups": config.num_groups, "window": config.op_window,
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
-        "attention_shape": shape, "dtype": "float32", "batch_size": 1,
+        "attention_shape": shape, "dtype": config.dtype, "device": device, "batch_size": 1,
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
     }  # fmt: skip

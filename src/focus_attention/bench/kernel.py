@@ -136,12 +136,15 @@ def kernel_peak_memory(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> 
 
 
 def sparse_backend_name(
-    backend: str, num_groups: int = 8, device: str = "cpu", dtype: str = "float32"
-) -> str:
+    backend: str, num_groups: int = 8, device: str = "cpu", dtype: str = "float32",
+    num_queries: int = 0,
+) -> str:  # fmt: skip
     """The backend that runs the benchmark's sparse calls (on ``device`` in ``dtype``,
-    ``num_groups`` groups, no grad) when ``backend`` is asked, by the op's own resolver
+    ``num_groups`` groups, no grad, ``num_queries`` queries per call, 0: not said) when
+    ``backend`` is asked, by the op's own resolver
     (:func:`focus_attention.ops.resolve_backend`). Raises ``ValueError`` as the op would."""
-    request = SparseRequest(torch.device(device), DTYPES[dtype], False, num_groups)
+    request = SparseRequest(torch.device(device), DTYPES[dtype], False, num_groups,
+                            num_queries=num_queries)  # fmt: skip
     return resolve_backend(backend, request).name
 
 

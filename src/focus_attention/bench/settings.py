@@ -5,7 +5,7 @@ nor transformers."""
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 
 from ..assets.benchmarks import BENCHMARKS
 from ..settings import (
@@ -20,6 +20,7 @@ from ..settings import (
     ResultFile,
     RunSettings,
     SeedSettings,
+    Settings,
     TextSettings,
     ThreadSettings,
     TopKValues,
@@ -32,6 +33,7 @@ __all__ = [
     "DECODE_CONTEXTS",
     "DENSE_KERNELS",
     "DTYPE_NAMES",
+    "ComputeDtype",
     "FRESH_WINDOW",
     "HAYSTACKS",
     "KERNEL_LENGTHS",
@@ -73,11 +75,43 @@ NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 HAYSTACKS = ("passkey", "book")
 
 
+@dataclass
+class ComputeDtype(Settings):
+    """The dtype a benchmark computes in, on a cpu or cuda ``device`` (the group adds the
+    checks of both)."""
+
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of the timed computation (the kernel's query, key and "
+                  "value; the model's weights)", "choices": DTYPE_NAMES},
+    )  # fmt: skip
+
+    def check_compute(self, owner: str) -> None:
+        """Check ``dtype`` and ``device`` (``cpu`` or ``cuda``; None: cuda when torch sees
+        one).
+
+        Raises:
+            ValueError: a dtype outside :data:`DTYPE_NAMES`, another device, or cuda asked
+                for where torch sees no CUDA device.
+        """
+        if self.dtype not in DTYPE_NAMES:
+            raise bad(owner, "dtype", self.dtype, f"one of {DTYPE_NAMES}")
+        device = getattr(self, "device", "cpu")
+        kind = str(device).split(":", 1)[0]
+        if device is not None and kind not in ("cpu", "cuda"):
+            raise bad(owner, "device", device, "cpu or cuda")
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"{owner}.device: cuda was asked for but torch sees no CUDA device")  # fmt: skip
+
+
 @settings_class(
     defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu"},
     several=("top_k",),
 )
-class KernelBenchConfig(PlotFile, ResultFile, RunSettings, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
     the values timed, ``window`` is the one local window; ``device`` is cpu or cuda.
@@ -101,10 +135,6 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, DeviceSettings, SeedS
     gates: bool = field(
         default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
     )
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of query, key and value", "choices": DTYPE_NAMES},
-    )
     dense_kernel: str = field(
         default="auto",
         metadata={"help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
@@ -114,28 +144,20 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, DeviceSettings, SeedS
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "KernelBenchConfig"
-        if self.dtype not in DTYPE_NAMES:
-            raise bad(owner, "dtype", self.dtype, f"one of {DTYPE_NAMES}")
+        self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
             raise bad(owner, "dense_kernel", self.dense_kernel, f"one of {DENSE_KERNELS}")
-        kind = str(self.device).split(":", 1)[0]
-        if kind not in ("cpu", "cuda"):
-            raise bad(owner, "device", self.device, "cpu or cuda")
         for name in ("num_heads", "num_key_value_heads", "head_dim", "repeats"):
             check_int(owner, name, getattr(self, name), 1)
-        if self.backend != "auto" or kind == "cuda":
-            self._check_torch_side(owner, kind)
+        if self.backend != "auto":
+            self._check_backend(owner)
 
-    def _check_torch_side(self, owner: str, kind: str) -> None:
-        """The checks that need torch: a registered backend, a visible CUDA device."""
-        import torch
-
+    def _check_backend(self, owner: str) -> None:
+        """The check that needs torch: a registered backend."""
         from ..ops import backend_names
 
         if self.backend not in ("auto", *backend_names()):
             raise bad(owner, "backend", self.backend, f"one of {('auto', *backend_names())}")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{owner}.device: cuda was asked for but torch sees no CUDA device")
 
 
 @settings_class(
@@ -168,10 +190,12 @@ class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, Ad
 
 
 @settings_class(defaults={"top_k": (1, 2)}, several=("top_k",))
-class DecodeBenchConfig(ResultFile, RunSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
     the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
-    and over the adapter's when given; ``seed`` seeds the op level's inputs.
+    and over the adapter's when given; ``seed`` seeds the op level's inputs; ``device``
+    (cpu or cuda, default cuda when torch sees one) and ``dtype`` are those of both levels'
+    tensors and of the model's weights (the routers stay float32).
 
     Raises:
         ValueError: on construction, naming the first bad field.
@@ -185,6 +209,7 @@ class DecodeBenchConfig(ResultFile, RunSettings, SeedSettings, FreshRouters, Ada
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "DecodeBenchConfig"
+        self.check_compute(owner)
         check_int(owner, "steps", self.steps, 1)
         check_int(owner, "warmup", self.warmup, 0)
         self.contexts, self.levels = tuple(self.contexts), tuple(self.levels)
