@@ -37,9 +37,11 @@ for dense in flash auto; do
     --no-gates --json "$out/kernel-cuda-$dense.json"
 done
 # decoding steps of the real model on the GPU, Focus against dense (only with FOCUS_ADAPTER, an
-# adapter directory, and its base model prepared in the asset cache: the weights must be there)
+# adapter directory; FOCUS_MODEL, its base model, a registered name prepared in the asset cache
+# or a model directory, default smollm2-135m; FOCUS_CORPUS, the text, default austen)
 if [ -n "${FOCUS_ADAPTER:-}" ]; then
   step "$py" -m focus_attention.cli bench decode --device cuda --dtype bfloat16 \
+    --model "${FOCUS_MODEL:-smollm2-135m}" --corpus "${FOCUS_CORPUS:-austen}" \
     --adapter "$FOCUS_ADAPTER" --contexts 4096 16384 --levels op model --top-k 1 2 \
     --json "$out/decode-cuda.json"
 fi
