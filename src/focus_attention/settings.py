@@ -343,10 +343,12 @@ class AdapterOverrides(WindowValues, TopKValues):
                   "choices": INFERENCE_ROUTINGS},
     )  # fmt: skip
 
-    def overrides(self) -> dict[str, Any]:
+    def overrides(self, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
         """The :class:`~focus_attention.hf.FocusConfig` fields these settings override
-        (None: keep the adapter's)."""
-        return {name: getattr(self, name) for name in ADAPTER_OVERRIDES}
+        (None: keep the adapter's), less those in ``without`` (the ones a command sets per
+        run itself, as ``top_k`` when it runs several), for
+        :meth:`FocusConfig.override <focus_attention.hf.FocusConfig.override>`."""
+        return {name: getattr(self, name) for name in ADAPTER_OVERRIDES if name not in without}
 
 
 #: the FocusConfig fields :class:`AdapterOverrides` can override

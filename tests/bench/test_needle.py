@@ -155,9 +155,9 @@ def test_the_stored_correct_flag_and_accuracy_follow_whole_numbers(tiny, monkeyp
 
 
 def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
-    """``window``, ``sink_tokens``, ``dense_layers`` and ``query_top_k`` override the
-    adapter's settings in every Focus mode, and the JSON records them; a negative sink
-    count is refused."""
+    """``window``, ``sink_tokens``, ``dense_layers``, ``dense_heads``, ``query_top_k`` and
+    ``inference_routing`` override the adapter's settings in every Focus mode, and the JSON
+    records them; a negative sink count is refused."""
     assets, adapter = tiny
     use_tiny_assets(assets, monkeypatch)
     seen = set()
@@ -166,7 +166,7 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
         if model._runtime.current("enabled"):
             cfg = model.focus_config
             seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k,
-                      cfg.query_top_k))  # fmt: skip
+                      cfg.query_top_k, cfg.dense_heads, cfg.inference_routing))  # fmt: skip
         return " 1.", 0.01
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
@@ -174,9 +174,11 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
                                corpus=str(assets["corpus"]), haystacks=("passkey",),
                                lengths=(64,), depths=(0.5,), trials=1, top_k=(1, 2), window=5,
                                sink_tokens=3, dense_layers=(1,), query_top_k=2,
+                               dense_heads=((0, 0),), inference_routing="streaming",
                                progress=False)  # fmt: skip
     result = needle.run_needle_benchmark(config)
-    assert seen == {(5, 3, (1,), 1, 2), (5, 3, (1,), 2, 2)}
+    heads = ((0, 0),)
+    assert seen == {(5, 3, (1,), 1, 2, heads, "streaming"), (5, 3, (1,), 2, 2, heads, "streaming")}
     assert result["config"]["sink_tokens"] == 3 and result["config"]["window"] == 5
     assert result["config"]["query_top_k"] == 2
     # the mode of asymmetric routing says so; top-2 with query_top_k 2 is plain top-2

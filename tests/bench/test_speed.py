@@ -251,6 +251,30 @@ def _decode_in(tmp_path, monkeypatch, **kw) -> dict:
     return run_decode_benchmark(cfg)
 
 
+def test_decode_share_counts_what_the_decoded_query_attends(tmp_path, monkeypatch, kernel_built):
+    """The model level's share of keys seen comes from the groups the layers routed with:
+    streaming sees its window and the sinks (10 of the cached keys here), a query in every
+    group sees every key, and a dense head adds its share of the layer; the overrides reach
+    the model and the JSON."""
+    from focus_attention.bench.decode import SHARE_STEPS, decode_table
+
+    def share(**kw):
+        result = _decode_in(tmp_path, monkeypatch, levels=("model",), **kw)
+        return next(r for r in result["rows"] if r["method"] == "focus")["share"], result
+
+    # the timed steps end at position 24 + 1 warm-up + 2 steps: the share steps see 28.. keys
+    keys = [24 + 1 + 2 + 1 + i for i in range(SHARE_STEPS)]
+    got, result = share(inference_routing="streaming", sink_tokens=2)
+    assert got == pytest.approx(sum(10 / n for n in keys) / len(keys))
+    assert result["config"]["overrides"]["inference_routing"] == "streaming"
+    assert "focus streaming (no groups)" in decode_table(result)
+    assert share(query_top_k=4)[0] == pytest.approx(1.0)  # K = 4: the query is in every group
+    plain = share()[0]
+    heads, result = share(dense_heads=((0, 0),))
+    assert plain < heads < 1.0
+    assert result["config"]["overrides"]["dense_heads"] == ((0, 0),)
+
+
 def test_decode_benchmark_in_bfloat16_records_dtype_and_device(tmp_path, monkeypatch, kernel_built):
     """``--dtype bfloat16 --device cpu``: both levels run in bfloat16 and say so."""
     result = _decode_in(tmp_path, monkeypatch, dtype="bfloat16", device="cpu")

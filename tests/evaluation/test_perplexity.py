@@ -79,6 +79,8 @@ def test_top_k_subset_and_overrides(assets, adapter):
     assert res["config"]["focus"]["inference_routing"] == "sequence"
     assert res["config"]["focus"]["sink_tokens"] == 0
     assert all(math.isfinite(v) for v in res["ppl"]["focus_topk"].values())
+    res = _evaluate(assets, adapter, top_k=[1], dense_heads=((0, 0),), max_tokens=64)
+    assert res["config"]["focus"]["dense_heads"] == [[0, 0]]
     with pytest.raises(ValueError, match="outside"):
         _evaluate(assets, adapter, top_k=[5])
 

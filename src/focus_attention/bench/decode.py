@@ -25,6 +25,7 @@ shared machine falls on dense and Focus alike.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -126,27 +127,32 @@ def _attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     else:
         cfg = FocusConfig(num_groups=config.num_groups, window=config.op_window, top_k=top_k)
         runner = get_focus_model(model, cfg)
-    runner.focus_config = runner.focus_config.override(
-        dense_layers=config.dense_layers,
-        window=config.window,
-        sink_tokens=config.sink_tokens,
-        query_top_k=config.query_top_k,
-        inference_routing=config.inference_routing,
-    )
+    runner.focus_config = runner.focus_config.override(**config.overrides(without=("top_k",)))
     return runner.eval()
 
 
-def _decoded_share(cache: Any, n: int, window: int, layers: list[int], dense: tuple[int, ...] = ()) -> float:  # fmt: skip
-    """Mean over the Focus layers and the decoded tokens of the share of keys they see (every
-    key on the ``dense`` layers)."""
-    shares = []
-    for idx in layers:
-        if idx in dense:
-            shares += [1.0] * (cache.layers[idx].get_seq_length() - n)
-            continue
-        groups = cache.layers[idx].groups[0]
-        for t in range(n, groups.shape[0]):
-            shares.append(_share(groups[t], groups[: t + 1], window))
+#: untimed decoding steps, after the timed ones, whose routing gives a row's share of keys seen
+SHARE_STEPS = 4
+
+
+def _recorded_share(runner: Any, step: Any) -> float:
+    """Share of the cached keys the decoded query sees, averaged over the Focus layers and
+    :data:`SHARE_STEPS` more steps of ``step``, from the groups the layers routed with
+    (:meth:`~focus_attention.hf.FocusModel.record_routing`: query and key groups as
+    attended, sinks included, so streaming and ``query_top_k`` count right); a dense
+    layer sees every key, a dense head of a routed layer every key for its share of the
+    layer's key-value heads."""
+    fc = runner.focus_config
+    kv = runner.base_model.config.num_key_value_heads or runner.base_model.config.num_attention_heads  # fmt: skip
+    dense_heads = collections.Counter(layer for layer, _ in fc.dense_heads)
+    with runner.record_routing() as records:
+        for _ in range(SHARE_STEPS):
+            step()
+    shares = [1.0] * (SHARE_STEPS * sum(layer in fc.dense_layers for layer in runner.focus_layers))
+    for record in records:
+        dense = dense_heads[record["layer"]] / kv
+        routed = _share(record["query_groups"][0, -1], record["key_groups"][0], fc.window)
+        shares.append(dense + (1.0 - dense) * routed)
     return sum(shares) / len(shares)
 
 
@@ -200,12 +206,16 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
             contexts[kind] = runner.disable_focus
         timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts,
                                            synchronize=_sync(ids.device))  # fmt: skip
-    fc = runner.focus_config
+        shares = {}
+        for top_k in caches:
+            runner.set_top_k(top_k)
+            shares[top_k] = _recorded_share(runner, calls[f"focus-{top_k}"])
+    routing = runner.focus_config.inference_routing
     rows = []
-    for top_k, cache in caches.items():
-        share = _decoded_share(cache, n, fc.window, runner.focus_layers, fc.dense_layers)
+    for top_k in caches:
         rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
-                     "cache": "focus", "seconds": timed[f"focus-{top_k}"][0], "share": share})  # fmt: skip
+                     "inference_routing": routing, "cache": "focus",
+                     "seconds": timed[f"focus-{top_k}"][0], "share": shares[top_k]})  # fmt: skip
     for kind in DENSE_CACHES:
         rows.append({"level": "model", "N": n, "method": "dense", "top_k": None,
                      "cache": kind, "seconds": timed[kind][0], "share": 1.0})  # fmt: skip
@@ -221,7 +231,7 @@ def _with_top_k(runner: Any, top_k: int) -> Iterator[None]:
 
 def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any) -> list[dict[str, Any]]:  # fmt: skip
     """The model level, one context after another (see :func:`_model_context`)."""
-    extra = config.warmup + config.steps + 1
+    extra = config.warmup + config.steps + SHARE_STEPS + 1
     ids = _input_ids(config, tokenizer, max(config.contexts) + extra, model.device)
     rows = []
     for n in config.contexts:
@@ -296,6 +306,7 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         "attention_shape": shape, "dtype": config.dtype, "device": device, "batch_size": 1,
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
+        "overrides": config.overrides(without=("top_k",)),
     }  # fmt: skip
     return {"benchmark": "decode", "config": record, "environment": environment(), "rows": rows}
 
@@ -308,6 +319,8 @@ def decode_table(result: dict[str, Any]) -> str:
     ]
     for r in result["rows"]:
         name = "dense" if r["method"] == "dense" else f"focus top_k={r['top_k']}"
+        if r.get("inference_routing") == "streaming":
+            name = "focus streaming (no groups)"
         buffered = r.get("speedup_vs_buffered_dense")
         buffered = "-" if buffered is None else f"{buffered:.2f}x"
         lines.append(

@@ -45,12 +45,8 @@ def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None
         window = FRESH_WINDOW if window is None else window
         cfg = FocusConfig(num_groups=config.num_groups, window=window, top_k=top_k)
         runner = get_focus_model(model, cfg)
-    runner.focus_config = runner.focus_config.override(
-        dense_layers=config.dense_layers,
-        sink_tokens=config.sink_tokens,
-        query_top_k=config.query_top_k,
-        inference_routing=config.inference_routing,
-    )
+    # the window is this run's (``window``, one of several)
+    runner.focus_config = runner.focus_config.override(**config.overrides(without=("top_k", "window")))  # fmt: skip
     return runner.eval()
 
 
@@ -182,6 +178,10 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
         "sink_tokens": config.sink_tokens,
         "query_top_k": config.query_top_k,
+        "dense_heads": None
+        if config.dense_heads is None
+        else [list(p) for p in config.dense_heads],
+        "inference_routing": config.inference_routing,
     }
     return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
@@ -204,6 +204,10 @@ def model_table(result: dict[str, Any]) -> str:
                 name += f", {result['config']['sink_tokens']} sink tokens"
             if result["config"].get("query_top_k") is not None:
                 name += f", query_top_k={result['config']['query_top_k']}"
+            if result["config"].get("dense_heads"):
+                name += f", {len(result['config']['dense_heads'])} dense heads"
+            if result["config"].get("inference_routing") == "streaming":
+                name += ", streaming (no groups)"
         spent, gain = r.get("attention_seconds"), r.get("attention_speedup")
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "

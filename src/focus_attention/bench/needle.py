@@ -251,13 +251,7 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
             short, or the errors of loading the model or adapter.
     """
     fm, tokenizer, bos_id = _load(config)
-    fm.focus_config = fm.focus_config.override(
-        dense_layers=config.dense_layers,
-        window=config.window,
-        sink_tokens=config.sink_tokens,
-        query_top_k=config.query_top_k,
-        inference_routing=config.inference_routing,
-    )
+    fm.focus_config = fm.focus_config.override(**config.overrides(without=("top_k",)))
     cells = []
     for case in _cases(config, tokenizer, bos_id):
         for mode, enter in _modes(fm, config.top_k, config.dense):

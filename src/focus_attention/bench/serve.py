@@ -187,7 +187,7 @@ def _export_for(config: ServeBenchConfig, work: Path) -> Path:
     from ..deploy.export import export_adapter
     from ..deploy.settings import ExportConfig
 
-    overrides = {k: v for k, v in config.overrides().items() if k != "top_k"}
+    overrides = config.overrides(without=("top_k",))
     out = work / "export"
     export_adapter(ExportConfig(model=config.model, adapter=config.adapter, out=str(out),
                                 **overrides))  # fmt: skip

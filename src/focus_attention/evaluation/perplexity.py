@@ -371,10 +371,7 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     from ..hf import FocusModel
 
     fm = FocusModel.from_pretrained(base, cfg.adapter)
-    fm.focus_config = fm.focus_config.override(
-        inference_routing=cfg.inference_routing, sink_tokens=cfg.sink_tokens,
-        window=cfg.window, dense_layers=cfg.dense_layers, query_top_k=cfg.query_top_k,
-    )  # fmt: skip
+    fm.focus_config = fm.focus_config.override(**cfg.overrides(without=("top_k",)))
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
     if calib is not None:
         calibrate_on(fm, calib)

@@ -90,7 +90,10 @@ class FocusConfig:
             sequence-wide Sinkhorn before top-k: non-causal, refuses a KV cache), or
             ``"streaming"``, a reference without groups: a query sees its window and the
             sink tokens only, the "streaming heads" of DuoAttention (Xiao et al., 2024),
-            so ``top_k`` and the routers go unused (docs/method.md §9).
+            so ``top_k`` and the routers go unused (docs/method.md §9). A KV cache keeps
+            the groups its keys were cached with (streaming keys have none): switching
+            between streaming and routing mid-generation mixes the two, so start from an
+            empty cache.
         layers: indices of the layers that get Focus, stored as a sorted tuple (any iterable
             of ints is accepted); ``None`` = every full-attention layer (layers a model
             declares as sliding-window in ``config.layer_types`` are left as they are). An
