@@ -121,3 +121,61 @@ def test_the_setting_is_saved_with_the_adapter(tmp_path):
 def test_unknown_inference_routing_names_the_choices():
     with pytest.raises(ValueError, match="inference_routing.*streaming"):
         FocusConfig(inference_routing="none")
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 31, 33])
+@pytest.mark.parametrize("sinks", [0, SINKS])
+def test_odd_lengths_equal_the_oracle(n, sinks):
+    """Lengths around the window (8) and the sinks, batch 2; with no sinks group 0 holds no
+    key at all (an empty group): local attention only, no NaN."""
+    ref, fm = _streaming("llama", sink_tokens=sinks)
+    x = ids(2, n, seed=n)
+    oracle = _logits(ref, x, attention_mask=_streaming_mask(torch.ones(2, n, dtype=torch.bool), WINDOW, sinks))  # fmt: skip
+    out = _logits(fm, x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, oracle, atol=TOL, rtol=0)
+
+
+def test_chunked_prefill_then_decoding_equals_the_whole_sequence():
+    """Prefill, then 3 tokens in one call, then one at a time: each call's logits equal the
+    matching rows of one forward over the whole sequence."""
+    _, fm = _streaming("llama", layers=None)
+    x = ids(1, N, seed=9)
+    whole = _logits(fm, x)
+    cuts = [0, 25, 28, *range(29, N + 1)]
+    with torch.no_grad():
+        cache, got = None, []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            kw = {} if cache is None else cache_kwargs(cache)
+            out = fm(input_ids=x[:, a:b], use_cache=True, **kw)
+            cache = cache_of(out)
+            got.append(out.logits)
+    torch.testing.assert_close(torch.cat(got, 1), whole, atol=TOL, rtol=0)
+
+
+def test_right_padding_is_invisible():
+    """Right padding: each real token's logits equal its sequence's alone."""
+    from tiny import right_pad
+
+    _, fm = _streaming("llama")
+    a, b = ids(1, N, seed=10)[0], ids(1, N - 15, seed=11)[0]
+    x, mask = right_pad([a, b])
+    out = _logits(fm, x, attention_mask=mask)
+    torch.testing.assert_close(out[1, : N - 15], _logits(fm, b[None])[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(out[0], _logits(fm, a[None])[0], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_twice_the_base_models_own_error(dtype):
+    """Against a float64 oracle (the base model under the 4-D mask), the half-precision
+    Focus model errs at most twice as much as the half-precision base model under the same
+    mask, and stays finite."""
+    x = ids(2, N, seed=12)
+    mask = _streaming_mask(torch.ones(2, N, dtype=torch.bool), WINDOW, SINKS)
+    ref64, _ = _streaming("llama", dtype=torch.float64)
+    oracle = _logits(ref64, x, attention_mask=mask.double())
+    ref, fm = _streaming("llama", dtype=dtype)
+    base_err = (_logits(ref, x, attention_mask=mask.to(dtype)).double() - oracle).abs().max()
+    got = _logits(fm, x).double()
+    assert torch.isfinite(got).all()
+    assert (got - oracle).abs().max() <= 2 * base_err
