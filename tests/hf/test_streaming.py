@@ -2,7 +2,8 @@
 heads). A query sees its window and the sink tokens, nothing else: the logits equal the base
 model's under that mask given as a 4-D attention mask (an oracle outside the Focus op), on
 every architecture, with left padding (the sinks are the first real tokens), through the KV
-cache, beside dense heads, whatever ``top_k``; the setting is saved and checked."""
+cache (chunked too), beside dense heads, at odd lengths, with right padding and in half
+precision, whatever ``top_k``; the setting is saved and checked."""
 
 from __future__ import annotations
 
