@@ -78,7 +78,7 @@ def _plot(points: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     speed = [p for p in points if p["prefill"]]
-    fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(11 if speed else 6, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(11 if speed else 6, 5.2), squeeze=False)
     ax = axes[0][0]
     for p in points:
         x = 100 * p["dense_share"]
@@ -97,7 +97,7 @@ def _plot(points: list[dict], out: Path) -> None:
                    label="hollow: streaming heads (window + sinks)")  # fmt: skip
     ax.set(xlabel="dense key-value heads (% of all)", ylabel="needles found (test book)",
            title="needles found at top_k = 1")  # fmt: skip
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     if speed:
         ax = axes[0][1]
         for p in speed:
