@@ -187,6 +187,41 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
         NeedleBenchConfig(sink_tokens=-1)
 
 
+def test_every_answered_cell_is_checkpointed(tiny, monkeypatch, tmp_path):
+    """The result so far reaches ``checkpoint`` after every cell (``complete`` False), the
+    last one holding every cell; the CLI rewrites its JSON with it, so a run stopped in
+    the middle keeps the cells it answered."""
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    answers = iter([" 1.", " 2.", " 3."])
+
+    def fake_answer(model, tokenizer, case, max_new_tokens):
+        try:
+            return next(answers), 0.01
+        except StopIteration:
+            raise KeyboardInterrupt from None  # the run is stopped at the fourth cell
+
+    monkeypatch.setattr(needle, "_answer", fake_answer)
+    out = tmp_path / "needle.json"
+    argv = ["bench", "needle", "--model", str(assets["model"]), "--adapter", str(adapter),
+            "--corpus", str(assets["corpus"]), "--haystacks", "passkey", "--lengths", "64",
+            "--depths", "0.5", "--trials", "2", "--top-k", "1", "--no-progress",
+            "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 130  # interrupted
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False
+    assert [c["generated"] for c in partial["cells"]] == [" 1.", " 2.", " 3."]
+    seen = []
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), haystacks=("passkey",),
+                               lengths=(64,), depths=(0.5,), trials=1, top_k=(1,),
+                               progress=False)  # fmt: skip
+    monkeypatch.setattr(needle, "_answer", lambda *a: (" 4.", 0.01))
+    result = needle.run_needle_benchmark(config, checkpoint=seen.append)
+    assert [len(p["cells"]) for p in seen] == [1, 2] and not any(p["complete"] for p in seen)
+    assert result["complete"] is True and result["cells"] == seen[-1]["cells"]
+
+
 def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
     """Without stand-ins: the tiny model answers every prompt (wrongly, it is random) and
     dense answers equal the base model's own greedy generation."""

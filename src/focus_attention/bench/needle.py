@@ -15,6 +15,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -238,13 +239,20 @@ def _modes(fm: Any, top_k: tuple[int, ...], dense: bool = True) -> list[tuple[st
     return [("dense", fm.disable_focus), *focus_modes] if dense else focus_modes
 
 
-def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
+def run_needle_benchmark(
+    config: NeedleBenchConfig, checkpoint: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Run every prompt in every mode (module docstring).
+
+    ``checkpoint``, when given, receives the result so far after every cell (``"complete":
+    False``), so that an interrupted run keeps the cells it answered (``focus bench needle``
+    rewrites its JSON with it).
 
     Returns:
         JSON-able dict: ``config``, ``cells`` (one per prompt and mode: haystack, length,
         depth, trial, mode, answer, generated text, correct, seconds), ``accuracy``
-        ``{haystack: {mode: {length: {depth: share}}}}``, ``versions`` and ``environment``.
+        ``{haystack: {mode: {length: {depth: share}}}}``, ``complete`` (True),
+        ``versions`` and ``environment``.
 
     Raises:
         ValueError: a length above the model's ``max_position_embeddings``, a haystack too
@@ -263,10 +271,18 @@ def run_needle_benchmark(config: NeedleBenchConfig) -> dict[str, Any]:
                 print(f"[needle] {c['haystack']} {c['length']} tokens depth {c['depth']:.2f} "
                       f"trial {c['trial']} {mode}: {'ok ' if c['correct'] else 'miss'} "
                       f"{c['seconds']:.1f} s", file=sys.stderr)  # fmt: skip
+            if checkpoint is not None:
+                checkpoint(_needle_result(config, cells, complete=False))
+    return _needle_result(config, cells, complete=True)
+
+
+def _needle_result(config: NeedleBenchConfig, cells: list[dict[str, Any]], *, complete: bool) -> dict[str, Any]:  # fmt: skip
+    """The JSON-able result of the ``cells`` answered so far."""
     return {
         "config": asdict(config),
-        "cells": cells,
+        "cells": list(cells),
         "accuracy": _accuracy(cells),
+        "complete": complete,
         "versions": library_versions(),
         "environment": environment(),
     }

@@ -88,7 +88,7 @@ def _needle(args: argparse.Namespace) -> int:
     from ..bench.needle import needle_table, plot_needle, run_needle_benchmark
 
     config = _config(args, NeedleBenchConfig)
-    result = run_needle_benchmark(config)
+    result = run_needle_benchmark(config, checkpoint=_checkpoint(config))
     print(needle_table(result))
     _write(result, config, plot_needle)
     return 0
@@ -124,17 +124,23 @@ def _instructions(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from ..bench.serve import plot_serve, run_serve_benchmark, serve_table
+def _checkpoint(config: Any) -> Callable[[dict], None]:
+    """What a long benchmark calls with its result so far: rewrites ``config.json`` (if any),
+    so that an interrupted run keeps what it measured."""
     from ..utils.io import write_json_atomic
-
-    config = _config(args, ServeBenchConfig)
 
     def checkpoint(partial: dict) -> None:
         if config.json:
             write_json_atomic(config.json, partial)
 
-    result = run_serve_benchmark(config, checkpoint=checkpoint)
+    return checkpoint
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..bench.serve import plot_serve, run_serve_benchmark, serve_table
+
+    config = _config(args, ServeBenchConfig)
+    result = run_serve_benchmark(config, checkpoint=_checkpoint(config))
     print(serve_table(result))
     _write(result, config, plot_serve)
     return 0
