@@ -362,3 +362,10 @@ def test_model_benchmark_runs_the_adapters_own_window_by_default(assets, adapter
     assert focus_windows(adapter=str(adapter)) == [8]  # tiny_config's window
     assert focus_windows(adapter=str(adapter), windows=(5, 6)) == [5, 6]
     assert focus_windows() == [FRESH_WINDOW]
+
+
+def test_device_synchronize_waits_for_cuda_only():
+    from focus_attention.bench.timing import device_synchronize
+
+    assert device_synchronize("cpu") is None and device_synchronize(torch.device("cpu")) is None
+    assert device_synchronize("cuda:0") is torch.cuda.synchronize

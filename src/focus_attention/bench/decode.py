@@ -37,7 +37,7 @@ from ..hf.compat import cache_kwargs, cache_of
 from ..utils.env import environment
 from .model import routers_record
 from .settings import DECODE_CONTEXTS, DecodeBenchConfig
-from .timing import interleaved_median_seconds
+from .timing import device_synchronize, interleaved_median_seconds
 
 __all__ = ["DECODE_CONTEXTS", "DecodeBenchConfig", "decode_table", "run_decode_benchmark"]
 
@@ -77,7 +77,7 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
         groups[top_k] = (kg[:, -1:], kg)
         calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window)  # fmt: skip
     with torch.inference_mode():
-        timed = interleaved_median_seconds(calls, config.steps, config.warmup, synchronize=_sync(q.device))  # fmt: skip
+        timed = interleaved_median_seconds(calls, config.steps, config.warmup, synchronize=device_synchronize(q.device))  # fmt: skip
     rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0}]  # fmt: skip
     for top_k, (qg, kg) in groups.items():
         rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
@@ -85,12 +85,6 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
                      "share": _share(qg[0, 0], kg[0], config.op_window),
                      "backend": sparse_backend_name("auto", k, q.device.type, config.dtype, num_queries=1)})  # fmt: skip
     return rows
-
-
-def _sync(device: torch.device) -> Any:
-    """What the timing calls around each call: ``torch.cuda.synchronize`` on CUDA (the
-    device's queued work then falls inside the timing), else nothing."""
-    return torch.cuda.synchronize if device.type == "cuda" else None
 
 
 def _share(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> float:
@@ -205,7 +199,7 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
             calls[kind] = _Stepper(runner, ids, n, _dense_cache(caches[config.top_k[0]], n, kind))
             contexts[kind] = runner.disable_focus
         timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts,
-                                           synchronize=_sync(ids.device))  # fmt: skip
+                                           synchronize=device_synchronize(ids.device))  # fmt: skip
         shares = {}
         for top_k in caches:
             runner.set_top_k(top_k)

@@ -25,7 +25,7 @@ from ..ops.reference import expand_kv_heads
 from ..utils.env import environment
 from ..utils.io import atomic_write
 from .settings import DTYPE_NAMES, KERNEL_LENGTHS, KernelBenchConfig
-from .timing import cuda_peak_extra_bytes, median_seconds, peak_extra_bytes
+from .timing import cuda_peak_extra_bytes, device_synchronize, median_seconds, peak_extra_bytes
 
 __all__ = [
     "KERNEL_LENGTHS",
@@ -163,7 +163,7 @@ def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConf
     """Time, density and (optionally) peak memory of one ``(N, top_k)``."""
     inputs = kernel_inputs(n, top_k, cfg)
     window = config.window
-    sync = torch.cuda.synchronize if torch.device(config.device).type == "cuda" else None
+    sync = device_synchronize(config.device)
     with torch.inference_mode():
         dense_s, dense_all = median_seconds(
             functools.partial(kernel_call, "dense", *inputs, window, "auto", config.dense_kernel),
@@ -285,7 +285,7 @@ def run_gate_benchmark(
     k, v = leaf(1, num_key_value_heads, n, head_dim), leaf(1, num_key_value_heads, n, head_dim)
     scores = leaf(1, n, num_groups)
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    sync = device_synchronize(device)
 
     def eager():
         kk, vv = expand_kv_heads(k, num_heads), expand_kv_heads(v, num_heads)

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "cuda_peak_extra_bytes",
+    "device_synchronize",
     "interleaved_median_seconds",
     "median_seconds",
     "peak_extra_bytes",
@@ -21,6 +22,15 @@ __all__ = [
 
 def _no_sync() -> None:
     return None
+
+
+def device_synchronize(device: Any) -> Callable[[], Any] | None:
+    """The ``synchronize`` argument of the timings for calls on ``device`` (a
+    ``torch.device`` or its name): ``torch.cuda.synchronize`` on CUDA, so that the device's
+    queued work falls inside each timing; None elsewhere."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else None
 
 
 def median_seconds(
