@@ -369,3 +369,30 @@ def test_device_synchronize_waits_for_cuda_only():
 
     assert device_synchronize("cpu") is None and device_synchronize(torch.device("cpu")) is None
     assert device_synchronize("cuda:0") is torch.cuda.synchronize
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
+    """The model level's share reads the key-value head count the model has (GPT-2 names
+    none): a dense head raises the share above routing alone, below every key."""
+    from tiny import focus, ids
+
+    from focus_attention.bench.decode import _recorded_share
+    from focus_attention.hf.compat import cache_kwargs, cache_of
+
+    def share(fm) -> float:
+        x = ids(1, 40, seed=1)
+        with torch.inference_mode():
+            cache = cache_of(fm(input_ids=x[:, :30], use_cache=True))
+            pos = iter(range(30, 40))
+
+            def step():
+                i = next(pos)
+                fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
+
+            return _recorded_share(fm, step)
+
+    _, fm = focus(arch, num_groups=4, top_k=1, window=8)
+    routed = share(fm)
+    fm.focus_config = fm.focus_config.replace(dense_heads=((fm.focus_layers[-1], 0),))
+    assert routed < share(fm) < 1.0

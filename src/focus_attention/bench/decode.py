@@ -137,7 +137,7 @@ def _recorded_share(runner: Any, step: Any) -> float:
     layer sees every key, a dense head of a routed layer every key for its share of the
     layer's key-value heads."""
     fc = runner.focus_config
-    kv = runner.base_model.config.num_key_value_heads or runner.base_model.config.num_attention_heads  # fmt: skip
+    kv = _model_shape(runner.base_model)["kv_heads"]
     dense_heads = collections.Counter(layer for layer, _ in fc.dense_heads)
     with runner.record_routing() as records:
         for _ in range(SHARE_STEPS):
