@@ -15,7 +15,8 @@ Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``pr
 :class:`ModelSettings` (it and ``adapter``),
 :class:`CorpusSettings` (``corpus``), :class:`TextSettings` (it and ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
 :class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
-``sink_tokens``, ``dense_layers``, ``dense_heads``, ``query_top_k``, ``inference_routing``),
+``sink_tokens``, ``dense_layers``, ``dense_heads``, ``query_top_k``, ``inference_routing``,
+``attention_backend``),
 :class:`FreshRouters` (``num_groups``), :class:`SeedSettings` (``seed``),
 :class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``),
 :class:`OutputSettings` (``out``), :class:`BosSettings` (``prepend_bos``),
@@ -33,7 +34,7 @@ from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
 from .assets.models import DEFAULT_MODEL
-from .hf.config import INFERENCE_ROUTINGS, parse_layer_heads
+from .hf.config import INFERENCE_ROUTINGS, SPARSE_BACKENDS, parse_layer_heads
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
@@ -187,6 +188,7 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "dense_layers": _ints(0, optional=True),
     "query_top_k": _int_at_least(1, optional=True),
     "inference_routing": _choice(INFERENCE_ROUTINGS, optional=True),
+    "attention_backend": _choice(SPARSE_BACKENDS, optional=True),
     "num_groups": _int_at_least(1, optional=False),
     "seed": _int_at_least(0, optional=False),
     "lengths": _ints(1, optional=False),
@@ -342,6 +344,12 @@ class AdapterOverrides(WindowValues, TopKValues):
                   "none, only the window and the sink tokens)",
                   "choices": INFERENCE_ROUTINGS},
     )  # fmt: skip
+    attention_backend: str | None = field(
+        default=None,
+        metadata={"help": "backend of the Focus layers' sparse attention, over the "
+                  "adapter's (masked: every key under the mask, no host synchronisation)",
+                  "choices": SPARSE_BACKENDS},
+    )  # fmt: skip
 
     def overrides(self, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
         """The :class:`~focus_attention.hf.FocusConfig` fields these settings override
@@ -360,6 +368,7 @@ ADAPTER_OVERRIDES = (
     "top_k",
     "query_top_k",
     "inference_routing",
+    "attention_backend",
 )
 
 

@@ -262,8 +262,9 @@ def test_decode_share_counts_what_the_decoded_query_attends(tmp_path, monkeypatc
         result = _decode_in(tmp_path, monkeypatch, levels=("model",), **kw)
         return next(r for r in result["rows"] if r["method"] == "focus")["share"], result
 
-    # the timed steps end at position 24 + 1 warm-up + 2 steps: the share steps see 28.. keys
-    keys = [24 + 1 + 2 + 1 + i for i in range(SHARE_STEPS)]
+    # the timed steps end at position 24 + 1 warm-up + 2 steps, then one counted step: the
+    # share steps see 29.. keys
+    keys = [24 + 1 + 2 + 1 + 1 + i for i in range(SHARE_STEPS)]
     got, result = share(inference_routing="streaming", sink_tokens=2)
     assert got == pytest.approx(sum(10 / n for n in keys) / len(keys))
     assert result["config"]["overrides"]["inference_routing"] == "streaming"
@@ -396,3 +397,39 @@ def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
     routed = share(fm)
     fm.focus_config = fm.focus_config.replace(dense_heads=((fm.focus_layers[-1], 0),))
     assert routed < share(fm) < 1.0
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_count_operations_counts_operations_views_and_host_syncs(inference):
+    """An add, a view, a nonzero (its size is read back), a sum, a comparison and a
+    ``bool()`` (its value is read back): five operations, one view, two host syncs."""
+    from focus_attention.bench.operations import count_operations
+
+    x = torch.ones(4)
+
+    def call():
+        y = x + 1
+        y.view(2, 2).nonzero()
+        assert bool(y.sum() > 0)
+
+    with torch.inference_mode(inference):
+        got = count_operations(call)
+    assert (got["operations"], got["views"], got["host_syncs"]) == (5, 1, 2)
+    assert got["by_name"]["nonzero"] == 1
+
+
+def test_decode_rows_count_operations_and_the_backend_setting_reaches_both_levels(tmp_path, monkeypatch, kernel_built):  # fmt: skip
+    """Every row has its operation counts; ``--attention-backend masked`` reaches the op and
+    model levels (the op level names it), and it reads nothing back from the device where
+    ``gather`` reads one count per Focus layer and step."""
+    runs = {b: _decode_in(tmp_path, monkeypatch, attention_backend=b) for b in ("gather", "masked")}  # fmt: skip
+    for result in runs.values():
+        assert all(r["operations"] > 0 and r["host_syncs"] >= 0 for r in result["rows"])
+    focus = {b: {r["level"]: r for r in res["rows"] if r["method"] == "focus"} for b, res in runs.items()}  # fmt: skip
+    assert focus["masked"]["op"]["backend"] == "masked"
+    assert runs["masked"]["config"]["overrides"]["attention_backend"] == "masked"
+    assert focus["masked"]["op"]["host_syncs"] == 0 < focus["gather"]["op"]["host_syncs"]
+    layers = 2  # the tiny model's Focus layers
+    assert focus["masked"]["model"]["host_syncs"] + layers <= focus["gather"]["model"]["host_syncs"]  # fmt: skip
+    dense = next(r for r in runs["masked"]["rows"] if r["level"] == "model" and r["method"] == "dense")  # fmt: skip
+    assert dense["operations"] < focus["masked"]["model"]["operations"]

@@ -58,8 +58,8 @@ def _request(**kw) -> SparseRequest:
 
 
 def test_flex_is_registered_between_the_cpu_kernels_and_math():
-    assert BACKENDS == ("auto", "gather", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:5] == ("gather", "cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:6] == ("gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,8 @@ def _spy_fused(monkeypatch) -> list[bool]:
 
 
 def test_backends_are_listed_in_autos_order():
-    assert BACKENDS == ("auto", "gather", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:5] == ("gather", "cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:6] == ("gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(

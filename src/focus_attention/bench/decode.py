@@ -18,6 +18,10 @@ against Focus top-k, at the op level and end to end on a real model (docs/method
   The share is that of the decoded tokens' visible keys, averaged over the Focus layers.
 
 Each latency is the median over the timed calls (seconds), after ``warmup`` untimed ones.
+After them one more call of each row is counted (:func:`~.operations.count_operations`):
+the operations it dispatched, views apart, and the host synchronisations among them, what
+bounds a step on a GPU at this model size (the path, hence the count, depends on the
+device and on ``attention_backend``).
 The rows of one context are timed in turns (one call of each per round,
 :func:`~focus_attention.bench.timing.interleaved_median_seconds`), so that a slow spell of a
 shared machine falls on dense and Focus alike.
@@ -36,6 +40,7 @@ import torch
 from ..hf.compat import cache_kwargs, cache_of
 from ..utils.env import environment
 from .model import routers_record
+from .operations import count_operations
 from .settings import DECODE_CONTEXTS, DecodeBenchConfig
 from .timing import device_synchronize, interleaved_median_seconds
 
@@ -70,21 +75,30 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
     from .kernel import sparse_backend_name
 
     n, k = key.shape[2], config.num_groups
+    backend = config.attention_backend or "auto"
     calls = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)}  # fmt: skip
     groups = {}
     for top_k in config.top_k:
         kg = _random_groups(n, k, min(top_k, k), gen).to(q.device)
         groups[top_k] = (kg[:, -1:], kg)
-        calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window)  # fmt: skip
+        calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window, backend=backend)  # fmt: skip
     with torch.inference_mode():
         timed = interleaved_median_seconds(calls, config.steps, config.warmup, synchronize=device_synchronize(q.device))  # fmt: skip
-    rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0}]  # fmt: skip
+        counts = {name: count_operations(call) for name, call in calls.items()}
+    rows = [{"level": "op", "N": n, "method": "dense", "top_k": None, "seconds": timed["dense"][0], "share": 1.0,
+             **_counted(counts["dense"])}]  # fmt: skip
     for top_k, (qg, kg) in groups.items():
         rows.append({"level": "op", "N": n, "method": "focus", "top_k": top_k,
                      "seconds": timed[f"focus-{top_k}"][0],
                      "share": _share(qg[0, 0], kg[0], config.op_window),
-                     "backend": sparse_backend_name("auto", k, q.device.type, config.dtype, num_queries=1)})  # fmt: skip
+                     "backend": sparse_backend_name(backend, k, q.device.type, config.dtype, num_queries=1),
+                     **_counted(counts[f"focus-{top_k}"])})  # fmt: skip
     return rows
+
+
+def _counted(summary: dict[str, Any]) -> dict[str, int]:
+    """A row's operation counts of one call (:func:`~.operations.count_operations`)."""
+    return {"operations": summary["operations"], "host_syncs": summary["host_syncs"]}
 
 
 def _share(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> float:
@@ -200,6 +214,7 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
             contexts[kind] = runner.disable_focus
         timed = interleaved_median_seconds(calls, config.steps, config.warmup, contexts,
                                            synchronize=device_synchronize(ids.device))  # fmt: skip
+        counts = {name: count_operations(call, contexts[name]) for name, call in calls.items()}
         shares = {}
         for top_k in caches:
             runner.set_top_k(top_k)
@@ -209,10 +224,12 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
     for top_k in caches:
         rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
                      "inference_routing": routing, "cache": "focus",
-                     "seconds": timed[f"focus-{top_k}"][0], "share": shares[top_k]})  # fmt: skip
+                     "seconds": timed[f"focus-{top_k}"][0], "share": shares[top_k],
+                     **_counted(counts[f"focus-{top_k}"])})  # fmt: skip
     for kind in DENSE_CACHES:
         rows.append({"level": "model", "N": n, "method": "dense", "top_k": None,
-                     "cache": kind, "seconds": timed[kind][0], "share": 1.0})  # fmt: skip
+                     "cache": kind, "seconds": timed[kind][0], "share": 1.0,
+                     **_counted(counts[kind])})  # fmt: skip
     runner.unload()
     return rows
 
@@ -225,7 +242,7 @@ def _with_top_k(runner: Any, top_k: int) -> Iterator[None]:
 
 def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any, bar: Any) -> list[dict[str, Any]]:  # fmt: skip
     """The model level, one context after another (see :func:`_model_context`)."""
-    extra = config.warmup + config.steps + SHARE_STEPS + 1
+    extra = config.warmup + config.steps + SHARE_STEPS + 2  # + the counted step
     ids = _input_ids(config, tokenizer, max(config.contexts) + extra, model.device)
     rows = []
     for n in config.contexts:
@@ -269,8 +286,9 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         seen), ``speedup_vs_dense`` (against dense with transformers' ``DynamicCache``),
         ``ideal_speedup`` (``1 / share``) and ``efficiency`` (speed-up / ideal, the speed-up
         against the dense row that appends as Focus does: the op level's dense call, the
-        model level's buffered cache). Model rows also have ``cache`` (``dynamic`` or
-        ``buffered`` for dense, ``focus``) and ``speedup_vs_buffered_dense``.
+        model level's buffered cache), ``operations`` and ``host_syncs`` (of one call, see
+        the module docstring). Model rows also have ``cache`` (``dynamic`` or ``buffered``
+        for dense, ``focus``) and ``speedup_vs_buffered_dense``.
 
     Raises:
         ValueError: the errors of loading the model, the adapter or the corpus.
@@ -308,8 +326,8 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
 def decode_table(result: dict[str, Any]) -> str:
     """Markdown table of a decoding benchmark result."""
     lines = [
-        "| level | cached tokens | attention | cache | ms per step | tokens/s | keys seen | speedup vs dense | vs buffered dense | ideal | efficiency |",  # fmt: skip
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| level | cached tokens | attention | cache | ms per step | tokens/s | keys seen | speedup vs dense | vs buffered dense | ideal | efficiency | operations | host syncs |",  # fmt: skip
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         name = "dense" if r["method"] == "dense" else f"focus top_k={r['top_k']}"
@@ -320,6 +338,7 @@ def decode_table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['level']} | {r['N']} | {name} | {r.get('cache', '-')} | {1e3 * r['seconds']:.2f} "
             f"| {r['tokens_per_second']:.1f} | {100 * r['share']:.1f}% | {r['speedup_vs_dense']:.2f}x "
-            f"| {buffered} | {r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} |"
+            f"| {buffered} | {r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} "
+            f"| {r.get('operations', '-')} | {r.get('host_syncs', '-')} |"
         )  # fmt: skip
     return "\n".join(lines)

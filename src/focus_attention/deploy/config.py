@@ -17,10 +17,11 @@ class FocusExportConfig(PreTrainedConfig):
     Attributes:
         base_config: the base model's config as a dict (its ``config.json``).
         focus_export_format: the layout version of the exported directory.
-        window, sink_tokens, dense_layers, top_k, query_top_k, inference_routing: the Focus
-            inference settings the model loads with (None: the adapter's own); a keyword of
-            ``from_pretrained`` with one of these names, or an edit of ``config.json``,
-            changes them (:class:`~focus_attention.hf.FocusConfig` documents each).
+        window, sink_tokens, dense_layers, dense_heads, top_k, query_top_k,
+        inference_routing, attention_backend: the Focus inference settings the model loads
+            with (None: the adapter's own); a keyword of ``from_pretrained`` with one of
+            these names, or an edit of ``config.json``, changes them
+            (:class:`~focus_attention.hf.FocusConfig` documents each).
     """
 
     model_type = EXPORT_MODEL_TYPE
@@ -30,9 +31,11 @@ class FocusExportConfig(PreTrainedConfig):
     window: int | None = None
     sink_tokens: int | None = None
     dense_layers: list | None = None
+    dense_heads: list | None = None
     top_k: int | None = None
     query_top_k: int | None = None
     inference_routing: str | None = None
+    attention_backend: str | None = None
 
     def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None):
         """The base model's text config (its own class, :func:`base_config_of`): tools that

@@ -126,7 +126,8 @@ def load_exported(
         model_args: passed to the base model's ``from_pretrained``.
         config: its :class:`FocusExportConfig` (read from the directory when None).
         kwargs: ``window``, ``sink_tokens``, ``dense_layers``, ``top_k``, ``query_top_k``,
-            ``inference_routing`` override the settings of ``config.json``; every other
+            ``inference_routing``, ``attention_backend`` override the settings of
+            ``config.json``; every other
             keyword (``dtype``, ``device_map``, ``revision``, ``token``...) goes to the base
             model's ``from_pretrained``.
 

@@ -661,6 +661,7 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     out = sparse_attention(
         call.query, call.key, call.value, q_groups, k_groups, cfg.window,
         scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
+        backend=cfg.attention_backend,
     )  # fmt: skip
     maps = None
     if handle.runtime.wants_attentions():

@@ -8,7 +8,7 @@ from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..ops.names import GATES
+from ..ops.names import GATES, SPARSE_BACKENDS
 from ..utils.checks import bad, check_int, check_number
 from ..utils.io import read_file_bytes
 
@@ -21,6 +21,7 @@ __all__ = [
     "INFERENCE_ROUTINGS",
     "ROUTINGS",
     "SAVED_EXTRA_KEYS",
+    "SPARSE_BACKENDS",
     "FocusConfig",
     "parse_config_document",
     "read_config_file",
@@ -34,6 +35,20 @@ INFERENCE_ROUTINGS = ("causal", "sequence", "streaming")
 _bad = functools.partial(bad, "FocusConfig")
 _int = functools.partial(check_int, "FocusConfig")
 _positive_float = functools.partial(check_number, "FocusConfig")
+
+
+def _check_backend(name: object) -> None:
+    """``FocusConfig.attention_backend``: a built-in backend, else one registered by then
+    (looked up in the registry, which imports torch, only for other names)."""
+    if name in SPARSE_BACKENDS:
+        return
+    if isinstance(name, str) and name:
+        from ..ops.sparse.dispatch import backend_names
+
+        if name in backend_names():
+            return
+    raise _bad("attention_backend", name, "'auto' or a registered sparse-attention backend "
+               f"(built in: {', '.join(SPARSE_BACKENDS[1:])})")  # fmt: skip
 
 
 def parse_layer_heads(text: str) -> tuple[tuple[int, int], ...]:
@@ -94,6 +109,13 @@ class FocusConfig:
             the groups its keys were cached with (streaming keys have none): switching
             between streaming and routing mid-generation mixes the two, so start from an
             empty cache.
+        attention_backend: the backend of the Focus layers' exact sparse attention, a
+            ``backend=`` of :func:`~focus_attention.ops.sparse_attention` (docs/method.md
+            §5, "Backends"): ``"auto"`` (default: the first backend that can run each call),
+            a built-in one (:data:`SPARSE_BACKENDS`) or one registered with
+            :func:`~focus_attention.ops.register_backend`. ``"masked"`` decodes without a
+            host synchronisation, reading every cached key. A backend that cannot run a
+            call raises ``ValueError`` then, naming the reason. Not used by soft routing.
         layers: indices of the layers that get Focus, stored as a sorted tuple (any iterable
             of ints is accepted); ``None`` = every full-attention layer (layers a model
             declares as sliding-window in ``config.layer_types`` are left as they are). An
@@ -172,6 +194,12 @@ class FocusConfig:
             "choices": INFERENCE_ROUTINGS,
         },
     )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "backend of the Focus layers' sparse attention (masked: every key "
+                  "under the mask, no host synchronisation; for decoding on a GPU)",
+                  "choices": SPARSE_BACKENDS},
+    )  # fmt: skip
     layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers that get Focus (default: every full layer)"}
     )
@@ -232,6 +260,7 @@ class FocusConfig:
             raise _bad("routing", self.routing, f"one of {ROUTINGS}")
         if self.inference_routing not in INFERENCE_ROUTINGS:
             raise _bad("inference_routing", self.inference_routing, f"one of {INFERENCE_ROUTINGS}")
+        _check_backend(self.attention_backend)
         if self.layers is not None:
             layers = _layer_indices("layers", self.layers)
             if not layers:

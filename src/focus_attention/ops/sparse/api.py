@@ -22,7 +22,7 @@ from .dispatch import (
 
 __all__ = ["Backend", "sparse_attention"]
 
-Backend = Literal["auto", "gather", "cpu_fused", "cpu_flash", "flex", "math"]
+Backend = Literal["auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
 @without_autocast
@@ -63,6 +63,10 @@ def sparse_attention(
 
             - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
               queries: decoding); any device and dtype, ``softcap``, differentiable.
+            - ``"masked"``: every key under the call's Focus mask, built on the device, so
+              no host synchronisation (for decoding where launches cost more than reading
+              keys; never chosen by ``"auto"``); any device and dtype, ``softcap``,
+              inference only, ``O(Nq x Nk)`` memory per head.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
             - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.

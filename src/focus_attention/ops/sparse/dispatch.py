@@ -7,7 +7,8 @@ an optional check of its own, e.g. whether a kernel could be built). From these
 :meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
 :func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
 backend that can run the call in increasing ``priority``: ``gather`` (8, chosen by ``"auto"``
-on CUDA for calls of at most 8 queries: decoding), ``cpu_fused`` (10),
+on CUDA for calls of at most 8 queries: decoding), ``masked`` (9, run by name only),
+``cpu_fused`` (10),
 ``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100).
 A backend may restrict where ``"auto"`` chooses it (``auto_devices``) while still running
 elsewhere when asked for by name.
@@ -121,7 +122,7 @@ class SparseBackend:
         summary: one line for messages and documentation.
         auto_devices: device types on which ``"auto"`` may choose it, None for wherever it
             can run (a backend that is exact but slow on some device runs there only when
-            asked for by name).
+            asked for by name); ``()`` for nowhere (a backend run only by name).
         auto_check: ``auto_check(request) -> reason or None``: calls ``"auto"`` leaves to
             other backends although this one can run them (e.g. shapes it is slow on).
     """
@@ -159,6 +160,8 @@ class SparseBackend:
         """Why ``"auto"`` does not choose this backend for ``request``, or None if it may:
         :meth:`why_not`, a device outside ``auto_devices``, or ``auto_check``'s reason."""
         devices = self.auto_devices
+        if devices == ():
+            return "is never chosen by 'auto' (ask for it by name)"
         if devices is not None and request.device.type not in devices:
             where = "/".join(devices)
             return f"is chosen by 'auto' on {where} only (ask for it by name on {request.device})"

@@ -37,12 +37,10 @@ def visible_keys(inputs: SparseInputs) -> torch.Tensor:
     qg, kg = inputs.query_groups, inputs.key_groups
     nq, nk = qg.shape[1], kg.shape[1]
     dev = qg.device
-    pos = torch.arange(nk - nq, nk, device=dev)[:, None]
-    keys = torch.arange(nk, device=dev)[None, :]
-    local = (keys <= pos) & (pos - keys < inputs.window)
-    causal = keys <= pos
+    # distance from query t to key j, negative for a later key
+    distance = torch.arange(nk - nq, nk, device=dev)[:, None] - torch.arange(nk, device=dev)
     share = (qg.to(torch.float32) @ kg.to(torch.float32).transpose(1, 2)) > 0  # [B, Nq, Nk]
-    vis = (share & causal) | local
+    vis = (share | (distance < inputs.window)) & (distance >= 0)
     if inputs.key_padding_mask is not None:
         vis = vis & inputs.key_padding_mask[:, None, :]
     return vis

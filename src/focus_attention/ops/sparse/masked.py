@@ -1,0 +1,57 @@
+"""The ``masked`` backend: decoding without reading the host. Each query attends every cached
+key under its row of the Focus mask, built on the device from the membership masks
+(docs/method.md §5, "Decoding"): no key is gathered, so no count of visible keys is read
+back (``gather`` reads one per call, a host synchronisation), and a call is a fixed, short
+sequence of device operations.
+
+It reads all ``Nk`` keys and values (``gather`` reads about ``window + Nk / K``), in
+``O(Nq x Nk)`` memory per head: the choice for short calls where launching operations costs
+more than reading keys (a small model on a GPU); ``"auto"`` never chooses it. Any device and
+floating dtype (computed in float32, float64 for float64 inputs), soft-capping, inference
+only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import SparseBackend, SparseInputs, register_backend
+from .gather import visible_keys
+
+__all__ = ["run_masked"]
+
+
+def run_masked(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``masked`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``,
+    token-major; a query with no visible key gives zeros and ``-inf``."""
+    q = inputs.query
+    b, h, nq, d = q.shape
+    h_kv, nk = inputs.key.shape[1], inputs.key.shape[2]
+    rep = h // h_kv
+    vis = visible_keys(inputs)[:, None, None]  # [B, 1, 1, Nq, Nk]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    # GQA: the rep query heads of a key head are rows of one product
+    qh = q.to(ct).reshape(b, h_kv, rep * nq, d)
+    logits = (qh @ inputs.key.to(ct).transpose(-1, -2)) * inputs.scale
+    if inputs.softcap is not None:
+        logits = inputs.softcap * torch.tanh(logits / inputs.softcap)
+    logits = logits.view(b, h_kv, rep, nq, nk).masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where no key is visible
+    # rows with no visible key: exp(-inf - -inf) is NaN there, replaced by zeros
+    probs = torch.where(vis.any(dim=-1, keepdim=True), torch.exp(logits - lse[..., None]), 0.0)
+    out = probs.view(b, h_kv, rep * nq, nk) @ inputs.value.to(ct)
+    out = out.view(b, h, nq, d).transpose(1, 2).contiguous().to(q.dtype)
+    return out, lse.view(b, h, nq).transpose(1, 2).contiguous()
+
+
+BACKEND = SparseBackend(
+    name="masked",
+    run=run_masked,
+    priority=9,
+    softcap=True,
+    auto_devices=(),
+    summary="attends every key under the Focus mask, no host synchronisation (decoding)",
+)
+register_backend(BACKEND)
