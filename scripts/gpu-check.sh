@@ -6,7 +6,8 @@
 #   OUT=/some/dir bash scripts/gpu-check.sh        # results land in $OUT (default runs/gpu)
 #
 # Writes: hardware.txt, gpu-tests.log, kernel-cuda-flash.json/.png, kernel-cuda-auto.json/.png,
-# and decode-cuda.json with FOCUS_ADAPTER=DIR (an adapter whose base model is prepared).
+# and decode-cuda-gather.json / decode-cuda-masked.json with FOCUS_ADAPTER=DIR (an adapter whose
+# base model is prepared).
 # Each step runs even when an earlier one fails; the exit status is that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,10 +40,14 @@ done
 # decoding steps of the real model on the GPU, Focus against dense (only with FOCUS_ADAPTER, an
 # adapter directory; FOCUS_MODEL, its base model, a registered name prepared in the asset cache
 # or a model directory, default smollm2-135m; FOCUS_CORPUS, the text, default austen)
+# with each decoding backend: gather ("auto"'s choice on CUDA) and masked (no host sync); each
+# row counts the operations and host syncs of one step beside its time
 if [ -n "${FOCUS_ADAPTER:-}" ]; then
-  step "$py" -m focus_attention.cli bench decode --device cuda --dtype bfloat16 \
-    --model "${FOCUS_MODEL:-smollm2-135m}" --corpus "${FOCUS_CORPUS:-austen}" \
-    --adapter "$FOCUS_ADAPTER" --contexts 4096 16384 --levels op model --top-k 1 2 \
-    --json "$out/decode-cuda.json"
+  for backend in gather masked; do
+    step "$py" -m focus_attention.cli bench decode --device cuda --dtype bfloat16 \
+      --model "${FOCUS_MODEL:-smollm2-135m}" --corpus "${FOCUS_CORPUS:-austen}" \
+      --adapter "$FOCUS_ADAPTER" --contexts 4096 16384 --levels op model --top-k 1 2 \
+      --attention-backend "$backend" --json "$out/decode-cuda-$backend.json"
+  done
 fi
 exit "$status"

@@ -75,6 +75,19 @@ def test_the_variants_serve_focus_at_each_top_k_and_the_dense_base(exported, tmp
         assert not torch.equal(focus_model(input_ids=x).logits, want)
 
 
+def test_the_settings_reach_an_export_served_as_it_is(exported, tmp_path):
+    """``--export DIR`` with an inference setting (``--attention-backend masked``): every
+    Focus variant's ``config.json`` carries it, the one at the export's own top_k too."""
+    own = json.loads((exported / "config.json").read_text())["top_k"]
+    variants = served_variants(exported, (own, 2), False, tmp_path,
+                               {"attention_backend": "masked", "dense_heads": ((0, 0),)})  # fmt: skip
+    assert all(v["directory"] != exported for v in variants)
+    for v in variants:
+        config = AutoConfig.from_pretrained(v["directory"], trust_remote_code=True)
+        assert (config.attention_backend, config.top_k) == ("masked", v["top_k"])
+        assert config.dense_heads == [[0, 0]]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not is_serve_available(), reason="the serve extra: pip install '.[serve]'")
 def test_the_benchmark_answers_every_request_and_writes_json_and_a_plot(exported, tmp_path, monkeypatch):  # fmt: skip

@@ -136,6 +136,16 @@ def test_environment_records_the_code_version():
     assert commit is not None and len(commit.split("+")[0]) == 40
 
 
+def test_environment_records_the_focus_variables_set(monkeypatch):
+    """``FOCUS_NO_EXTENSION`` changes the path a run takes: a result says it was set."""
+    from focus_attention.utils.env import environment
+
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    monkeypatch.setenv("NOT_FOCUS_X", "1")
+    assert environment()["focus_variables"].get("FOCUS_NO_EXTENSION") == "1"
+    assert "NOT_FOCUS_X" not in environment()["focus_variables"]
+
+
 def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     """``focus bench model`` on a tiny model: one stock row and one Focus row per (window,
     top_k) and length, each with its window; the table names them."""

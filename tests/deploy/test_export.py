@@ -85,6 +85,22 @@ def test_settings_change_at_load_time_by_keyword_or_config_edit(tmp_path):
         load(out, top_k=9)  # more than num_groups
 
 
+def test_the_attention_backend_changes_at_load_time_and_keeps_the_logits(tmp_path):
+    """``attention_backend`` is a load-time setting: by keyword and in ``config.json``; the
+    backend changes the arithmetic's order only (logits within float32 rounding)."""
+    fm, out = exported(tmp_path, "llama", num_groups=4, top_k=1, window=8)
+    x = ids(1, 48, seed=5)
+    with torch.no_grad():
+        want = fm(input_ids=x).logits
+    masked = load(out, attention_backend="masked")
+    assert masked.focus_model.focus_config.attention_backend == "masked"
+    assert json.loads((out / "config.json").read_text())["attention_backend"] == "auto"
+    with torch.no_grad():
+        torch.testing.assert_close(masked(input_ids=x).logits, want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="attention_backend"):
+        load(out, attention_backend="nope")
+
+
 def test_the_config_names_the_custom_code(tmp_path):
     fm, out = exported(tmp_path)
     doc = json.loads((out / "config.json").read_text())

@@ -53,22 +53,26 @@ def _linked_copy(export: Path, out: Path, skip: tuple[str, ...]) -> None:
             (out / path.name).symlink_to(path.resolve())
 
 
-def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool,
-                    work: Path) -> list[dict[str, Any]]:  # fmt: skip
-    """The directories served: the export at each ``top_k`` (None: its own; a directory of
-    links to its files with ``config.json``'s ``top_k`` changed) and, with ``dense``, the
-    dense base model (links to the same weights, ``config.json`` the base model's own).
+def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool, work: Path,
+                    settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The directories served: the export at each ``top_k`` (None: its own) with the
+    inference ``settings`` (``config.json`` keys, such as ``attention_backend``) over its
+    own (the export itself where nothing changes, else a directory of links to its files
+    with ``config.json`` changed) and, with ``dense``, the dense base model (links to the
+    same weights, ``config.json`` the base model's own).
     Returns ``[{"method": "focus" | "dense", "top_k", "directory"}]``."""
     doc = json.loads((export / "config.json").read_text(encoding="utf-8"))
+    changed = {**doc, **json.loads(json.dumps(settings or {}))}  # tuples as JSON lists
     variants = []
     for k in top_ks:
-        if k is None or k == doc.get("top_k"):
+        served = changed if k is None else {**changed, "top_k": k}
+        if served == doc:
             variants.append({"method": "focus", "top_k": doc.get("top_k"), "directory": export})
             continue
-        out = work / f"focus-top{k}"
+        out = work / f"focus-top{served.get('top_k')}"
         _linked_copy(export, out, ("config.json",))
-        (out / "config.json").write_text(json.dumps({**doc, "top_k": k}, indent=2), encoding="utf-8")  # fmt: skip
-        variants.append({"method": "focus", "top_k": k, "directory": out})
+        (out / "config.json").write_text(json.dumps(served, indent=2), encoding="utf-8")
+        variants.append({"method": "focus", "top_k": served.get("top_k"), "directory": out})
     if dense:
         out = work / "dense"
         _linked_copy(export, out, FOCUS_ONLY)
@@ -293,6 +297,7 @@ def _record(config: ServeBenchConfig) -> dict[str, Any]:
         "requests_per_cell": config.requests,
         "max_new_tokens": config.max_new_tokens,
         "top_ks": list(config.top_k or ()),
+        "overrides": config.overrides(without=("top_k",)),
         "dense": config.dense,
         "device": config.device or "auto",
         "continuous_batching": config.continuous_batching,
@@ -349,7 +354,9 @@ def run_serve_benchmark(config: ServeBenchConfig, log: Any = print,
         tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
         count = (config.requests or max(config.concurrency)) + config.warmup
         texts = {n: prompts(config, tokenizer, n, count) for n in config.lengths}
-        variants = served_variants(export, config.top_k or (None,), config.dense, work_root)
+        settings = {k: v for k, v in config.overrides(without=("top_k",)).items() if v is not None}  # fmt: skip
+        variants = served_variants(export, config.top_k or (None,), config.dense, work_root,
+                                   settings)  # fmt: skip
         rows = _run_cells(variants, config, work_root, texts, log, on_row)
     finally:
         if not config.work_dir:

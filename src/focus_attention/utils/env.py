@@ -77,7 +77,9 @@ def git_commit() -> str | None:
 
 def environment() -> dict[str, Any]:
     """Hardware and run context of a result: package and torch versions, platform, CPU
-    model and count, torch intra-op threads, CUDA device (or None), git commit, UTC date."""
+    model and count, torch intra-op threads, CUDA device (or None), git commit, UTC date,
+    and the ``FOCUS_*`` environment variables set (``FOCUS_NO_EXTENSION`` changes the path
+    a run takes)."""
     import torch
 
     from .. import __version__
@@ -93,6 +95,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "git_commit": git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "focus_variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FOCUS_")},
     }
 
 
