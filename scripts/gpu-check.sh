@@ -6,8 +6,8 @@
 #   OUT=/some/dir bash scripts/gpu-check.sh        # results land in $OUT (default runs/gpu)
 #
 # Writes: hardware.txt, gpu-tests.log, kernel-cuda-flash.json/.png, kernel-cuda-auto.json/.png,
-# and decode-cuda-gather.json / decode-cuda-masked.json with FOCUS_ADAPTER=DIR (an adapter whose
-# base model is prepared).
+# decode-op-8b-gather.json / decode-op-8b-masked.json, and decode-cuda-gather.json /
+# decode-cuda-masked.json with FOCUS_ADAPTER=DIR (an adapter whose base model is prepared).
 # Each step runs even when an earlier one fails; the exit status is that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,13 @@ for dense in flash auto; do
   step "$py" -m focus_attention.cli bench kernel --device cuda --dtype bfloat16 \
     --backend flex --dense-kernel "$dense" --lengths $lengths --top-k 1 2 --repeats 5 \
     --no-gates --json "$out/kernel-cuda-$dense.json"
+done
+# one decoding call at the op level in a larger model's attention shape (Llama-3-8B's: 32 query,
+# 8 key-value heads, D = 128; no model loaded), 4K..128K cached tokens, each decoding backend
+for backend in gather masked; do
+  step "$py" -m focus_attention.cli bench decode --device cuda --dtype bfloat16 --levels op \
+    --num-heads 32 --num-key-value-heads 8 --head-dim 128 --contexts $lengths --top-k 1 2 \
+    --attention-backend "$backend" --json "$out/decode-op-8b-$backend.json"
 done
 # decoding steps of the real model on the GPU, Focus against dense (only with FOCUS_ADAPTER, an
 # adapter directory; FOCUS_MODEL, its base model, a registered name prepared in the asset cache

@@ -443,3 +443,22 @@ def test_decode_rows_count_operations_and_the_backend_setting_reaches_both_level
     assert focus["masked"]["model"]["host_syncs"] + layers <= focus["gather"]["model"]["host_syncs"]  # fmt: skip
     dense = next(r for r in runs["masked"]["rows"] if r["level"] == "model" and r["method"] == "dense")  # fmt: skip
     assert dense["operations"] < focus["masked"]["model"]["operations"]
+
+
+def test_decode_op_level_in_another_attention_shape_loads_no_model():
+    """``--levels op`` with the whole shape given (here a larger model's 8 query and 2
+    key-value heads of 32) runs without loading a model, in that shape; a shape whose
+    heads are not a multiple of the key-value heads is refused."""
+    from focus_attention.bench.decode import DecodeBenchConfig, run_decode_benchmark
+
+    cfg = DecodeBenchConfig(model="no-such-model", levels=("op",), contexts=(40,), top_k=(1,),
+                            num_groups=4, window=8, steps=2, warmup=1, threads=1,
+                            progress=False, num_heads=8, num_key_value_heads=2, head_dim=32,
+                            attention_backend="masked")  # fmt: skip
+    result = run_decode_benchmark(cfg)
+    assert result["config"]["model"] is None
+    assert result["config"]["attention_shape"] == {"heads": 8, "kv_heads": 2, "head_dim": 32}
+    assert {r["method"] for r in result["rows"]} == {"dense", "focus"}
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        DecodeBenchConfig(num_heads=9, num_key_value_heads=2)
+    assert DecodeBenchConfig(num_heads=8).needs_model  # part of a shape: the model's fills it

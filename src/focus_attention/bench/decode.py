@@ -290,6 +290,10 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         the module docstring). Model rows also have ``cache`` (``dynamic`` or ``buffered``
         for dense, ``focus``) and ``speedup_vs_buffered_dense``.
 
+    The op level runs in ``config``'s attention shape where given (the model's otherwise);
+    with the op level alone and the whole shape given no model is loaded (``model`` None in
+    the record).
+
     Raises:
         ValueError: the errors of loading the model, the adapter or the corpus.
     """
@@ -301,9 +305,11 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(config.model, config.dtype, device=device, quiet=True)
-    model.config._attn_implementation = "sdpa"
-    shape = _model_shape(model)
+    model = tokenizer = None
+    if config.needs_model:
+        model, tokenizer = load_model(config.model, config.dtype, device=device, quiet=True)
+        model.config._attn_implementation = "sdpa"
+    shape = config.shape_over({} if model is None else _model_shape(model))
     rows = _op_rows(config, shape, device) if "op" in config.levels else []
     if "model" in config.levels:
         total = len(config.contexts)
@@ -311,7 +317,8 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
             rows += _model_rows(config, model, tokenizer, bar)
     _finish(rows)
     record = {
-        "model": config.model, "adapter": config.adapter, "corpus": config.corpus,
+        "model": config.model if model is not None else None, "adapter": config.adapter,
+        "corpus": config.corpus,
         "contexts": list(config.contexts), "top_ks": list(config.top_k),
         "levels": list(config.levels), "num_groups": config.num_groups, "window": config.op_window,
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,

@@ -30,6 +30,8 @@ from ..settings import (
 from ..utils.checks import bad, check_int, check_number
 
 __all__ = [
+    "AttentionShape",
+    "SHAPE_FIELDS",
     "DECODE_CONTEXTS",
     "DENSE_KERNELS",
     "DTYPE_NAMES",
@@ -107,11 +109,47 @@ class ComputeDtype(Settings):
                 raise ValueError(f"{owner}.device: cuda was asked for but torch sees no CUDA device")  # fmt: skip
 
 
+#: the attention shape fields of :class:`AttentionShape`
+SHAPE_FIELDS = ("num_heads", "num_key_value_heads", "head_dim")
+
+
+@dataclass
+class AttentionShape(Settings):
+    """The attention shape of a benchmark's synthetic inputs (None: a command's own default,
+    such as its model's shape)."""
+
+    num_heads: int | None = field(default=None, metadata={"help": "query heads H"})
+    num_key_value_heads: int | None = field(
+        default=None, metadata={"help": "key/value heads H_kv (H a multiple of it)"}
+    )
+    head_dim: int | None = field(default=None, metadata={"help": "head_dim D"})
+
+    def check_shape(self, owner: str) -> None:
+        """Each field None or an int >= 1, and ``num_heads`` a multiple of
+        ``num_key_value_heads`` when both are given.
+
+        Raises:
+            ValueError: naming the first bad field.
+        """
+        for name in SHAPE_FIELDS:
+            check_int(owner, name, getattr(self, name), 1, optional=True)
+        heads, kv = self.num_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise bad(owner, "num_key_value_heads", kv, f"a divisor of num_heads={heads}")
+
+    def shape_over(self, shape: dict[str, int]) -> dict[str, int]:
+        """``shape`` (``{"heads", "kv_heads", "head_dim"}``) with the fields given here over
+        it."""
+        given = zip(("heads", "kv_heads", "head_dim"), SHAPE_FIELDS, strict=True)
+        return {**shape, **{k: getattr(self, f) for k, f in given if getattr(self, f) is not None}}  # fmt: skip
+
+
 @settings_class(
-    defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu"},
+    defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu",
+              "num_heads": 9, "num_key_value_heads": 3, "head_dim": 64},
     several=("top_k",),
-)
-class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues):  # fmt: skip
+)  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
     the values timed, ``window`` is the one local window; ``device`` is cpu or cuda.
@@ -120,9 +158,6 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
         ValueError: on construction, naming the first bad field.
     """
 
-    num_heads: int = field(default=9, metadata={"help": "query heads H"})
-    num_key_value_heads: int = field(default=3, metadata={"help": "key/value heads H_kv"})
-    head_dim: int = field(default=64, metadata={"help": "head_dim D"})
     repeats: int = field(default=3, metadata={"help": "timed runs (median) after a warm-up"})
     backend: str = field(
         default="auto",
@@ -147,8 +182,9 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
         self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
             raise bad(owner, "dense_kernel", self.dense_kernel, f"one of {DENSE_KERNELS}")
-        for name in ("num_heads", "num_key_value_heads", "head_dim", "repeats"):
+        for name in (*SHAPE_FIELDS, "repeats"):
             check_int(owner, name, getattr(self, name), 1)
+        self.check_shape(owner)
         if self.backend != "auto":
             self._check_backend(owner)
 
@@ -190,12 +226,15 @@ class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, Ad
 
 
 @settings_class(defaults={"top_k": (1, 2)}, several=("top_k",))
-class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape):  # fmt: skip
     """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
     the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
     and over the adapter's when given; ``seed`` seeds the op level's inputs; ``device``
     (cpu or cuda, default cuda when torch sees one) and ``dtype`` are those of both levels'
-    tensors and of the model's weights (the routers stay float32).
+    tensors and of the model's weights (the routers stay float32). The op level's shape is
+    the model's, with ``num_heads``, ``num_key_value_heads`` and ``head_dim`` over it
+    (another model's attention, without loading it: the op level alone with all three
+    given loads no model).
 
     Raises:
         ValueError: on construction, naming the first bad field.
@@ -220,6 +259,14 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
         unknown = [x for x in self.levels if x not in LEVELS]
         if unknown or not self.levels:
             raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
+        self.check_shape(owner)
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether the run loads the model: a model level, or an op level whose shape is
+        not given whole."""
+        given = all(getattr(self, name) is not None for name in SHAPE_FIELDS)
+        return "model" in self.levels or not given
 
     @property
     def op_window(self) -> int:
