@@ -7,8 +7,9 @@ sequence of device operations.
 It reads all ``Nk`` keys and values (``gather`` reads about ``window + Nk / K``), in
 ``O(Nq x Nk)`` memory per head: the choice for short calls where launching operations costs
 more than reading keys (a small model on a GPU); ``"auto"`` never chooses it. Any device and
-floating dtype (computed in float32, float64 for float64 inputs), soft-capping, inference
-only.
+floating dtype (computed in float32, float64 for float64 inputs: half-precision keys and
+values are copied to float32 whole, ``2 x Nk x D`` floats per key-value head), soft-capping,
+inference only.
 """
 
 from __future__ import annotations
