@@ -37,6 +37,7 @@ TINY_BLOCKS = dict(
     FUSED_KEYS=5,
     FUSED_BAND=3,
     FUSED_SEGMENT_KEYS=7,
+    MASKED_BLOCK=8,
 )
 
 #: hypothesis settings: reproducible in CI (derandomize), no per-example deadline (the CPUs
@@ -58,9 +59,9 @@ def gen(seed: int) -> torch.Generator:
 
 def block_modules() -> list:
     """The modules of the sparse backends that hold block-size constants."""
-    from focus_attention.ops.sparse import cpu_fused, decomposition, math
+    from focus_attention.ops.sparse import cpu_fused, decomposition, masked, math
 
-    return [decomposition, math, cpu_fused]
+    return [decomposition, math, cpu_fused, masked]
 
 
 def block_lengths() -> list[int]:

@@ -66,7 +66,7 @@ def sparse_attention(
             - ``"masked"``: every key under the call's Focus mask, built on the device, so
               no host synchronisation (for decoding where launches cost more than reading
               keys; never chosen by ``"auto"``); any device and dtype, ``softcap``,
-              inference only, ``O(Nq x Nk)`` memory per head.
+              inference only; longer calls in blocks of 256 queries (dense arithmetic).
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
             - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.

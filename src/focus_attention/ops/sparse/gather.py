@@ -18,13 +18,14 @@ shape: 0.2 against 0.7 ms at 1K, 6.8 against 10 ms at 32K, top-1, on a loaded 2-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from .dispatch import SparseBackend, SparseInputs, SparseRequest, register_backend
 
-__all__ = ["GATHER_MAX_QUERIES", "gather_indices", "run_gather", "visible_keys"]
+__all__ = ["GATHER_MAX_QUERIES", "gather_indices", "query_rows", "run_gather", "visible_keys"]
 
 #: most queries per call for which ``"auto"`` chooses the backend (a decoding step, or a
 #: few speculative tokens): beyond, the union of the queries' keys approaches every key.
@@ -33,7 +34,8 @@ GATHER_MAX_QUERIES = 8
 
 def visible_keys(inputs: SparseInputs) -> torch.Tensor:
     """bool ``[B, Nq, Nk]``: key ``j`` is visible to query ``t`` (at position
-    ``Nk - Nq + t``) under the Focus mask (docs/method.md §4)."""
+    ``Nk - Nq + t``) under the Focus mask (docs/method.md §4). Built on the device from the
+    memberships, in a fixed number of operations (nothing read back)."""
     qg, kg = inputs.query_groups, inputs.key_groups
     nq, nk = qg.shape[1], kg.shape[1]
     dev = qg.device
@@ -44,6 +46,24 @@ def visible_keys(inputs: SparseInputs) -> torch.Tensor:
     if inputs.key_padding_mask is not None:
         vis = vis & inputs.key_padding_mask[:, None, :]
     return vis
+
+
+def query_rows(inputs: SparseInputs, start: int, stop: int) -> SparseInputs:
+    """``inputs`` for queries ``start .. stop - 1`` alone, with the keys up to the last of
+    them (the later ones are invisible to all): a call of its own, bottom-right aligned as
+    the whole one."""
+    nq, nk = inputs.query.shape[2], inputs.key.shape[2]
+    last = nk - nq + stop  # keys a query of the block can see: 0 .. last - 1
+    padding = inputs.key_padding_mask
+    return dataclasses.replace(
+        inputs,
+        query=inputs.query[:, :, start:stop],
+        key=inputs.key[:, :, :last],
+        value=inputs.value[:, :, :last],
+        query_groups=inputs.query_groups[:, start:stop],
+        key_groups=inputs.key_groups[:, :last],
+        key_padding_mask=None if padding is None else padding[:, :last],
+    )
 
 
 def gather_indices(union: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

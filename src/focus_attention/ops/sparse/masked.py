@@ -4,9 +4,11 @@ key under its row of the Focus mask, built on the device from the membership mas
 back (``gather`` reads one per call, a host synchronisation), and a call is a fixed, short
 sequence of device operations.
 
-It reads all ``Nk`` keys and values (``gather`` reads about ``window + Nk / K``), in
-``O(Nq x Nk)`` memory per head: the choice for short calls where launching operations costs
-more than reading keys (a small model on a GPU); ``"auto"`` never chooses it. Any device and
+It reads all ``Nk`` keys and values (``gather`` reads about ``window + Nk / K``): the choice
+for short calls where launching operations costs more than reading keys (a small model on a
+GPU); ``"auto"`` never chooses it. A longer call (a prefill) runs in blocks of
+:data:`MASKED_BLOCK` queries, each against the keys up to its last query, so memory stays
+``O(MASKED_BLOCK x Nk)`` per head and the arithmetic is dense attention's. Any device and
 floating dtype (computed in float32, float64 for float64 inputs: half-precision keys and
 values are copied to float32 whole, ``2 x Nk x D`` floats per key-value head), soft-capping,
 inference only.
@@ -19,14 +21,27 @@ import math
 import torch
 
 from .dispatch import SparseBackend, SparseInputs, register_backend
-from .gather import visible_keys
+from .gather import query_rows, visible_keys
 
-__all__ = ["run_masked"]
+__all__ = ["MASKED_BLOCK", "run_masked"]
+
+#: queries per block of a longer call (a decoding step is one block)
+MASKED_BLOCK = 256
 
 
 def run_masked(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``masked`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``,
     token-major; a query with no visible key gives zeros and ``-inf``."""
+    nq = inputs.query.shape[2]
+    if nq <= MASKED_BLOCK:
+        return _attend_block(inputs)
+    parts = [_attend_block(query_rows(inputs, a, min(nq, a + MASKED_BLOCK)))
+             for a in range(0, nq, MASKED_BLOCK)]  # fmt: skip
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+
+def _attend_block(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of queries against every key, under the mask: as :func:`run_masked`."""
     q = inputs.query
     b, h, nq, d = q.shape
     h_kv, nk = inputs.key.shape[1], inputs.key.shape[2]
