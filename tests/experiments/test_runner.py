@@ -230,6 +230,30 @@ def test_a_step_runs_in_a_subprocess(finished, module_assets, tmp_path, monkeypa
     assert _result(copy, "16")["ppl"] == _result(study, "16")["ppl"]
 
 
+def test_a_step_with_variables_runs_in_a_process_that_has_them(finished, module_assets, tmp_path, monkeypatch):  # fmt: skip
+    """``[steps.variables]``: the step runs in a subprocess with them, also under
+    --no-isolate (the in-process runner is never called); the result records them, a rerun
+    skips the step, and another value reruns it."""
+    study, runs, _, _ = finished
+    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    copy = tmp_path / "tiny"
+    shutil.copytree(study, copy)
+    config = copy / "config.toml"
+    text = config.read_text()
+    marked = text.replace('json = "{results}/eval-16.json"',
+                          'json = "{results}/eval-16.json"\n[steps.variables]\nFOCUS_TEST_MARK = "7"')  # fmt: skip
+    assert marked != text
+    config.write_text(marked)
+    assert _run(copy, runs, Counting(stop_at=""), only=("eval-16",)) == {"eval-16": "rerun"}
+    result = _result(copy, "16")
+    assert result["experiment"]["variables"] == {"FOCUS_TEST_MARK": "7"}
+    assert result["environment"]["focus_variables"]["FOCUS_TEST_MARK"] == "7"
+    assert _run(copy, runs, Counting(stop_at=""), only=("eval-16",)) == {"eval-16": "done"}
+    config.write_text(marked.replace('FOCUS_TEST_MARK = "7"', 'FOCUS_TEST_MARK = "8"'))
+    assert _run(copy, runs, Counting(stop_at=""), only=("eval-16",), dry_run=True) == {"eval-16": "rerun"}  # fmt: skip
+
+
 #: a study that trains the tiny adapter (tests/tiny_assets.py tiny_config: K = 4, top_k 2,
 #: window 8, 1 sink token), 4 steps with a checkpoint after each
 TRAIN_STUDY = """

@@ -84,6 +84,12 @@ json = "{results}/needle.json"
         (HEAD + '[[steps]]\nname = "a"\ncommand = "eval"\nresult = "x.md"\n',
          "result 'x.md': expected the path of a JSON file"),
         (HEAD + '[[steps]]\nname = "a"\ncommand = "eval"\nflags = 1\n', r"unknown keys \['flags'\]"),
+        (HEAD + '[[steps]]\nname = "a"\ncommand = "eval"\nvariables = 1\n',
+         "variables must be a table"),
+        (HEAD + '[[steps]]\nname = "a"\ncommand = "eval"\n[steps.variables]\nX = 1\n',
+         "variable X = 1: expected a name of letters, digits and '_' set to a string"),
+        (HEAD + '[[steps]]\nname = "a"\ncommand = "eval"\n[steps.variables]\n"A-B" = "1"\n',
+         "variable A-B"),
     ],
 )  # fmt: skip
 def test_bad_study_files_raise_clear_errors(tmp_path, text, match):

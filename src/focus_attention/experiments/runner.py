@@ -1,9 +1,11 @@
 """Run a study (:mod:`focus_attention.experiments.study`) and resume it where it stopped.
 
 Each step runs in order. A step whose result file exists and records, under
-``"experiment"``, the same command and settings as ``config.toml`` now is skipped; any other
-step runs, and a result it leaves behind gets the ``"experiment"`` record: the study, the
-step, its command, settings and command line, library versions, hardware and the git commit
+``"experiment"``, the same command, settings and environment variables as ``config.toml``
+now is skipped; any other step runs (one with variables in a subprocess whose environment
+has them, also under ``--no-isolate``), and a result it leaves behind gets the
+``"experiment"`` record: the study, the step, its command, settings, variables and command
+line, library versions, hardware and the git commit
 (:func:`focus_attention.utils.env.environment`). A result without the record (measured before
 the study existed, or by an interrupted run) or with other settings runs again. A step that
 fails stops the run; the steps before it keep their results, so the next run starts at it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -68,7 +71,7 @@ class StudyConfig:
     isolate: bool = field(
         default=True,
         metadata={"help": "run each focus step in a subprocess of this interpreter "
-                  "(--no-isolate: in this process)"},
+                  "(--no-isolate: in this process, but for steps with variables)"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -99,7 +102,8 @@ def step_status(study: Study, step: Step, runs: str = "runs") -> str:
     if not isinstance(record, dict):
         return "rerun"
     same = (record.get("command") == step.command_text()
-            and record.get("settings") == step.settings)  # fmt: skip
+            and record.get("settings") == step.settings
+            and record.get("variables", {}) == step.variables)  # fmt: skip
     return "done" if same else "rerun"
 
 
@@ -107,8 +111,14 @@ def _record(study: Study, step: Step, argv: list[str]) -> dict[str, Any]:
     from ..utils.env import environment, library_versions
 
     return {"study": study.name, "step": step.name, "command": step.command_text(),
-            "settings": step.settings, "argv": argv, "versions": library_versions(),
-            "environment": environment()}  # fmt: skip
+            "settings": step.settings, "variables": step.variables, "argv": argv,
+            "versions": library_versions(), "environment": environment()}  # fmt: skip
+
+
+def _process_environment(step: Step) -> dict[str, str] | None:
+    """The environment of a step's subprocess: this one's with the step's variables (None:
+    this one's, unchanged)."""
+    return {**os.environ, **step.variables} if step.variables else None
 
 
 def _stamp(study: Study, step: Step, argv: list[str], runs: str) -> None:
@@ -130,7 +140,7 @@ def _run_script(study: Study, step: Step, runs: str) -> list[str]:
     paths = study.paths(runs)
     script = study.directory / step.settings["path"]
     argv = [sys.executable, str(script), *fill(list(step.settings.get("args", [])), paths)]
-    done = subprocess.run(argv, check=False)
+    done = subprocess.run(argv, check=False, env=_process_environment(step))
     if done.returncode != 0:
         raise RuntimeError(f"{study.name}: step {step.name}: {script} exited with status "
                            f"{done.returncode}")  # fmt: skip
@@ -158,8 +168,9 @@ def resumed(study: Study, step: Step, runs: str = "runs") -> Step:
 
 def _run_focus(study: Study, step: Step, config: StudyConfig, main: Callable) -> list[str]:
     argv = step_argv(resumed(study, step, config.runs), study.paths(config.runs))
-    if config.isolate:
-        code = subprocess.run([sys.executable, "-m", "focus_attention.cli", *argv]).returncode
+    if config.isolate or step.variables:  # variables need a process of their own
+        command = [sys.executable, "-m", "focus_attention.cli", *argv]
+        code = subprocess.run(command, env=_process_environment(step)).returncode
     else:
         code = main(argv)
     if code != 0:

@@ -16,6 +16,8 @@ The file::
     [steps.settings]                          # the flags: lengths = [1024, 4096] is
     lengths = [1024, 4096]                    # --lengths 1024 4096, window = 128 is
     json = "{results}/kernel.json"            # --window 128, dense = false --no-dense
+    [steps.variables]                         # optional: environment variables of the
+    FOCUS_NO_EXTENSION = "1"                  # step's process (strings)
 
 String settings may name three directories: ``{study}`` (the study's directory),
 ``{results}`` (its ``results/``) and ``{runs}`` (where trainings and adapters go; ``runs``
@@ -58,7 +60,9 @@ BUILTIN_COMMANDS = ("report", "script")
 STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 #: the placeholders a string setting may use
 PLACEHOLDERS = ("study", "results", "runs")
-STEP_KEYS = frozenset({"name", "command", "result", "settings"})
+STEP_KEYS = frozenset({"name", "command", "result", "settings", "variables"})
+#: an environment variable's name
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 REPORT_KEYS = frozenset({"out", "plots"})
 SCRIPT_KEYS = frozenset({"path", "args"})
 
@@ -67,13 +71,15 @@ SCRIPT_KEYS = frozenset({"path", "args"})
 class Step:
     """One step of a study: ``name``, ``command`` (the words of a ``focus`` sub-command,
     ``("script",)`` or ``("report",)``), ``settings`` (the TOML table as written, before the
-    placeholders are filled in) and ``result`` (the JSON file it writes, with placeholders;
-    None: it records nothing and runs every time)."""
+    placeholders are filled in), ``result`` (the JSON file it writes, with placeholders;
+    None: it records nothing and runs every time) and ``variables``, the environment
+    variables set for its process (a step with some runs in a subprocess)."""
 
     name: str
     command: tuple[str, ...]
     settings: dict[str, Any] = field(default_factory=dict)
     result: str | None = None
+    variables: dict[str, str] = field(default_factory=dict)
 
     @property
     def builtin(self) -> bool:
@@ -154,7 +160,19 @@ def _step(table: Any, where: str, seen: set[str]) -> Step:
     result = table.get("result", settings.get("json"))
     if result is not None and (not isinstance(result, str) or not result.endswith(".json")):
         raise ValueError(f"{where} ({name}): result {result!r}: expected the path of a JSON file")
-    return Step(name, tuple(command.split()), dict(settings), result)
+    return Step(name, tuple(command.split()), dict(settings), result,
+                _variables(table.get("variables", {}), f"{where} ({name})"))  # fmt: skip
+
+
+def _variables(table: Any, where: str) -> dict[str, str]:
+    """A step's ``[steps.variables]`` table: names of environment variables to strings."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: variables must be a table, got {table!r}")
+    for key, value in table.items():
+        if VARIABLE_NAME.fullmatch(key) is None or not isinstance(value, str):
+            raise ValueError(f"{where}: variable {key} = {value!r}: expected a name of letters, "
+                             "digits and '_' set to a string")  # fmt: skip
+    return dict(table)
 
 
 def load_study(directory: str | Path) -> Study:
