@@ -86,6 +86,10 @@ def test_the_settings_reach_an_export_served_as_it_is(exported, tmp_path):
         config = AutoConfig.from_pretrained(v["directory"], trust_remote_code=True)
         assert (config.attention_backend, config.top_k) == ("masked", v["top_k"])
         assert config.dense_heads == [[0, 0]]
+    # a top_k given twice (or None beside the export's own) is one variant, and a work
+    # directory of an earlier run is reused
+    again = served_variants(exported, (None, own, 2, 2), True, tmp_path, {"attention_backend": "masked"})  # fmt: skip
+    assert [(v["method"], v["top_k"]) for v in again] == [("focus", own), ("focus", 2), ("dense", None)]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -436,7 +436,10 @@ def test_decode_rows_count_operations_and_the_backend_setting_reaches_both_level
     for result in runs.values():
         assert all(r["operations"] > 0 and r["host_syncs"] >= 0 for r in result["rows"])
     focus = {b: {r["level"]: r for r in res["rows"] if r["method"] == "focus"} for b, res in runs.items()}  # fmt: skip
-    assert focus["masked"]["op"]["backend"] == "masked"
+    assert focus["masked"]["op"]["backend"] == focus["masked"]["model"]["backend"] == "masked"
+    from focus_attention.bench.decode import decode_table
+
+    assert "focus top_k=1 (masked)" in decode_table(runs["masked"])
     assert runs["masked"]["config"]["overrides"]["attention_backend"] == "masked"
     assert focus["masked"]["op"]["host_syncs"] == 0 < focus["gather"]["op"]["host_syncs"]
     layers = 2  # the tiny model's Focus layers
@@ -462,3 +465,32 @@ def test_decode_op_level_in_another_attention_shape_loads_no_model():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         DecodeBenchConfig(num_heads=9, num_key_value_heads=2)
     assert DecodeBenchConfig(num_heads=8).needs_model  # part of a shape: the model's fills it
+
+
+def test_count_operations_sees_index_reads_and_flex_attention():
+    """An index by a bool mask and ``repeat_interleave`` by a tensor of counts read back to
+    the host (an int index and a given ``output_size`` do not); FlexAttention's
+    higher-order operator is counted, not refused."""
+    from focus_attention.bench.operations import count_operations
+    from focus_attention.ops import sparse_attention
+
+    x, counts = torch.arange(6.0), torch.tensor([1, 2, 3])
+    syncs = {name: count_operations(call)["host_syncs"] for name, call in {
+        "bool index": lambda: x[x > 2], "int index": lambda: x[torch.tensor([0, 1])],
+        "counts": lambda: torch.arange(3).repeat_interleave(counts),
+        "counts, size given": lambda: torch.arange(3).repeat_interleave(counts, output_size=6),
+    }.items()}  # fmt: skip
+    assert syncs == {"bool index": 1, "int index": 0, "counts": 1, "counts, size given": 0}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8, generator=g), *torch.randn(2, 1, 1, 20, 8, generator=g)
+    qg, kg = torch.rand(1, 4, 3, generator=g) > 0.5, torch.rand(1, 20, 3, generator=g) > 0.5
+    with torch.inference_mode():
+        got = count_operations(lambda: sparse_attention(q, k, v, qg, kg, 4, backend="flex"))
+    assert got["by_name"]["flex_attention"] >= 1
+
+
+def test_decode_refuses_a_partial_shape_the_model_cannot_take(tmp_path, monkeypatch):
+    """``--num-heads 3`` over the tiny model's 2 key-value heads: a clear error naming the
+    settings, before anything is timed."""
+    with pytest.raises(ValueError, match="3 query heads are not a multiple of its 2 key-value heads"):  # fmt: skip
+        _decode_in(tmp_path, monkeypatch, levels=("op",), num_heads=3)

@@ -97,8 +97,9 @@ def test_the_attention_backend_changes_at_load_time_and_keeps_the_logits(tmp_pat
     assert json.loads((out / "config.json").read_text())["attention_backend"] == "auto"
     with torch.no_grad():
         torch.testing.assert_close(masked(input_ids=x).logits, want, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ValueError, match="attention_backend") as err:
         load(out, attention_backend="nope")
+    assert str(out) in str(err.value)  # the directory whose settings are wrong
 
 
 def test_the_config_names_the_custom_code(tmp_path):

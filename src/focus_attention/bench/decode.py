@@ -224,6 +224,7 @@ def _model_context(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: 
     for top_k in caches:
         rows.append({"level": "model", "N": n, "method": "focus", "top_k": top_k,
                      "inference_routing": routing, "cache": "focus",
+                     "backend": runner.focus_config.attention_backend,
                      "seconds": timed[f"focus-{top_k}"][0], "share": shares[top_k],
                      **_counted(counts[f"focus-{top_k}"])})  # fmt: skip
     for kind in DENSE_CACHES:
@@ -310,6 +311,12 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         model, tokenizer = load_model(config.model, config.dtype, device=device, quiet=True)
         model.config._attn_implementation = "sdpa"
     shape = config.shape_over({} if model is None else _model_shape(model))
+    if shape["heads"] % shape["kv_heads"]:
+        raise ValueError(
+            f"DecodeBenchConfig: the op level's {shape['heads']} query heads are not a multiple "
+            f"of its {shape['kv_heads']} key-value heads (num_heads, num_key_value_heads: the "
+            "ones not given are the model's)"
+        )
     rows = _op_rows(config, shape, device) if "op" in config.levels else []
     if "model" in config.levels:
         total = len(config.contexts)
@@ -340,6 +347,8 @@ def decode_table(result: dict[str, Any]) -> str:
         name = "dense" if r["method"] == "dense" else f"focus top_k={r['top_k']}"
         if r.get("inference_routing") == "streaming":
             name = "focus streaming (no groups)"
+        if r.get("backend") not in (None, "auto"):
+            name += f" ({r['backend']})"
         buffered = r.get("speedup_vs_buffered_dense")
         buffered = "-" if buffered is None else f"{buffered:.2f}x"
         lines.append(

@@ -46,7 +46,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def _linked_copy(export: Path, out: Path, skip: tuple[str, ...]) -> None:
-    """``out`` holding symbolic links to the files of ``export`` but ``skip``."""
+    """``out`` holding symbolic links to the files of ``export`` but ``skip`` (a directory
+    of that name left by an earlier run is replaced)."""
+    if out.is_dir():
+        shutil.rmtree(out)
     out.mkdir(parents=True)
     for path in export.iterdir():
         if path.is_file() and path.name not in skip:
@@ -64,8 +67,10 @@ def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool, w
     doc = json.loads((export / "config.json").read_text(encoding="utf-8"))
     changed = {**doc, **json.loads(json.dumps(settings or {}))}  # tuples as JSON lists
     variants = []
-    for k in top_ks:
+    for k in dict.fromkeys(top_ks):  # each top_k once, in order
         served = changed if k is None else {**changed, "top_k": k}
+        if any(v["top_k"] == served.get("top_k") for v in variants):
+            continue  # None and the export's own top_k: one variant
         if served == doc:
             variants.append({"method": "focus", "top_k": doc.get("top_k"), "directory": export})
             continue

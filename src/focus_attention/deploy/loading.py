@@ -157,5 +157,9 @@ def load_exported(
     focus = FocusModel.from_pretrained(base, _adapter_directory(path, hub))
     settings = {name: getattr(config, name, None) for name in SETTING_FIELDS}
     settings.update(given)
-    focus.focus_config = focus.focus_config.override(**settings)
+    try:
+        focus.focus_config = focus.focus_config.override(**settings)
+    except ValueError as err:
+        raise ValueError(f"{path}: the Focus settings of its config.json and the keywords "
+                         f"given ({', '.join(SETTING_FIELDS)}): {err}") from err  # fmt: skip
     return attach_routers(base, focus)

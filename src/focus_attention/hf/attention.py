@@ -658,11 +658,17 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     ``(out [B, H, Nq, D], query groups, key groups, maps or None)``."""
     cfg = handle.runtime.focus_config
     q_groups, k_groups = _topk_groups(handle, call)
-    out = sparse_attention(
-        call.query, call.key, call.value, q_groups, k_groups, cfg.window,
-        scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
-        backend=cfg.attention_backend,
-    )  # fmt: skip
+    try:
+        out = sparse_attention(
+            call.query, call.key, call.value, q_groups, k_groups, cfg.window,
+            scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
+            backend=cfg.attention_backend,
+        )  # fmt: skip
+    except ValueError as err:
+        if cfg.attention_backend == "auto" or "backend" not in str(err):
+            raise
+        raise ValueError(f"FocusConfig.attention_backend={cfg.attention_backend!r} cannot run "
+                         f"layer {handle.layer_idx}'s call: {err}") from err  # fmt: skip
     maps = None
     if handle.runtime.wants_attentions():
         mask = focus_mask(q_groups, k_groups, cfg.window, call.real)

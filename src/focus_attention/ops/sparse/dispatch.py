@@ -148,7 +148,10 @@ class SparseBackend:
             names = ", ".join(str(t).removeprefix("torch.") for t in self.dtypes)
             return f"takes {names} inputs, received {request.dtype}"
         if request.needs_grad and not self.differentiable:
-            return "inference only, and the inputs require grad ('math' or 'auto' for gradients)"
+            return (
+                "is inference only, and the inputs require grad (a differentiable "
+                "backend: 'auto', 'gather' or 'math')"
+            )
         if request.softcap and not self.softcap:
             return "does not apply softcap ('math' does)"
         if self.max_groups is not None and request.num_groups > self.max_groups:

@@ -11,7 +11,9 @@ GPU); ``"auto"`` never chooses it. A longer call (a prefill) runs in blocks of
 ``O(MASKED_BLOCK x Nk)`` per head and the arithmetic is dense attention's. Any device and
 floating dtype (computed in float32, float64 for float64 inputs: half-precision keys and
 values are copied to float32 whole, ``2 x Nk x D`` floats per key-value head), soft-capping,
-inference only.
+inference only. As in dense attention under a mask, a value row that no query sees still
+enters the product with weight 0, so a NaN or infinity there (a cache holding garbage in
+its padding) makes the output NaN, where the gathering backends skip the row.
 """
 
 from __future__ import annotations
