@@ -34,7 +34,7 @@ tail -n 30 "$out/gpu-tests.log"
 lengths="4096 8192 16384 32768 65536 131072"
 for dense in flash auto; do
   step "$py" -m focus_attention.cli bench kernel --device cuda --dtype bfloat16 \
-    --backend flex --dense-kernel "$dense" --lengths $lengths --top-k 1 2 --repeats 5 \
+    --attention-backend flex --dense-kernel "$dense" --lengths $lengths --top-k 1 2 --repeats 5 \
     --no-gates --json "$out/kernel-cuda-$dense.json"
 done
 # one decoding call at the op level in a larger model's attention shape (Llama-3-8B's: 32 query,

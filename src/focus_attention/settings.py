@@ -14,9 +14,9 @@ Groups: :class:`ThreadSettings` (``threads``), :class:`RunSettings` (it and ``pr
 (``max_new_tokens``), :class:`BaseModelSettings` (``model``),
 :class:`ModelSettings` (it and ``adapter``),
 :class:`CorpusSettings` (``corpus``), :class:`TextSettings` (it and ``split``), :class:`BlockSettings` (``seq_len``), :class:`TopKValues` (``top_k``),
-:class:`WindowValues` (``window``), :class:`AdapterOverrides` (those two and
-``sink_tokens``, ``dense_layers``, ``dense_heads``, ``query_top_k``, ``inference_routing``,
-``attention_backend``),
+:class:`WindowValues` (``window``), :class:`AttentionBackendSetting`
+(``attention_backend``), :class:`AdapterOverrides` (those three and ``sink_tokens``,
+``dense_layers``, ``dense_heads``, ``query_top_k``, ``inference_routing``),
 :class:`FreshRouters` (``num_groups``), :class:`SeedSettings` (``seed``),
 :class:`LengthSettings` (``lengths``), :class:`DeviceSettings` (``device``),
 :class:`OutputSettings` (``out``), :class:`BosSettings` (``prepend_bos``),
@@ -34,13 +34,19 @@ from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
 from .assets.models import DEFAULT_MODEL
-from .hf.config import INFERENCE_ROUTINGS, SPARSE_BACKENDS, parse_layer_heads
+from .hf.config import (
+    INFERENCE_ROUTINGS,
+    SPARSE_BACKENDS,
+    check_attention_backend,
+    parse_layer_heads,
+)
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
     "ADAPTER_OVERRIDES",
     "SHARED_CHECKS",
     "AdapterOverrides",
+    "AttentionBackendSetting",
     "BaseModelSettings",
     "BatchSettings",
     "BlockSettings",
@@ -126,6 +132,13 @@ def _choice(choices: tuple[str, ...], optional: bool) -> Callable[[str, Any, str
     return check
 
 
+def _backend(owner: str, obj: Any, name: str) -> None:
+    """Check of an attention backend field: None, or a backend ``sparse_attention`` takes."""
+    value = getattr(obj, name)
+    if value is not None:
+        check_attention_backend(owner, name, value)
+
+
 def _one_or_several(low: int) -> Callable[[str, Any, str], None]:
     """Check of an ``int | tuple[int, ...] | None`` field: a tuple where the class lists
     it in ``SEVERAL``, else one int (a one-element list is accepted)."""
@@ -188,7 +201,7 @@ SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "dense_layers": _ints(0, optional=True),
     "query_top_k": _int_at_least(1, optional=True),
     "inference_routing": _choice(INFERENCE_ROUTINGS, optional=True),
-    "attention_backend": _choice(SPARSE_BACKENDS, optional=True),
+    "attention_backend": _backend,
     "num_groups": _int_at_least(1, optional=False),
     "seed": _int_at_least(0, optional=False),
     "lengths": _ints(1, optional=False),
@@ -313,7 +326,19 @@ class WindowValues(Settings):
 
 
 @dataclass
-class AdapterOverrides(WindowValues, TopKValues):
+class AttentionBackendSetting(Settings):
+    """The backend of Focus's sparse attention, by name (docs/method.md §5, "Backends")."""
+
+    attention_backend: str | None = field(
+        default=None,
+        metadata={"help": "backend of Focus's sparse attention (default: an adapter's own, else "
+                  "auto; masked: every key under the mask, no host synchronisation)",
+                  "choices": SPARSE_BACKENDS},
+    )  # fmt: skip
+
+
+@dataclass
+class AdapterOverrides(WindowValues, TopKValues, AttentionBackendSetting):
     """The inference settings of a Focus adapter a command may override (None: the
     adapter's own; :class:`~focus_attention.hf.FocusConfig` documents each,
     docs/method.md §3-§4)."""
@@ -343,12 +368,6 @@ class AdapterOverrides(WindowValues, TopKValues):
         metadata={"help": "how top-k groups are chosen, over the adapter's (streaming: "
                   "none, only the window and the sink tokens)",
                   "choices": INFERENCE_ROUTINGS},
-    )  # fmt: skip
-    attention_backend: str | None = field(
-        default=None,
-        metadata={"help": "backend of the Focus layers' sparse attention, over the "
-                  "adapter's (masked: every key under the mask, no host synchronisation)",
-                  "choices": SPARSE_BACKENDS},
     )  # fmt: skip
 
     def overrides(self, *, without: tuple[str, ...] = ()) -> dict[str, Any]:

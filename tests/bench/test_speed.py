@@ -81,6 +81,20 @@ def test_kernel_benchmark_rejects_bad_settings():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             bench.KernelBenchConfig(device="cuda")
+    with pytest.raises(ValueError, match="KernelBenchConfig.attention_backend: received 'nope'"):
+        bench.KernelBenchConfig(attention_backend="nope")
+
+
+def test_kernel_benchmark_backend_is_the_shared_attention_backend_setting(capsys):
+    """The kernel benchmark's backend is ``attention_backend``, as on every other command;
+    ``backend`` (its earlier name) still works as a key and as a flag, with a warning."""
+    with pytest.warns(DeprecationWarning, match="backend"):
+        assert bench.KernelBenchConfig(backend="masked").attention_backend == "masked"
+    assert bench.KernelBenchConfig().attention_backend == "auto"
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "kernel", "--backend", "math"])
+    assert "deprecated, use --attention-backend" in capsys.readouterr().err
+    assert args.attention_backend == "math"
 
 
 @pytest.mark.gpu

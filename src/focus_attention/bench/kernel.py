@@ -171,7 +171,7 @@ def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConf
             synchronize=sync,
         )
         sparse_s, sparse_all = median_seconds(
-            functools.partial(kernel_call, "sparse", *inputs, window, config.backend),
+            functools.partial(kernel_call, "sparse", *inputs, window, config.attention_backend),
             config.repeats,
             synchronize=sync,
         )
@@ -197,7 +197,7 @@ def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConf
 def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, Any]:
     """Dense causal SDPA against :func:`focus_attention.sparse_attention`, same process.
 
-    ``config.backend`` is passed to the op; the backend that ran is recorded in
+    ``config.attention_backend`` is passed to the op; the backend that ran is recorded in
     ``config["sparse_backend"]`` of the result.
 
     Returns:
@@ -211,8 +211,9 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
 
     config = config or KernelBenchConfig()
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
-                                           "window", "num_groups", "seed", "backend", "device",
-                                           "dtype", "dense_kernel")}  # fmt: skip
+                                           "window", "num_groups", "seed", "device", "dtype",
+                                           "dense_kernel")}  # fmt: skip
+    cfg["backend"] = config.attention_backend
     combos = [(n, k) for n in config.lengths for k in config.top_k]
     bar = tqdm(combos, desc="kernel", disable=not config.progress)
     rows = []
@@ -234,7 +235,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "seed": config.seed,
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
         "sparse_backend": sparse_backend_name(
-            config.backend, config.num_groups, config.device, config.dtype
+            config.attention_backend, config.num_groups, config.device, config.dtype
         ),  # fmt: skip
         "dense": "torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)",
         "dense_kernel": config.dense_kernel,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..assets.benchmarks import BENCHMARKS
 from ..settings import (
     AdapterOverrides,
+    AttentionBackendSetting,
     BatchSettings,
     DeviceSettings,
     FreshRouters,
@@ -146,24 +147,22 @@ class AttentionShape(Settings):
 
 @settings_class(
     defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu",
-              "num_heads": 9, "num_key_value_heads": 3, "head_dim": 64},
+              "num_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+              "attention_backend": "auto"},
+    renamed={"backend": "attention_backend"},
     several=("top_k",),
 )  # fmt: skip
-class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape):  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape, AttentionBackendSetting):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
-    the values timed, ``window`` is the one local window; ``device`` is cpu or cuda.
+    the values timed, ``window`` is the one local window; ``device`` is cpu or cuda;
+    ``attention_backend`` is the op's ``backend`` (``backend`` is its deprecated name).
 
     Raises:
         ValueError: on construction, naming the first bad field.
     """
 
     repeats: int = field(default=3, metadata={"help": "timed runs (median) after a warm-up"})
-    backend: str = field(
-        default="auto",
-        metadata={"help": "sparse_attention backend: auto (the fused CPU kernel where it can "
-                  "be built) or a registered backend's name"},
-    )  # fmt: skip
     memory: bool = field(
         default=True, metadata={"help": "measure peak memory (a fresh process per call)"}
     )
@@ -185,15 +184,8 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
         for name in (*SHAPE_FIELDS, "repeats"):
             check_int(owner, name, getattr(self, name), 1)
         self.check_shape(owner)
-        if self.backend != "auto":
-            self._check_backend(owner)
-
-    def _check_backend(self, owner: str) -> None:
-        """The check that needs torch: a registered backend."""
-        from ..ops import backend_names
-
-        if self.backend not in ("auto", *backend_names()):
-            raise bad(owner, "backend", self.backend, f"one of {('auto', *backend_names())}")
+        if self.attention_backend is None:
+            raise bad(owner, "attention_backend", None, "a backend name ('auto' for any)")
 
 
 @settings_class(

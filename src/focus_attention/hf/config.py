@@ -23,6 +23,7 @@ __all__ = [
     "SAVED_EXTRA_KEYS",
     "SPARSE_BACKENDS",
     "FocusConfig",
+    "check_attention_backend",
     "parse_config_document",
     "read_config_file",
 ]
@@ -37,18 +38,23 @@ _int = functools.partial(check_int, "FocusConfig")
 _positive_float = functools.partial(check_number, "FocusConfig")
 
 
-def _check_backend(name: object) -> None:
-    """``FocusConfig.attention_backend``: a built-in backend, else one registered by then
-    (looked up in the registry, which imports torch, only for other names)."""
-    if name in SPARSE_BACKENDS:
+def check_attention_backend(owner: str, name: str, value: object) -> None:
+    """Field ``name`` of ``owner``, an attention backend: ``"auto"``, a built-in backend, or
+    one registered by then (looked up in the registry, which imports torch, only for other
+    names).
+
+    Raises:
+        ValueError: ``"<owner>.<name>: received ..., expected ..."``.
+    """
+    if value in SPARSE_BACKENDS:
         return
-    if isinstance(name, str) and name:
+    if isinstance(value, str) and value:
         from ..ops.sparse.dispatch import backend_names
 
-        if name in backend_names():
+        if value in backend_names():
             return
-    raise _bad("attention_backend", name, "'auto' or a registered sparse-attention backend "
-               f"(built in: {', '.join(SPARSE_BACKENDS[1:])})")  # fmt: skip
+    raise bad(owner, name, value, "'auto' or a registered sparse-attention backend "
+              f"(built in: {', '.join(SPARSE_BACKENDS[1:])})")  # fmt: skip
 
 
 def parse_layer_heads(text: str) -> tuple[tuple[int, int], ...]:
@@ -260,7 +266,7 @@ class FocusConfig:
             raise _bad("routing", self.routing, f"one of {ROUTINGS}")
         if self.inference_routing not in INFERENCE_ROUTINGS:
             raise _bad("inference_routing", self.inference_routing, f"one of {INFERENCE_ROUTINGS}")
-        _check_backend(self.attention_backend)
+        check_attention_backend("FocusConfig", "attention_backend", self.attention_backend)
         if self.layers is not None:
             layers = _layer_indices("layers", self.layers)
             if not layers:
