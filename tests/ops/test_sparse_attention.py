@@ -400,7 +400,7 @@ def test_the_fused_kernel_reads_a_cache_buffer_without_copying_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["auto", "math"])
+@pytest.mark.parametrize("backend", ["auto", "math", "gather", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_inputs_equal_oracle(dtype, backend):
     """On a GPU the result stays on the device and meets the same accuracy rule."""
@@ -412,6 +412,23 @@ def test_cuda_inputs_equal_oracle(dtype, backend):
     )
     assert out.device.type == "cuda"
     assert_matches_oracle(case, out.cpu(), lse.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "gather", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_decoding_calls_equal_oracle(dtype, backend):
+    """Decoding-sized calls (one and three queries against a left-padded cache) on a GPU, on
+    the backends meant for them."""
+    for nq in (1, 3):
+        case = make_case(nk=700, nq=nq, batch=2, heads=4, kv_heads=2, top_k=1, padding="left")
+        case = case.to(dtype)
+        dev = [t.cuda() for t in (case.q, case.k, case.v, case.qg, case.kg, case.kpm)]
+        out, lse = sparse_attention(
+            *dev[:5], case.window, key_padding_mask=dev[5], backend=backend, return_lse=True
+        )
+        assert_matches_oracle(case, out.cpu(), lse.cpu())
 
 
 # --------------------------------------------------------------------------------------
