@@ -27,7 +27,8 @@ torch.cuda.get_device_properties(0))"
 cat "$out/hardware.txt"
 
 # exactness on CUDA: every test marked gpu (FlexAttention compiled with LSE, backward, dispatch)
-step "$py" -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/bench/test_speed.py > "$out/gpu-tests.log" 2>&1
+step "$py" -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/bench/test_speed.py \
+  tests/hf/test_attention_backend.py > "$out/gpu-tests.log" 2>&1
 tail -n 30 "$out/gpu-tests.log"
 
 # attention kernel: K = 8, window 128, SmolLM2's head shape, bf16, 4K..128K tokens

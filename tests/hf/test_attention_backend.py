@@ -110,3 +110,18 @@ def test_a_backend_that_cannot_run_a_call_names_its_reason():
     _, fm = focus("gemma2", attention_backend="cpu_fused")
     with pytest.raises(ValueError, match=r"FocusConfig.attention_backend='cpu_fused' cannot run layer \d+'s call: .*softcap"):  # fmt: skip
         _logits(fm, ids(1, 12, seed=8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "gather", "masked"])
+def test_decoding_on_cuda_equals_the_cpu_model(backend):
+    """On a GPU (float32), prefill then single tokens through the cache with each decoding
+    backend give the logits of the same model on the CPU."""
+    _, fm = focus("llama")
+    x = ids(2, N, seed=11)
+    reference = _logits(fm, x)
+    fm = fm.to("cuda")
+    fm.focus_config = fm.focus_config.override(attention_backend=backend)
+    got = _decoded(fm, x.cuda(), [0, 30, *range(31, N + 1)])
+    torch.testing.assert_close(got.cpu(), reference, atol=1e-4, rtol=0)
