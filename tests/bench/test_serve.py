@@ -92,6 +92,41 @@ def test_the_settings_reach_an_export_served_as_it_is(exported, tmp_path):
     assert [(v["method"], v["top_k"]) for v in again] == [("focus", own), ("focus", 2), ("dense", None)]  # fmt: skip
 
 
+def test_continuous_batching_servers_split_the_cache_memory(exported, tmp_path, monkeypatch):
+    """Servers started together with ``--continuous-batching`` each size their KV cache to a
+    share of the memory (three together ran out of memory on the CPU machine): each gets
+    ``--cb-max-memory-percent`` of 0.6 split between them."""
+    from focus_attention.assets.corpora import prepare_corpus
+    from focus_attention.bench import serve
+
+    started = []
+
+    class Recording:
+        def __init__(self, directory, log, **kw):
+            self.extra = kw["extra"]
+
+        def start(self):
+            started.append(self.extra)
+
+        def stop(self):
+            pass
+
+        def wait_ready(self):
+            raise RuntimeError("not serving in this test")
+
+    monkeypatch.setattr(serve, "ServedModel", Recording)
+    monkeypatch.setenv("FOCUS_HOME", str(tmp_path / "home"))
+    corpus = make_corpus_dir(tmp_path / "books", n_docs=3, n_words=600)
+    prepare_corpus(corpus, quiet=True)
+    config = ServeBenchConfig(export=str(exported), corpus=str(corpus), top_k=(1, 2),
+                              concurrency=(2,), lengths=(24,), continuous_batching=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="not serving"):
+        serve.run_serve_benchmark(config, log=lambda line: None)
+    assert len(started) == 3  # top-1, top-2, dense
+    for extra in started:
+        assert extra[:3] == ("--continuous-batching", "--cb-max-memory-percent", "0.2")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not is_serve_available(), reason="the serve extra: pip install '.[serve]'")
 def test_the_benchmark_answers_every_request_and_writes_json_and_a_plot(exported, tmp_path, monkeypatch):  # fmt: skip

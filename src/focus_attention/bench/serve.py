@@ -31,6 +31,8 @@ __all__ = [
     "serve_table",
     "server_env",
     "served_variants",
+    "cb_memory_percent",
+    "CB_MEMORY_SHARE",
 ]
 
 #: files of an exported directory that only Focus reads (left out of the dense variant)
@@ -234,12 +236,27 @@ def server_env() -> dict[str, str]:
     return {"USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "0")}
 
 
+#: share of the device's memory the continuous-batching KV caches of all served models take
+#: together, split evenly between them (each ``transformers serve`` would otherwise size its
+#: cache from the memory free when it starts, and the servers start together: the last ones
+#: ran out of memory)
+CB_MEMORY_SHARE = 0.6
+
+
+def cb_memory_percent(servers: int) -> float:
+    """``--cb-max-memory-percent`` of each of ``servers`` continuous-batching servers."""
+    return round(CB_MEMORY_SHARE / max(1, servers), 3)
+
+
 def _start_servers(variants: list[dict[str, Any]], config: ServeBenchConfig, work: Path,
                    stack: contextlib.ExitStack) -> list[tuple[ServedModel, float]]:  # fmt: skip
     """Start a server per variant at once (they load together), each stopped when ``stack``
     closes; wait until each answers. Returns (server, seconds from the common start until
     it answered)."""
-    extra = ("--continuous-batching",) if config.continuous_batching else ()
+    extra: tuple[str, ...] = ()
+    if config.continuous_batching:
+        extra = ("--continuous-batching", "--cb-max-memory-percent",
+                 str(cb_memory_percent(len(variants))))  # fmt: skip
     extra += ("--dtype", config.dtype) if config.dtype else ()
     servers = []
     for variant in variants:
@@ -306,6 +323,7 @@ def _record(config: ServeBenchConfig) -> dict[str, Any]:
         "dense": config.dense,
         "device": config.device or "auto",
         "continuous_batching": config.continuous_batching,
+        "cb_memory_share": CB_MEMORY_SHARE if config.continuous_batching else None,
         "dtype": config.dtype,
         "warmup_requests_per_length": config.warmup,
         "cell_timeout_s": config.cell_timeout,
