@@ -92,10 +92,11 @@ def test_the_settings_reach_an_export_served_as_it_is(exported, tmp_path):
     assert [(v["method"], v["top_k"]) for v in again] == [("focus", own), ("focus", 2), ("dense", None)]  # fmt: skip
 
 
-def test_continuous_batching_servers_split_the_cache_memory(exported, tmp_path, monkeypatch):
-    """Servers started together with ``--continuous-batching`` each size their KV cache to a
-    share of the memory (three together ran out of memory on the CPU machine): each gets
-    ``--cb-max-memory-percent`` of 0.6 split between them."""
+def test_continuous_batching_servers_size_their_cache_for_the_cells(exported, tmp_path, monkeypatch):  # fmt: skip
+    """Servers started together with ``--continuous-batching`` size their KV cache for the
+    cells, not from the memory free when each starts (three together ran out of memory, or
+    stalled with a full cache): room for every request of the largest cell at the longest
+    prompt, in blocks of 256 tokens."""
     from focus_attention.assets.corpora import prepare_corpus
     from focus_attention.bench import serve
 
@@ -119,12 +120,14 @@ def test_continuous_batching_servers_split_the_cache_memory(exported, tmp_path, 
     corpus = make_corpus_dir(tmp_path / "books", n_docs=3, n_words=600)
     prepare_corpus(corpus, quiet=True)
     config = ServeBenchConfig(export=str(exported), corpus=str(corpus), top_k=(1, 2),
-                              concurrency=(2,), lengths=(24,), continuous_batching=True)  # fmt: skip
+                              concurrency=(2, 3), lengths=(24, 300), max_new_tokens=8,
+                              continuous_batching=True)  # fmt: skip
     with pytest.raises(RuntimeError, match="not serving"):
         serve.run_serve_benchmark(config, log=lambda line: None)
     assert len(started) == 3  # top-1, top-2, dense
+    blocks = 3 * 2 + 8  # 3 requests of 300 + 8 + 16 tokens: 2 blocks each, and 8 spare
     for extra in started:
-        assert extra[:3] == ("--continuous-batching", "--cb-max-memory-percent", "0.2")
+        assert extra[:3] == ("--continuous-batching", "--cb-num-blocks", str(blocks))
 
 
 @pytest.mark.slow

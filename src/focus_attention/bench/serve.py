@@ -31,8 +31,8 @@ __all__ = [
     "serve_table",
     "server_env",
     "served_variants",
-    "cb_memory_percent",
-    "CB_MEMORY_SHARE",
+    "cb_num_blocks",
+    "CB_PAGE_TOKENS",
 ]
 
 #: files of an exported directory that only Focus reads (left out of the dense variant)
@@ -236,16 +236,20 @@ def server_env() -> dict[str, str]:
     return {"USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "0")}
 
 
-#: share of the device's memory the continuous-batching KV caches of all served models take
-#: together, split evenly between them (each ``transformers serve`` would otherwise size its
-#: cache from the memory free when it starts, and the servers start together: the last ones
-#: ran out of memory)
-CB_MEMORY_SHARE = 0.6
+#: tokens per block of transformers' continuous-batching KV cache (its default page size)
+CB_PAGE_TOKENS = 256
+#: tokens a served request may hold beyond its prompt and new tokens (special tokens)
+CB_SLACK_TOKENS = 16
 
 
-def cb_memory_percent(servers: int) -> float:
-    """``--cb-max-memory-percent`` of each of ``servers`` continuous-batching servers."""
-    return round(CB_MEMORY_SHARE / max(1, servers), 3)
+def cb_num_blocks(config: ServeBenchConfig) -> int:
+    """``--cb-num-blocks`` of each continuous-batching server: room for the largest
+    concurrency's requests at the longest prompt, all at once, and a few blocks more.
+    Sized from the cells rather than from the memory free when a server starts (what
+    ``transformers serve`` does by default): servers that start together each took most of
+    the memory, and one that got less stalled with a full cache."""
+    per_request = max(config.lengths) + config.max_new_tokens + CB_SLACK_TOKENS
+    return max(config.concurrency) * math.ceil(per_request / CB_PAGE_TOKENS) + 8
 
 
 def _start_servers(variants: list[dict[str, Any]], config: ServeBenchConfig, work: Path,
@@ -255,8 +259,7 @@ def _start_servers(variants: list[dict[str, Any]], config: ServeBenchConfig, wor
     it answered)."""
     extra: tuple[str, ...] = ()
     if config.continuous_batching:
-        extra = ("--continuous-batching", "--cb-max-memory-percent",
-                 str(cb_memory_percent(len(variants))))  # fmt: skip
+        extra = ("--continuous-batching", "--cb-num-blocks", str(cb_num_blocks(config)))
     extra += ("--dtype", config.dtype) if config.dtype else ()
     servers = []
     for variant in variants:
@@ -323,7 +326,7 @@ def _record(config: ServeBenchConfig) -> dict[str, Any]:
         "dense": config.dense,
         "device": config.device or "auto",
         "continuous_batching": config.continuous_batching,
-        "cb_memory_share": CB_MEMORY_SHARE if config.continuous_batching else None,
+        "cb_num_blocks": cb_num_blocks(config) if config.continuous_batching else None,
         "dtype": config.dtype,
         "warmup_requests_per_length": config.warmup,
         "cell_timeout_s": config.cell_timeout,
