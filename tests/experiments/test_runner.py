@@ -97,6 +97,15 @@ def _result(study: Path, name: str) -> dict:
     return json.loads((study / "results" / f"eval-{name}.json").read_text())
 
 
+def _copy_of(study: Path, tmp_path: Path, assets: dict, monkeypatch) -> Path:
+    """A copy of the finished ``study`` to change, with the tiny assets' environment set."""
+    monkeypatch.setenv("FOCUS_HOME", str(assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    copy = tmp_path / "tiny"
+    shutil.copytree(study, copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def finished(module_assets, adapter, tmp_path_factory):
     """The tiny study run once to the end."""
@@ -141,10 +150,7 @@ def test_a_rerun_skips_the_recorded_steps(finished, module_assets, monkeypatch):
 
 def test_a_changed_setting_reruns_only_its_step(finished, module_assets, tmp_path, monkeypatch):
     study, runs, _, _ = finished
-    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
-    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
-    copy = tmp_path / "tiny"
-    shutil.copytree(study, copy)
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
     config = copy / "config.toml"
     config.write_text(config.read_text().replace("max_tokens = 64\ntop_k = [1]",
                                                  "max_tokens = 48\ntop_k = [1]"))  # fmt: skip
@@ -219,10 +225,7 @@ def test_a_step_runs_in_a_subprocess(finished, module_assets, tmp_path, monkeypa
     """--isolate (the default): the step runs as ``python -m focus_attention.cli`` of this
     interpreter and gives the result of the in-process run."""
     study, runs, _, _ = finished
-    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
-    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
-    copy = tmp_path / "tiny"
-    shutil.copytree(study, copy)
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
     (copy / "results" / "eval-16.json").unlink()
     plan = run_study(StudyConfig(study=str(copy), runs=str(runs), only=("eval-16",)),
                      build_parser(), Counting(stop_at=""))  # fmt: skip
@@ -235,10 +238,7 @@ def test_a_step_with_variables_runs_in_a_process_that_has_them(finished, module_
     --no-isolate (the in-process runner is never called); the result records them, a rerun
     skips the step, and another value reruns it."""
     study, runs, _, _ = finished
-    monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
-    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
-    copy = tmp_path / "tiny"
-    shutil.copytree(study, copy)
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
     config = copy / "config.toml"
     text = config.read_text()
     marked = text.replace('json = "{results}/eval-16.json"',
