@@ -52,7 +52,7 @@ def test_queries_keep_query_top_k_groups_and_keys_top_k(arch, top_k, query_top_k
     assert torch.equal(first["key_groups"], first_layer(run(sym_k, x)[1])["key_groups"])
 
 
-def _oracle_sparse_attention(query, key, value, query_groups, key_groups, window, *, scale=None, key_padding_mask=None, softcap=None):  # fmt: skip
+def _oracle_sparse_attention(query, key, value, query_groups, key_groups, window, *, scale=None, key_padding_mask=None, softcap=None, backend="auto"):  # fmt: skip
     mask = focus_mask(query_groups, key_groups, window, key_padding_mask)
     out, _ = dense_attention(query, key, value, mask, scale=scale, softcap=softcap)
     return out
