@@ -69,10 +69,10 @@ def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool, w
     doc = json.loads((export / "config.json").read_text(encoding="utf-8"))
     changed = {**doc, **json.loads(json.dumps(settings or {}))}  # tuples as JSON lists
     variants = []
-    for k in dict.fromkeys(top_ks):  # each top_k once, in order
+    for k in top_ks:
         served = changed if k is None else {**changed, "top_k": k}
         if any(v["top_k"] == served.get("top_k") for v in variants):
-            continue  # None and the export's own top_k: one variant
+            continue  # each top_k once (None is the export's own)
         if served == doc:
             variants.append({"method": "focus", "top_k": doc.get("top_k"), "directory": export})
             continue
