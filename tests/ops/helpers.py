@@ -101,6 +101,13 @@ class Case:
     def to(self, dtype: torch.dtype) -> Case:
         return replace(self, q=self.q.to(dtype), k=self.k.to(dtype), v=self.v.to(dtype))
 
+    def cuda(self) -> Case:
+        """The same problem on the current CUDA device (for the device's result only: the
+        oracle helpers take the CPU case)."""
+        kpm = None if self.kpm is None else self.kpm.cuda()
+        return replace(self, q=self.q.cuda(), k=self.k.cuda(), v=self.v.cuda(),
+                       qg=self.qg.cuda(), kg=self.kg.cuda(), kpm=kpm)  # fmt: skip
+
     @property
     def nq(self) -> int:
         return self.q.shape[2]

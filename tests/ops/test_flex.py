@@ -364,9 +364,10 @@ def test_padding_slots_with_extreme_values_change_nothing(side, half_dtype):
     numerics.test_padding_slots_with_extreme_values_change_nothing(side, half_dtype, "flex")
 
 
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
 @pytest.mark.parametrize("where", ["query", "key"])
-def test_nan_inputs_are_propagated_not_hidden(where):
-    numerics.test_nan_inputs_are_propagated_not_hidden("flex", where)
+def test_nan_inputs_are_propagated_not_hidden(where, return_lse):
+    numerics.test_nan_inputs_are_propagated_not_hidden("flex", where, return_lse)
 
 
 # --------------------------------------------------------------------------------------

@@ -91,11 +91,23 @@ def _grid() -> list:
 GRID = _grid()
 
 
+def _result(case: Case, backend: str, return_lse: bool):
+    """``(out, lse)`` of ``case`` on ``backend``; ``lse`` None when not asked for (a backend
+    may then take another path: ``masked`` runs SDPA)."""
+    if return_lse:
+        return case.sparse(backend, return_lse=True)
+    return case.sparse(backend), None
+
+
+#: every exactness test runs with and without the log-sum-exp asked for
+WITH_LSE = pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "out"])
+
+
+@WITH_LSE
 @pytest.mark.parametrize("params", GRID)
-def test_grid_fp32_equals_oracle(params, backend):
+def test_grid_fp32_equals_oracle(params, backend, return_lse):
     case = make_case(**params)
-    out, lse = case.sparse(backend, return_lse=True)
-    assert_matches_oracle(case, out, lse)
+    assert_matches_oracle(case, *_result(case, backend, return_lse))
 
 
 HALF_GRID = [
@@ -109,27 +121,27 @@ HALF_GRID = [
 ]
 
 
+@WITH_LSE
 @pytest.mark.parametrize("params", HALF_GRID)
-def test_grid_half_within_twice_dense_error(params, backend, half_dtype):
+def test_grid_half_within_twice_dense_error(params, backend, half_dtype, return_lse):
     case = make_case(**params, dtype=half_dtype)
-    out, lse = case.sparse(backend, return_lse=True)
-    assert_matches_oracle(case, out, lse)
+    assert_matches_oracle(case, *_result(case, backend, return_lse))
 
 
+@WITH_LSE
 @given(params=case_params())
 @HYP
-def test_property_fp32_equals_oracle(backend, params):
+def test_property_fp32_equals_oracle(backend, params, return_lse):
     case = make_case(**params)
-    out, lse = case.sparse(backend, return_lse=True)
-    assert_matches_oracle(case, out, lse)
+    assert_matches_oracle(case, *_result(case, backend, return_lse))
 
 
+@WITH_LSE
 @given(params=case_params(max_nk=48, long_nk=160), dtype=st.sampled_from(["bf16", "fp16"]))
 @HYP
-def test_property_half_within_twice_dense_error(backend, params, dtype):
+def test_property_half_within_twice_dense_error(backend, params, dtype, return_lse):
     case = make_case(**params, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
-    out, lse = case.sparse(backend, return_lse=True)
-    assert_matches_oracle(case, out, lse)
+    assert_matches_oracle(case, *_result(case, backend, return_lse))
 
 
 def test_auto_backend_matches_explicit_backends(fused_kernel):
@@ -402,33 +414,29 @@ def test_the_fused_kernel_reads_a_cache_buffer_without_copying_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["auto", "math", "gather", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_inputs_equal_oracle(dtype, backend):
+@WITH_LSE
+def test_cuda_inputs_equal_oracle(dtype, backend, return_lse):
     """On a GPU the result stays on the device and meets the same accuracy rule."""
     case = make_case(nk=300, nq=120, batch=2, heads=4, kv_heads=2, top_k=2, padding="left")
     case = case.to(dtype)
-    dev = [t.cuda() for t in (case.q, case.k, case.v, case.qg, case.kg, case.kpm)]
-    out, lse = sparse_attention(
-        *dev[:5], case.window, key_padding_mask=dev[5], backend=backend, return_lse=True
-    )
+    out, lse = _result(case.cuda(), backend, return_lse)
     assert out.device.type == "cuda"
-    assert_matches_oracle(case, out.cpu(), lse.cpu())
+    assert_matches_oracle(case, out.cpu(), None if lse is None else lse.cpu())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["auto", "gather", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_decoding_calls_equal_oracle(dtype, backend):
+@WITH_LSE
+def test_cuda_decoding_calls_equal_oracle(dtype, backend, return_lse):
     """Decoding-sized calls (one and three queries against a left-padded cache) on a GPU, on
     the backends meant for them."""
     for nq in (1, 3):
         case = make_case(nk=700, nq=nq, batch=2, heads=4, kv_heads=2, top_k=1, padding="left")
         case = case.to(dtype)
-        dev = [t.cuda() for t in (case.q, case.k, case.v, case.qg, case.kg, case.kpm)]
-        out, lse = sparse_attention(
-            *dev[:5], case.window, key_padding_mask=dev[5], backend=backend, return_lse=True
-        )
-        assert_matches_oracle(case, out.cpu(), lse.cpu())
+        out, lse = _result(case.cuda(), backend, return_lse)
+        assert_matches_oracle(case, out.cpu(), None if lse is None else lse.cpu())
 
 
 # --------------------------------------------------------------------------------------

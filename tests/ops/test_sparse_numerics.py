@@ -267,25 +267,28 @@ def test_padding_slots_with_extreme_values_change_nothing(side, half_dtype, back
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
 @pytest.mark.parametrize("where", ["query", "key"])
-def test_nan_inputs_are_propagated_not_hidden(backend, where):
+def test_nan_inputs_are_propagated_not_hidden(backend, where, return_lse):
     """A NaN in a query or a visible key makes the outputs that depend on it NaN, as in
     dense attention (a kernel must not drop it from the softmax). cpu_fused and math make
-    exactly those NaN; cpu_flash may also spread a key's NaN to rows of the same stock
-    kernel call that do not see it (NaN logits plus a -inf float mask stay NaN), as dense
-    SDPA with a float mask does: never fewer NaN than the oracle."""
+    exactly those NaN; cpu_flash, and masked when it runs SDPA (no log-sum-exp asked for),
+    may also spread a key's NaN to rows of the same stock kernel call that do not see it
+    (NaN logits plus a -inf float mask stay NaN), as dense SDPA under a mask does: never
+    fewer NaN than the oracle."""
     case = make_case(nk=90, heads=2, kv_heads=1, groups=4, top_k=2, window=6, seed=12)
     if where == "query":
         case.q[0, 0, 40] = math.nan
     else:
         case.k[0, 0, 40] = math.nan
-    out = case.sparse(backend)
+    out = case.sparse(backend, return_lse=True)[0] if return_lse else case.sparse(backend)
     ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
     nan = torch.isnan(ref)
     assert nan.any() and not nan.all()
     got = torch.isnan(out)
     assert not (nan & ~got).any(), "a NaN input vanished from an output that depends on it"
-    if backend != "cpu_flash":
+    stock_kernel = backend == "cpu_flash" or (backend == "masked" and not return_lse)
+    if not stock_kernel:
         assert torch.equal(got, nan)
     keep = ~got
     torch.testing.assert_close(out[keep], ref[keep].to(out.dtype), atol=FP32_ATOL, rtol=0)

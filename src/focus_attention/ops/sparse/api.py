@@ -102,20 +102,23 @@ def sparse_attention(
     )
     _check_backend(backend)
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
-    out, lse = _run(backend, args, softcap)
-    out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    return (out, lse) if return_lse else out
+    out, lse = _run(backend, args, softcap, return_lse)
+    if not return_lse:
+        return out.transpose(1, 2)
+    assert lse is not None  # asked for, so every backend returns it
+    return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _run(backend: str, args: tuple, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(backend: str, args: tuple, softcap: float | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Token-major ``(out, lse)`` of checked arguments: with autograd in Python, in plain eager
-    calls by the backend directly (what the operator would run, without its dispatch), else
-    through the custom operator."""
+    calls by the backend directly (what the operator would run, without its dispatch; the
+    log-sum-exp only if asked for), else through the custom operator."""
     query, key, value = args[:3]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return run_differentiable(backend, SparseInputs(*args, softcap, needs_grad=True))
     if _plain_eager(query):
-        return run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
+        inputs = SparseInputs(*args, softcap, needs_grad=False, needs_lse=return_lse)
+        return run_inference(backend, inputs)
     return sparse_attention_op(*args, softcap, backend)
 
 

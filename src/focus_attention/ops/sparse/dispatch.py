@@ -77,7 +77,8 @@ class SparseInputs:
     """One validated call (docs/method.md §5): ``query [B, H, Nq, D]``, ``key``/``value``
     ``[B, H_kv, Nk, D]``, bool ``query_groups [B, Nq, K]``, ``key_groups [B, Nk, K]``,
     ``key_padding_mask [B, Nk]`` or None, ``1 <= window <= max(1, Nk)``, the logit
-    ``scale``, the ``softcap`` or None, and whether gradients are wanted."""
+    ``scale``, the ``softcap`` or None, whether gradients are wanted, and whether the caller
+    reads the log-sum-exp (when not, a backend may return None in its place)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -89,6 +90,7 @@ class SparseInputs:
     scale: float
     softcap: float | None
     needs_grad: bool
+    needs_lse: bool = True
 
     @property
     def request(self) -> SparseRequest:
@@ -100,8 +102,8 @@ class SparseInputs:
 
 #: ``run(inputs) -> (out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``: token-major
 #: and contiguous; ``lse`` float32 (float64 for float64 inputs), ``-inf`` where no key is
-#: visible. Called with no zero-size dimension.
-Run = Callable[[SparseInputs], "tuple[torch.Tensor, torch.Tensor]"]
+#: visible, or None if ``inputs.needs_lse`` is False. Called with no zero-size dimension.
+Run = Callable[[SparseInputs], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,10 @@ def _empty_result(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.full((b, nq, h), -math.inf, dtype=lse_dtype, device=q.device)
 
 
-def run_backend(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def run_backend(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Resolve ``name`` for ``inputs`` and run it (a zero-size call returns its empty
-    result on every backend): ``(out [B, Nq, H, D], lse [B, Nq, H])``, token-major."""
+    result on every backend): ``(out [B, Nq, H, D], lse [B, Nq, H])``, token-major; ``lse``
+    may be None when ``inputs.needs_lse`` is False."""
     backend = resolve_backend(name, inputs.request)
     if inputs.query.numel() == 0:
         return _empty_result(inputs)
@@ -279,11 +282,12 @@ def sparse_attention_op(
     return run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
 
 
-def run_inference(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def run_inference(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The operator's implementation: :func:`run_backend` with contiguous results, as its
-    fake implementation says."""
+    fake implementation says (``lse`` None only if ``inputs.needs_lse`` is False, which
+    the operator never asks)."""
     out, lse = run_backend(name, inputs)
-    return out.contiguous(), lse.contiguous()
+    return out.contiguous(), None if lse is None else lse.contiguous()
 
 
 @sparse_attention_op.register_fake

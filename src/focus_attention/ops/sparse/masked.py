@@ -9,11 +9,18 @@ for short calls where launching operations costs more than reading keys (a small
 GPU); ``"auto"`` never chooses it. A longer call (a prefill) runs in blocks of
 :data:`MASKED_BLOCK` queries, each against the keys up to its last query, so memory stays
 ``O(MASKED_BLOCK x Nk)`` per head and the arithmetic is dense attention's. Any device and
-floating dtype (computed in float32, float64 for float64 inputs: half-precision keys and
-values are copied to float32 whole, ``2 x Nk x D`` floats per key-value head), soft-capping,
-inference only. As in dense attention under a mask, a value row that no query sees still
-enters the product with weight 0, so a NaN or infinity there (a cache holding garbage in
-its padding) makes the output NaN, where the gathering backends skip the row.
+floating dtype, soft-capping, inference only.
+
+A call whose caller does not read the log-sum-exp (a Focus layer's) and has no soft-capping
+is one call of PyTorch's ``scaled_dot_product_attention`` under the boolean mask, in the
+inputs' dtype (one fused kernel where the device has one): the arithmetic of the dense
+model's own ``sdpa`` attention. Otherwise the logits, the log-sum-exp and the softmax are
+computed here, in float32 (float64 for float64 inputs: half-precision keys and values are
+copied to float32 whole, ``2 x Nk x D`` floats per key-value head). As in dense attention
+under a mask, a value row that no query sees still enters the product with weight 0, so a
+NaN or infinity there (a cache holding garbage in its padding) makes the output NaN, where
+the gathering backends skip the row; on the SDPA path a NaN key no query sees does too (a
+NaN logit plus the mask's ``-inf`` stays NaN, as in the dense model's ``sdpa``).
 """
 
 from __future__ import annotations
@@ -31,15 +38,43 @@ __all__ = ["MASKED_BLOCK", "run_masked"]
 MASKED_BLOCK = 256
 
 
-def run_masked(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def run_masked(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``masked`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``,
-    token-major; a query with no visible key gives zeros and ``-inf``."""
+    token-major; a query with no visible key gives zeros and ``-inf``. ``lse`` is None when
+    ``inputs.needs_lse`` is False and there is no soft-capping (then SDPA runs the block)."""
+    attend = _attend_block
+    if not inputs.needs_lse and inputs.softcap is None:
+        attend = _attend_block_sdpa
     nq = inputs.query.shape[2]
     if nq <= MASKED_BLOCK:
-        return _attend_block(inputs)
-    parts = [_attend_block(query_rows(inputs, a, min(nq, a + MASKED_BLOCK)))
+        return attend(inputs)
+    parts = [attend(query_rows(inputs, a, min(nq, a + MASKED_BLOCK)))
              for a in range(0, nq, MASKED_BLOCK)]  # fmt: skip
-    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    out = torch.cat([p[0] for p in parts], dim=1)
+    return out, None if parts[0][1] is None else torch.cat([p[1] for p in parts], dim=1)
+
+
+def _attend_block_sdpa(inputs: SparseInputs) -> tuple[torch.Tensor, None]:
+    """One block of queries against every key, under the mask, by one call of
+    ``scaled_dot_product_attention`` in the inputs' dtype: ``(out [B, Nq, H, D], None)``.
+    The ``rep = H / H_kv`` query heads of a key-value head are rows of one product (no
+    ``enable_gqa``, which not every SDPA kernel takes), so the mask ``[B, 1, rep * Nq, Nk]``
+    is a view for a decoding step. Rows with no visible key (padding queries) are zeroed
+    here, whatever the kernel gives them."""
+    q = inputs.query
+    b, h, nq, d = q.shape
+    h_kv, nk = inputs.key.shape[1], inputs.key.shape[2]
+    rep = h // h_kv
+    vis = visible_keys(inputs)  # [B, Nq, Nk]
+    mask = vis[:, None, None].expand(b, 1, rep, nq, nk).reshape(b, 1, rep * nq, nk)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(b, h_kv, rep * nq, d), inputs.key, inputs.value, attn_mask=mask,
+        scale=inputs.scale,
+    )  # fmt: skip
+    out = out.view(b, h, nq, d).transpose(1, 2)
+    if inputs.key_padding_mask is not None:  # only padding leaves a query no key
+        out = out.masked_fill(~vis.any(dim=-1)[..., None, None], 0.0)
+    return out.contiguous(), None
 
 
 def _attend_block(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
