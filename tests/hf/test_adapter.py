@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -176,7 +177,7 @@ def test_loading_onto_a_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
         FocusModel.from_pretrained(build_model("llama", dtype=torch.bfloat16), tmp_path)
 
 
-@pytest.mark.parametrize("change", ["missing", "extra", "shape"])
+@pytest.mark.parametrize("change", ["missing", "extra", "shape", "nan", "inf"])
 def test_bad_weight_files_are_errors(tmp_path, change):
     fm = trained()
     fm.save_pretrained(tmp_path)
@@ -187,9 +188,13 @@ def test_bad_weight_files_are_errors(tmp_path, change):
     elif change == "extra":
         tensors["layer.1.gate"] = torch.zeros(3)
         match = r"unexpected keys \['layer.1.gate'\]"
-    else:
+    elif change == "shape":
         tensors["layer.0.proj"] = torch.zeros(3, 16)
         match = "layer.0.proj has shape"
+    else:  # damaged values: on a GPU the routing does not check its scores per call
+        name = "layer.1.centroids" if change == "nan" else "layer.0.routing_bias"
+        tensors[name].view(-1)[1] = math.nan if change == "nan" else math.inf
+        match = f"{name} holds NaN or infinite values"
     with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
         metadata = f.metadata()  # the config copy: these files belong together
     save_file(tensors, str(tmp_path / WEIGHTS_NAME), metadata=metadata)

@@ -11,7 +11,7 @@ import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad
 
 from focus_attention.hf import FocusConfig, FocusRouter, get_focus_model
-from focus_attention.hf.router import local_statistics
+from focus_attention.hf.router import checks_nan, local_statistics
 from focus_attention.ops import dominance, sinkhorn, topk_memberships
 
 
@@ -377,3 +377,13 @@ def test_accelerate_ranks_give_the_one_process_routing_statistics(tmp_path):
     pytest.importorskip("accelerate")
     ranks = _spawn(_accelerate_worker, tmp_path)
     _assert_one_process(ranks, _accelerate_run(str(tmp_path), WORLD))
+
+
+def test_routing_checks_nan_except_at_inference_on_an_accelerator():
+    """The NaN check of the scores reads back to the host: it runs on the CPU (free) and
+    with gradients, and is left out at inference on other devices (a sync per layer)."""
+    cpu, other = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4, device="meta")
+    with torch.no_grad():
+        assert checks_nan(cpu) and not checks_nan(other)
+    with torch.enable_grad():
+        assert checks_nan(cpu) and checks_nan(other)

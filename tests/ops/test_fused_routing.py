@@ -142,6 +142,30 @@ def test_nan_scores_are_refused(kernel_built, where):
         causal_topk_groups(hidden, proj, cents, bias, 0.1, 1)
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
+def test_nan_check_can_be_skipped_where_the_ops_route(many):
+    """``check_nan=False`` (no read back to the host): the ops route a NaN token without an
+    error (NaN ranks highest, lowest index first) and every other token as with the check;
+    the default raises."""
+    hidden, proj, cents, bias = _inputs(1, 40, 16, 8, 4, torch.float32, 1)
+    expected, _ = _oracle(hidden, proj, cents, bias, 0.1, 2)
+    hidden[0, 1, 3] = float("nan")
+
+    def route(**kw):
+        if many:
+            return causal_topk_groups_many(hidden, proj, cents, bias, 0.1, (2,), **kw)[0]
+        return causal_topk_groups(hidden, proj, cents, bias, 0.1, 2, **kw)
+
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="NaN"):
+            route()
+        groups = route(check_nan=False)
+    assert groups.sum(-1).eq(2).all()
+    assert torch.equal(groups[0, 1], torch.tensor([True, True, False, False]))
+    keep = torch.arange(40) != 1
+    assert torch.equal(groups[:, keep], expected[:, keep])
+
+
 def test_the_ops_run_where_the_kernel_does_not(kernel_built, monkeypatch):
     """Gradients enabled, more tokens than FUSED_ROUTE_TOKENS, a non-float32 router tensor:
     the two ops run, bitwise."""

@@ -12,6 +12,7 @@ import torch
 
 from focus_attention.ops import (
     BACKENDS,
+    BackendUnavailable,
     SparseBackend,
     SparseRequest,
     backend_names,
@@ -78,7 +79,7 @@ def test_auto_takes_the_first_backend_that_can_run(request_kw, expected, fused_k
     ],
 )
 def test_a_backend_that_cannot_run_says_which_and_why(name, request_kw, words):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(BackendUnavailable) as info:
         resolve_backend(name, _request(**request_kw))
     msg = str(info.value)
     assert msg.startswith("backend:") and repr(name) in msg and "expected" in msg
@@ -88,7 +89,7 @@ def test_a_backend_that_cannot_run_says_which_and_why(name, request_kw, words):
 
 def test_auto_with_no_capable_backend_gives_every_reason(monkeypatch):
     monkeypatch.delitem(dispatch._REGISTRY, "math")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(BackendUnavailable) as info:
         resolve_backend("auto", _request(needs_grad=True))
     msg = str(info.value)
     assert "'auto'" in msg and "'cpu_fused'" in msg and "'cpu_flash'" in msg
@@ -96,8 +97,23 @@ def test_auto_with_no_capable_backend_gives_every_reason(monkeypatch):
 
 
 def test_unknown_backend_names_the_registered_ones():
-    with pytest.raises(ValueError, match="cpu_flash.*flex"):
+    with pytest.raises(BackendUnavailable, match="cpu_flash.*flex"):
         resolve_backend("triton", _request())
+
+
+def test_backend_errors_are_value_errors_of_their_own_type():
+    """Callers catch a backend's refusal by type (a Focus layer names its setting then),
+    and bad arguments stay plain ValueErrors."""
+    assert issubclass(BackendUnavailable, ValueError)
+    q = torch.randn(1, 2, 3, 4)
+    groups = torch.ones(1, 3, 2, dtype=torch.bool)
+    with pytest.raises(BackendUnavailable, match="triton"):
+        sparse_attention(q, q, q, groups, groups, 2, backend="triton")
+    with pytest.raises(BackendUnavailable, match="inference only"):
+        sparse_attention(q.requires_grad_(), q, q, groups, groups, 2, backend="masked")
+    with pytest.raises(ValueError) as info:
+        sparse_attention(q, q, q, groups, groups, 0, backend="masked")
+    assert not isinstance(info.value, BackendUnavailable)
 
 
 def test_a_new_backend_is_registered_by_one_call(monkeypatch, kernel_built):

@@ -29,7 +29,14 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ..ops import focus_mask, gated_attention, sparse_attention, straight_through, topk_memberships
+from ..ops import (
+    BackendUnavailable,
+    focus_mask,
+    gated_attention,
+    sparse_attention,
+    straight_through,
+    topk_memberships,
+)
 from ..utils.compile import eager_only
 from ..utils.precision import autocast_dtype
 from .cache import FocusCacheLayer, focus_cache_layer
@@ -664,8 +671,8 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
             scale=call.scale, key_padding_mask=call.real, softcap=call.softcap,
             backend=cfg.attention_backend,
         )  # fmt: skip
-    except ValueError as err:
-        if cfg.attention_backend == "auto" or "backend" not in str(err):
+    except BackendUnavailable as err:
+        if cfg.attention_backend == "auto":
             raise
         raise ValueError(f"FocusConfig.attention_backend={cfg.attention_backend!r} cannot run "
                          f"layer {handle.layer_idx}'s call: {err}") from err  # fmt: skip

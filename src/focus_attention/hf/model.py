@@ -656,7 +656,8 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         """Load :meth:`focus_state_dict` output strictly.
 
         Raises:
-            ValueError: missing or unexpected keys, or a shape mismatch (names them).
+            ValueError: missing or unexpected keys, a shape mismatch, or NaN or infinite
+                values (names them).
         """
         expected = {f"layer.{i}.{n}" for i in self.routers for n in ROUTER_TENSORS}
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -681,6 +682,12 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                         f"the Focus router of layer {i} is on the meta device: materialise the "
                         "model first (to_empty(device=...)) or load with load_state_dict(..., "
                         "assign=True)"
+                    )
+                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                    raise ValueError(
+                        f"Focus weights: layer.{i}.{name} holds NaN or infinite values, "
+                        "expected finite router weights (the adapter is damaged: save or "
+                        "train it again)"
                     )
                 dst.copy_(src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
             router.mark_loaded()

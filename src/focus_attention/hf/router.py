@@ -22,6 +22,16 @@ from ..ops import (
 ROUTER_DTYPE = torch.float32
 
 
+def checks_nan(hidden: torch.Tensor) -> bool:
+    """Whether routing ``hidden`` checks its scores for NaN (a ``ValueError`` then): on the
+    CPU, where reading the check back costs nothing, and wherever gradients are computed.
+    At inference on another device (a GPU) it would wait for the device at every Focus layer
+    (a host synchronisation per layer and step), so there a NaN hidden state is not checked
+    and reaches the logits as NaN, as in the dense model; router weights are checked for
+    NaN and infinities when an adapter is loaded (docs/method.md §4)."""
+    return hidden.device.type == "cpu" or torch.is_grad_enabled()
+
+
 def _init_generator(seed: int, layer_idx: int) -> torch.Generator:
     # one independent stream per (seed, layer): a layer's initialisation does not depend on
     # which other layers get Focus
@@ -211,18 +221,21 @@ class FocusRouter(nn.Module):
     def topk_groups(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
         """Causal top-k memberships bool ``[B, N, K]`` of ``hidden`` ``[B, N, d_model]``:
         ``causal_groups(scores(hidden), top_k)``, in one fused call for a decoding step on
-        the CPU (:func:`~focus_attention.ops.causal_topk_groups`, docs/method.md §4)."""
+        the CPU (:func:`~focus_attention.ops.causal_topk_groups`, docs/method.md §4).
+        NaN scores raise ``ValueError`` where :func:`checks_nan` says so."""
         return causal_topk_groups(
-            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_k
-        )
+            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_k,
+            check_nan=checks_nan(hidden),
+        )  # fmt: skip
 
     def topk_group_sets(self, hidden: torch.Tensor, top_ks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """:meth:`topk_groups` for each of ``top_ks``, the scores computed once
         (:func:`~focus_attention.ops.causal_topk_groups_many`; asymmetric top-k,
         docs/method.md §4): a tuple of bool ``[B, N, K]`` in the order of ``top_ks``."""
         return causal_topk_groups_many(
-            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_ks
-        )
+            hidden, self.proj, self.centroids, self.routing_bias, self.temperature, top_ks,
+            check_nan=checks_nan(hidden),
+        )  # fmt: skip
 
     @torch.no_grad()
     def update_bias(self, column_bias: torch.Tensor, real: torch.Tensor | None) -> None:

@@ -23,6 +23,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             ),
             ".sparse": (
                 "BACKENDS",
+                "BackendUnavailable",
                 "SparseBackend",
                 "SparseRequest",
                 "backend_names",

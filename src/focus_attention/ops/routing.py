@@ -132,7 +132,7 @@ def sinkhorn(
     return probs, bias - bias.mean(dim=-1, keepdim=True)
 
 
-def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+def topk_memberships(scores: torch.Tensor, top_k: int, *, check_nan: bool = True) -> torch.Tensor:
     """Hard routing: each token joins its ``top_k`` highest-scoring groups (docs/method.md §4).
 
     Ties go to the lowest group index (a stable descending sort), so the result is
@@ -141,17 +141,22 @@ def topk_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     Args:
         scores: ``[B, N, K]`` float scores (routing is decided in fp32).
         top_k: ``1 <= top_k <= K``.
+        check_nan: raise on NaN scores (the default). The check reads a value back from
+            the device, a host synchronisation; ``False`` skips it, and the groups of a
+            token with a NaN score are then what PyTorch's ``argmax`` and ``sort`` make of
+            NaN (they rank it highest).
 
     Returns:
         bool ``[B, N, K]`` with exactly ``top_k`` True per token.
 
     Raises:
-        ValueError: rank not 3, ``top_k`` outside ``1..K``, NaN scores.
+        ValueError: rank not 3, ``top_k`` outside ``1..K``, NaN scores (with ``check_nan``).
     """
     check_tensor("scores", scores, 3, floating=True)
     k = scores.shape[-1]
     check_count("topk_memberships", "top_k", top_k, 1, k)
-    check_finite("scores", scores)
+    if check_nan:
+        check_finite("scores", scores)
     out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if top_k == 1:  # argmax returns the first of tied maxima: the same rule, without a sort
         return out.scatter_(-1, scores.float().argmax(dim=-1, keepdim=True), True)
@@ -166,6 +171,8 @@ def causal_topk_groups(
     bias: torch.Tensor,
     temperature: float,
     top_k: int,
+    *,
+    check_nan: bool = True,
 ) -> torch.Tensor:
     """Causal top-k memberships of tokens from their hidden states (docs/method.md §1, §4):
     ``topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias, top_k)``.
@@ -182,7 +189,9 @@ def causal_topk_groups(
     Args:
         hidden: ``[B, N, d_model]`` any float dtype; proj: ``[d_model, d_g]``; centroids:
             ``[K, d_g]``; bias: ``[K]`` float, added to the scores (the calibrated routing
-            bias); temperature: ``tau > 0``; top_k: ``1 <= top_k <= K``.
+            bias); temperature: ``tau > 0``; top_k: ``1 <= top_k <= K``; check_nan: as
+            for :func:`topk_memberships` (the fused kernel reports NaN without a
+            synchronisation, so it always checks).
 
     Returns:
         bool ``[B, N, K]`` with exactly ``top_k`` True per token, ties to the lowest index.
@@ -193,7 +202,8 @@ def causal_topk_groups(
     """
     kernel = _routing_kernel(hidden, proj, centroids, bias, temperature, top_k)
     if kernel is None:
-        return topk_memberships(group_scores(hidden, proj, centroids, temperature) + bias.float(), top_k)  # fmt: skip
+        scores = group_scores(hidden, proj, centroids, temperature) + bias.float()
+        return topk_memberships(scores, top_k, check_nan=check_nan)
     return _fused_route(kernel, hidden, proj, centroids, bias, temperature, top_k)
 
 
@@ -204,6 +214,8 @@ def causal_topk_groups_many(
     bias: torch.Tensor,
     temperature: float,
     top_ks: tuple[int, ...],
+    *,
+    check_nan: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`causal_topk_groups` for several ``top_k`` of the same tokens, the scores
     computed once (asymmetric top-k, docs/method.md §4: a query's ``query_top_k`` groups and
@@ -215,7 +227,8 @@ def causal_topk_groups_many(
     :func:`topk_memberships` taken for each value.
 
     Args:
-        hidden, proj, centroids, bias, temperature: as for :func:`causal_topk_groups`.
+        hidden, proj, centroids, bias, temperature, check_nan: as for
+            :func:`causal_topk_groups`.
         top_ks: one or more ints, each in ``1..K``; repeats are allowed.
 
     Returns:
@@ -233,7 +246,7 @@ def causal_topk_groups_many(
                   for k, kernel in kernels.items()}  # fmt: skip
     else:
         scores = group_scores(hidden, proj, centroids, temperature) + bias.float()
-        groups = {k: topk_memberships(scores, k) for k in kernels}
+        groups = {k: topk_memberships(scores, k, check_nan=check_nan) for k in kernels}
     return tuple(groups[k] for k in top_ks)
 
 

@@ -15,6 +15,7 @@ from . import cpu_flash, cpu_fused, flex, gather, masked, math  # noqa: F401  (e
 from .api import Backend, sparse_attention
 from .cpu_fused import fused_kernel_available
 from .dispatch import (
+    BackendUnavailable,
     SparseBackend,
     SparseInputs,
     SparseRequest,
@@ -30,6 +31,7 @@ BACKENDS = ("auto", *backend_names())
 __all__ = [
     "BACKENDS",
     "Backend",
+    "BackendUnavailable",
     "SparseBackend",
     "SparseInputs",
     "SparseRequest",

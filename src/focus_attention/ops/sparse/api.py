@@ -13,6 +13,7 @@ from ...utils.precision import without_autocast
 from ..checks import check_device, check_positive, check_qkv, fail
 from ..masks import check_groups, effective_window
 from .dispatch import (
+    BackendUnavailable,
     SparseInputs,
     backend_names,
     run_differentiable,
@@ -66,7 +67,9 @@ def sparse_attention(
             - ``"masked"``: every key under the call's Focus mask, built on the device, so
               no host synchronisation (for decoding where launches cost more than reading
               keys; never chosen by ``"auto"``); any device and dtype, ``softcap``,
-              inference only; longer calls in blocks of 256 queries (dense arithmetic).
+              inference only; longer calls in blocks of 256 queries (dense arithmetic);
+              without ``return_lse`` and ``softcap`` one ``scaled_dot_product_attention``
+              call per block, in the inputs' dtype.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
             - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.
@@ -95,7 +98,8 @@ def sparse_attention(
             an unknown backend, a backend that cannot run the call (the message names it
             and gives the reason: inputs that require grad, a device, dtype or softcap it
             does not take, more groups than it takes, a kernel that could not be built),
-            or ``"auto"`` when no backend can (every backend's reason).
+            or ``"auto"`` when no backend can (every backend's reason); the backend errors
+            are :class:`~focus_attention.ops.sparse.BackendUnavailable`, a ``ValueError``.
     """
     window, scale, softcap = _checked(
         query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap
@@ -153,4 +157,5 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, padding
 
 def _check_backend(backend: object) -> None:
     if not isinstance(backend, str) or (backend != "auto" and backend not in backend_names()):
-        fail("backend", repr(backend), f"one of {('auto', *backend_names())}")
+        raise BackendUnavailable(f"backend: received {backend!r}, expected one of "
+                                 f"{('auto', *backend_names())}")  # fmt: skip

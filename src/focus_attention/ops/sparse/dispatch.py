@@ -43,6 +43,7 @@ from ..checks import fail
 
 __all__ = [
     "CPU_DTYPES",
+    "BackendUnavailable",
     "SparseBackend",
     "SparseInputs",
     "SparseRequest",
@@ -57,6 +58,17 @@ __all__ = [
 
 #: input dtypes of the built-in CPU kernels.
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class BackendUnavailable(ValueError):
+    """The backend asked for cannot run a call: not registered, or it declines the call (the
+    message names it and gives the reason), or ``"auto"`` found none that can (every
+    backend's reason). A ``ValueError``, so callers that catch bad arguments catch it."""
+
+
+def _refuse(received: str, expected: str) -> None:
+    """Raise :class:`BackendUnavailable` in the message format of the other argument checks."""
+    raise BackendUnavailable(f"backend: received {received}, expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -209,18 +221,18 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
     call.
 
     Raises:
-        ValueError: an unknown name; a named backend that cannot run the call (the message
-            names it and gives its reason); ``"auto"`` when no backend can (the message
-            gives every backend's reason).
+        BackendUnavailable: (a ``ValueError``) an unknown name; a named backend that cannot
+            run the call (the message names it and gives its reason); ``"auto"`` when no
+            backend can (the message gives every backend's reason).
     """
     if name != "auto":
         backend = _REGISTRY.get(name)
         if backend is None:
-            fail("backend", repr(name), f"one of {('auto', *backend_names())}")
+            _refuse(repr(name), f"one of {('auto', *backend_names())}")
         assert backend is not None
         reason = backend.why_not(request)
         if reason is not None:
-            fail("backend", f"{name!r}, which cannot run this call: it {reason}", _hint(name))
+            _refuse(f"{name!r}, which cannot run this call: it {reason}", _hint(name))
         return backend
     reasons = []
     for candidate in _ordered():
@@ -228,8 +240,8 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
         if reason is None:
             return candidate
         reasons.append(f"{candidate.name!r} {reason}")
-    fail("backend", "'auto', but no backend can run this call: " + "; ".join(reasons), _hint(""))
-    raise AssertionError  # unreachable: fail() raised
+    _refuse("'auto', but no backend can run this call: " + "; ".join(reasons), _hint(""))
+    raise AssertionError  # unreachable: _refuse() raised
 
 
 def _hint(name: str) -> str:
