@@ -67,9 +67,8 @@ def sparse_attention(
             - ``"masked"``: every key under the call's Focus mask, built on the device, so
               no host synchronisation (for decoding where launches cost more than reading
               keys; never chosen by ``"auto"``); any device and dtype, ``softcap``,
-              inference only; longer calls in blocks of 256 queries (dense arithmetic);
-              without ``return_lse`` and ``softcap`` one ``scaled_dot_product_attention``
-              call per block, in the inputs' dtype.
+              inference only; blocks of 256 queries, each one SDPA call in the inputs'
+              dtype when neither ``return_lse`` nor ``softcap`` is given.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
             - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.
@@ -98,19 +97,21 @@ def sparse_attention(
             an unknown backend, a backend that cannot run the call (the message names it
             and gives the reason: inputs that require grad, a device, dtype or softcap it
             does not take, more groups than it takes, a kernel that could not be built),
-            or ``"auto"`` when no backend can (every backend's reason); the backend errors
-            are :class:`~focus_attention.ops.sparse.BackendUnavailable`, a ``ValueError``.
+            or ``"auto"`` when no backend can (every backend's reason): the last three
+            are ``BackendUnavailable``, a ``ValueError``.
     """
-    window, scale, softcap = _checked(
-        query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap
-    )
+    given = (query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap)
+    window, scale, softcap = _checked(*given)
     _check_backend(backend)
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
     out, lse = _run(backend, args, softcap, return_lse)
-    if not return_lse:
-        return out.transpose(1, 2)
-    assert lse is not None  # asked for, so every backend returns it
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    return (out.transpose(1, 2), _lse(lse).transpose(1, 2)) if return_lse else out.transpose(1, 2)
+
+
+def _lse(lse: torch.Tensor | None) -> torch.Tensor:
+    """The log-sum-exp of a call that asked for it (every backend then returns one)."""
+    assert lse is not None
+    return lse
 
 
 def _run(backend: str, args: tuple, softcap: float | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
