@@ -177,7 +177,7 @@ def test_loading_onto_a_bf16_copy_of_the_same_base_does_not_warn(tmp_path):
         FocusModel.from_pretrained(build_model("llama", dtype=torch.bfloat16), tmp_path)
 
 
-@pytest.mark.parametrize("change", ["missing", "extra", "shape", "nan", "inf"])
+@pytest.mark.parametrize("change", ["missing", "extra", "shape", "nan", "inf", "float64-overflow"])
 def test_bad_weight_files_are_errors(tmp_path, change):
     fm = trained()
     fm.save_pretrained(tmp_path)
@@ -191,6 +191,11 @@ def test_bad_weight_files_are_errors(tmp_path, change):
     elif change == "shape":
         tensors["layer.0.proj"] = torch.zeros(3, 16)
         match = "layer.0.proj has shape"
+    elif change == "float64-overflow":  # finite in float64, infinite in the router's float32
+        name = "layer.0.proj"
+        tensors[name] = tensors[name].double()
+        tensors[name][0, 0] = 1e300
+        match = f"{name} holds NaN or infinite values"
     else:  # damaged values: on a GPU the routing does not check its scores per call
         name = "layer.1.centroids" if change == "nan" else "layer.0.routing_bias"
         tensors[name].view(-1)[1] = math.nan if change == "nan" else math.inf
@@ -267,3 +272,35 @@ def test_corrupt_config_file_is_a_value_error(tmp_path):
     (tmp_path / CONFIG_NAME).write_text((tmp_path / CONFIG_NAME).read_text()[:40])
     with pytest.raises(ValueError, match=f"{CONFIG_NAME}: not a valid Focus config.*invalid JSON"):
         FocusModel.from_pretrained(build_model("llama"), tmp_path)
+
+
+def test_refused_router_values_load_nothing(tmp_path):
+    """A load refused for damaged values (here the last layer's) leaves every router of the
+    model as it was: the tensors are all checked before any is copied."""
+    trained().save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    tensors["layer.1.centroids"][0, 0] = math.nan
+    with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, str(tmp_path / WEIGHTS_NAME), metadata=metadata)
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    before = {k: v.clone() for k, v in fm.focus_state_dict().items()}
+    with pytest.raises(ValueError, match="layer.1.centroids holds NaN or infinite values"):
+        fm.load_routers(tmp_path)
+    after = fm.focus_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf])
+def test_load_state_dict_refuses_router_values_that_are_not_finite(value):
+    """The state-dict route (Trainer checkpoints, torch.load) checks the values as the
+    adapter files do, before it loads anything."""
+    state = trained().state_dict()
+    state["routers.1.centroids"] = state["routers.1.centroids"].clone()
+    state["routers.1.centroids"][0, 0] = value
+    _, fm = focus("llama", num_groups=4, top_k=1, window=8)
+    before = {k: v.clone() for k, v in fm.focus_state_dict().items()}
+    with pytest.raises(ValueError, match=r"routers\.1\.centroids holds NaN or infinite"):
+        fm.load_state_dict(state)
+    after = fm.focus_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -13,7 +13,7 @@ from tiny import ARCHS, focus, ids, left_pad, positions
 
 from focus_attention.hf import FocusConfig, FocusModel
 from focus_attention.hf.compat import cache_kwargs, cache_of
-from focus_attention.ops import SparseBackend, register_backend
+from focus_attention.ops import BackendUnavailable, SparseBackend, register_backend
 from focus_attention.ops.sparse import dispatch
 from focus_attention.ops.sparse.math import run_math
 
@@ -108,7 +108,7 @@ def test_an_unknown_backend_is_refused_with_the_choices(name):
 def test_a_backend_that_cannot_run_a_call_names_its_reason():
     """``cpu_fused`` applies no soft-capping: Gemma-2's layers are refused when they run."""
     _, fm = focus("gemma2", attention_backend="cpu_fused")
-    with pytest.raises(ValueError, match=r"FocusConfig.attention_backend='cpu_fused' cannot run layer \d+'s call: .*softcap"):  # fmt: skip
+    with pytest.raises(BackendUnavailable, match=r"FocusConfig.attention_backend='cpu_fused' cannot run layer \d+'s call: .*softcap"):  # fmt: skip
         _logits(fm, ids(1, 12, seed=8))
 
 

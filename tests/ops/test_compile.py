@@ -25,13 +25,16 @@ def _case():
     return case
 
 
-@pytest.mark.parametrize("backend", ["auto", "cpu_flash", "math"])
+@pytest.mark.parametrize("backend", ["auto", "cpu_flash", "math", "masked"])
 @pytest.mark.parametrize("with_padding", [False, True], ids=["no-pad", "pad"])
-def test_the_custom_op_passes_opcheck(backend, with_padding, kernel_built):
-    """Schema, fake (meta) implementation and AOT dispatch agree with the eager op."""
+@pytest.mark.parametrize("needs_lse", [True, False], ids=["lse", "out"])
+def test_the_custom_op_passes_opcheck(backend, with_padding, needs_lse, kernel_built):
+    """Schema, fake (meta) implementation and AOT dispatch agree with the eager op, with the
+    log-sum-exp asked for and not (then it is an empty tensor)."""
     case = _case()
     kpm = case.kpm if with_padding else None
-    args = (case.q, case.k, case.v, case.qg, case.kg, kpm, case.window, 0.35, None, backend)
+    args = (case.q, case.k, case.v, case.qg, case.kg, kpm, case.window, 0.35, None, backend,
+            needs_lse)  # fmt: skip
     result = torch.library.opcheck(OP, args)
     assert set(result.values()) == {"SUCCESS"}, result
 
@@ -59,14 +62,20 @@ def test_compiled_callers_get_the_eager_result_bitwise(inductor, fused_kernel):
         for backend in ("auto", *BACKENDS):
 
             def user_code(q, k, v, qg, kg, kpm, backend=backend):  # a model calling the op
-                out = sparse_attention(
+                out, lse = sparse_attention(
+                    q * 1.0, k, v, qg, kg, case.window, key_padding_mask=kpm, backend=backend,
+                    return_lse=True,
+                )  # fmt: skip
+                alone = sparse_attention(
                     q * 1.0, k, v, qg, kg, case.window, key_padding_mask=kpm, backend=backend
-                )
-                return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1) + 0.0
+                )  # without the log-sum-exp a backend may take another path (masked: SDPA)
+                flat = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+                return flat + 0.0, lse * 1.0, alone + 0.0
 
             eager = user_code(*args)
             compiled = torch.compile(user_code, fullgraph=True)(*args)
-            assert torch.equal(compiled, eager), backend
+            for got, expected in zip(compiled, eager, strict=True):
+                assert torch.equal(got, expected), backend
         direct = torch.compile(sparse_attention, fullgraph=True)(*args[:5], case.window)
         assert torch.equal(direct, sparse_attention(*args[:5], case.window))
 

@@ -292,3 +292,24 @@ def test_nan_inputs_are_propagated_not_hidden(backend, where, return_lse):
         assert torch.equal(got, nan)
     keep = ~got
     torch.testing.assert_close(out[keep], ref[keep].to(out.dtype), atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("nq", [1, 3, 40])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (3, 3)], ids=["gqa", "mqa", "mha"])
+def test_masked_takes_sdpa_outputs_of_any_layout(monkeypatch, nq, heads, kv_heads):
+    """CUDA's memory-efficient SDPA kernel returns ``[B, H, N, D]`` as a transposed view of
+    ``[B, N, H, D]`` memory: the masked backend's SDPA path must give the same result from
+    it (simulated here with the CPU kernel's values in that layout)."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    case = make_case(nk=90, nq=nq, batch=2, heads=heads, kv_heads=kv_heads, top_k=2,
+                     padding="left", seed=nq)  # fmt: skip
+    expected = case.sparse("masked")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
+    got = case.sparse("masked")
+    assert torch.equal(got, expected)
+    assert_matches_oracle(case, got)

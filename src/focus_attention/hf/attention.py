@@ -674,8 +674,8 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     except BackendUnavailable as err:
         if cfg.attention_backend == "auto":
             raise
-        raise ValueError(f"FocusConfig.attention_backend={cfg.attention_backend!r} cannot run "
-                         f"layer {handle.layer_idx}'s call: {err}") from err  # fmt: skip
+        raise BackendUnavailable(f"FocusConfig.attention_backend={cfg.attention_backend!r} "
+                                 f"cannot run layer {handle.layer_idx}'s call: {err}") from err  # fmt: skip
     maps = None
     if handle.runtime.wants_attentions():
         mask = focus_mask(q_groups, k_groups, cfg.window, call.real)

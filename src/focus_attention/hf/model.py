@@ -38,7 +38,7 @@ from .files import (
     write_adapter,
 )
 from .paged import FocusContinuousBatching
-from .router import FocusRouter
+from .router import FocusRouter, check_router_values
 from .runtime import (
     ATTN_IMPLEMENTATION,
     RUNTIME_ATTR,
@@ -149,6 +149,28 @@ def _pretrained_parts(model: nn.Module) -> list[nn.Module]:
 # --------------------------------------------------------------------------------------------
 # the adapter
 # --------------------------------------------------------------------------------------------
+
+
+def _router_value(name: str, src: torch.Tensor, dst: torch.Tensor, layer: int) -> torch.Tensor:
+    """``src``, the file tensor ``name``, as router tensor ``dst`` holds it (shape, dtype,
+    device), checked: its shape, a materialised ``dst``, finite values.
+
+    Raises:
+        ValueError: a shape mismatch, ``dst`` on the meta device, NaN or infinities.
+    """
+    if src.numel() != dst.numel() or (dst.ndim and tuple(src.shape) != tuple(dst.shape)):
+        raise ValueError(
+            f"Focus weights: {name} has shape {tuple(src.shape)}, this adapter expects "
+            f"{tuple(dst.shape)}"
+        )
+    if dst.device.type == "meta":
+        raise ValueError(
+            f"the Focus router of layer {layer} is on the meta device: materialise the model "
+            "first (to_empty(device=...)) or load with load_state_dict(..., assign=True)"
+        )
+    value = src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device)
+    check_router_values(name, value)
+    return value
 
 
 class FocusModel(FocusContinuousBatching, nn.Module):
@@ -623,7 +645,8 @@ class FocusModel(FocusContinuousBatching, nn.Module):
 
         Raises:
             ValueError: with ``strict``, missing or unexpected keys (named); a config that
-                differs in ``num_groups``, ``group_dim`` or ``layers``; shape mismatches.
+                differs in ``num_groups``, ``group_dim`` or ``layers``; shape mismatches;
+                router values that are NaN or infinite (nothing is loaded then).
         """
         self._check_live()
         routers = {k[8:]: v for k, v in state_dict.items() if k.startswith("routers.")}
@@ -641,6 +664,8 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 f"Error(s) in loading the Focus state dict: missing keys {missing}, unexpected "
                 f"keys {unexpected}"
             )
+        for key, tensor in routers.items():
+            check_router_values(f"routers.{key}", tensor)
         if config is not None:
             self.focus_config = config
         result = self.routers.load_state_dict(routers, strict=False, assign=assign)
@@ -666,30 +691,12 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 f"Focus weights do not match this adapter: missing keys {missing}, "
                 f"unexpected keys {extra}"
             )
-        for i, router in self.routers.items():
+        values = {(i, name): _router_value(f"layer.{i}.{name}", tensors[f"layer.{i}.{name}"],
+                                           getattr(router, name), i)
+                  for i, router in self.routers.items() for name in ROUTER_TENSORS}  # fmt: skip
+        for i, router in self.routers.items():  # every tensor checked: now load them all
             for name in ROUTER_TENSORS:
-                dst = getattr(router, name)
-                src = tensors[f"layer.{i}.{name}"]
-                if src.numel() != dst.numel() or (
-                    dst.ndim and tuple(src.shape) != tuple(dst.shape)
-                ):
-                    raise ValueError(
-                        f"Focus weights: layer.{i}.{name} has shape {tuple(src.shape)}, "
-                        f"this adapter expects {tuple(dst.shape)}"
-                    )
-                if dst.device.type == "meta":
-                    raise ValueError(
-                        f"the Focus router of layer {i} is on the meta device: materialise the "
-                        "model first (to_empty(device=...)) or load with load_state_dict(..., "
-                        "assign=True)"
-                    )
-                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
-                    raise ValueError(
-                        f"Focus weights: layer.{i}.{name} holds NaN or infinite values, "
-                        "expected finite router weights (the adapter is damaged: save or "
-                        "train it again)"
-                    )
-                dst.copy_(src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
+                getattr(router, name).copy_(values[i, name])
             router.mark_loaded()
 
     def load_routers(self, directory: str | os.PathLike) -> FocusModel:

@@ -22,13 +22,28 @@ from ..ops import (
 ROUTER_DTYPE = torch.float32
 
 
+def check_router_values(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` when a floating ``tensor`` about to be loaded
+    into a router holds NaN or infinities once in :data:`ROUTER_DTYPE` (a float64 value
+    beyond float32's range included); tensors on the meta device hold no values to check."""
+    if not tensor.is_floating_point() or tensor.device.type == "meta":
+        return
+    if not bool(torch.isfinite(tensor.to(ROUTER_DTYPE)).all()):
+        raise ValueError(
+            f"Focus weights: {name} holds NaN or infinite values (in float32), expected "
+            "finite router weights (the adapter is damaged: save or train it again)"
+        )
+
+
 def checks_nan(hidden: torch.Tensor) -> bool:
-    """Whether routing ``hidden`` checks its scores for NaN (a ``ValueError`` then): on the
-    CPU, where reading the check back costs nothing, and wherever gradients are computed.
+    """Whether causal routing of ``hidden`` (:meth:`FocusRouter.topk_groups`, the path of
+    decoding) checks its scores for NaN (a ``ValueError`` then): on the CPU, where reading
+    the check back costs nothing, and wherever gradients are computed.
     At inference on another device (a GPU) it would wait for the device at every Focus layer
     (a host synchronisation per layer and step), so there a NaN hidden state is not checked
     and reaches the logits as NaN, as in the dense model; router weights are checked for
-    NaN and infinities when an adapter is loaded (docs/method.md §4)."""
+    NaN and infinities when they load (docs/method.md §4). Sequence-wide routing keeps its
+    checks."""
     return hidden.device.type == "cpu" or torch.is_grad_enabled()
 
 

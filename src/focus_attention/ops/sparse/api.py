@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from ...utils.precision import without_autocast
-from ..checks import check_device, check_positive, check_qkv, fail
+from ..checks import check_device, check_positive, check_qkv, check_tensor, fail
 from ..masks import check_groups, effective_window
 from .dispatch import (
     BackendUnavailable,
@@ -124,7 +124,7 @@ def _run(backend: str, args: tuple, softcap: float | None, return_lse: bool) -> 
     if _plain_eager(query):
         inputs = SparseInputs(*args, softcap, needs_grad=False, needs_lse=return_lse)
         return run_inference(backend, inputs)
-    return sparse_attention_op(*args, softcap, backend)
+    return sparse_attention_op(*args, softcap, backend, return_lse)
 
 
 def _plain_eager(query: torch.Tensor) -> bool:
@@ -143,11 +143,12 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, padding
     """Validate the arguments of :func:`sparse_attention`; returns the effective
     ``(window, scale, softcap)`` (the window capped at ``max(1, Nk)``, the default scale)."""
     check_qkv(query, key, value)
-    owner = "sparse_attention"
-    bsz, nq, nk, _ = check_groups(query_groups, key_groups, padding, window, owner=owner)
     b, _, q_len, d = query.shape
-    if b != bsz or q_len != nq:
+    check_tensor("query_groups", query_groups, 3)  # the query's shape first, then the keys'
+    if tuple(query_groups.shape[:2]) != (b, q_len):
         fail("query_groups", f"shape {tuple(query_groups.shape)}", f"[B={b}, Nq={q_len}, K]")
+    owner = "sparse_attention"
+    _, _, nk, _ = check_groups(query_groups, key_groups, padding, window, owner=owner)
     if key.shape[2] != nk:
         fail("key_groups", f"shape {tuple(key_groups.shape)}", f"[B={b}, Nk={key.shape[2]}, K]")
     check_device("query_groups", query_groups, query.device, "query")

@@ -232,7 +232,7 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
         assert backend is not None
         reason = backend.why_not(request)
         if reason is not None:
-            _refuse(f"{name!r}, which cannot run this call: it {reason}", _hint(name))
+            _refuse(f"{name!r}, which cannot run this call: it {reason}", _hint(name, request))
         return backend
     reasons = []
     for candidate in _ordered():
@@ -240,13 +240,16 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
         if reason is None:
             return candidate
         reasons.append(f"{candidate.name!r} {reason}")
-    _refuse("'auto', but no backend can run this call: " + "; ".join(reasons), _hint(""))
+    _refuse("'auto', but no backend can run this call: " + "; ".join(reasons), _hint("", request))
     raise AssertionError  # unreachable: _refuse() raised
 
 
-def _hint(name: str) -> str:
-    others = [n for n in backend_names() if n != name]
-    return f"a backend that can run it (registered: {', '.join(others) or 'none'}, or 'auto')"
+def _hint(name: str, request: SparseRequest) -> str:
+    """What to ask for instead: the other registered backends that can run ``request``."""
+    able = [b.name for b in _ordered() if b.name != name and b.why_not(request) is None]
+    if not able:
+        return "inputs that a registered backend can run (none can run these: see the reasons)"
+    return f"a backend that can run it: {', '.join(map(repr, able))} or 'auto'"
 
 
 def _empty_result(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,8 +277,8 @@ def run_backend(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Te
 
 _SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor query_groups, Tensor key_groups, "
-    "Tensor? key_padding_mask, int window, float scale, float? softcap, str backend) "
-    "-> (Tensor, Tensor)"
+    "Tensor? key_padding_mask, int window, float scale, float? softcap, str backend, "
+    "bool needs_lse=True) -> (Tensor, Tensor)"
 )
 
 
@@ -286,25 +289,38 @@ _SCHEMA = (
 )
 def sparse_attention_op(
     query, key, value, query_groups, key_groups, key_padding_mask, window, scale, softcap,
-    backend,
+    backend, needs_lse=True,
 ):  # fmt: skip
     """``run_backend(backend, ...)`` without gradients, as an opaque operator: token-major
-    ``(out [B, Nq, H, D], lse [B, Nq, H])``, contiguous as the fake implementation says."""
+    ``(out [B, Nq, H, D], lse [B, Nq, H])``, contiguous as the fake implementation says;
+    with ``needs_lse`` False the backend runs as in an eager call that does not ask for the
+    log-sum-exp (the same path, so the same result) and ``lse`` is an empty tensor."""
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
-    return run_inference(backend, SparseInputs(*args, softcap, needs_grad=False))
+    inputs = SparseInputs(*args, softcap, needs_grad=False, needs_lse=needs_lse)
+    out, lse = run_inference(backend, inputs)
+    return out, lse if needs_lse and lse is not None else _no_lse(query)
+
+
+def _no_lse(query: torch.Tensor) -> torch.Tensor:
+    """The operator's ``lse`` when none is asked for: empty, of the log-sum-exp's dtype."""
+    return query.new_empty(0, dtype=torch.promote_types(query.dtype, torch.float32))
 
 
 def run_inference(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The operator's implementation: :func:`run_backend` with contiguous results, as its
-    fake implementation says (``lse`` None only if ``inputs.needs_lse`` is False, which
-    the operator never asks)."""
+    """:func:`run_backend` with contiguous results, as the operator's fake implementation
+    says (``lse`` None only if ``inputs.needs_lse`` is False)."""
     out, lse = run_backend(name, inputs)
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
 @sparse_attention_op.register_fake
-def _sparse_attention_fake(query, key, *rest):
+def _sparse_attention_fake(
+    query, key, value, query_groups, key_groups, key_padding_mask, window, scale, softcap,
+    backend, needs_lse=True,
+):  # fmt: skip
     b, h, nq, d = query.shape
+    if not needs_lse:
+        return query.new_empty(b, nq, h, d), _no_lse(query)
     lse_dtype = torch.promote_types(query.dtype, torch.float32)
     return query.new_empty(b, nq, h, d), query.new_empty(b, nq, h, dtype=lse_dtype)
 

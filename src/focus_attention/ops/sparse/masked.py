@@ -59,8 +59,9 @@ def _attend_block_sdpa(inputs: SparseInputs) -> tuple[torch.Tensor, None]:
     ``scaled_dot_product_attention`` in the inputs' dtype: ``(out [B, Nq, H, D], None)``.
     The ``rep = H / H_kv`` query heads of a key-value head are rows of one product (no
     ``enable_gqa``, which not every SDPA kernel takes), so the mask ``[B, 1, rep * Nq, Nk]``
-    is a view for a decoding step. Rows with no visible key (padding queries) are zeroed
-    here, whatever the kernel gives them."""
+    is a view for a decoding step. The kernel's output may have any strides (CUDA's
+    memory-efficient kernel returns a transposed layout). Rows with no visible key (padding
+    queries) are zeroed here, whatever the kernel gives them."""
     q = inputs.query
     b, h, nq, d = q.shape
     h_kv, nk = inputs.key.shape[1], inputs.key.shape[2]
@@ -71,7 +72,8 @@ def _attend_block_sdpa(inputs: SparseInputs) -> tuple[torch.Tensor, None]:
         q.reshape(b, h_kv, rep * nq, d), inputs.key, inputs.value, attn_mask=mask,
         scale=inputs.scale,
     )  # fmt: skip
-    out = out.view(b, h, nq, d).transpose(1, 2)
+    # [B, H_kv, rep * Nq, D] -> token-major [B, Nq, H, D] (query head = kv head * rep + r)
+    out = out.unflatten(2, (rep, nq)).permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
     if inputs.key_padding_mask is not None:  # only padding leaves a query no key
         out = out.masked_fill(~vis.any(dim=-1)[..., None, None], 0.0)
     return out.contiguous(), None
