@@ -13,9 +13,8 @@ from ...utils.precision import without_autocast
 from ..checks import check_device, check_positive, check_qkv, check_tensor, fail
 from ..masks import check_groups, effective_window
 from .dispatch import (
-    BackendUnavailable,
     SparseInputs,
-    backend_names,
+    check_backend_name,
     run_differentiable,
     run_inference,
     sparse_attention_op,
@@ -102,7 +101,7 @@ def sparse_attention(
     """
     given = (query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap)
     window, scale, softcap = _checked(*given)
-    _check_backend(backend)
+    check_backend_name(backend)
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
     out, lse = _run(backend, args, softcap, return_lse)
     return (out.transpose(1, 2), _lse(lse).transpose(1, 2)) if return_lse else out.transpose(1, 2)
@@ -155,9 +154,3 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, padding
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     return effective_window(window, nk), d**-0.5 if scale is None else scale, softcap
-
-
-def _check_backend(backend: object) -> None:
-    if not isinstance(backend, str) or (backend != "auto" and backend not in backend_names()):
-        raise BackendUnavailable(f"backend: received {backend!r}, expected one of "
-                                 f"{('auto', *backend_names())}")  # fmt: skip

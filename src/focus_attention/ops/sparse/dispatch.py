@@ -48,6 +48,7 @@ __all__ = [
     "SparseInputs",
     "SparseRequest",
     "backend_names",
+    "check_backend_name",
     "register_backend",
     "resolve_backend",
     "run_backend",
@@ -212,6 +213,13 @@ def backend_names() -> tuple[str, ...]:
     return tuple(b.name for b in _ordered())
 
 
+def check_backend_name(name: object) -> None:
+    """Raise :class:`BackendUnavailable` unless ``name`` is ``"auto"`` or a registered
+    backend (the message lists them)."""
+    if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
+        _refuse(repr(name), f"one of {('auto', *backend_names())}")
+
+
 def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
     """The backend that runs ``request`` when ``backend=name`` is asked.
 
@@ -225,11 +233,9 @@ def resolve_backend(name: str, request: SparseRequest) -> SparseBackend:
             run the call (the message names it and gives its reason); ``"auto"`` when no
             backend can (the message gives every backend's reason).
     """
+    check_backend_name(name)
     if name != "auto":
-        backend = _REGISTRY.get(name)
-        if backend is None:
-            _refuse(repr(name), f"one of {('auto', *backend_names())}")
-        assert backend is not None
+        backend = _REGISTRY[name]
         reason = backend.why_not(request)
         if reason is not None:
             _refuse(f"{name!r}, which cannot run this call: it {reason}", _hint(name, request))
@@ -298,7 +304,10 @@ def sparse_attention_op(
     args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale)
     inputs = SparseInputs(*args, softcap, needs_grad=False, needs_lse=needs_lse)
     out, lse = run_inference(backend, inputs)
-    return out, lse if needs_lse and lse is not None else _no_lse(query)
+    if not needs_lse:
+        return out, _no_lse(query)
+    assert lse is not None  # asked for, so every backend returns it
+    return out, lse
 
 
 def _no_lse(query: torch.Tensor) -> torch.Tensor:
@@ -319,10 +328,9 @@ def _sparse_attention_fake(
     backend, needs_lse=True,
 ):  # fmt: skip
     b, h, nq, d = query.shape
-    if not needs_lse:
-        return query.new_empty(b, nq, h, d), _no_lse(query)
     lse_dtype = torch.promote_types(query.dtype, torch.float32)
-    return query.new_empty(b, nq, h, d), query.new_empty(b, nq, h, dtype=lse_dtype)
+    lse = query.new_empty(b, nq, h, dtype=lse_dtype) if needs_lse else _no_lse(query)
+    return query.new_empty(b, nq, h, d), lse
 
 
 @torch.compiler.disable

@@ -42,13 +42,10 @@ def visible_keys(inputs: SparseInputs) -> torch.Tensor:
     if nq == 1:  # a decoding step: the last position, so every key is causal
         share = (kg & qg).any(dim=-1)  # [B, Nk]
         vis = (share | (torch.arange(nk, device=dev) >= nk - inputs.window))[:, None, :]
-        if inputs.key_padding_mask is not None:
-            vis = vis & inputs.key_padding_mask[:, None, :]
-        return vis
-    # distance from query t to key j, negative for a later key
-    distance = torch.arange(nk - nq, nk, device=dev)[:, None] - torch.arange(nk, device=dev)
-    share = (qg.to(torch.float32) @ kg.to(torch.float32).transpose(1, 2)) > 0  # [B, Nq, Nk]
-    vis = (share | (distance < inputs.window)) & (distance >= 0)
+    else:  # distance from query t to key j, negative for a later key
+        distance = torch.arange(nk - nq, nk, device=dev)[:, None] - torch.arange(nk, device=dev)
+        share = (qg.to(torch.float32) @ kg.to(torch.float32).transpose(1, 2)) > 0  # [B, Nq, Nk]
+        vis = (share | (distance < inputs.window)) & (distance >= 0)
     if inputs.key_padding_mask is not None:
         vis = vis & inputs.key_padding_mask[:, None, :]
     return vis
