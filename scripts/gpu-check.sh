@@ -26,9 +26,10 @@ torch.cuda.get_device_properties(0))"
 } > "$out/hardware.txt" 2>&1
 cat "$out/hardware.txt"
 
-# exactness on CUDA: every test marked gpu (FlexAttention compiled with LSE, backward, dispatch)
+# exactness on CUDA: every test marked gpu (FlexAttention compiled with LSE, backward, dispatch,
+# continuous batching with its decoding steps batched)
 step "$py" -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/bench/test_speed.py \
-  tests/hf/test_attention_backend.py > "$out/gpu-tests.log" 2>&1
+  tests/hf/test_attention_backend.py tests/hf/test_continuous_batching.py > "$out/gpu-tests.log" 2>&1
 tail -n 30 "$out/gpu-tests.log"
 
 # attention kernel: K = 8, window 128, SmolLM2's head shape, bf16, 4K..128K tokens

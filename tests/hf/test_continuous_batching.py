@@ -12,14 +12,16 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from focus_attention import export_model
-from focus_attention.hf import FocusConfig, FocusSlidingWindowWarning, get_focus_model
-from focus_attention.hf.paged import FocusBatchingManager
+from focus_attention.hf import FocusConfig, FocusSlidingWindowWarning, get_focus_model, paged
+from focus_attention.hf.paged import MAX_PADDING_FACTOR, FocusBatchingManager, decoding_batches
 
 TOL = 1e-4
 NEW = 6
@@ -28,6 +30,39 @@ NEW = 6
 LENGTHS = (5, 13, 41, 100)
 #: Mistral's default sliding_window puts every layer in the paged cache's sliding group
 NO_SLIDING = {"mistral": {"sliding_window": None}}
+
+
+class DecodingBatches:
+    """Records the batches of decoding steps the packed calls ran: ``(batch size, whether
+    some sequence of the batch was padded)`` per call."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.seen: list[tuple[int, bool]] = []
+        decoding = paged.Packed.decoding
+
+        def spy(packed, spans):
+            call = decoding(packed, spans)
+            self.seen.append((len(spans), len({k1 - k0 for _, _, k0, k1 in spans}) > 1))
+            return call
+
+        monkeypatch.setattr(paged.Packed, "decoding", spy)
+
+
+@pytest.fixture(params=["per-sequence", "batched"])
+def decoding(request, monkeypatch) -> DecodingBatches | None:
+    """Sequences that decode one token run one by one (the CPU's default), or as padded
+    batches (the default on accelerators, forced here): a recorder of the batches then."""
+    if request.param == "per-sequence":
+        assert not paged.batches_decoding(torch.device("cpu"))
+        return None
+    monkeypatch.setattr(paged, "batches_decoding", lambda device: True)
+    return DecodingBatches(monkeypatch)
+
+
+def ran_padded_batches(recorder: DecodingBatches | None) -> None:
+    """The batched path ran, on batches of several sequences of different lengths."""
+    if recorder is not None:
+        assert any(size > 1 and padded for size, padded in recorder.seen), recorder.seen
 
 
 def cb_config(**kw) -> ContinuousBatchingConfig:
@@ -113,10 +148,11 @@ def check_batch(ref, fm, requests: list[list[int]], **kw) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_generate_batch_equals_generate_per_request(arch):
+def test_generate_batch_equals_generate_per_request(arch, decoding):
     ref, fm = focus(arch, model_overrides=NO_SLIDING.get(arch))
     requests = prompts()
     worst, ran = check_batch(ref, fm, requests)
+    ran_padded_batches(decoding)
     print(f"{arch}: generate_batch == generate per request, max |logit diff| {worst:.3g}")
     if arch not in ("gemma2", "gemma3_text"):  # no sliding layers: cache blocks are shared
         # the 40-token common prefix: one full 16-token block read from the cache, not rerun
@@ -135,19 +171,22 @@ def test_generate_batch_equals_generate_per_request(arch):
         dict(inference_routing="streaming", sink_tokens=3, window=4),
     ],
 )
-def test_settings(settings):
+def test_settings(settings, decoding):
     ref, fm = focus("llama", **settings)
     check_batch(ref, fm, prompts())
+    ran_padded_batches(decoding)
 
 
-def test_sliding_base_layers_of_gemma2_with_dense_heads():
-    """Gemma-2: the sliding layer runs the base attention with its window per sequence,
-    beside a Focus layer with a dense head (prompts longer than the 16-token window)."""
+def test_sliding_base_layers_of_gemma2_with_dense_heads(decoding):
+    """Gemma-2: the sliding layer runs the base attention with its window per sequence (or
+    padded batch), beside a Focus layer with a dense head (prompts longer than the 16-token
+    window)."""
     ref, fm = focus("gemma2", dense_heads=((1, 1),))
     check_batch(ref, fm, prompts())
+    ran_padded_batches(decoding)
 
 
-def test_forked_requests_copy_the_groups_of_their_cache_blocks():
+def test_forked_requests_copy_the_groups_of_their_cache_blocks(decoding):
     """``num_return_sequences=2``: the manager forks each request after its prefill, copying
     its partly filled cache blocks; the Focus groups are copied with them, so each child
     (sampling with top_k=1: the greedy tokens) equals the request's own generate."""
@@ -160,6 +199,7 @@ def test_forked_requests_copy_the_groups_of_their_cache_blocks():
     want = {f"req_{i}": alone(fm, p)[0] for i, p in enumerate(requests)}
     for rid, result in out.items():
         assert result.generated_tokens == want[rid.split("__")[0]], rid
+    ran_padded_batches(decoding)
 
 
 def _collect(manager, on_result, wanted: set[str], timeout: float = 120.0) -> dict:
@@ -175,7 +215,7 @@ def _collect(manager, on_result, wanted: set[str], timeout: float = 120.0) -> di
     return finals
 
 
-def test_requests_added_finishing_and_cancelled_at_different_times():
+def test_requests_added_finishing_and_cancelled_at_different_times(decoding):
     """A manager serving requests that arrive while others decode, finish at different
     lengths, and one cancelled mid-way: the others' tokens are those of their own generate."""
     _, fm = focus("llama")
@@ -209,6 +249,24 @@ def test_requests_added_finishing_and_cancelled_at_different_times():
     d_want = alone(fm, p[4], news["d"])[0]
     assert 3 <= len(streamed["d"]) < news["d"]
     assert streamed["d"] == d_want[: len(streamed["d"])]
+    ran_padded_batches(decoding)
+
+
+@given(st.lists(st.integers(1, 5000), max_size=40))
+def test_decoding_batches_take_every_sequence_once_within_the_padding_bound(lengths):
+    batches = decoding_batches(lengths)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        held = [lengths[i] for i in batch]
+        assert len(batch) * max(held) <= MAX_PADDING_FACTOR * sum(held)
+    # sequences of equal length share one batch
+    assert len(decoding_batches([7] * len(lengths))) == min(1, len(lengths))
+
+
+def test_decoding_is_batched_on_accelerators_only():
+    assert not paged.batches_decoding(torch.device("cpu"))
+    assert paged.batches_decoding(torch.device("cuda"))
+    assert paged.batches_decoding(torch.device("meta"))
 
 
 def test_refused_settings():
@@ -260,7 +318,7 @@ PRIDE = (
 
 @pytest.mark.assets
 @pytest.mark.slow
-def test_smollm2_generate_batch_equals_generate_per_request():
+def test_smollm2_generate_batch_equals_generate_per_request(decoding):
     """The real smollm2-135m (30 layers, GQA 9/3) with Focus: equal greedy tokens, logits
     within float32 rounding of 30 layers (measured 4.7e-5 on logits of magnitude ~20)."""
     from focus_attention.assets.models import is_prepared, load_model
@@ -287,9 +345,10 @@ def test_smollm2_generate_batch_equals_generate_per_request():
     print(f"smollm2-135m: max |logit diff| {max(diffs):.3g} over {len(diffs)} steps")
     with fm.disable_focus():
         assert [alone(fm, p, 12)[0] for p in requests] != got
+    ran_padded_batches(decoding)
 
 
-def test_the_exported_directory_runs_generate_batch(tmp_path):
+def test_the_exported_directory_runs_generate_batch(tmp_path, decoding):
     _, fm = focus("llama")
     out = export_model(fm, tmp_path / "export", word_tokenizer(WORDS))
     with warnings.catch_warnings():
@@ -300,3 +359,27 @@ def test_the_exported_directory_runs_generate_batch(tmp_path):
     assert [got[f"req_{i}"].generated_tokens for i in range(len(requests))] == [
         alone(fm, p)[0] for p in requests
     ]
+    ran_padded_batches(decoding)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "masked"])
+def test_cuda_generate_batch_equals_generate_per_request(backend, monkeypatch):
+    """On a GPU, where decoding steps run as padded batches by default: equal greedy tokens
+    and logits within float32 tolerance of per-request generate, on the GPU."""
+    recorder = DecodingBatches(monkeypatch)
+    ref, fm = focus("llama", attention_backend=backend)
+    ref, fm = ref.cuda(), fm.cuda()
+    requests = prompts()
+    out = fm.generate_batch(requests, generation_config=gen_config(), continuous_batching_config=cb_config(), progress_bar=False)  # fmt: skip
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(requests))]
+    with torch.no_grad():
+        want = [
+            fm.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()  # fmt: skip
+            for p in requests
+        ]
+    assert got == want
+    ran_padded_batches(recorder)

@@ -7,22 +7,25 @@ and keeps their keys and values in a paged cache (``PagedAttentionCache``): each
 the new keys at the physical slots ``write_index`` and reads every key of the packed
 sequences back through ``read_index``.
 
-Here a Focus layer runs each packed sequence on its own, exactly as that request alone
-(:func:`run_packed`, one call of the layer per sequence; heads are never looped over): the
-same routing code, the same exact sparse op, and a :class:`~focus_attention.hf.masks.FocusMask`
-of that sequence alone. Inference routing is causal (a token's groups depend on its own
-hidden state and the calibrated routing bias only), so the groups of every written key are
-kept beside it, in a per-layer bool tensor indexed by the same physical slots
-(:class:`PagedGroups`); a sequence reads its keys' groups back through its ``read_index``,
-and cache blocks copied for a forked request (``num_return_sequences``) carry their groups.
-Layers without routing (non-Focus layers, ``dense_layers``) run the base implementation per
-sequence, under the mask their layer type gives them alone (causal or sliding-window).
+Here a Focus layer runs each packed sequence exactly as that request alone
+(:func:`run_packed`; heads are never looped over): the same routing code, the same exact
+sparse op, and a :class:`~focus_attention.hf.masks.FocusMask` of that sequence alone. A
+sequence that prefills is one layer call; the sequences that decode one token are one call
+each on the CPU, and padded batches of them on other devices (:func:`batches_decoding`),
+each row masked as its sequence alone (the padding invisible). Inference routing is causal
+(a token's groups depend on its own hidden state and the calibrated routing bias only), so
+the groups of every written key are kept beside it, in a per-layer bool tensor indexed by
+the same physical slots (:class:`PagedGroups`); a sequence reads its keys' groups back
+through its ``read_index``, and cache blocks copied for a forked request
+(``num_return_sequences``) carry their groups. Layers without routing (non-Focus layers,
+``dense_layers``) run the base implementation the same way, under the mask their layer type
+gives each sequence alone (causal or sliding-window).
 
 Not causal, hence refused: soft (Sinkhorn) routing and ``inference_routing="sequence"``.
 Also refused: Focus layers that the paged cache keeps in its sliding-window group (it keeps
 only the last ``sliding_window`` keys there), CUDA graphs, ``torch.compile`` and the
-flash block-table decode path (the per-sequence loop reads the sequence boundaries on the
-host).
+flash block-table decode path (the packed batch is split on the host, which reads the
+sequence boundaries).
 """
 
 from __future__ import annotations
@@ -186,10 +189,12 @@ def sliding_error(layers: list[int], window: Any) -> str:
 
 @dataclass
 class SequenceGroups:
-    """The cache layer of one packed sequence of a Focus layer (what the Focus layer uses of
-    a ``FocusCacheLayer``): ``group_length`` keys before this call; :meth:`append_groups`
-    stores the new keys' groups in the paged storage and sets ``groups`` bool ``[1, Nk, K]``
-    to the groups of every key of the sequence."""
+    """The cache layer of packed sequences of a Focus layer (what the Focus layer uses of a
+    ``FocusCacheLayer``), for one sequence or a batch of decoding steps: ``group_length``
+    keys before this call; :meth:`append_groups` stores the new keys' groups in the paged
+    storage (at ``write_slots`` int ``[B * N_new]``) and sets ``groups`` bool ``[B, Nk, K]`` to
+    the groups of every key (read at ``read_slots`` int ``[B, Nk]``, or None when the
+    sequence reads no cache)."""
 
     store: PagedGroups
     write_slots: torch.Tensor
@@ -198,39 +203,67 @@ class SequenceGroups:
     groups: torch.Tensor | None = None
 
     def append_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
-        """Store the new keys' groups bool ``[1, N_new, K]`` at their slots."""
-        self.store.write(self.write_slots, groups[0], sink_tokens)
-        self.groups = groups if self.read_slots is None else self.store.read(self.read_slots)[None]
+        """Store the new keys' groups bool ``[B, N_new, K]`` at their slots."""
+        self.store.write(self.write_slots, groups.flatten(0, 1), sink_tokens)
+        if self.read_slots is None:
+            self.groups = groups
+        else:
+            read = self.store.read(self.read_slots.flatten())
+            self.groups = read.view(*self.read_slots.shape, read.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
-# the packed batch, one sequence at a time
+# the packed batch: one call per prefilling sequence, one per batch of decoding steps
 # --------------------------------------------------------------------------------------------
+
+#: a batch of decoding steps is padded to its longest sequence's keys; sequences join a
+#: batch while the padded keys stay within this multiple of the keys they hold
+MAX_PADDING_FACTOR = 2
+
+
+def batches_decoding(device: torch.device) -> bool:
+    """Whether the sequences of a packed call that decode one token run as padded batches on
+    ``device`` (one layer call per batch) rather than one call per sequence: on accelerators,
+    where a call's many small operations cost more than gathering the padded keys; not on
+    the CPU, where the gather costs more than the calls it saves (docs/integration.md,
+    "Continuous batching")."""
+    return device.type != "cpu"
 
 
 @dataclass
 class PackedSequence:
-    """One sequence of a packed batch: its queries ``[1, H, Nq, D]``, keys and values
-    ``[1, H_kv, Nk, D]`` (earlier keys first), the rows ``q_rows`` of its queries in the
-    packed batch, its key slots (``write_slots`` of the new keys; ``read_slots`` of every
-    key, None when the batch reads no cache), its :class:`FocusMask` and the keyword
-    arguments of its own call."""
+    """One call of a packed batch: one sequence, or a batch of sequences that each decode one
+    token. Its queries ``[B, H, Nq, D]``, keys and values ``[B, H_kv, Nk, D]`` (earlier keys
+    first; a batch is left-padded to its longest sequence), the rows ``q_rows`` of its
+    queries in the packed batch (a slice for one sequence, row indices int ``[B]`` for a
+    batch), its key slots (``write_slots`` of the new keys, int ``[B * Nq]``; ``read_slots``
+    of every key, int ``[B, Nk]``, None when the batch reads no cache), its
+    :class:`FocusMask` (with the batch's padding) and the keyword arguments of its call."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    q_rows: slice
+    q_rows: slice | torch.Tensor
     write_slots: torch.Tensor
     read_slots: torch.Tensor | None
     mask: FocusMask
     kwargs: dict
 
     def rows(self, packed: torch.Tensor) -> torch.Tensor:
-        """This sequence's rows ``[1, Nq, ...]`` of a packed ``[1, N_total, ...]`` tensor."""
-        return packed[:, self.q_rows]
+        """This call's rows ``[B, Nq, ...]`` of a packed ``[1, N_total, ...]`` tensor."""
+        if isinstance(self.q_rows, slice):
+            return packed[:, self.q_rows]
+        return packed[0, self.q_rows].unsqueeze(1)
+
+    def place(self, packed: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write this call's output rows ``[B, Nq, ...]`` into ``packed [1, N_total, ...]``."""
+        if isinstance(self.q_rows, slice):
+            packed[:, self.q_rows] = rows
+        else:
+            packed[0, self.q_rows] = rows[:, 0]
 
     def groups(self, store: PagedGroups) -> SequenceGroups:
-        """This sequence's cache layer over ``store``."""
+        """This call's cache layer over ``store``."""
         past = self.key.shape[2] - self.query.shape[2]
         return SequenceGroups(store, self.write_slots, self.read_slots, past)
 
@@ -247,25 +280,27 @@ def layer_window(config: Any, layer_idx: int, routed: bool) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def sequence_mask(
-    config: Any, nq: int, nk: int, window: int | None, query: torch.Tensor
-) -> FocusMask:
-    """The :class:`FocusMask` of one sequence alone: ``nq`` queries bottom-right aligned on
-    ``nk`` keys without padding, causal, or sliding-window causal over ``window`` tokens."""
+def sequence_mask(config: Any, nq: int, nk: int, window: int | None, query: torch.Tensor,
+                  padding: torch.Tensor | None = None) -> FocusMask:  # fmt: skip
+    """The :class:`FocusMask` of one call of a packed batch: ``nq`` queries bottom-right
+    aligned on ``nk`` keys, causal, or sliding-window causal over ``window`` tokens, under the
+    2-D ``padding`` bool ``[B, nk]`` (True = real token; None: one sequence, no padding)."""
     fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
     return FocusMask(
         dict(
-            batch_size=1, q_length=nq, kv_length=nk, q_offset=nk - nq, kv_offset=0,
-            mask_function=fn, attention_mask=None, allow_is_causal_skip=True,
-            dtype=query.dtype, config=config, use_vmap=False, device=query.device,
-            local_size=window,
+            batch_size=1 if padding is None else padding.shape[0], q_length=nq, kv_length=nk,
+            q_offset=nk - nq, kv_offset=0, mask_function=fn, attention_mask=padding,
+            allow_is_causal_skip=True, dtype=query.dtype, config=config, use_vmap=False,
+            device=query.device, local_size=window,
         )
     )  # fmt: skip
 
 
 def packed_sequences(module: torch.nn.Module, query, key, value, kwargs: dict,
                      routed: bool) -> list[PackedSequence]:  # fmt: skip
-    """Split a packed continuous-batching call into its sequences.
+    """Split a packed continuous-batching call into the calls that run it: one per sequence,
+    except that on a device where :func:`batches_decoding` holds, the sequences that decode
+    one token from the cache run as padded batches (:func:`decoding_batches`).
 
     Args:
         module: the attention module (``layer_idx``, ``config``).
@@ -286,27 +321,91 @@ def packed_sequences(module: torch.nn.Module, query, key, value, kwargs: dict,
         )
     if query.shape[0] != 1:
         raise ValueError(f"continuous batching: expected one packed row, received batch {query.shape[0]}")  # fmt: skip
-    cu_q = kwargs["cu_seq_lens_q"].tolist()
-    cu_k = kwargs["cu_seq_lens_k"].tolist()
+    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist()
     index = _allocator_index(module)
-    read = kwargs["read_index"][index]
-    write = kwargs["write_index"][index]
-    rest = {k: v for k, v in kwargs.items() if k not in PAGED_KWARGS}
-    config = module.config
-    window = layer_window(config, module.layer_idx, routed)
-    out = []
-    for s in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        if q1 == q0:
-            continue  # an empty (padding) sequence
-        out.append(
-            PackedSequence(
-                query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], slice(q0, q1),
-                write[q0:q1], read[k0:k1] if read.numel() else None,
-                sequence_mask(config, q1 - q0, k1 - k0, window, query), dict(rest),
-            )
-        )  # fmt: skip
+    read, write = kwargs["read_index"][index], kwargs["write_index"][index]
+    read = read if read.numel() else None
+    packed = Packed(query, key, value, read, write, module.config,
+                    layer_window(module.config, module.layer_idx, routed),
+                    {k: v for k, v in kwargs.items() if k not in PAGED_KWARGS})  # fmt: skip
+    spans = [(cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]) for s in range(len(cu_q) - 1)]
+    spans = [span for span in spans if span[1] > span[0]]  # no empty (padding) sequence
+    batched = read is not None and batches_decoding(query.device)
+    steps = [span for span in spans if span[1] - span[0] == 1 and batched]
+    out = [packed.one(span) for span in spans if span[1] - span[0] > 1 or not batched]
+    for batch in decoding_batches([k1 - k0 for _, _, k0, k1 in steps]):
+        chosen = [steps[i] for i in batch]
+        out.append(packed.one(chosen[0]) if len(chosen) == 1 else packed.decoding(chosen))
     return out
+
+
+def decoding_batches(lengths: list[int]) -> list[list[int]]:
+    """Batches (lists of indices into ``lengths``) of the sequences that decode one token,
+    each sequence holding ``lengths[i]`` keys: the sequences in order of length, a batch
+    growing while its padded keys (batch size x longest) stay within
+    :data:`MAX_PADDING_FACTOR` times the keys its sequences hold."""
+    batches: list[list[int]] = []
+    held = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if batches and (len(batches[-1]) + 1) * n <= MAX_PADDING_FACTOR * (held + n):
+            batches[-1].append(i)
+            held += n
+        else:
+            batches.append([i])
+            held = n
+    return batches
+
+
+@dataclass
+class Packed:
+    """A packed continuous-batching call, cut into :class:`PackedSequence` calls."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    read: torch.Tensor | None
+    write: torch.Tensor
+    config: Any
+    window: int | None
+    kwargs: dict
+
+    def one(self, span: tuple[int, int, int, int]) -> PackedSequence:
+        """The call of the sequence with query rows ``q0:q1`` and keys ``k0:k1``."""
+        q0, q1, k0, k1 = span
+        mask = sequence_mask(self.config, q1 - q0, k1 - k0, self.window, self.query)
+        return PackedSequence(
+            self.query[:, :, q0:q1], self.key[:, :, k0:k1], self.value[:, :, k0:k1],
+            slice(q0, q1), self.write[q0:q1],
+            None if self.read is None else self.read[None, k0:k1], mask, dict(self.kwargs),
+        )  # fmt: skip
+
+    def decoding(self, spans: list[tuple[int, int, int, int]]) -> PackedSequence:
+        """One call for sequences that each decode one token (query row ``q0``, keys
+        ``k0:k1``): keys, values and key slots left-padded to the longest sequence, the
+        padding masked (every padded position repeats its sequence's first key)."""
+        device = self.query.device
+        longest = max(k1 - k0 for _, _, k0, k1 in spans)
+        pad = torch.tensor([longest - (k1 - k0) for _, _, k0, k1 in spans], device=device)
+        first = torch.tensor([k0 for _, _, k0, _ in spans], device=device)
+        offset = torch.arange(longest, device=device)[None, :] - pad[:, None]
+        real = offset >= 0
+        index = first[:, None] + offset.clamp(min=0)  # [B, longest] rows of the packed keys
+        rows = torch.tensor([q0 for q0, _, _, _ in spans], device=device)
+        mask = sequence_mask(self.config, 1, longest, self.window, self.query, real)
+        return PackedSequence(
+            self.query[0, :, rows].transpose(0, 1).unsqueeze(2),
+            _gather_keys(self.key, index), _gather_keys(self.value, index), rows,
+            self.write[rows], self.read[index], mask, dict(self.kwargs),
+        )  # fmt: skip
+
+
+def _gather_keys(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` int ``[B, L]`` of packed keys ``[1, H_kv, Nk_total, D]`` (whose rows the
+    paged cache returns contiguous), as ``[B, H_kv, L, D]`` in the layout of a model's
+    projected keys (one gather of whole rows)."""
+    rows = packed[0].transpose(0, 1).index_select(0, index.flatten())  # [B * L, H_kv, D]
+    return rows.view(*index.shape, *rows.shape[1:]).transpose(1, 2)
 
 
 def _allocator_index(module: torch.nn.Module) -> int:
@@ -321,13 +420,15 @@ def _allocator_index(module: torch.nn.Module) -> int:
 
 def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, query, key,
                value, kwargs: dict, routed: bool) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """Run ``one`` on each sequence of a packed continuous-batching call and pack the outputs.
+    """Run ``one`` on each call of a packed continuous-batching call and pack the outputs.
 
-    A loop over the packed sequences (one layer call per sequence, every head at once): the
-    first, exact version; each sequence is routed and masked exactly as alone.
+    Each sequence that prefills is one layer call, routed and masked exactly as alone; the
+    sequences that decode one token run as padded batches (:func:`packed_sequences`), each
+    of its rows routed and masked as that sequence alone (padding is invisible). Heads are
+    never looped over.
 
     Args:
-        one: runs one :class:`PackedSequence`, returning ``(out [1, Nq, H, D], maps)``.
+        one: runs one :class:`PackedSequence`, returning ``(out [B, Nq, H, D], maps)``.
         module, query, key, value, kwargs, routed: as in :func:`packed_sequences`.
 
     Returns:
@@ -340,7 +441,7 @@ def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, 
     bsz, heads, total, dim = query.shape
     out = query.new_zeros(bsz, total, heads, dim)
     for seq in packed_sequences(module, query, key, value, kwargs, routed):
-        out[:, seq.q_rows] = one(seq)[0].to(out.dtype)
+        seq.place(out, one(seq)[0].to(out.dtype))
     return out, None
 
 
@@ -431,8 +532,8 @@ def _eager_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatch
     if bad:
         raise ValueError(
             f"continuous batching of a Focus model: ContinuousBatchingConfig {', '.join(bad)} "
-            "cannot be used (Focus layers run eagerly, one packed sequence at a time, on the "
-            "index-based paged cache); leave them at their defaults"
+            "cannot be used (Focus layers run eagerly, splitting the packed batch on the host, "
+            "on the index-based paged cache); leave them at their defaults"
         )
     return cfg
 
