@@ -92,29 +92,39 @@ def alone(model, prompt: list[int], new: int = NEW) -> tuple[list[int], list[tor
 
 class StepLogits:
     """Records, from a forward hook on the model the manager runs, every packed forward's
-    tokens, positions, sequence boundaries and next-token logits."""
+    tokens, positions, sequence boundaries and next-token logits by packed row (the manager
+    passes ``logits_to_keep``, the rows of the sequences that produce a token: a chunk of a
+    prefill in the middle of a packed call has none)."""
 
     def __init__(self, model) -> None:
         self.calls: list[tuple] = []
         self.hook = model.register_forward_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs, output) -> None:
+        logits = output.logits[0].detach().float()
+        kept = kwargs.get("logits_to_keep")
+        if isinstance(kept, torch.Tensor):
+            assert kept.numel() == logits.shape[0]
+            by_row = dict(zip(kept.tolist(), logits, strict=True))
+        else:  # every row kept
+            by_row = dict(enumerate(logits))
         self.calls.append((
             kwargs["input_ids"][0].tolist(), kwargs["position_ids"][0].tolist(),
-            kwargs["cu_seq_lens_q"].tolist(), output.logits[0].detach().float(),
+            kwargs["cu_seq_lens_q"].tolist(), by_row,
         ))  # fmt: skip
 
     def by_request(self, full: dict[str, list[int]], prompt_len: dict[str, int]) -> dict:
         """``{request: {step: logits [V]}}``: each packed sequence matched to the one request
-        whose tokens it holds at its positions (ambiguous matches are left out)."""
+        whose tokens it holds at its positions (ambiguous matches are left out), its logits
+        those of its last row."""
         rows: dict[str, dict[int, torch.Tensor]] = {r: {} for r in full}
-        for tokens, pos, cu, logits in self.calls:
+        for tokens, pos, cu, by_row in self.calls:
             for s in range(len(cu) - 1):
                 part, start = tokens[cu[s] : cu[s + 1]], pos[cu[s]]
                 end = start + len(part)
                 match = [r for r, seq in full.items() if seq[start:end] == part]
-                if len(match) == 1 and end - prompt_len[match[0]] >= 0:
-                    rows[match[0]][end - prompt_len[match[0]]] = logits[s]
+                if len(match) == 1 and end - prompt_len[match[0]] >= 0 and cu[s + 1] - 1 in by_row:
+                    rows[match[0]][end - prompt_len[match[0]]] = by_row[cu[s + 1] - 1]
         return rows
 
 
@@ -269,6 +279,31 @@ def test_decoding_is_batched_on_accelerators_only():
     assert paged.batches_decoding(torch.device("meta"))
 
 
+def test_requests_evicted_from_a_full_cache_are_computed_again_exactly(decoding):
+    """A paged cache too small for every request at once: the manager evicts requests and
+    prefills them again later (its default; CPU offloading is refused, see below), and every
+    request still gets the tokens and logits of its own generate."""
+    ref, fm = focus("llama", sink_tokens=4, top_k=2)
+    requests = [ids(1, n, seed=i)[0].tolist() for i, n in enumerate((30, 31, 29, 33, 40, 28, 35, 27, 1, 2))]  # fmt: skip
+    new = 24
+    recorder = StepLogits(fm)
+    small = ContinuousBatchingConfig(page_size=8, num_blocks=24, max_batch_tokens=64)
+    try:
+        out = fm.generate_batch(requests, generation_config=gen_config(new), continuous_batching_config=small, progress_bar=False)  # fmt: skip
+    finally:
+        recorder.hook.remove()
+    want = [alone(fm, p, new) for p in requests]
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(requests))] == [w[0] for w in want]
+    ran = sum(len(call[0]) for call in recorder.calls)
+    assert ran > sum(map(len, requests)) + len(requests) * (new - 1)  # some prefilled again
+    full = {f"req_{i}": p + out[f"req_{i}"].generated_tokens for i, p in enumerate(requests)}
+    rows = recorder.by_request(full, {f"req_{i}": len(p) for i, p in enumerate(requests)})
+    worst = max(float((row - want[int(r[4:])][1][step]).abs().max())
+                for r in rows for step, row in rows[r].items() if step < new)  # fmt: skip
+    assert worst <= TOL
+    ran_padded_batches(decoding)
+
+
 def test_refused_settings():
     _, fm = focus("llama")
     x = prompts()[:2]
@@ -283,7 +318,7 @@ def test_refused_settings():
     fm.focus_config = fm.focus_config.replace(inference_routing="causal")
     with fm.disable_focus(), pytest.raises(ValueError, match="disable_focus"):
         fm.generate_batch(x, **run)
-    for bad in (dict(use_cuda_graph=True), dict(default_compile_level=1)):
+    for bad in (dict(use_cuda_graph=True), dict(default_compile_level=1), dict(cpu_offload_space=1.0)):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):
             fm.generate_batch(x, generation_config=gen_config(), continuous_batching_config=cb_config(**bad))  # fmt: skip
     assert fm.generate_batch(x, **run)  # still usable

@@ -23,9 +23,10 @@ gives each sequence alone (causal or sliding-window).
 
 Not causal, hence refused: soft (Sinkhorn) routing and ``inference_routing="sequence"``.
 Also refused: Focus layers that the paged cache keeps in its sliding-window group (it keeps
-only the last ``sliding_window`` keys there), CUDA graphs, ``torch.compile`` and the
-flash block-table decode path (the packed batch is split on the host, which reads the
-sequence boundaries).
+only the last ``sliding_window`` keys there), CPU offloading of cache blocks
+(``cpu_offload_space``: the groups of the offloaded keys would not follow them), and CUDA
+graphs, ``torch.compile`` and the flash block-table decode path (the packed batch is split on
+the host, which reads the sequence boundaries).
 """
 
 from __future__ import annotations
@@ -510,13 +511,26 @@ def check_continuous_batching(model: Any) -> None:
         raise ValueError(sliding_error(sliding, getattr(config, "sliding_window", None)))
 
 
+#: why each ``ContinuousBatchingConfig`` setting that Focus layers cannot run is refused
+_EAGER_ONLY = (
+    "Focus layers run eagerly, splitting the packed batch on the host, on the index-based "
+    "paged cache"
+)
+_OFFLOAD = (
+    "the paged cache's CPU offloading moves a request's keys and values to other cache blocks "
+    "without the Focus groups kept beside them; evicted requests are then computed again "
+    "instead, as by default"
+)
+
+
 def _eager_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
     """``cb_config`` (or the default) checked for what Focus layers cannot run: CUDA graphs,
     compile and input padding (they trace a fixed graph; Focus layers read the sequence
-    boundaries on the host) and the flash block-table decode path.
+    boundaries on the host), the flash block-table decode path, and CPU offloading of cache
+    blocks (``cpu_offload_space``; the groups of the offloaded keys would not follow them).
 
     Raises:
-        ValueError: one of those asked for explicitly.
+        ValueError: one of those asked for explicitly, naming it and why.
     """
     cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
     asked = {
@@ -527,13 +541,14 @@ def _eager_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatch
         "q_padding_interval_size": bool(cfg.q_padding_interval_size),
         "kv_padding_interval_size": bool(cfg.kv_padding_interval_size),
         "max_blocks_per_request": bool(cfg.max_blocks_per_request),
+        "cpu_offload_space": bool(cfg.cpu_offload_space),
     }
     bad = [name for name, on in asked.items() if on]
     if bad:
+        why = {_OFFLOAD if name == "cpu_offload_space" else _EAGER_ONLY for name in bad}
         raise ValueError(
             f"continuous batching of a Focus model: ContinuousBatchingConfig {', '.join(bad)} "
-            "cannot be used (Focus layers run eagerly, splitting the packed batch on the host, "
-            "on the index-based paged cache); leave them at their defaults"
+            f"cannot be used ({'; '.join(sorted(why))}); leave them at their defaults"
         )
     return cfg
 
