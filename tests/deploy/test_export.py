@@ -108,7 +108,7 @@ def test_the_config_names_the_custom_code(tmp_path):
     assert doc["model_type"] == "focus" and doc["auto_map"] == AUTO_MAP
     assert doc["base_config"]["model_type"] == "llama"
     assert "architectures" not in doc  # tools that read it look among transformers' classes
-    assert (out / REMOTE_CODE_NAME).read_text().count("pip install focus-attention") == 1
+    assert (out / REMOTE_CODE_NAME).read_text().count("pip install ./focus-attention") == 1
     # without trust_remote_code transformers refuses (no silent dense base model)
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
@@ -177,7 +177,7 @@ def test_a_missing_package_is_named(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "ImportError:" in done.stdout and "pip install focus-attention" in done.stdout
+    assert "ImportError:" in done.stdout and "pip install ./focus-attention" in done.stdout
 
 
 def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
@@ -224,6 +224,27 @@ def test_a_loaded_export_exports_again(tmp_path):
     x = ids(1, 40, seed=5)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=x).logits, fm(input_ids=x).logits)
+
+
+def test_a_model_that_is_not_a_focus_model_is_refused_before_writing(tmp_path):
+    fm, out = exported(tmp_path)
+    model = load(out)
+    with pytest.raises(TypeError, match=r"loaded from an exported directory.*model\.focus_model"):
+        export_model(model, tmp_path / "again")
+    with pytest.raises(TypeError, match="received a LlamaForCausalLM, expected a FocusModel"):
+        export_model(fm.unload(), tmp_path / "again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # nothing written
+
+
+def test_the_card_loads_the_path_as_given(tmp_path, monkeypatch):
+    """The card's example names the directory as the caller gave it (a relative path stays
+    relative: no local absolute path to publish with the card)."""
+    _, fm = focus("llama")
+    monkeypatch.chdir(tmp_path)
+    export_model(fm, "exports/tiny")
+    card = (tmp_path / "exports" / "tiny" / "README.md").read_text()
+    assert 'from_pretrained("exports/tiny"' in card.replace("'", '"')
+    assert str(tmp_path) not in card
 
 
 def test_focus_export_command(tmp_path, capsys):
@@ -299,6 +320,17 @@ def test_a_trained_shape_is_refused_at_load_time_naming_it(tmp_path, how):
         kwargs["config"] = config
     with pytest.raises(ValueError, match=r"num_groups=2 cannot change at load time.*training"):
         load(out, **kwargs)
+
+
+@pytest.mark.parametrize(("key", "meant"), [("windw", "window"), ("top-k", "top_k"), ("num_group", "num_groups"), ("dense_layer", "dense_layers")])  # fmt: skip
+def test_a_misspelt_setting_in_the_config_is_refused_naming_it(tmp_path, key, meant):
+    _, out = exported(tmp_path)
+    doc = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**doc, key: 64}))
+    with pytest.raises(ValueError, match=f"'{key}', which is no Focus setting: did you mean '{meant}'"):  # fmt: skip
+        load(out)
+    (out / "config.json").write_text(json.dumps({**doc, "comment": "kept"}))  # other keys load
+    assert load(out).focus_model.focus_config.window == doc["window"]
 
 
 def test_the_exported_files_get_the_umask_mode(tmp_path):

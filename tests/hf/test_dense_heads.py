@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import ARCHS, focus, ids, left_pad, positions
 
-from focus_attention.hf import FocusConfig, FocusModel
+from focus_attention.hf import FocusConfig, FocusModel, get_focus_model
 from focus_attention.hf.architectures import attention_modules, get_architecture
 from focus_attention.hf.attention import head_split
 from focus_attention.hf.compat import cache_kwargs, cache_of
@@ -193,11 +193,19 @@ def test_dense_heads_of_dense_or_other_layers_are_refused():
         FocusConfig(layers=[0, 1], dense_heads=[(3, 0)])
 
 
-def test_a_head_beyond_the_layer_says_so():
-    fm, last, kv, _, _ = _setup("llama")
-    fm.focus_config = fm.focus_config.replace(dense_heads=[(last, kv)])
-    with pytest.raises(ValueError, match=f"layer {last} has {kv} key-value heads"):
-        _logits(fm, ids(1, N))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_head_beyond_the_model_is_refused_before_any_forward(arch):
+    """When the config is assigned or the adapter built (an export or a load would otherwise
+    write or return a model that fails at its first forward), naming the heads."""
+    fm, last, kv, _, _ = _setup(arch)
+    before = fm.focus_config
+    with pytest.raises(ValueError, match=rf"dense_heads: received \[\({last}, {kv}\)\].*0\.\.{kv - 1}"):  # fmt: skip
+        fm.focus_config = fm.focus_config.replace(dense_heads=[(last, kv)])
+    assert fm.focus_config == before
+    fm.focus_config = fm.focus_config.replace(dense_heads=[(last, kv - 1)])  # the last head is fine
+    base = fm.unload()
+    with pytest.raises(ValueError, match=f"0..{kv - 1}"):
+        get_focus_model(base, FocusConfig(num_groups=4, dense_heads=[(last, kv + 3)]))
 
 
 def test_the_flag_reads_layer_head_pairs():

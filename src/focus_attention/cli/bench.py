@@ -223,8 +223,8 @@ def register_cli(subparsers: Any) -> None:
         sub, "serve", ServeBenchConfig, _serve,
         help="a Focus model served by transformers serve under load, against dense served alike",
         description="Exports --model with --adapter (or takes an exported directory, --export), "
-        "serves it with transformers serve on 127.0.0.1 at each --top-k and, with --dense, the "
-        "dense base model the same way (one server at a time), and sends each cell (a "
+        "serves it with transformers serve on 127.0.0.1 at each --top-k and (--dense, the default) the "
+        "dense base model the same way (all served at once), and sends each cell (a "
         "--concurrency and a prompt length of --lengths) its streaming completion requests, "
         "prompts drawn from the corpus split. Reports per cell the requests answered of those "
         "sent, generated tokens per second, time to first token and latency p50/p99; writes "

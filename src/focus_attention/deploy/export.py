@@ -15,6 +15,7 @@ from typing import Any
 
 from ..hf.card import base_model_name, export_card, model_records
 from ..hf.files import CARD_NAME, base_model_fingerprint
+from ..hf.model import FocusModel
 from ..utils.io import staged_directory
 from .loading import ROUTERS_MODULE
 from .settings import (
@@ -49,7 +50,29 @@ def check_out(out: Path, overwrite: bool, sources: tuple[Any, ...] = ()) -> None
         if source is not None and Path(source).exists() and out.resolve() == Path(source).resolve():  # fmt: skip
             raise ValueError(f"--out {out} is the source {source}: export elsewhere")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"--out {out} is not empty: pass --overwrite to replace it")
+        raise FileExistsError(
+            f"--out {out} is not empty: pass overwrite=True (--overwrite on the command line) "
+            "to replace it"
+        )
+
+
+def check_focus_model(model: Any) -> None:
+    """Refuse, before anything is written, a ``model`` that is not a FocusModel.
+
+    Raises:
+        TypeError: naming what was received and what to pass instead.
+    """
+    if isinstance(model, FocusModel):
+        return
+    if isinstance(getattr(model, "focus_model", None), FocusModel):
+        raise TypeError(
+            f"export_model: received a {type(model).__name__} loaded from an exported "
+            "directory; pass its FocusModel, model.focus_model"
+        )
+    raise TypeError(
+        f"export_model: received a {type(model).__name__}, expected a FocusModel "
+        "(get_focus_model(base, config) or FocusModel.from_pretrained(base, adapter))"
+    )
 
 
 def export_document(base_document: dict[str, Any], focus_config: Any) -> dict[str, Any]:
@@ -103,9 +126,12 @@ def export_model(
         ``out`` as a Path.
 
     Raises:
+        TypeError: ``model`` is not a FocusModel (a model loaded from an export: pass its
+            ``focus_model``).
         FileExistsError: ``out`` is a file, or a non-empty directory without ``overwrite``.
         OSError: a write failed (``out`` is then as it was).
     """
+    check_focus_model(model)
     out = Path(out)
     check_out(out, overwrite)
     base = model.base_model
@@ -122,7 +148,7 @@ def export_model(
         shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), stage / REMOTE_CODE_NAME)
         fingerprint = base_model_fingerprint(base)
         card = export_card(model.focus_config.to_dict(), fingerprint, base_name=name,
-                           records=records, location=str(out.resolve()))  # fmt: skip
+                           records=records, location=str(out))  # fmt: skip
         (stage / CARD_NAME).write_text(card, encoding="utf-8")
         plain_modes(stage)
     return out

@@ -5,6 +5,7 @@ model's own transformers class so that every tool that takes a transformers mode
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -60,11 +61,33 @@ def check_trained_settings(path: str, config: Any, kwargs: dict[str, Any]) -> No
         names = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ValueError(
             f"{path}: {names} cannot change at load time: {', '.join(given)} is fixed by "
-            "training (the routers' weights have the shape num_groups x group_dim in each "
-            "Focus layer, trained on its layers); only the inference settings "
-            f"{', '.join(SETTING_FIELDS)} change at load time (train another adapter for "
-            "other shapes)"
+            "training (the routers were trained with the adapter's values: their shapes "
+            "num_groups x group_dim, the layers they route, their temperature and how they "
+            f"were trained); only the inference settings {', '.join(SETTING_FIELDS)} change "
+            "at load time (train another adapter for other values)"
         )
+
+
+def check_setting_names(path: str, config: Any) -> None:
+    """Refuse a key of the export's config (``config.json`` or the ``config`` object) that is
+    no setting but close to a Focus setting's name, a misspelt setting that would otherwise
+    be ignored (other unknown keys are kept, as transformers keeps them).
+
+    Raises:
+        ValueError: naming the key and the setting it is close to.
+    """
+    known = {f.name for f in fields(FocusConfig)}
+    plain = set(vars(type(config)())) | known
+    for key in vars(config):
+        if key.startswith("_") or key in plain:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"{path}: the config has {key!r}, which is no Focus setting: did you mean "
+                f"{close[0]!r}? (the settings that change at load time: "
+                f"{', '.join(SETTING_FIELDS)})"
+            )
 
 
 def attach_routers(base: nn.Module, focus_model: nn.Module) -> nn.Module:
@@ -140,7 +163,8 @@ def load_exported(
         FileNotFoundError: the directory or its adapter files are missing.
         ValueError: a config that is not an exported model's, or of another layout version;
             a setting fixed by training (:data:`TRAINED_FIELDS`, such as ``num_groups``)
-            given as a keyword or in the config; invalid settings (as :class:`~focus_attention.hf.FocusConfig` raises them).
+            given as a keyword or in the config; a misspelt setting in the config
+            (:func:`check_setting_names`); invalid settings (as :class:`~focus_attention.hf.FocusConfig` raises them).
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -151,6 +175,7 @@ def load_exported(
     given = {k: kwargs.pop(k) for k in SETTING_FIELDS if k in kwargs}
     config = _export_config(path, config, hub)
     check_trained_settings(path, config, kwargs)
+    check_setting_names(path, config)
     base_config = base_config_of(config)
     base_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
     base = base_class.from_pretrained(path, *model_args, config=base_config, **kwargs)

@@ -8,9 +8,9 @@ try:
     from focus_attention.deploy.remote import FocusForCausalLM
 except ImportError as err:
     raise ImportError(
-        "this model uses Focus sparse attention, which needs the focus-attention package: "
-        "pip install focus-attention (the Python package focus_attention, with its torch and "
-        f"transformers); importing it failed: {err}"
+        "this model uses Focus sparse attention, which needs the focus-attention package (the "
+        "Python package focus_attention, with its torch and transformers), installed from a "
+        f"clone of its repository: pip install ./focus-attention; importing it failed: {err}"
     ) from err
 
 __all__ = ["FocusExportConfig", "FocusForCausalLM"]

@@ -49,7 +49,7 @@ EXPORT_FORMAT_VERSION = 1
 #: edit of ``config.json``); the trained shapes stay in ``focus_config.json``
 SETTING_FIELDS = ADAPTER_OVERRIDES
 #: what to install where an exported directory is loaded without this package
-PACKAGE_HINT = "pip install focus-attention"
+PACKAGE_HINT = "pip install ./focus-attention (a clone of its repository)"
 
 
 @settings_class()

@@ -114,7 +114,8 @@ def head_budget_choice(config: CalibrateConfig, fm: Any, ranking: dict[str, Any]
     Raises:
         ValueError: as :func:`~.head_budget.choose_dense_heads` raises it.
     """
-    from .head_budget import choose_dense_heads, kv_heads_of
+    from ..hf.architectures import kv_heads_of
+    from .head_budget import choose_dense_heads
 
     cfg, kv = fm.focus_config, kv_heads_of(fm.base_model.config)
     chosen = choose_dense_heads(ranking["head_ranking"], config.head_budget, fm.focus_layers,

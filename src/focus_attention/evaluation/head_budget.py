@@ -16,13 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["budget_heads", "choose_dense_heads", "kv_heads_of", "read_head_ranking"]
-
-
-def kv_heads_of(model_config: Any) -> int:
-    """Key-value heads per layer of a transformers config (``num_key_value_heads``, else
-    ``num_attention_heads``: no grouped-query attention)."""
-    return int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)  # fmt: skip
+__all__ = ["budget_heads", "choose_dense_heads", "read_head_ranking"]
 
 
 def budget_heads(share: float, total: int) -> int:

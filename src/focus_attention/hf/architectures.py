@@ -12,6 +12,7 @@ arguments the model passes, so they need no per-architecture code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -101,3 +102,9 @@ def layer_types(config, num_layers: int) -> list[str]:
 def hidden_size(config) -> int:
     """Model width ``d_model`` (``n_embd`` on GPT-2, an alias of ``hidden_size``)."""
     return int(config.hidden_size)
+
+
+def kv_heads_of(model_config: Any) -> int:
+    """Key-value heads per layer of a transformers config (``num_key_value_heads``, else
+    ``num_attention_heads``: no grouped-query attention)."""
+    return int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)  # fmt: skip

@@ -333,7 +333,8 @@ def export_card(
         "",
         f"{name} with the routers of [Focus](https://arxiv.org/abs/2604.03260) "
         "(learned-grouping sparse attention), exported by `focus export`. Loading it runs "
-        "custom code, which needs the focus-attention package (`pip install focus-attention`).",
+        "custom code, which needs the focus-attention package, installed from a clone of its "
+        "repository (`pip install ./focus-attention`).",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, pipeline",
@@ -343,11 +344,11 @@ def export_card(
         f'generate = pipeline("text-generation", "{where}", trust_remote_code=True)',
         "```",
         "",
-        "`from_pretrained(..., top_k=1)` (or `window=`, `dense_layers=`, `sink_tokens=`, "
-        "`query_top_k=`, `inference_routing=`), or an edit of these keys in `config.json`, "
-        "changes the inference settings.",
+        "`from_pretrained(..., top_k=1)` (or `window=`, `dense_layers=`, `dense_heads=`, "
+        "`sink_tokens=`, `query_top_k=`, `inference_routing=`, `attention_backend=`), or an "
+        "edit of these keys in `config.json`, changes the inference settings.",
         "",
-        "Serve it over HTTP (an OpenAI-compatible API; `pip install focus-attention[serve]`): "
+        "Serve it over HTTP (an OpenAI-compatible API; `pip install './focus-attention[serve]'`): "
         f"`transformers serve {where} --trust-remote-code`.",
         "",
         details,

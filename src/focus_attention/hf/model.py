@@ -14,7 +14,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .architectures import attention_modules, get_architecture, hidden_size, layer_types
+from .architectures import (
+    attention_modules,
+    get_architecture,
+    hidden_size,
+    kv_heads_of,
+    layer_types,
+)
 from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
 from .cache import check_dynamic_cache
 from .config import ROUTINGS, FocusConfig
@@ -102,6 +108,21 @@ def _resolve_layers(
             f"attention layers 0..{max(modules)}"
         )
     return list(requested)
+
+
+def _check_dense_heads(model_config: Any, config: FocusConfig) -> None:
+    """Refuse, before any forward, ``dense_heads`` beyond the model's key-value heads.
+
+    Raises:
+        ValueError: a pair whose head is not one of the model's ``0..num_key_value_heads-1``.
+    """
+    kv = kv_heads_of(model_config)
+    beyond = [pair for pair in config.dense_heads if pair[1] >= kv]
+    if beyond:
+        raise ValueError(
+            f"FocusConfig.dense_heads: received {beyond}, expected key-value heads 0..{kv - 1} "
+            f"(the model has {kv} key-value heads per layer)"
+        )
 
 
 def _warn_replaced_sliding_window(model_config: Any, layers: list[int], window: int) -> None:
@@ -225,6 +246,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             )
         modules = attention_modules(base_model, arch)
         layers = _resolve_layers(model_config, modules, config.layers)
+        _check_dense_heads(model_config, config)
         _warn_replaced_sliding_window(model_config, layers, config.window)
         runtime = FocusRuntime(config.replace(layers=layers), base_impl, routing=config.routing)
         runtime.focus_layers, runtime.num_layers = tuple(layers), len(modules)
@@ -324,6 +346,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         config.validate()
         current = self._runtime.focus_config
         layers = _resolve_layers(self.base_model.config, self._modules_by_layer, config.layers)
+        _check_dense_heads(self.base_model.config, config)
         config = config.replace(layers=layers)
         for name in FIXED_CONFIG_FIELDS:
             received, expected = getattr(config, name), getattr(current, name)

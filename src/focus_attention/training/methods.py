@@ -423,7 +423,7 @@ def _with_focus(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any, ph
 def _head_gates(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any) -> Trainee:
     """``head-gates``: the frozen Focus model of ``init_adapter`` (or of checkpoint
     ``ckpt``, its gates loaded too) with a gate per key-value head, every gate 1."""
-    from ..evaluation.head_budget import kv_heads_of
+    from ..hf.architectures import kv_heads_of
     from ..hf.head_gates import HeadGates
 
     fm = _focus(hf, cfg, ckpt)
