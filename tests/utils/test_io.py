@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -73,6 +74,14 @@ def test_staged_directory_replaces_or_keeps_the_destination(tmp_path):
         (out.parent / "scratch").mkdir()  # scratch room next to it, removed afterwards
     assert [p.name for p in final.iterdir()] == ["new.txt"]
     assert list(staging.iterdir()) == []
+
+
+def test_staged_directory_that_cannot_be_made_names_the_destination(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    final = tmp_path / "a-file" / "out"  # its parent is a file
+    with pytest.raises(OSError, match=f"cannot write {re.escape(str(final))}: "):  # noqa: SIM117
+        with staged_directory(final, final.parent, ".out.export-"):
+            pass
 
 
 def test_file_lock_creates_its_file(tmp_path):

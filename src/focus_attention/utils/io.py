@@ -262,11 +262,18 @@ def staged_directory(
     normally, an existing ``final`` is moved aside and removed, and the filled directory is
     renamed to ``final``; when it raises, ``final`` is left as it was. ``staging_root`` must
     be on the file system of ``final`` (it is created if needed).
+
+    Raises:
+        OSError: ``staging_root`` cannot be created or written (the message names
+            ``final``; the subclass follows the error number, e.g. ``PermissionError``).
     """
     final = Path(final)
     root = Path(staging_root)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    except OSError as err:  # name what the caller asked for, not the staging name
+        raise OSError(err.errno, f"cannot write {final}: {err.strerror} (in {root})") from err
     try:
         out = staging / "entry"
         out.mkdir()
