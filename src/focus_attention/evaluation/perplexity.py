@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..hf.architectures import kv_heads_of
 from ..hf.files import CONFIG_NAME, weights_file_sha256
 from ..ops import pairs_retained
 from ..utils.env import environment, library_versions, weights_sha256
@@ -271,9 +272,7 @@ def dense_head_share(fm: Any) -> dict[int, float]:
     pairs = fm.focus_config.dense_heads
     if not pairs:
         return {}
-    config = fm.base_model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = kv_heads_of(fm.base_model.config)
     share: dict[int, float] = {}
     for layer, _ in pairs:
         share[layer] = share.get(layer, 0.0) + 1 / kv

@@ -105,6 +105,8 @@ def hidden_size(config) -> int:
 
 
 def kv_heads_of(model_config: Any) -> int:
-    """Key-value heads per layer of a transformers config (``num_key_value_heads``, else
-    ``num_attention_heads``: no grouped-query attention)."""
-    return int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)  # fmt: skip
+    """Key-value heads per layer of a transformers config, read from its text config where
+    it has one (``num_key_value_heads``, else ``num_attention_heads``: no grouped-query
+    attention)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config  # fmt: skip
+    return int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
