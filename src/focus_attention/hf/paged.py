@@ -332,8 +332,13 @@ def packed_sequences(module: torch.nn.Module, query, key, value, kwargs: dict,
     spans = [(cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]) for s in range(len(cu_q) - 1)]
     spans = [span for span in spans if span[1] > span[0]]  # no empty (padding) sequence
     batched = read is not None and batches_decoding(query.device)
-    steps = [span for span in spans if span[1] - span[0] == 1 and batched]
-    out = [packed.one(span) for span in spans if span[1] - span[0] > 1 or not batched]
+    steps: list[tuple[int, int, int, int]] = []  # sequences decoding one token, to batch
+    out: list[PackedSequence] = []
+    for span in spans:
+        if batched and span[1] - span[0] == 1:
+            steps.append(span)
+        else:
+            out.append(packed.one(span))
     for batch in decoding_batches([k1 - k0 for _, _, k0, k1 in steps]):
         chosen = [steps[i] for i in batch]
         out.append(packed.one(chosen[0]) if len(chosen) == 1 else packed.decoding(chosen))
