@@ -22,7 +22,6 @@ __all__ = [
     "EXPORT_FORMAT_VERSION",
     "EXPORT_MODEL_TYPE",
     "FORMAT_KEY",
-    "PACKAGE_HINT",
     "REMOTE_CODE_NAME",
     "SETTING_FIELDS",
     "ExportConfig",
@@ -48,8 +47,6 @@ EXPORT_FORMAT_VERSION = 1
 #: can change at load time (``from_pretrained(dir, trust_remote_code=True, top_k=1)`` or an
 #: edit of ``config.json``); the trained shapes stay in ``focus_config.json``
 SETTING_FIELDS = ADAPTER_OVERRIDES
-#: what to install where an exported directory is loaded without this package
-PACKAGE_HINT = "pip install ./focus-attention (a clone of its repository)"
 
 
 @settings_class()
