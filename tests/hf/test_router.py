@@ -3,6 +3,7 @@ modes, and a check of the ops Sinkhorn padding gradient the router works around.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -190,12 +191,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: a rank waiting for the other fails after this instead of gloo's 30 minutes
+GROUP_TIMEOUT = datetime.timedelta(minutes=3)
+
+
 def _join(rank: int, port: int) -> None:
     """The environment ``torchrun`` gives a rank (Trainer and accelerate read it); the
     routing statistics do not depend on the compiled CPU kernel, so none is built."""
     os.environ.update(FOCUS_NO_EXTENSION="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
     torch.set_num_threads(1)
+
+
+def _leave(dist) -> None:
+    """Destroy the process group once both ranks are done: a rank that destroys it while
+    the other still runs can leave that one waiting in gloo's shutdown."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _column_biases(rank: int, call: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -213,7 +225,7 @@ def _update_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     _join(rank, port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=GROUP_TIMEOUT)
     router = FocusRouter(8, 4, 4, 0.1, layer_idx=0, bias_momentum=0.3)
     for call in range(4):
         router.update_bias(*_column_biases(rank, call))
@@ -222,7 +234,7 @@ def _update_worker(rank: int, port: int, out: str) -> None:
         local.update_bias(*_column_biases(rank, 0))
     torch.save({"bias": router.routing_bias, "updates": router.bias_updates,
                 "local": local.routing_bias}, f"{out}/rank{rank}.pt")  # fmt: skip
-    dist.destroy_process_group()
+    _leave(dist)
 
 
 def _spawn(fn, tmp_path, *args) -> list[dict]:
@@ -268,7 +280,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     _join(rank, port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=GROUP_TIMEOUT)
     _, fm = focus("llama")
     fm.train()
     ddp = DistributedDataParallel(fm)
@@ -280,7 +292,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         opt.step()
         opt.zero_grad()
     torch.save(_trained_routers(fm), f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    _leave(dist)
 
 
 def _accumulated_run() -> dict[str, torch.Tensor]:
