@@ -14,6 +14,7 @@ from tiny import ARCHS, build_model, focus, ids, left_pad
 from focus_attention.hf import FocusConfig, FocusRouter, get_focus_model
 from focus_attention.hf.router import checks_nan, local_statistics
 from focus_attention.ops import dominance, sinkhorn, topk_memberships
+from focus_attention.training.distributed import end_process_group
 
 
 @pytest.mark.parametrize("k,dg", [(4, 16), (8, 16), (16, 16), (32, 16)])
@@ -203,13 +204,6 @@ def _join(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _leave(dist) -> None:
-    """Destroy the process group once both ranks are done: a rank that destroys it while
-    the other still runs can leave that one waiting in gloo's shutdown."""
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def _column_biases(rank: int, call: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rank ``rank``'s ``call``-th batch of column biases ``[B, 4]``: batch sizes differ by
     rank, and rank 1's second batch is padding only."""
@@ -234,7 +228,7 @@ def _update_worker(rank: int, port: int, out: str) -> None:
         local.update_bias(*_column_biases(rank, 0))
     torch.save({"bias": router.routing_bias, "updates": router.bias_updates,
                 "local": local.routing_bias}, f"{out}/rank{rank}.pt")  # fmt: skip
-    _leave(dist)
+    assert end_process_group()
 
 
 def _spawn(fn, tmp_path, *args) -> list[dict]:
@@ -292,7 +286,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         opt.step()
         opt.zero_grad()
     torch.save(_trained_routers(fm), f"{out}/rank{rank}.pt")
-    _leave(dist)
+    assert end_process_group()
 
 
 def _accumulated_run() -> dict[str, torch.Tensor]:
@@ -340,6 +334,7 @@ def _trainer_run(out: str, grad_accum: int, backend: str | None = None):
         output_dir=out, max_steps=STEPS, per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=grad_accum, learning_rate=1e-2, report_to=[],
         use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", ddp_backend=backend,
+        ddp_timeout=int(GROUP_TIMEOUT.total_seconds()),
     )  # fmt: skip
     Trainer(model=fm, args=args, train_dataset=_rows()).train()
     return _trained_routers(fm)
@@ -348,6 +343,7 @@ def _trainer_run(out: str, grad_accum: int, backend: str | None = None):
 def _trainer_worker(rank: int, port: int, out: str) -> None:
     _join(rank, port)
     torch.save(_trainer_run(f"{out}/trainer", 1, "gloo"), f"{out}/rank{rank}.pt")
+    assert end_process_group()
 
 
 @pytest.mark.slow
@@ -360,10 +356,11 @@ def test_trainer_ranks_give_the_one_process_routing_statistics(tmp_path):
 
 
 def _accelerate_run(out: str, grad_accum: int) -> dict[str, torch.Tensor]:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, InitProcessGroupKwargs
     from torch.utils.data import DataLoader
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=GROUP_TIMEOUT)])  # fmt: skip
     _, fm = focus("llama")
     fm.train()
     opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-2)
@@ -380,6 +377,7 @@ def _accelerate_run(out: str, grad_accum: int) -> dict[str, torch.Tensor]:
 def _accelerate_worker(rank: int, port: int, out: str) -> None:
     _join(rank, port)
     torch.save(_accelerate_run(out, 1), f"{out}/rank{rank}.pt")
+    assert end_process_group()
 
 
 @pytest.mark.slow

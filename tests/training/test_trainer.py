@@ -14,6 +14,7 @@ from tiny import FOCUS_DEFAULTS, build_model, ids
 
 from focus_attention.hf import FocusConfig
 from focus_attention.training.config import TrainConfig
+from focus_attention.training.distributed import end_process_group
 from focus_attention.training.methods import build_trainee, phase_schedule, step_loss
 from focus_attention.training.trainer import FocusTrainer
 
@@ -117,7 +118,7 @@ def data_parallel_run(cfg: TrainConfig, out: str, accum: int, backend: str | Non
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH,
                              gradient_accumulation_steps=accum, max_grad_norm=cfg.max_grad_norm,
                              seed=cfg.seed, use_cpu=True, report_to=[], save_strategy="no",
-                             disable_tqdm=True, ddp_backend=backend)  # fmt: skip
+                             disable_tqdm=True, ddp_backend=backend, ddp_timeout=180)  # fmt: skip
     rows = [{"input_ids": r} for r in ids(12, cfg.seq_len, seed=9)]
     FocusTrainer(args=args, train_dataset=rows, trainee=trainee, config=cfg).train()
     buffers = {k: v.clone() for k, v in trainee.model.named_buffers() if "routers" in k}
@@ -130,6 +131,7 @@ def _rank(rank: int, port: int, out: str, method: str) -> None:
                       LOCAL_WORLD_SIZE=str(WORLD))  # fmt: skip
     got = data_parallel_run(config(method), f"{out}/run", 1, "gloo")
     torch.save(got, f"{out}/rank{rank}.pt")
+    assert end_process_group()
 
 
 @pytest.mark.slow

@@ -37,10 +37,12 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..training.distributed import end_process_group
     from ..training.pretrain import pretrain
 
     config = config_from_args(args)
     result = pretrain(config)
+    end_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports
     last = result["validation"][-1]

@@ -36,8 +36,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from ..training import train
+    from ..training.distributed import end_process_group
 
     result = train(config_from_args(args))
+    end_process_group()
     if result.extra.get("already_finished"):
         return 0  # train() said "nothing to do"
     if os.environ.get("RANK", "0") != "0":
