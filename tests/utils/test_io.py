@@ -271,3 +271,25 @@ def test_replace_entries_moves_files_and_folders_all_or_none(tmp_path, monkeypat
             replace_entries(staged, dest)
         assert _entries(dest) == before
     assert sorted(p.name for p in dest.iterdir() if p.name.startswith(".old-")) == []
+
+
+def test_check_output_file_accepts_a_new_or_existing_file_and_missing_folders(tmp_path):
+    from focus_attention.utils.io import check_output_file
+
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    for path in (tmp_path / "new.json", existing, tmp_path / "a" / "b" / "c.json"):
+        assert check_output_file(path, "--json") == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # nothing left behind
+
+
+def test_check_output_file_refuses_what_cannot_be_written(tmp_path):
+    from focus_attention.utils.io import check_output_file
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--json: .*a directory; expected the path of a file"):
+        check_output_file(tmp_path, "--json")
+    with pytest.raises(ValueError, match=r"--plot: .*afile' is a file, not a folder"):
+        check_output_file(tmp_path / "afile" / "p.png", "--plot")
+    with pytest.raises(ValueError, match=r"--json: .*no file can be created in '/proc'"):
+        check_output_file("/proc/x.json", "--json")

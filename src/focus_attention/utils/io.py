@@ -231,6 +231,45 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+def check_output_file(path: str | os.PathLike[str], name: str) -> Path:
+    """Check, before any work, that the file ``path`` can be written (created or replaced,
+    its missing parent folders created): so that a long computation is not lost to an
+    output path found wrong at its end.
+
+    Args:
+        path: the file a command will write.
+        name: how the user gave it, for the message (a flag such as ``"--json"``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``path`` is a directory, or a file stands where one of its parent
+            folders should be, or the nearest existing folder above it refuses a new file
+            (permissions, a read-only or virtual file system); the message names ``name``
+            and ``path``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, a directory; expected the "
+                         "path of a file to write")  # fmt: skip
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, but {os.fspath(folder)!r} is "
+                         "a file, not a folder; expected the path of a file to write")  # fmt: skip
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".focus-probe-", dir=folder)
+    except OSError as err:
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, but no file can be created in "
+                         f"{os.fspath(folder)!r} ({err.strerror or err}); expected a path in a "
+                         "writable folder") from err  # fmt: skip
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold an exclusive POSIX advisory lock on the file ``path`` (created, with its parent
