@@ -1,9 +1,11 @@
 """``focus sweep --study`` (focus_attention.experiments.runner) on the tiny model: a two-step
 study (two evaluations of a tiny adapter) and its report run and record their settings; a
-rerun skips both; a changed setting reruns only its step; an interrupted run resumes at the
-step that did not finish; the report is rebuilt from the results alone; a dry run runs
-nothing; a step runs in a subprocess of the same interpreter; an interrupted training step
-resumes from its newest checkpoint."""
+rerun skips both; a changed setting or another runs folder reruns only its step; a missing
+runs folder stops the run before the step, naming it; a result without a settings record is
+kept until ``--rerun`` names it; an interrupted run resumes at the step that did not finish;
+the report is rebuilt from the results alone; a dry run runs nothing and says why each step
+would run; ``--study`` refuses the flags of ``--grid``; a step runs in a subprocess of the
+same interpreter; an interrupted training step resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from focus_attention.cli import build_parser, main
 from focus_attention.evaluation.perplexity import markdown_table
 from focus_attention.experiments import StudyConfig, load_study, run_study, step_status
-from focus_attention.experiments.runner import resumed
+from focus_attention.experiments.runner import resumed, step_plan
 
 #: the runs use the portable backends (no kernel build), which say so in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
@@ -129,6 +131,7 @@ def test_a_two_step_study_runs_and_records_its_settings(finished):
         assert record["study"] == "tiny" and record["step"] == f"eval-{name}"
         assert record["command"] == "eval" and record["settings"]["seq_len"] == seq_len
         assert record["settings"]["adapter"] == "{runs}/adapter"  # as written in config.toml
+        assert record["runs"] == str(runs.resolve())  # what {runs} was
         assert record["argv"][record["argv"].index("--adapter") + 1] == str(runs / "adapter")
         assert record["versions"]["torch"] and record["environment"]["cpu_count"] >= 1
         assert "git_commit" in record["environment"]
@@ -198,7 +201,7 @@ def test_the_report_is_rebuilt_from_the_results_alone(finished, tmp_path):
     assert markdown_table(_result(copy, "32")) in report and markdown_table(legacy) in report
     assert report.count("carries no `experiment` record") == 1  # eval-16, marked as such
     loaded = load_study(copy)
-    assert step_status(loaded, loaded.step("eval-16"), str(tmp_path)) == "rerun"
+    assert step_status(loaded, loaded.step("eval-16"), str(tmp_path)) == "kept"
 
 
 def test_a_dry_run_checks_and_runs_nothing(module_assets, adapter, tmp_path, capsys):
@@ -216,8 +219,146 @@ def test_a_dry_run_checks_and_runs_nothing(module_assets, adapter, tmp_path, cap
 
 
 def test_cli_refuses_a_grid_and_a_study_together(tmp_path, capsys):
-    assert main(["sweep", "--grid", "g.toml", "--study", str(tmp_path)]) == 1
-    assert "give --grid FILE or --study DIR, not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--grid", "g.toml", "--study", str(tmp_path)])
+    assert "argument --study: not allowed with argument --grid" in capsys.readouterr().err
+
+
+def test_another_runs_folder_reruns_the_step(finished, module_assets, tmp_path, monkeypatch,
+                                             capsys):  # fmt: skip
+    """A result made from the adapters of one runs folder is not done for another: the
+    settings are compared with {runs} filled in; the same folder under another spelling
+    (relative, through a symbolic link) is the same."""
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    other = tmp_path / "other-runs"
+    shutil.copytree(runs, other)
+    (tmp_path / "link").symlink_to(runs)
+    loaded = load_study(copy)
+    step = loaded.step("eval-16")
+    assert step_plan(loaded, step, str(tmp_path / "link")) == ("done", "recorded with these settings")  # fmt: skip
+    monkeypatch.chdir(runs.parent)
+    assert step_status(loaded, step, "runs") == "done"
+    status, why = step_plan(loaded, step, str(other))
+    assert status == "rerun"
+    assert why == f"settings changed: adapter (runs folder {runs.resolve()} -> {other.resolve()})"
+    counting = Counting()
+    assert _run(copy, other, counting, only=("eval-16",)) == {"eval-16": "rerun"}
+    assert counting.argvs[0][counting.argvs[0].index("--adapter") + 1] == str(other / "adapter")
+    assert _result(copy, "16")["experiment"]["runs"] == str(other.resolve())
+    assert (
+        "eval-16 (eval): rerun: settings changed: adapter (runs folder" in capsys.readouterr().err
+    )
+    assert step_status(loaded, step, str(runs)) == "rerun"  # and back
+    _run(copy, runs, Counting(), only=("report",))  # the report says which adapters it read
+    report = (copy / "results" / "report.md").read_text()
+    assert report.count(f"other settings than config.toml now: adapter (runs folder {other.resolve()} -> {runs.resolve()})") == 1  # fmt: skip
+
+
+def test_a_missing_runs_folder_stops_the_run_before_the_step(finished, module_assets, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    nowhere = tmp_path / "nowhere"
+    assert _run(copy, nowhere, Counting(), dry_run=True) == {
+        "eval-32": "rerun", "eval-16": "rerun", "report": "always"}  # fmt: skip
+    counting = Counting()
+    with pytest.raises(FileNotFoundError, match=(
+            rf"tiny: step eval-32 needs adapter {nowhere}/adapter, not found under the runs "
+            rf"folder --runs {nowhere} \(that folder does not exist\): give --runs")):  # fmt: skip
+        _run(copy, nowhere, counting)
+    assert counting.argvs == [] and _result(copy, "32") == _result(study, "32")
+    nowhere.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"needs adapter .*/adapter, not found .*nowhere: "):
+        _run(copy, nowhere, counting)
+
+
+def _unrecorded(copy: Path, name: str) -> str:
+    """Remove the experiment record of result ``name``; returns the file's text."""
+    data = _result(copy, name)
+    del data["experiment"]
+    (copy / "results" / f"eval-{name}.json").write_text(json.dumps(data))
+    return (copy / "results" / f"eval-{name}.json").read_text()
+
+
+def test_a_result_without_a_record_is_kept_until_rerun_names_it(finished, module_assets, tmp_path,
+                                                                monkeypatch, capsys):  # fmt: skip
+    """A result without the settings record (measured before the runner) is never
+    overwritten by a plain run, also with other settings in config.toml; --rerun recomputes
+    it and records it."""
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    text = _unrecorded(copy, "16")
+    config = copy / "config.toml"
+    config.write_text(config.read_text().replace("max_tokens = 64\ntop_k = [1]",
+                                                 "max_tokens = 48\ntop_k = [1]"))  # fmt: skip
+    counting = Counting()
+    assert _run(copy, runs, counting) == {"eval-32": "done", "eval-16": "kept", "report": "always"}
+    assert counting.argvs == [] and (copy / "results" / "eval-16.json").read_text() == text
+    assert ("tiny: eval-16 (eval): kept: result has no settings record; --rerun eval-16 to "
+            "recompute it") in capsys.readouterr().err  # fmt: skip
+    assert _run(copy, runs, counting, rerun=("eval-16",)) == {
+        "eval-32": "done", "eval-16": "rerun", "report": "always"}  # fmt: skip
+    assert len(counting.argvs) == 1 and _result(copy, "16")["experiment"]["settings"]["max_tokens"] == 48  # fmt: skip
+    assert "eval-16 (eval): rerun: forced by --rerun" in capsys.readouterr().err
+    assert _run(copy, runs, counting, rerun=("eval-32",), dry_run=True)["eval-32"] == "rerun"
+
+
+def test_a_record_without_the_runs_folder_is_kept(finished, module_assets, tmp_path, monkeypatch):
+    """A record made before results recorded the runs folder cannot tell which adapters its
+    {runs} settings read: kept, not rerun."""
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    data = _result(copy, "32")
+    del data["experiment"]["runs"]
+    (copy / "results" / "eval-32.json").write_text(json.dumps(data))
+    loaded = load_study(copy)
+    status, why = step_plan(loaded, loaded.step("eval-32"), str(runs))
+    assert (status, why) == ("kept", "result records no runs folder for its {runs} settings; "
+                                     "--rerun eval-32 to recompute it")  # fmt: skip
+
+
+def test_a_dry_run_says_why_each_step_would_run(finished, module_assets, tmp_path, monkeypatch,
+                                                capsys):  # fmt: skip
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    config = copy / "config.toml"
+    config.write_text(config.read_text().replace("seq_len = 16\nmax_tokens = 64",
+                                                 "seq_len = 8\nmax_tokens = 48"))  # fmt: skip
+    (copy / "results" / "eval-32.json").unlink()
+    assert main(["sweep", "--study", str(copy), "--runs", str(runs), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert f"tiny: eval-32 (eval): would run: no result yet ({copy}/results/eval-32.json)" in err
+    assert "tiny: eval-16 (eval): would rerun: settings changed: seq_len, max_tokens" in err
+    assert "tiny: report (report): would run: rebuilt from the results on every run" in err
+    assert main(["sweep", "--study", str(copy), "--runs", str(runs), "--dry-run", "--only",
+                 "eval-16", "--rerun", "eval-32"]) == 1  # fmt: skip
+    assert (
+        "--rerun eval-32: not among the steps --only selects (eval-16)" in capsys.readouterr().err
+    )
+    assert main(["sweep", "--study", str(copy), "--dry-run", "--rerun", "eval-8"]) == 1
+    assert "no step 'eval-8'; the steps are" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--out", "x"], "--out: for --grid only; a study writes its results where"),
+        (["--jobs", "2", "--no-progress"], "--jobs, --progress: for --grid only"),
+    ],
+)
+def test_a_study_refuses_the_flags_of_a_grid(tmp_path, capsys, argv, message):
+    assert main(["sweep", "--study", str(tmp_path), *argv]) == 1
+    assert f"focus: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "sub,what", [("nowhere", "no such directory"), ("", "no config.toml in it")]
+)
+def test_a_missing_study_is_named_with_its_flag(tmp_path, capsys, sub, what):
+    assert main(["sweep", "--study", str(tmp_path / sub)]) == 1
+    assert f"focus: error: --study {tmp_path / sub}: {what}; expected a study directory" in (
+        capsys.readouterr().err)  # fmt: skip
 
 
 @pytest.mark.slow

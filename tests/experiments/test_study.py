@@ -5,6 +5,7 @@ focus parser, nothing runs)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -120,16 +121,33 @@ def test_unknown_commands_and_settings_are_refused_before_anything_runs(tmp_path
 
 
 def test_a_missing_study_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.toml"):
+    with pytest.raises(FileNotFoundError, match="nowhere: no such directory; expected a study"):
         load_study(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no config.toml in it; expected a study"):
+        load_study(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "lines,where,name",
+    [
+        ('[steps.settings]\nadapter = "{nope}/x"', "setting adapter '{nope}/x'", "nope"),
+        ('[steps.settings]\nargs = ["{runs}/a", "{result}/b"]', "setting args '{result}/b'",
+         "result"),
+        ('result = "{runs}/{step}.json"', "result '{runs}/{step}.json'", "step"),
+    ],
+)  # fmt: skip
+def test_unknown_placeholders_are_refused_when_the_study_is_read(tmp_path, lines, where, name):
+    text = HEAD + f'[[steps]]\nname = "s"\ncommand = "eval"\n{lines}\n'
+    with pytest.raises(ValueError, match=(
+            rf"config.toml \[\[steps\]\] #1 \(s\): {re.escape(where)}: unknown placeholder "
+            rf"\{{{name}\}}; the placeholders are \{{study\}}, \{{results\}}, \{{runs\}}$")):  # fmt: skip
+        load_study(_study(tmp_path, text))
 
 
 @pytest.mark.parametrize("study", STUDIES, ids=[p.name for p in STUDIES])
 def test_study_readmes_link_only_to_files_of_the_repository(study):
     """Every relative link and every ``results/...`` path a study's README names exists,
     inside the repository."""
-    import re
-
     text = (study / "README.md").read_text()
     targets = [m.group(1) for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)]
     targets += re.findall(r"`((?:\.\./[a-z-]+/)?results/[^`\s*{}]+)`", text)

@@ -210,13 +210,17 @@ def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monke
 
 
 @pytest.mark.slow
-def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path, monkeypatch):
+def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path, monkeypatch,
+                                          capsys):  # fmt: skip
     cfg, summary = serial_sweep
     monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
     monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")  # as in serial_sweep
-    par = SweepConfig(grid=cfg.grid, out=str(tmp_path / "par"), jobs=2, threads=2, progress=False)
+    par = SweepConfig(grid=cfg.grid, out=str(tmp_path / "par"), jobs=2, threads=2)
     assert par.cell_threads() == 1
     result = run_sweep(par)
+    lines = sorted(capsys.readouterr().err.splitlines())  # a line per cell as it finishes
+    assert [line.split(" (")[0] for line in lines] == [
+        "focus sweep: cell sinkhorn_iters-0: done", "focus sweep: cell sinkhorn_iters-10: done"]  # fmt: skip
     for a, b in zip(result["cells"], summary["cells"], strict=True):
         assert a["slug"] == b["slug"]
         ea, eb = a["evals"]["eval"], b["evals"]["eval"]
@@ -230,8 +234,18 @@ def test_parallel_cells_equal_serial_ones(serial_sweep, module_assets, tmp_path,
 def test_cli_reports_bad_grids(tmp_path, capsys):
     from focus_attention.cli import main
 
-    assert main(["sweep"]) == 1
-    assert "--grid FILE or --study DIR is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep"])
+    assert "one of the arguments --grid --study is required" in capsys.readouterr().err
+    for path, what in ((tmp_path / "nonexist.toml", "no such file"), (tmp_path, "is a directory")):
+        assert main(["sweep", "--grid", str(path)]) == 1
+        assert capsys.readouterr().err == (f"focus: error: --grid {path}: {what}; expected a TOML "
+                                           "grid file ([train], [eval], [grid], [[cells]], "
+                                           "[[evals]] tables)\n")  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=f"grid file {tmp_path}: is a directory; expected"):
+        load_plan(tmp_path)
+    assert main(["sweep", "--grid", "g.toml", "--runs", "r", "--dry-run"]) == 1
+    assert "focus: error: --runs, --dry-run: for --study only" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
     bad.write_text("[grid]\nnum_groups = []\n")
     assert main(["sweep", "--grid", str(bad)]) == 1
@@ -280,6 +294,37 @@ def test_finished_cells_with_other_settings_are_refused(serial_sweep, module_ass
     changed = SweepConfig(grid=str(grid), out=cfg.out, progress=False)
     with pytest.raises(ValueError, match=r"other settings \(lr, eval.max_tokens changed\)"):
         run_sweep(changed)
+
+
+def test_help_says_one_of_grid_and_study_is_required():
+    from focus_attention.cli import build_parser
+
+    parser = build_parser("sweep")
+    sub = next(a for a in parser._actions if a.dest == "command").choices["sweep"]
+    text = " ".join(sub.format_help().split())
+    assert "usage: focus sweep [-h] (--grid FILE | --study DIR)" in text
+    assert "[[evals]]); one of --grid / --study is required" in text and "; required" not in text
+
+
+def test_parallel_cells_are_reported_as_they_finish(capsys):
+    """The parent of parallel cells prints one line per finished cell (with progress on),
+    in the order they finish, and returns the rows by cell."""
+    from concurrent.futures import Future
+
+    futures = {Future(): "a", Future(): "b"}
+    for future, slug in reversed(list(futures.items())):
+        future.set_result({"slug": slug})
+    rows = sweep_mod._gather(futures, progress=True)
+    assert rows == {"a": {"slug": "a"}, "b": {"slug": "b"}}
+    lines = capsys.readouterr().err.splitlines()
+    assert sorted(line.split(": done ")[0] for line in lines) == [
+        "focus sweep: cell a", "focus sweep: cell b"]  # fmt: skip
+    assert sorted(line.split(": done ")[1] for line in lines) == [
+        "(1 of 2 cells)",
+        "(2 of 2 cells)",
+    ]
+    sweep_mod._gather(futures, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_runs_a_finished_sweep(serial_sweep, capsys):

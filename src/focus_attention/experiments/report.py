@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.io import atomic_write_text, read_json_file
-from .study import Step, Study, fill
+from .study import Step, Study, fill, recorded_differences
 
 __all__ = ["PLOTS", "TABLES", "report_markdown", "write_report"]
 
@@ -55,7 +55,7 @@ def _result(study: Study, step: Step, runs: str) -> tuple[Path, dict[str, Any]] 
     return path, read_json_file(path, f"the JSON result of step {step.name!r}")
 
 
-def _provenance(step: Step, data: dict[str, Any]) -> str:
+def _provenance(step: Step, data: dict[str, Any], runs: str) -> str:
     record = data.get("experiment")
     env = data.get("environment") or {}
     when = f"{env.get('date', 'date not recorded')}, {env.get('cpu', 'hardware not recorded')}"
@@ -63,10 +63,12 @@ def _provenance(step: Step, data: dict[str, Any]) -> str:
         return (f"Measured {when}. This result carries no `experiment` record: it was "
                 "measured before the study's runner, and its settings are those of "
                 "`config.toml` only as far as its own `config` shows.")  # fmt: skip
-    same = record.get("settings") == step.settings
+    changed = recorded_differences(step, record, runs)
+    note = "" if changed == [] else (
+        " (runs folder not recorded)" if changed is None
+        else f" (**other settings than config.toml now: {', '.join(changed)}**)")  # fmt: skip
     return (f"Measured {when}, commit {env.get('git_commit')}: `focus "
-            f"{' '.join(record.get('argv', []))}`"
-            + ("" if same else " (**other settings than config.toml now**)") + ".")  # fmt: skip
+            f"{' '.join(record.get('argv', []))}`{note}.")  # fmt: skip
 
 
 def report_markdown(study: Study, runs: str = "runs") -> str:
@@ -87,7 +89,7 @@ def report_markdown(study: Study, runs: str = "runs") -> str:
             parts.append(f"{head}\n\nNo result yet ({step.result or 'no result file'}).")
             continue
         path, data = found
-        body = [head, _provenance(step, data)]
+        body = [head, _provenance(step, data, runs)]
         table = TABLES.get(step.command_text())
         body.append(_function(table)(data) if table else f"Result: `{path}` (no table).")
         parts.append("\n\n".join(body))

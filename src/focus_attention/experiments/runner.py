@@ -1,17 +1,27 @@
 """Run a study (:mod:`focus_attention.experiments.study`) and resume it where it stopped.
 
-Each step runs in order. A step whose result file exists and records, under
-``"experiment"``, the same command, settings and environment variables as ``config.toml``
-now is skipped; any other step runs (one with variables in a subprocess whose environment
-has them, also under ``--no-isolate``), and a result it leaves behind gets the
-``"experiment"`` record: the study, the step, its command, settings, variables and command
-line, library versions, hardware and the git commit
-(:func:`focus_attention.utils.env.environment`). A result without the record (measured before
-the study existed, or by an interrupted run) or with other settings runs again. A step that
-fails stops the run; the steps before it keep their results, so the next run starts at it.
-A ``report`` step runs every time (it only reads results). A ``train`` step without its
-result whose ``out`` holds a checkpoint was interrupted: it runs with ``--resume`` instead of
-``--overwrite`` and continues from its newest checkpoint.
+Each step runs in order, unless its result tells it need not:
+
+- ``done``: its result file records, under ``"experiment"``, the same command, settings
+  and environment variables as ``config.toml`` now, and the same runs folder where its
+  settings use ``{runs}`` (:func:`~.study.recorded_differences`); skipped.
+- ``kept``: its result file has no record of the settings that made it (measured before the
+  study's runner existed, or a file that is no JSON object), or a record without the runs
+  folder its ``{runs}`` settings need; skipped and never overwritten by a plain run:
+  ``--rerun STEP`` recomputes it.
+- ``run``: no result yet. ``rerun``: a result recorded with other settings (or another runs
+  folder), or a step named by ``--rerun``. ``always``: a ``report`` step (it only reads
+  results) or a step without a result file.
+
+A step that runs gets its own process when it has variables (also under ``--no-isolate``);
+one whose ``adapter``, ``init_adapter`` or ``export`` setting names a ``{runs}`` path that
+does not exist stops the run before it starts, naming the path. A result the step leaves
+behind gets the ``"experiment"`` record: the study, the step, its command, settings (as
+written), variables, runs folder and command line, library versions, hardware and the git
+commit (:func:`focus_attention.utils.env.environment`). A step that fails stops the run; the
+steps before it keep their results, so the next run starts at it. A ``train`` step without
+its result whose ``out`` holds a checkpoint was interrupted: it runs with ``--resume``
+instead of ``--overwrite`` and continues from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -29,16 +39,35 @@ from typing import Any
 
 from ..utils.checks import bad
 from ..utils.io import write_json_atomic
-from .study import Step, Study, check_study, fill, load_study, step_argv
+from .study import (
+    Step,
+    Study,
+    check_study,
+    fill,
+    load_study,
+    recorded_differences,
+    runs_folder,
+    step_argv,
+)
 
-__all__ = ["RECORD_KEY", "StudyConfig", "resumed", "run_study", "step_status"]
+__all__ = [
+    "RECORD_KEY",
+    "StudyConfig",
+    "missing_inputs",
+    "resumed",
+    "run_study",
+    "step_plan",
+    "step_status",
+]
 
 #: the key of a result file that records the step that wrote it
 RECORD_KEY = "experiment"
-#: step statuses: skipped (result recorded with these settings), run (no result), rerun
-#: (a result without the record or with other settings), always (report, script without
-#: result)
-STATUSES = ("done", "run", "rerun", "always")
+#: step statuses (module docstring): done and kept are skipped, the others run
+STATUSES = ("done", "kept", "run", "rerun", "always")
+#: the statuses of a step that is skipped
+SKIPPED = ("done", "kept")
+#: settings that name what a step reads (an adapter, an exported model directory)
+INPUT_SETTINGS = ("adapter", "init_adapter", "export")
 
 
 @dataclass
@@ -53,11 +82,17 @@ class StudyConfig:
         default=None,
         metadata={"help": "study directory (experiments/<study>): run the steps of its "
                   "config.toml, skipping those whose results are recorded with the same "
-                  "settings", "metavar": "DIR"},
+                  "settings and keeping results without a settings record", "metavar": "DIR"},
     )  # fmt: skip
     only: tuple[str, ...] | None = field(
         default=None, metadata={"help": "run only these steps of the study", "metavar": "STEP"}
     )
+    rerun: tuple[str, ...] | None = field(
+        default=None,
+        metadata={"help": "run these steps of the study even when their result is there "
+                  "(kept: it has no settings record, or done: recorded with these "
+                  "settings), overwriting it", "metavar": "STEP"},
+    )  # fmt: skip
     runs: str = field(
         default="runs",
         metadata={"help": "directory of the study's trainings and adapters ({runs} in "
@@ -65,8 +100,8 @@ class StudyConfig:
     )  # fmt: skip
     dry_run: bool = field(
         default=False,
-        metadata={"help": "check every step of the study and print what would run; run "
-                  "nothing"},
+        metadata={"help": "check every step of the study and print what would run and "
+                  "why; run nothing"},
     )  # fmt: skip
     isolate: bool = field(
         default=True,
@@ -79,6 +114,8 @@ class StudyConfig:
             raise bad("StudyConfig", "study", self.study, "a directory (str)")
         if self.only is not None and not self.only:
             raise bad("StudyConfig", "only", self.only, "one or more step names")
+        if self.rerun is not None and not self.rerun:
+            raise bad("StudyConfig", "rerun", self.rerun, "one or more step names")
 
 
 def _read_result(path: Path) -> Any:
@@ -88,31 +125,63 @@ def _read_result(path: Path) -> Any:
         return None
 
 
-def step_status(study: Study, step: Step, runs: str = "runs") -> str:
-    """What a run would do with ``step`` (:data:`STATUSES`): ``done`` when its result file
-    records this command and these settings, ``run`` when there is no result, ``rerun`` when
-    the result has no record or another one, ``always`` for steps without a result."""
+def step_plan(
+    study: Study, step: Step, runs: str = "runs", forced: bool = False
+) -> tuple[str, str]:
+    """What a run would do with ``step`` and why: ``(status, reason)``, the status one of
+    :data:`STATUSES` (module docstring), the reason a short phrase (``"no result yet
+    (results/x.json)"``, ``"settings changed: adapter, top_k"``, ``"forced by --rerun"``).
+
+    Args:
+        study: the study of ``step``.
+        step: the step.
+        runs: the runs folder (``{runs}``).
+        forced: the step is named by ``--rerun``: it runs even when its result is there.
+    """
     if step.result is None:
-        return "always"
+        return "always", ("rebuilt from the results on every run" if step.command == ("report",)
+                          else "it records no result file, so it runs every time")  # fmt: skip
     path = Path(fill(step.result, study.paths(runs)))
     if not path.is_file():
-        return "run"
+        return "run", f"no result yet ({path})" + ("; named by --rerun" if forced else "")
+    if forced:
+        return "rerun", f"forced by --rerun (overwrites {path})"
     data = _read_result(path)
-    record = data.get(RECORD_KEY) if isinstance(data, dict) else None
+    keep = f"; --rerun {step.name} to recompute it"
+    if not isinstance(data, dict):
+        return "kept", f"{path} is no JSON object" + keep
+    record = data.get(RECORD_KEY)
     if not isinstance(record, dict):
-        return "rerun"
-    same = (record.get("command") == step.command_text()
-            and record.get("settings") == step.settings
-            and record.get("variables", {}) == step.variables)  # fmt: skip
-    return "done" if same else "rerun"
+        return "kept", "result has no settings record" + keep
+    changed = recorded_differences(step, record, runs)
+    if changed is None:
+        return "kept", "result records no runs folder for its {runs} settings" + keep
+    if changed:
+        return "rerun", "settings changed: " + ", ".join(changed)
+    return "done", "recorded with these settings"
 
 
-def _record(study: Study, step: Step, argv: list[str]) -> dict[str, Any]:
+def step_status(study: Study, step: Step, runs: str = "runs") -> str:
+    """The status of :func:`step_plan` (a step not forced by ``--rerun``)."""
+    return step_plan(study, step, runs)[0]
+
+
+def missing_inputs(study: Study, step: Step, runs: str = "runs") -> list[tuple[str, str]]:
+    """The inputs of ``step`` under the runs folder that do not exist: ``(setting, path)``
+    for each :data:`INPUT_SETTINGS` setting that uses ``{runs}`` and whose filled-in path
+    names no file or directory now."""
+    paths = study.paths(runs)
+    found = [(key, fill(value, paths)) for key, value in step.settings.items()
+             if key in INPUT_SETTINGS and isinstance(value, str) and "{runs}" in value]  # fmt: skip
+    return [(key, path) for key, path in found if not Path(path).exists()]
+
+
+def _record(study: Study, step: Step, argv: list[str], runs: str) -> dict[str, Any]:
     from ..utils.env import environment, library_versions
 
     return {"study": study.name, "step": step.name, "command": step.command_text(),
-            "settings": step.settings, "variables": step.variables, "argv": argv,
-            "versions": library_versions(), "environment": environment()}  # fmt: skip
+            "settings": step.settings, "variables": step.variables, "runs": runs_folder(runs),
+            "argv": argv, "versions": library_versions(), "environment": environment()}  # fmt: skip
 
 
 def _process_environment(step: Step) -> dict[str, str] | None:
@@ -132,7 +201,7 @@ def _stamp(study: Study, step: Step, argv: list[str], runs: str) -> None:
     if not isinstance(data, dict):
         raise RuntimeError(f"{study.name}: step {step.name} finished without writing a JSON "
                            f"object to {path}")  # fmt: skip
-    data[RECORD_KEY] = _record(study, step, argv)
+    data[RECORD_KEY] = _record(study, step, argv, runs)
     write_json_atomic(path, data)
 
 
@@ -193,11 +262,59 @@ def _run_step(study: Study, step: Step, config: StudyConfig, main: Callable) -> 
         _stamp(study, step, argv, config.runs)
 
 
+def _selected(study: Study, config: StudyConfig) -> list[Step]:
+    """The steps a run takes (``config.only``, else all), checking ``config.rerun``.
+
+    Raises:
+        ValueError: an unknown step (the message lists the steps), a ``--rerun`` step that
+            ``--only`` leaves out.
+    """
+    steps = [study.step(n) for n in config.only] if config.only else list(study.steps)
+    for name in config.rerun or ():
+        if study.step(name) not in steps:
+            raise ValueError(f"--rerun {name}: not among the steps --only selects "
+                             f"({', '.join(s.name for s in steps)})")  # fmt: skip
+    return steps
+
+
+def _made_by(study: Study, steps: list[Step], runs: str) -> set[str]:
+    """The ``out`` directories of ``steps`` (what they make for the steps after them)."""
+    paths = study.paths(runs)
+    return {fill(s.settings["out"], paths) for s in steps if isinstance(s.settings.get("out"), str)}
+
+
+def _missing_note(study: Study, step: Step, runs: str, made: set[str] | None = None) -> str:
+    """What ``step`` reads under the runs folder and is not there (:func:`missing_inputs`),
+    leaving out what an earlier step makes (``made``, for a dry run): ``"needs adapter
+    /x/austen, not found under the runs folder --runs /x"``; ``""`` when nothing is
+    missing."""
+    missing = [f"{key} {path}" for key, path in missing_inputs(study, step, runs)
+               if path not in (made or ())]  # fmt: skip
+    if not missing:
+        return ""
+    folder = "" if Path(runs).is_dir() else " (that folder does not exist)"
+    return f"needs {', '.join(missing)}, not found under the runs folder --runs {runs}{folder}"
+
+
+def _say(study: Study, step: Step, status: str, why: str, dry_run: bool) -> None:
+    """One line on stderr: what happens to ``step`` and why."""
+    if status == "done":
+        what = f"skipped ({why})"
+    elif status == "kept":
+        what = f"kept: {why}"
+    else:
+        what = ("would " if dry_run else "") + ("run" if status == "always" else status)
+        what += f": {why}"
+    print(f"focus sweep: {study.name}: {step.name} ({step.command_text()}): {what}",
+          file=sys.stderr)  # fmt: skip
+
+
 def run_study(
     config: StudyConfig, parser: argparse.ArgumentParser, main: Callable[[list[str]], int]
 ) -> dict[str, str]:
     """Run the study ``config.study`` (module docstring), or with ``config.dry_run`` only
-    check it and report what would run.
+    check it and report what would run and why. Each step's status and reason
+    (:func:`step_plan`) is printed to stderr.
 
     Args:
         config: the run's settings.
@@ -206,28 +323,43 @@ def run_study(
         main: runs one ``focus`` command line in this process (``config.isolate`` False).
 
     Returns:
-        ``{step name: status}``: the :func:`step_status` of each selected step before the
-        run (``done`` steps were skipped).
+        ``{step name: status}``: the status of each selected step before the run
+        (``done`` and ``kept`` steps were skipped).
 
     Raises:
         ValueError: no study given, an invalid study file or step (:func:`~.study.
-            check_study`), an unknown step in ``config.only``.
-        FileNotFoundError: no such study directory.
+            check_study`), an unknown step in ``config.only`` or ``config.rerun``.
+        FileNotFoundError: no such study directory or no config.toml in it (naming
+            ``--study``); a step to run whose ``{runs}`` input is missing (the steps before
+            it keep their results).
         RuntimeError: a step that failed or wrote no result (the steps before it keep
             theirs).
     """
     if config.study is None:
         raise bad("StudyConfig", "study", None, "a study directory (experiments/<study>)")
-    study = load_study(config.study)
+    try:
+        study = load_study(config.study)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--study {err}") from None
     check_study(study, parser)
-    steps = [study.step(n) for n in config.only] if config.only else list(study.steps)
-    plan = {s.name: step_status(study, s, config.runs) for s in steps}
-    for step in steps:
-        status = plan[step.name]
-        what = "skipped (recorded with these settings)" if status == "done" else status
-        print(f"focus sweep: {study.name}: {step.name} ({step.command_text()}): "
-              f"{'would ' + status if config.dry_run and status != 'done' else what}",
-              file=sys.stderr)  # fmt: skip
-        if status != "done" and not config.dry_run:
-            _run_step(study, step, config, main)
-    return plan
+    steps = _selected(study, config)
+    forced = set(config.rerun or ())
+    plan = {s.name: step_plan(study, s, config.runs, s.name in forced) for s in steps}
+    for i, step in enumerate(steps):
+        status, why = plan[step.name]
+        if status in SKIPPED:
+            _say(study, step, status, why, config.dry_run)
+            continue
+        if config.dry_run:
+            missing = _missing_note(
+                study, step, config.runs, _made_by(study, steps[:i], config.runs)
+            )
+            _say(study, step, status, why + (f"; {missing}" if missing else ""), True)
+            continue
+        missing = _missing_note(study, step, config.runs)
+        if missing:
+            raise FileNotFoundError(f"{study.name}: step {step.name} {missing}: give --runs the "
+                                    "folder that holds it, or run what makes it first")  # fmt: skip
+        _say(study, step, status, why, False)
+        _run_step(study, step, config, main)
+    return {name: status for name, (status, _) in plan.items()}

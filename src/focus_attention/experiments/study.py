@@ -19,10 +19,11 @@ The file::
     [steps.variables]                         # optional: environment variables of the
     FOCUS_NO_EXTENSION = "1"                  # step's process (strings)
 
-String settings may name three directories: ``{study}`` (the study's directory),
-``{results}`` (its ``results/``) and ``{runs}`` (where trainings and adapters go; ``runs``
-unless the run says otherwise). A list is given as several values (``nargs``); a flag that
-reads one comma-separated value takes a string (``position_buckets = "0,128,512"``).
+String settings (and ``result``) may name three directories: ``{study}`` (the study's
+directory), ``{results}`` (its ``results/``) and ``{runs}`` (where trainings and adapters go;
+``runs`` unless the run says otherwise); any other ``{name}`` is refused when the file is read.
+A list is given as several values (``nargs``); a flag that reads one comma-separated value
+takes a string (``position_buckets = "0,128,512"``).
 
 A ``script`` step runs ``settings.path`` (relative to the study's directory) with
 ``settings.args`` (a list of strings). A ``report`` step rebuilds the study's tables and plots
@@ -49,6 +50,8 @@ __all__ = [
     "Study",
     "check_study",
     "load_study",
+    "recorded_differences",
+    "runs_folder",
     "step_argv",
 ]
 
@@ -60,6 +63,8 @@ BUILTIN_COMMANDS = ("report", "script")
 STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 #: the placeholders a string setting may use
 PLACEHOLDERS = ("study", "results", "runs")
+#: a placeholder written in a string: ``{name}``
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_-]*)\}")
 STEP_KEYS = frozenset({"name", "command", "result", "settings", "variables"})
 #: an environment variable's name
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -136,6 +141,23 @@ def fill(value: Any, paths: dict[str, str]) -> Any:
     return value
 
 
+def _check_placeholders(key: str, value: Any, where: str) -> None:
+    """Every ``{name}`` in ``value`` (a string, or the strings of a list) is one of
+    :data:`PLACEHOLDERS`.
+
+    Raises:
+        ValueError: naming ``where``, the setting ``key`` and the unknown placeholder.
+    """
+    for text in value if isinstance(value, list) else [value]:
+        if not isinstance(text, str):
+            continue
+        for name in PLACEHOLDER.findall(text):
+            if name not in PLACEHOLDERS:
+                raise ValueError(f"{where}: {key} {text!r}: unknown placeholder {{{name}}}; "
+                                 f"the placeholders are "
+                                 f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}")  # fmt: skip
+
+
 def _step(table: Any, where: str, seen: set[str]) -> Step:
     """One ``[[steps]]`` table, checked for its form (not its flags)."""
     if not isinstance(table, dict):
@@ -160,6 +182,9 @@ def _step(table: Any, where: str, seen: set[str]) -> Step:
     result = table.get("result", settings.get("json"))
     if result is not None and (not isinstance(result, str) or not result.endswith(".json")):
         raise ValueError(f"{where} ({name}): result {result!r}: expected the path of a JSON file")
+    labelled = [(f"setting {key}", value) for key, value in settings.items()]
+    for label, value in [*labelled, ("result", result)]:
+        _check_placeholders(label, value, f"{where} ({name})")
     return Step(name, tuple(command.split()), dict(settings), result,
                 _variables(table.get("variables", {}), f"{where} ({name})"))  # fmt: skip
 
@@ -181,15 +206,17 @@ def load_study(directory: str | Path) -> Study:
     each step's settings against its command.
 
     Raises:
-        FileNotFoundError: no such directory or no ``config.toml`` in it.
+        FileNotFoundError: no such directory or no ``config.toml`` in it (the message
+            starts with ``directory``).
         ValueError: invalid TOML, unknown tables or keys, a missing title, a bad or repeated
             step name, a step without a command, a result that is not a JSON file.
     """
     directory = Path(directory)
     path = directory / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {CONFIG_NAME} (a study directory holds "
-                                "config.toml, README.md and results/)")  # fmt: skip
+        what = f"no {CONFIG_NAME} in it" if directory.is_dir() else "no such directory"
+        raise FileNotFoundError(f"{directory}: {what}; expected a study directory "
+                                f"(experiments/<study>) holding {CONFIG_NAME}")  # fmt: skip
     data = read_toml(path, "study file")
     unknown = sorted(set(data) - {"study", "steps"})
     if unknown:
@@ -239,6 +266,51 @@ def step_argv(step: Step, paths: dict[str, str]) -> list[str]:
         except ValueError as err:
             raise ValueError(f"step {step.name}: {err}") from err
     return argv
+
+
+def runs_folder(runs: str | Path) -> str:
+    """The runs folder as a study's results record it: an absolute path, symbolic links
+    resolved (``runs`` -> ``/home/me/focus/runs``)."""
+    return str(Path(runs).resolve())
+
+
+def _uses_runs(settings: dict[str, Any]) -> bool:
+    return any("{runs}" in v for value in settings.values()
+               for v in (value if isinstance(value, list) else [value]) if isinstance(v, str))  # fmt: skip
+
+
+def recorded_differences(step: Step, record: dict[str, Any], runs: str | Path) -> list[str] | None:
+    """What differs between ``step`` run now with the runs folder ``runs`` and the
+    ``record`` of its result (the ``experiment`` record of
+    :mod:`focus_attention.experiments.runner`: ``command``, ``settings`` as written,
+    ``variables`` and ``runs``, the :func:`runs_folder` it ran with).
+
+    Settings are compared with ``{runs}`` filled in on both sides (another runs folder
+    means other adapters); ``{study}`` and ``{results}`` stay as written (the results move
+    with the study).
+
+    Returns:
+        ``[]`` when they are the same; else what differs: ``"command"``, ``"variables"``,
+        and the names of the settings that differ (``"adapter (runs folder /a -> /b)"``
+        when only the runs folder makes the difference); None when the record cannot tell:
+        the step's settings or the recorded ones use ``{runs}`` but the record has no
+        ``runs`` (made before results recorded it).
+    """
+    then_settings = record.get("settings")
+    then_settings = then_settings if isinstance(then_settings, dict) else {}
+    then_runs, now_runs = record.get("runs"), runs_folder(runs)
+    if (_uses_runs(step.settings) or _uses_runs(then_settings)) and not isinstance(then_runs, str):
+        return None
+    changed = [] if record.get("command") == step.command_text() else ["command"]
+    for key in dict.fromkeys([*then_settings, *step.settings]):
+        then, now = then_settings.get(key), step.settings.get(key)
+        if fill(then, {"runs": str(then_runs)}) == fill(now, {"runs": now_runs}):
+            continue
+        same_text = then == now and then_runs != now_runs
+        changed.append(f"{key} (runs folder {then_runs} -> {now_runs})" if same_text else key)
+    if record.get("variables", {}) != step.variables:
+        changed.append("variables")
+    return changed
 
 
 def _check_builtin(step: Step) -> None:

@@ -21,7 +21,7 @@ import itertools
 import os
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,7 @@ class SweepConfig(OutputSettings):
         default=None,
         metadata={
             "help": "grid file (TOML: [train], [train.focus], [eval], [grid], [[cells]], "
-            "[[evals]]; required)",
+            "[[evals]]); one of --grid / --study is required",
             "metavar": "FILE",
         },
     )
@@ -94,8 +94,9 @@ class SweepConfig(OutputSettings):
     )  # fmt: skip
     progress: bool = field(
         default=True,
-        metadata={"help": "messages per cell; --no-progress also silences the cells' bars "
-                  "(else the grid file's [train]/[eval] progress decides)"},
+        metadata={"help": "messages per cell (with --jobs above 1: a line per finished "
+                  "cell); --no-progress also silences the cells' bars (else the grid file's "
+                  "[train]/[eval] progress decides)"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -321,11 +322,14 @@ def load_plan(path: str | os.PathLike[str]) -> SweepPlan:
     and evaluation settings are validated before anything runs.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file, or a directory.
         ValueError: invalid TOML, unknown tables or settings, empty lists, bad names,
             invalid values (the message names the file and the cell or evaluation).
     """
     where = str(path)
+    if not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "no such file"
+        raise FileNotFoundError(f"grid file {where}: {what}; expected a TOML grid file")
     data = read_toml(path, "grid file")
     unknown = sorted(set(data) - {"train", "eval", "grid", "cells", "evals"})
     if unknown:
@@ -483,20 +487,39 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
     return {**row, "evals": {name: row["evals"][name] for name in evals}}
 
 
+def _gather(futures: dict[Future, str], progress: bool) -> dict[str, dict]:
+    """The rows of parallel cells (``futures``: ``{future: slug}``) by slug, as they finish;
+    with ``progress``, one line on stderr per finished cell.
+
+    Raises:
+        what a cell raised, as soon as it finishes.
+    """
+    rows: dict[str, dict] = {}
+    for future in as_completed(futures):
+        slug = futures[future]
+        rows[slug] = future.result()
+        if progress:
+            print(f"focus sweep: cell {slug}: done ({len(rows)} of {len(futures)} cells)",
+                  file=sys.stderr)  # fmt: skip
+    return rows
+
+
 def _run_cells(plan: SweepPlan, cfg: SweepConfig) -> list[dict]:
-    """Every cell's row, in grid order: in this process, or in ``cfg.jobs`` processes."""
+    """Every cell's row, in grid order: in this process, or in ``cfg.jobs`` processes (the
+    cells' own messages and bars silenced, one line per finished cell from this one)."""
     out, threads = str(cfg.out_dir()), cfg.cell_threads()
     slugs = list(plan.cells)
     if cfg.jobs == 1:
         return [run_cell(plan, s, out, threads, cfg.progress) for s in slugs]
-    progress = False  # the bars of parallel cells would overwrite each other
     import multiprocessing
 
     # spawn: a forked child would inherit torch's thread pools in an undefined state
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=cfg.jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(run_cell, plan, s, out, threads, progress) for s in slugs]
-        return [f.result() for f in futures]
+        # quiet cells: the bars of parallel cells would overwrite each other
+        futures = {pool.submit(run_cell, plan, s, out, threads, False): s for s in slugs}
+        rows = _gather(futures, cfg.progress)
+    return [rows[s] for s in slugs]
 
 
 def run_sweep(config: SweepConfig) -> dict[str, Any]:
