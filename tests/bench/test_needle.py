@@ -282,7 +282,8 @@ def test_retrieval_layers_rank_and_suggest(tiny, monkeypatch, tmp_path):
     out = tmp_path / "layers.json"
     rc = cli.main(["bench", "retrieval-layers", "--model", str(assets["model"]), "--adapter",
                    str(adapter), "--corpus", str(assets["corpus"]), "--lengths", "64",
-                   "--trials", "1", "--count", "1", "--json", str(out), "--no-progress"])  # fmt: skip
+                   "--trials", "1", "--count", "1", "--heads", "3", "--json", str(out),
+                   "--no-progress"])  # fmt: skip
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["config"]["split"] == "validation" and result["prompts"] == 2 * 3
@@ -298,12 +299,17 @@ def test_retrieval_layers_rank_and_suggest(tiny, monkeypatch, tmp_path):
     by_head = result["by_head"]
     ranked = [by_head[f"{layer}:{head}"] for layer, head in result["head_ranking"]]
     assert ranked == sorted(by_head.values(), reverse=True) and len(ranked) == len(by_head)
-    assert result["dense_heads"] == sorted(result["head_ranking"][:8])
+    assert result["dense_heads"] == sorted(result["head_ranking"][:3])
     assert max(by_head.values()) <= max(means) + 1e-12  # a layer's share is its best head's
     with pytest.raises(ValueError, match="count"):
         needle.rank_retrieval_layers(needle.RetrievalLayersConfig(
             model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
             lengths=(64,), count=99, progress=False))  # fmt: skip
+    pairs = len(result["by_head"])  # every (Focus layer, key-value head)
+    with pytest.raises(ValueError, match=f"heads: received 1000, expected at most the {pairs} "):
+        needle.rank_retrieval_layers(needle.RetrievalLayersConfig(
+            model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
+            lengths=(64,), count=1, heads=1000, progress=False))  # fmt: skip
 
 
 def test_needle_with_every_layer_dense_answers_as_dense(tiny, monkeypatch):

@@ -190,6 +190,7 @@ def test_model_benchmark_rows_per_window_and_top_k(tmp_path, monkeypatch):
     assert result["config"]["windows"] == [8, 16]
     assert result["config"]["routers"] == {"adapter": None, "fresh": True}
     assert "focus top_k=2, window=16" in model_table(result)
+    assert result["versions"]["transformers"] and result["config"]["max_position_embeddings"]
     assert "none (floor)" in model_table(result)
 
 
@@ -229,6 +230,7 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
     assert op[(48, 1)] < op[(48, 2)]  # a second group shows more keys
     assert "| model | 48 | focus top_k=2 | focus |" in decode_table(result)
     assert "| model | 48 | dense | buffered |" in decode_table(result)
+    assert result["versions"]["transformers"] and result["versions"]["numpy"]
 
 
 def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, kernel_built):

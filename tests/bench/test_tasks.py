@@ -356,6 +356,40 @@ def test_focus_lm_eval_runs_lm_evals_cli(bench_home, tiny, tmp_path, monkeypatch
     assert json.loads(written[0].read_text())["results"]["piqa"]["acc,none"] in (0.0, 0.5, 1.0)
 
 
+def test_focus_model_refuses_unknown_model_args_before_loading(tiny, monkeypatch):
+    model_dir, adapter = tiny
+    monkeypatch.setattr(harness.HFLM, "_create_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=r"unknown model_args \['bogus'\]; expected \['pretrained', 'adapter', 'top_k'.*'batch_size'"):  # fmt: skip
+        FocusLM(pretrained=str(model_dir), adapter=str(adapter), bogus=1)
+    # what HFLM or transformers' loading takes, and the fields of the model's config
+    harness.check_model_args(str(model_dir), dict(dtype="float32", revision="main",
+                             attn_implementation="sdpa", device_map=None, use_cache=True))  # fmt: skip
+
+
+def test_focus_lm_eval_without_arguments_shows_the_help_and_fails(capsys):
+    assert cli.main(["lm-eval"]) == 2
+    out, err = capsys.readouterr()
+    assert "--model focus" in out and "adapter=DIR" in out and "usage: lm-eval" in out
+    assert "focus: error: no arguments" in err
+
+
+def test_focus_lm_eval_help_names_the_focus_model_above_lm_evals(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lm-eval", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.index("--model focus") < out.index("usage: lm-eval")
+
+
+def test_lm_evals_git_hash_is_quiet_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    import lm_eval.evaluator
+
+    monkeypatch.chdir(tmp_path)
+    assert lm_eval.evaluator.get_git_commit_hash is harness.git_hash
+    assert harness.git_hash() is None
+    assert capfd.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------------------------
 # the real model (prepared by `focus setup --benchmarks`)
 # --------------------------------------------------------------------------------------------

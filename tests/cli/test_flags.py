@@ -162,10 +162,11 @@ def test_old_config_keys_are_renamed_with_a_warning(tmp_path, monkeypatch, capsy
 
 
 def test_one_flag_name_per_setting_across_commands():
-    """A setting shared by several commands has one flag, with one help text."""
+    """A setting shared by several commands has one flag, with one help text (but where a
+    command gives it its own, bench.settings.command_help)."""
     helps: dict[str, set[str]] = {}
     for _, cls, *_ in COMMANDS:
-        for f in flag_fields(cls):
+        for f in flag_fields(cls, exclude=getattr(cls, "COMMAND_HELP", {})):
             helps.setdefault(f.name, set()).add(f.metadata["help"])
     for name in ("top_k", "window", "model", "adapter", "corpus", "split", "threads", "json",
                  "dense_layers", "sink_tokens", "query_top_k", "seed", "lengths"):  # fmt: skip

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from ..hf.compat import cache_kwargs, cache_of
-from ..utils.env import environment
-from .model import routers_record
+from ..utils.env import environment, library_versions
+from .model import check_model_lengths, routers_record
 from .operations import count_operations
 from .settings import DECODE_CONTEXTS, DecodeBenchConfig
 from .timing import device_synchronize, interleaved_median_seconds
@@ -74,12 +74,12 @@ def _op_context(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, v
     from ..ops import sparse_attention
     from .kernel import sparse_backend_name
 
-    n, k = key.shape[2], config.num_groups
+    n, k = key.shape[2], config.op_groups
     backend = config.attention_backend or "auto"
     calls = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)}  # fmt: skip
     groups = {}
     for top_k in config.top_k:
-        kg = _random_groups(n, k, min(top_k, k), gen).to(q.device)
+        kg = _random_groups(n, k, top_k, gen).to(q.device)
         groups[top_k] = (kg[:, -1:], kg)
         calls[f"focus-{top_k}"] = lambda qg=kg[:, -1:], kg=kg: sparse_attention(q, key, value, qg, kg, config.op_window, backend=backend)  # fmt: skip
     with torch.inference_mode():
@@ -281,10 +281,11 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     """Decoding-step latency, dense against Focus top-k (module docstring).
 
     Returns:
-        ``{"benchmark": "decode", "config", "environment", "rows"}``; each row: ``level``
-        (``op`` or ``model``), ``N`` (cached tokens), ``method`` (``dense`` or ``focus``),
-        ``top_k``, ``seconds`` (median per step), ``tokens_per_second``, ``share`` (keys
-        seen), ``speedup_vs_dense`` (against dense with transformers' ``DynamicCache``),
+        ``{"benchmark": "decode", "config", "versions", "environment", "rows"}``
+        (``versions``: :func:`library_versions`); each row: ``level`` (``op`` or
+        ``model``), ``N`` (cached tokens), ``method`` (``dense`` or ``focus``), ``top_k``,
+        ``seconds`` (median per step), ``tokens_per_second``, ``share`` (keys seen),
+        ``speedup_vs_dense`` (against dense with transformers' ``DynamicCache``),
         ``ideal_speedup`` (``1 / share``) and ``efficiency`` (speed-up / ideal, the speed-up
         against the dense row that appends as Focus does: the op level's dense call, the
         model level's buffered cache), ``operations`` and ``host_syncs`` (of one call, see
@@ -296,7 +297,9 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     the record).
 
     Raises:
-        ValueError: the errors of loading the model, the adapter or the corpus.
+        ValueError: contexts the model cannot take at the model level
+            (:func:`~.model.check_model_lengths`); the errors of loading the model, the
+            adapter or the corpus.
     """
     from tqdm.auto import tqdm
 
@@ -310,6 +313,9 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
     if config.needs_model:
         model, tokenizer = load_model(config.model, config.dtype, device=device, quiet=True)
         model.config._attn_implementation = "sdpa"
+    if "model" in config.levels:
+        longest = max(config.contexts) + config.warmup + config.steps + SHARE_STEPS + 2
+        check_model_lengths(model, longest, "DecodeBenchConfig", "contexts")
     shape = config.shape_over({} if model is None else _model_shape(model))
     if shape["heads"] % shape["kv_heads"]:
         raise ValueError(
@@ -327,14 +333,15 @@ def run_decode_benchmark(config: DecodeBenchConfig | None = None) -> dict[str, A
         "model": config.model if model is not None else None, "adapter": config.adapter,
         "corpus": config.corpus,
         "contexts": list(config.contexts), "top_ks": list(config.top_k),
-        "levels": list(config.levels), "num_groups": config.num_groups, "window": config.op_window,
+        "levels": list(config.levels), "num_groups": config.op_groups, "window": config.op_window,
         "steps": config.steps, "warmup": config.warmup, "seed": config.seed,
         "attention_shape": shape, "dtype": config.dtype, "device": device, "batch_size": 1,
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
         "overrides": config.overrides(without=("top_k",)),
     }  # fmt: skip
-    return {"benchmark": "decode", "config": record, "environment": environment(), "rows": rows}
+    return {"benchmark": "decode", "config": record, "versions": library_versions(),
+            "environment": environment(), "rows": rows}  # fmt: skip
 
 
 def decode_table(result: dict[str, Any]) -> str:

@@ -40,13 +40,18 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import inspect
+import os
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lm_eval.evaluator
 import torch
 from lm_eval.api.registry import register_model
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
 
 from ..assets.benchmarks import BENCHMARKS, benchmark_files
@@ -58,8 +63,11 @@ from ..utils.io import atomic_write_text, focus_home
 
 __all__ = [
     "LM_EVAL_TASK_FILES",
+    "LOADING_ARGUMENTS",
     "MODEL_NAME",
     "FocusLM",
+    "check_model_args",
+    "git_hash",
     "lm_eval_tasks_root",
     "main",
     "scored_context_lengths",
@@ -137,6 +145,76 @@ def token_statistics(
 # the lm-eval model
 # ---------------------------------------------------------------------------------------------
 
+#: the arguments of ``FocusLM`` itself
+FOCUS_ARGUMENTS = ("pretrained", "adapter", "top_k", "window", "device")
+#: what transformers' ``from_pretrained`` takes beyond its named parameters (HFLM passes
+#: its unknown arguments on to it); the fields of the model's config are accepted too
+LOADING_ARGUMENTS = (
+    "dtype", "torch_dtype", "attn_implementation", "experts_implementation", "device_map",
+    "max_memory", "offload_buffers", "quantization_config", "variant", "key_mapping",
+    "low_cpu_mem_usage", "offload_state_dict", "generation_config", "adapter_kwargs",
+    "adapter_name", "proxies", "use_kernels", "kernel_config", "tp_size", "distributed_config",
+    "output_loading_info",
+)  # fmt: skip
+
+
+def _named_parameters(function: Any) -> set[str]:
+    """The names ``function`` takes by keyword (not ``self``, ``*args`` or ``**kwargs``)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(function).parameters.values()
+    return {p.name for p in params if p.kind in kinds and p.name != "self"}
+
+
+def check_model_args(pretrained: Any, kwargs: dict[str, Any]) -> None:
+    """Check, before any loading, that every keyword of ``kwargs`` (lm-eval's
+    ``--model_args`` beyond :data:`FOCUS_ARGUMENTS`) is one that ``HFLM`` or transformers'
+    ``from_pretrained`` takes (:data:`LOADING_ARGUMENTS`), or a field of the model's config
+    (read from ``pretrained``, a model directory, hub id or model object, only when another
+    key is left).
+
+    Raises:
+        ValueError: an unknown key; the message names it and lists the accepted ones.
+    """
+    from transformers import PreTrainedModel
+
+    known = _named_parameters(HFLM.__init__) | _named_parameters(PreTrainedModel.from_pretrained)
+    unknown = sorted(set(kwargs) - known - set(LOADING_ARGUMENTS) - set(FOCUS_ARGUMENTS))
+    if unknown:
+        config = getattr(pretrained, "config", None)
+        if config is None and isinstance(pretrained, (str, os.PathLike)):
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(str(pretrained), local_files_only=True)
+            except (OSError, ValueError):
+                config = None
+        unknown = [k for k in unknown if config is None or not hasattr(config, k)]
+    if unknown:
+        hflm = sorted(_named_parameters(HFLM.__init__) - {"pretrained", "device"})
+        raise ValueError(
+            f"focus model: unknown model_args {unknown}; expected {list(FOCUS_ARGUMENTS)}, "
+            f"lm-eval HFLM's {hflm}, transformers from_pretrained's (such as dtype, revision, "
+            "attn_implementation, device_map) or a field of the model's config"
+        )
+
+
+def git_hash() -> str | None:
+    """lm-eval's ``get_git_commit_hash`` (``git describe --always`` of the working folder,
+    else the commit its ``.git`` names) without git's message on stderr outside a checkout;
+    None when neither gives one."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is not None and done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip()
+    return get_commit_from_path(os.getcwd())
+
+
+# lm-eval records this in every result; its own lets git print "fatal: not a git
+# repository" when the working folder is not in one
+lm_eval.evaluator.get_git_commit_hash = git_hash
+
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,7 +258,8 @@ class FocusLM(HFLM):
         top_k, window: override the adapter's ``top_k`` / local ``window`` (for example a
             stressed ``window=32``); None keeps the adapter's.
         device: torch device; None picks ``cuda`` when available, else ``cpu``.
-        **kwargs: ``HFLM``'s arguments (``batch_size``, ``max_length``, ``dtype``, ...).
+        **kwargs: ``HFLM``'s arguments (``batch_size``, ``max_length``, ``dtype``, ...) and
+            what it hands on to transformers' ``from_pretrained`` (:func:`check_model_args`).
 
     Scores do not depend on the batch size, the order of the requests or padding (up to
     float rounding): lm-eval right-pads a batch and passes no attention mask, which causal
@@ -195,7 +274,8 @@ class FocusLM(HFLM):
 
     Raises:
         ValueError: ``top_k`` / ``window`` without an adapter or a :class:`FocusModel` (or
-            for a run without Focus routers), an adapter on a :class:`FocusModel`, invalid
+            for a run without Focus routers), an adapter on a :class:`FocusModel`, an
+            argument neither HFLM nor transformers takes (:func:`check_model_args`), invalid
             settings (from :class:`FocusConfig`), or the errors of loading the model or the
             adapter.
         FileNotFoundError: ``adapter`` holds neither a Focus adapter nor LoRA or trained
@@ -222,6 +302,7 @@ class FocusLM(HFLM):
             raise ValueError("focus model: pretrained is already a FocusModel; drop adapter=")
         if isinstance(pretrained, str):
             pretrained = str(prepare_model(pretrained, quiet=True))
+        check_model_args(pretrained, kwargs)
         super().__init__(pretrained=pretrained, device=device or _default_device(), **kwargs)
         self.adapter = None if adapter is None else str(adapter)
         model = self._model if adapter is None else _load_run(self._model, adapter, overrides)

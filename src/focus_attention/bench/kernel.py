@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +21,8 @@ from ..ops import (
     sparse_attention,
 )
 from ..ops.reference import expand_kv_heads
-from ..utils.env import environment
-from ..utils.io import atomic_write
+from ..utils.env import environment, library_versions
+from .plots import save_png
 from .settings import DTYPE_NAMES, KERNEL_LENGTHS, KernelBenchConfig
 from .timing import cuda_peak_extra_bytes, device_synchronize, median_seconds, peak_extra_bytes
 
@@ -201,11 +200,12 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
     ``config["sparse_backend"]`` of the result.
 
     Returns:
-        ``{"benchmark": "kernel", "config", "environment", "rows"}`` (and ``"gates"`` when
-        ``config.gates``), one row per ``(N, top_k)``: seconds (median of ``repeats`` after
-        one warm-up) of each, speedup, density (share of causal pairs kept), ideal speedup
-        ``1 / density``, efficiency ``speedup / ideal`` and the peak extra resident bytes of
-        one call of each.
+        ``{"benchmark": "kernel", "config", "versions", "environment", "rows"}`` (and
+        ``"gates"`` when ``config.gates``; ``versions``: :func:`library_versions`), one row
+        per ``(N, top_k)``: seconds (median of ``repeats`` after one warm-up) of each,
+        speedup, density (share of causal pairs kept), ideal speedup ``1 / density``,
+        efficiency ``speedup / ideal`` and the peak extra resident bytes of one call of
+        each.
     """
     from tqdm.auto import tqdm
 
@@ -241,7 +241,8 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "dense_kernel": config.dense_kernel,
         "memory": _memory_note(config) if config.memory else None,
     }
-    result = {"benchmark": "kernel", "config": record, "environment": environment(), "rows": rows}
+    result = {"benchmark": "kernel", "config": record, "versions": library_versions(),
+              "environment": environment(), "rows": rows}  # fmt: skip
     if config.gates:
         result["gates"] = run_gate_benchmark(
             window=config.window, num_groups=config.num_groups, device=config.device
@@ -347,7 +348,8 @@ def gate_lines(result: dict[str, Any]) -> list[str]:
 
 
 def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """PNG plot of measured and ideal speedup against N, one line pair per top_k."""
+    """PNG plot of measured and ideal speedup against N, one line pair per top_k, written
+    to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,9 +376,4 @@ def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
-    finally:
-        plt.close(fig)
+    save_png(fig, path, dpi=120)

@@ -3,11 +3,13 @@ against Focus top-k (the README's end-to-end table)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-from ..utils.env import environment
+from ..utils.checks import bad
+from ..utils.env import environment, library_versions
 from .kernel import sparse_backend_name
 from .settings import FRESH_WINDOW, MODEL_LENGTHS, ModelBenchConfig
 from .timing import median_seconds
@@ -15,6 +17,7 @@ from .timing import median_seconds
 __all__ = [
     "MODEL_LENGTHS",
     "ModelBenchConfig",
+    "check_model_lengths",
     "model_table",
     "routers_record",
     "run_model_benchmark",
@@ -30,6 +33,54 @@ def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
     if ids.shape[1] < max(config.lengths):
         ids = ids.repeat(1, -(-max(config.lengths) // ids.shape[1]))
     return ids
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
+    host's ``MemAvailable``; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int | None:
+    """Check, before the run, that a forward of ``longest`` tokens through ``model`` can
+    run: a model with learned position embeddings takes at most its
+    ``max_position_embeddings``; a rotary one goes beyond them (timings hold, its outputs
+    there mean little: a warning on stderr); and the activations of one forward, at least
+    ``longest * (2 * hidden_size + 2 * intermediate_size)`` values of the model's dtype,
+    must fit in the memory free on its device.
+
+    Returns:
+        the model's ``max_position_embeddings`` (None: its config has none).
+
+    Raises:
+        ValueError: ``owner.name`` beyond the learned positions, or too long for the memory.
+    """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # fmt: skip
+    positions = getattr(cfg, "max_position_embeddings", None)
+    rotary = any(getattr(cfg, key, None) for key in ("rope_theta", "rope_parameters", "rope_scaling"))  # fmt: skip
+    if positions is not None and longest > positions and not rotary:
+        raise bad(owner, name, longest, f"at most {positions} tokens (the model's learned positions)")  # fmt: skip
+    hidden = getattr(cfg, "hidden_size", 0)
+    per_token = (2 * hidden + 2 * (getattr(cfg, "intermediate_size", None) or 4 * hidden)) * model.dtype.itemsize  # fmt: skip
+    free = _available_bytes(model.device)
+    if free is not None and longest * per_token > free:
+        raise bad(owner, name, longest, f"at most about {free // per_token} tokens: a forward of "
+                  f"{longest} needs at least {longest * per_token / 2**30:.1f} GiB of activations, "
+                  f"{free / 2**30:.1f} GiB is free on {model.device}")  # fmt: skip
+    if positions is not None and longest > positions:
+        print(f"focus: warning: {name} {longest} is beyond the model's {positions} positions: "
+              "it extrapolates them (the timings hold; its outputs there mean little)",
+              file=sys.stderr)  # fmt: skip
+    return positions
 
 
 def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None) -> Any:
@@ -120,10 +171,15 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     time no attention kernel can go below, from which each row's attention time follows.
 
     Returns:
-        ``{"benchmark": "model", "config", "environment", "rows"}``: seconds, tokens per
-        second and speedup against sdpa per ``(N, method, top_k)``; with a floor also
-        ``attention_seconds`` (row minus floor) and ``attention_speedup`` (sdpa's attention
-        seconds over the row's).
+        ``{"benchmark": "model", "config", "versions", "environment", "rows"}``
+        (``versions``: :func:`library_versions`): seconds, tokens per second and speedup
+        against sdpa per ``(N, method, top_k)``; with a floor also ``attention_seconds``
+        (row minus floor) and ``attention_speedup`` (sdpa's attention seconds over the
+        row's).
+
+    Raises:
+        ValueError: lengths the model cannot take (:func:`check_model_lengths`), before
+            the corpus is read; the errors of loading the model, adapter or corpus.
     """
     from tqdm.auto import tqdm
 
@@ -131,6 +187,8 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
 
     config = config or ModelBenchConfig()
     model, tokenizer = load_model(config.model)
+    longest = max(*config.lengths, config.warmup_tokens)
+    positions = check_model_lengths(model, longest, "ModelBenchConfig", "lengths")
     ids = _input_ids(config, tokenizer)
     model.config._attn_implementation = "sdpa"
 
@@ -160,7 +218,15 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
                      "seconds": seconds,
                      "runs_s": runs, "tokens_per_second": n / seconds})  # fmt: skip
     _attention_speedups(rows)
-    record = {
+    record = _record(config, rows, positions)
+    return {"benchmark": "model", "config": record, "versions": library_versions(),
+            "environment": environment(), "rows": rows}  # fmt: skip
+
+
+def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int | None) -> dict[str, Any]:  # fmt: skip
+    """The ``config`` record of a result: the settings, the windows the rows ran and the
+    model's ``max_position_embeddings`` (``positions``)."""
+    return {
         "model": config.model,
         "adapter": config.adapter,
         "corpus": config.corpus,
@@ -171,6 +237,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         "repeats": config.repeats,
         "floor": config.floor,
         "warmup_tokens": config.warmup_tokens,
+        "max_position_embeddings": positions,
         "dtype": "float32",
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
         "sparse_backend": sparse_backend_name("auto"),
@@ -183,7 +250,6 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         else [list(p) for p in config.dense_heads],
         "inference_routing": config.inference_routing,
     }
-    return {"benchmark": "model", "config": record, "environment": environment(), "rows": rows}
 
 
 def model_table(result: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
+from .plots import save_png
 from .settings import (
     HAYSTACKS,
     NEEDLE_DEPTHS,
@@ -325,12 +326,17 @@ def rank_retrieval_layers(config: RetrievalLayersConfig) -> dict[str, Any]:
         ``environment``.
 
     Raises:
-        ValueError: as :func:`run_needle_benchmark`; ``count`` above the Focus layers.
+        ValueError: as :func:`run_needle_benchmark`; ``count`` above the Focus layers,
+            ``heads`` above their (layer, key-value head) pairs.
     """
     fm, tokenizer, bos_id = _load(config)
     if config.count > len(fm.focus_layers):
         raise bad("RetrievalLayersConfig", "count", config.count,
                   f"at most the {len(fm.focus_layers)} Focus layers")  # fmt: skip
+    pairs = len(fm.focus_layers) * _key_value_heads(fm.base_model)
+    if config.heads > pairs:
+        raise bad("RetrievalLayersConfig", "heads", config.heads,
+                  f"at most the {pairs} (Focus layer, key-value head) pairs")  # fmt: skip
     t = time.monotonic()
     cases = _cases(config, tokenizer, bos_id)
     shares = _head_shares(fm, cases, config.progress)
@@ -379,6 +385,14 @@ def rank_calibration_heads(config: CalibrateConfig) -> dict[str, Any]:
         progress=config.progress,
     ))  # fmt: skip
     return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}
+
+
+def _key_value_heads(model: Any) -> int:
+    """The key-value heads of each attention layer of ``model`` (its text config's)."""
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def _mean(values: list[float]) -> float:
@@ -483,7 +497,7 @@ def needle_table(result: dict[str, Any]) -> str:
 
 def plot_needle(result: dict[str, Any], path: str) -> None:
     """One heatmap per (haystack, mode): lengths (rows) by depths (columns), the share
-    retrieved in each cell; written to ``path`` (PNG)."""
+    retrieved in each cell; written to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -506,5 +520,4 @@ def plot_needle(result: dict[str, Any], path: str) -> None:
             for c, v in enumerate(row):
                 ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

@@ -20,6 +20,7 @@ from ..deploy.settings import BASE_CONFIG_KEY, REMOTE_CODE_NAME
 from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import environment
 from .model import routers_record
+from .plots import save_png
 from .settings import ServeBenchConfig
 
 __all__ = [
@@ -412,7 +413,7 @@ def serve_table(result: dict[str, Any]) -> str:
 
 def plot_serve(result: dict[str, Any], path: str) -> None:
     """Tokens per second, TTFT p50 and latency p99 against the prompt length, one line per
-    (served model, concurrency); written to ``path`` (PNG)."""
+    (served model, concurrency); written to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -435,5 +436,4 @@ def plot_serve(result: dict[str, Any], path: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"transformers serve: {result['config']['model']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

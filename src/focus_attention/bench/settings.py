@@ -5,7 +5,11 @@ nor transformers."""
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from ..assets.benchmarks import BENCHMARKS
 from ..settings import (
@@ -54,6 +58,9 @@ __all__ = [
     "SERVE_LENGTHS",
     "ServeBenchConfig",
     "TasksBenchConfig",
+    "adapter_groups",
+    "check_grid",
+    "command_help",
     "parse_batch_size",
 ]
 
@@ -76,6 +83,80 @@ NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: the haystacks of the needle benchmark
 HAYSTACKS = ("passkey", "book")
+
+#: the fields of several values a benchmark runs in turn (stored without repeats)
+GRID_FIELDS = ("top_k", "window", "lengths", "contexts", "concurrency", "depths", "levels",
+               "haystacks", "tasks")  # fmt: skip
+
+
+def command_help(**texts: str) -> Callable[[type], type]:
+    """Class decorator, written above :func:`~focus_attention.settings.settings_class`:
+    this command's own help text of inherited fields it gives a default of its own (listed
+    in its ``defaults``), where the group's text does not fit it (it speaks of an adapter
+    the command does not take, or of another command's use). ``COMMAND_HELP`` of the class
+    records the texts.
+
+    Raises:
+        TypeError: a field without a command default (its ``Field`` is the group's).
+    """
+
+    def build(cls: type) -> type:
+        for name, text in texts.items():
+            if name not in cls.COMMAND_DEFAULTS:
+                raise TypeError(f"{cls.__name__}.{name}: command help needs a command default")
+            found = cls.__dataclass_fields__[name]
+            found.metadata = types.MappingProxyType({**found.metadata, "help": text})
+        cls.COMMAND_HELP = dict(texts)
+        return cls
+
+    return build
+
+
+def adapter_groups(adapter: str | None) -> int | None:
+    """K (``num_groups``) of the Focus adapter in the local folder ``adapter``, read from its
+    config file; None without one (no adapter, a hub id, a run without Focus routers: their
+    loaders report what is missing).
+
+    Raises:
+        ValueError: a damaged config file (the message names it).
+    """
+    if adapter is None:
+        return None
+    from ..hf.config import read_config_file
+    from ..hf.files import CONFIG_NAME
+
+    path = Path(adapter) / CONFIG_NAME
+    return read_config_file(path)[0].num_groups if path.is_file() else None
+
+
+def check_grid(owner: str, config: Any) -> None:
+    """Drop repeated values of the :data:`GRID_FIELDS` ``config`` has (each value once, in
+    the order given, so that no row is run twice), and check ``top_k`` and ``query_top_k``
+    against K: the adapter's (:func:`adapter_groups`), else ``num_groups`` of fresh
+    routers. Call it after ``check_shared``.
+
+    Raises:
+        ValueError: a ``top_k`` or ``query_top_k`` outside ``1..K``, naming the field and K.
+    """
+    for name in GRID_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, (tuple, list)) and all(
+            isinstance(v, (int, float, str)) for v in value
+        ):
+            setattr(config, name, tuple(dict.fromkeys(value)))
+    adapter = getattr(config, "adapter", None)
+    groups = adapter_groups(adapter)
+    if groups is not None:
+        whose = f"the K of the adapter {adapter}"
+    elif adapter is None and hasattr(config, "num_groups"):
+        groups, whose = config.num_groups, "K, num_groups"
+    else:
+        return
+    for name in ("top_k", "query_top_k"):
+        value = getattr(config, name, None)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(v is not None and not 1 <= v <= groups for v in values):
+            raise bad(owner, name, value, f"ints in 1..{groups} ({whose})")
 
 
 @dataclass
@@ -145,10 +226,18 @@ class AttentionShape(Settings):
         return {**shape, **{k: getattr(self, f) for k, f in given if getattr(self, f) is not None}}  # fmt: skip
 
 
+@command_help(
+    top_k="groups each token joins in the random memberships (at most --num-groups)",
+    window="local window in tokens, the query included",
+    num_groups="K, the groups of the random memberships",
+    attention_backend="backend of Focus's sparse attention (masked: every key under the "
+    "mask, no host synchronisation)",
+    device="torch device: cpu or cuda",
+)
 @settings_class(
     defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu",
               "num_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-              "attention_backend": "auto"},
+              "attention_backend": "auto", "num_groups": 8},
     renamed={"backend": "attention_backend"},
     several=("top_k",),
 )  # fmt: skip
@@ -178,6 +267,7 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "KernelBenchConfig"
+        check_grid(owner, self)
         self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
             raise bad(owner, "dense_kernel", self.dense_kernel, f"one of {DENSE_KERNELS}")
@@ -213,11 +303,21 @@ class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, Ad
 
     def __post_init__(self) -> None:
         self.check_shared()
+        check_grid("ModelBenchConfig", self)
         check_int("ModelBenchConfig", "repeats", self.repeats, 1)
         check_int("ModelBenchConfig", "warmup_tokens", self.warmup_tokens, 1)
 
 
-@settings_class(defaults={"top_k": (1, 2)}, several=("top_k",))
+@command_help(
+    num_heads="query heads H of the op level (default: the model's)",
+    num_key_value_heads="key/value heads H_kv of the op level, H a multiple of it (default: "
+    "the model's)",
+    head_dim="head_dim D of the op level (default: the model's)",
+)
+@settings_class(
+    defaults={"top_k": (1, 2), "num_heads": None, "num_key_value_heads": None, "head_dim": None},
+    several=("top_k",),
+)
 class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape):  # fmt: skip
     """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
     the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
@@ -240,6 +340,7 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "DecodeBenchConfig"
+        check_grid(owner, self)
         self.check_compute(owner)
         check_int(owner, "steps", self.steps, 1)
         check_int(owner, "warmup", self.warmup, 0)
@@ -259,6 +360,11 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
         not given whole."""
         given = all(getattr(self, name) is not None for name in SHAPE_FIELDS)
         return "model" in self.levels or not given
+
+    @property
+    def op_groups(self) -> int:
+        """K of the op level's random memberships: the adapter's, else ``num_groups``."""
+        return adapter_groups(self.adapter) or self.num_groups
 
     @property
     def op_window(self) -> int:
@@ -313,6 +419,7 @@ class NeedleBenchConfig(PlotFile, GenerationLength, ResultFile, RunSettings, See
 
     def __post_init__(self) -> None:
         self.check_shared()
+        check_grid("NeedleBenchConfig", self)
         check_prompts("NeedleBenchConfig", self)
 
 
@@ -342,6 +449,7 @@ class RetrievalLayersConfig(ResultFile, RunSettings, SeedSettings, LengthSetting
 
     def __post_init__(self) -> None:
         self.check_shared()
+        check_grid("RetrievalLayersConfig", self)
         check_int("RetrievalLayersConfig", "count", self.count, 1)
         check_int("RetrievalLayersConfig", "heads", self.heads, 1)
         check_prompts("RetrievalLayersConfig", self)
@@ -387,6 +495,7 @@ class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues,
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "TasksBenchConfig"
+        check_grid(owner, self)
         check_int(owner, "limit", self.limit, 1, optional=True)
         check_int(owner, "bootstrap_iters", self.bootstrap_iters, 0)
         self.batch_size = parse_batch_size(str(self.batch_size))
@@ -397,6 +506,7 @@ class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues,
             raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
+@command_help(batch_size="prompts generated together (one batch)")
 @settings_class(defaults={"batch_size": 8, "max_new_tokens": 256}, several=("top_k", "window"))
 class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceSettings, SeedSettings, BatchSettings, WindowValues, TopKValues, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus bench instructions``: the untouched model (an instruct model with
@@ -418,6 +528,7 @@ class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceS
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "InstructionsBenchConfig"
+        check_grid(owner, self)
         for name in ("prompts", "batch_size"):
             check_int(owner, name, getattr(self, name), 1)
         check_int(owner, "limit", self.limit, 1, optional=True)
@@ -491,6 +602,7 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "ServeBenchConfig"
+        check_grid(owner, self)
         self.concurrency = tuple(self.concurrency)
         if not self.concurrency:
             raise bad(owner, "concurrency", self.concurrency, "one or more ints >= 1")

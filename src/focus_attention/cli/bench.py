@@ -34,18 +34,39 @@ def _config(args: argparse.Namespace, cls: type) -> Any:
     return command_config(args, cls, f"bench.{args.bench_command}")
 
 
-def _write(result: dict, config: Any, plot_fn: Callable | None = None) -> None:
-    """The result to ``config.json`` and, with ``plot_fn``, a plot to ``config.plot``
-    (default: the JSON path with ``.png``)."""
+def _outputs(config: Any, plotted: bool = False) -> str | None:
+    """Check, before the run, that ``config.json`` and (for a benchmark that plots) the plot
+    can be written. Returns the plot's path: ``config.plot``, else the JSON path with
+    ``.png``; None without either or for a benchmark that does not plot.
+
+    Raises:
+        ValueError: a path that cannot be written (a directory, a file in place of a folder,
+            a folder that refuses new files), or a plot that would replace the JSON.
+    """
+    from ..utils.io import check_output_file
+
+    if config.json:
+        check_output_file(config.json, "--json")
+    if not plotted:
+        return None
+    plot = config.plot or (str(Path(config.json).with_suffix(".png")) if config.json else None)
+    if plot:
+        check_output_file(plot, "--plot")
+        if config.json and Path(plot).resolve() == Path(config.json).resolve():
+            raise ValueError(f"--plot: received {plot!r}, the --json path; expected another "
+                             "file (give --plot, or a --json path that does not end in .png)")  # fmt: skip
+    return plot
+
+
+def _write(result: dict, config: Any, plot: str | None = None, plot_fn: Callable | None = None) -> None:  # fmt: skip
+    """The result to ``config.json`` and, with ``plot_fn``, a PNG plot to ``plot``
+    (:func:`_outputs`)."""
     from ..utils.io import write_json_atomic
 
     if config.json:
         write_json_atomic(config.json, result)
         print(f"wrote {config.json}")
-    if plot_fn is None:
-        return
-    plot = config.plot or (str(Path(config.json).with_suffix(".png")) if config.json else None)
-    if plot:
+    if plot_fn is not None and plot:
         plot_fn(result, plot)
         print(f"wrote {plot}")
 
@@ -54,12 +75,13 @@ def _kernel(args: argparse.Namespace) -> int:
     from ..bench.kernel import gate_lines, kernel_table, plot_kernel, run_kernel_benchmark
 
     config = _config(args, KernelBenchConfig)
+    plot = _outputs(config, plotted=True)
     _set_threads(config.threads)
     result = run_kernel_benchmark(config)
     print(kernel_table(result))
     for line in gate_lines(result):
         print(line)
-    _write(result, config, plot_kernel)
+    _write(result, config, plot, plot_kernel)
     return 0
 
 
@@ -67,6 +89,7 @@ def _model(args: argparse.Namespace) -> int:
     from ..bench.model import model_table, run_model_benchmark
 
     config = _config(args, ModelBenchConfig)
+    _outputs(config)
     _set_threads(config.threads)
     result = run_model_benchmark(config)
     print(model_table(result))
@@ -78,6 +101,7 @@ def _decode(args: argparse.Namespace) -> int:
     from ..bench.decode import decode_table, run_decode_benchmark
 
     config = _config(args, DecodeBenchConfig)
+    _outputs(config)
     result = run_decode_benchmark(config)
     print(decode_table(result))
     _write(result, config)
@@ -88,9 +112,10 @@ def _needle(args: argparse.Namespace) -> int:
     from ..bench.needle import needle_table, plot_needle, run_needle_benchmark
 
     config = _config(args, NeedleBenchConfig)
+    plot = _outputs(config, plotted=True)
     result = run_needle_benchmark(config, checkpoint=_checkpoint(config))
     print(needle_table(result))
-    _write(result, config, plot_needle)
+    _write(result, config, plot, plot_needle)
     return 0
 
 
@@ -98,6 +123,7 @@ def _retrieval_layers(args: argparse.Namespace) -> int:
     from ..bench.needle import rank_retrieval_layers, retrieval_layers_table
 
     config = _config(args, RetrievalLayersConfig)
+    _outputs(config)
     result = rank_retrieval_layers(config)
     print(retrieval_layers_table(result))
     _write(result, config)
@@ -108,6 +134,7 @@ def _tasks(args: argparse.Namespace) -> int:
     from ..bench.tasks import run_tasks_benchmark, tasks_table
 
     config = _config(args, TasksBenchConfig)
+    _outputs(config)
     result = run_tasks_benchmark(config)
     print(tasks_table(result))
     _write(result, config)
@@ -118,6 +145,7 @@ def _instructions(args: argparse.Namespace) -> int:
     from ..bench.instructions import instructions_table, run_instructions_benchmark
 
     config = _config(args, InstructionsBenchConfig)
+    _outputs(config)
     result = run_instructions_benchmark(config)
     print(instructions_table(result))
     _write(result, config)
@@ -140,9 +168,10 @@ def _serve(args: argparse.Namespace) -> int:
     from ..bench.serve import plot_serve, run_serve_benchmark, serve_table
 
     config = _config(args, ServeBenchConfig)
+    plot = _outputs(config, plotted=True)
     result = run_serve_benchmark(config, checkpoint=_checkpoint(config))
     print(serve_table(result))
-    _write(result, config, plot_serve)
+    _write(result, config, plot, plot_serve)
     return 0
 
 
