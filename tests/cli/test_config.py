@@ -90,10 +90,52 @@ def test_bad_settings_files_are_clear_errors(tmp_path, capsys, text, match):
     assert capsys.readouterr().err.startswith("focus: error: ")
 
 
-def test_eval_needs_an_adapter_from_a_flag_or_the_file(capsys):
-    args = _parse(["eval"])
+def test_eval_adapter_comes_from_a_flag_the_file_or_its_default(tmp_path):
+    from focus_attention.cli.flags import command_config
+
+    assert command_config(_parse(["eval"]), EvalConfig, "eval").adapter == "runs/austen"
+    path = tmp_path / "run.toml"
+    path.write_text("[eval]\nadapter = 'runs/x'\n")
+    args = _parse(["eval", "--config", str(path)])
+    assert command_config(args, EvalConfig, "eval").adapter == "runs/x"
+    args = _parse(["eval", "--config", str(path), "--adapter", "runs/y"])
+    assert command_config(args, EvalConfig, "eval").adapter == "runs/y"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: d / "none.toml", r"--config: .*none\.toml not found; expected a TOML settings "
+         r"file \(its \[eval\] table is read\)"),
+        (lambda d: d, r"--config: .* is a folder; expected a TOML settings file"),
+        (lambda d: _write(d, "adapter = 'x'\nseq_len = 8\n"),
+         r"has no \[eval\] table \(the file holds keys \['adapter', 'seq_len'\] and no table\)"),
+        (lambda d: _write(d, "[train]\nsteps = 1\n[bench.kernel]\n"),
+         r"has no \[eval\] table \(the file holds tables \['\[bench\]', '\[train\]'\]\)"),
+        (lambda d: _write(d, "eval = 3\n"), r"has no \[eval\] table \(the file holds keys \['eval'\]"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_file_is_named_with_what_it_holds(tmp_path, capsys, make, match):
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        read_config_table(str(path), "eval")
+    args = _parse(["eval", "--config", str(path)])
     assert args.func(args) == 1
-    assert "--adapter is required" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("focus: error: --config: ") and len(err.splitlines()) == 1
+
+
+def test_a_missing_sub_table_names_the_table_above(tmp_path):
+    path = _write(tmp_path, "[bench.model]\nlengths = [8]\n")
+    with pytest.raises(ValueError, match=r"no \[bench\.kernel\] table \(\[bench\] holds "
+                       r"tables \['\[model\]'\]\)"):  # fmt: skip
+        read_config_table(str(path), "bench.kernel")
+
+
+def _write(directory: Path, text: str) -> Path:
+    path = directory / "settings.toml"
+    path.write_text(text)
+    return path
 
 
 def test_inspect_needs_an_adapter_and_an_output_directory(tmp_path, capsys):

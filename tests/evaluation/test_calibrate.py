@@ -80,6 +80,48 @@ def test_outputs_that_would_lose_an_adapter_are_refused(assets, adapter, tmp_pat
     assert not (tmp_path / "long").exists()
 
 
+def test_paths_that_cannot_be_an_adapter_or_the_output_fail_before_the_model_loads(
+    adapter, tmp_path, monkeypatch
+):
+    import focus_attention.assets.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the paths were checked")
+
+    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    (tmp_path / "afile").write_text("")
+
+    def run(source, out):
+        calibrate_adapter(CalibrateConfig(adapter=str(source), out=str(out), progress=False))
+
+    with pytest.raises(ValueError, match=r"out \(--out\): received .*afile', which is a file, "
+                       "not a folder; expected a folder"):  # fmt: skip
+        run(adapter, tmp_path / "afile")
+    with pytest.raises(FileNotFoundError, match=r"focus_model\.safetensors is a file, not a "
+                       r"folder; .*: pass .*, the folder that holds it"):  # fmt: skip
+        run(adapter / WEIGHTS_NAME, tmp_path / "o")
+    (tmp_path / "sweep" / "cells" / "k4").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"output folder of focus sweep: pass one of its "
+                       r"1 cells, such as .*sweep/cells/k4"):  # fmt: skip
+        run(tmp_path / "sweep", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("have", "words"), [(0, "0 blocks"), (1, "1 block"), (2, "2 blocks")])
+def test_too_few_calibration_blocks_are_counted_in_words(monkeypatch, have, words):
+    import focus_attention.assets.corpora as corpora
+    from focus_attention.evaluation.calibration import calibration_blocks
+
+    class Corpus:
+        def texts(self, split):
+            return ["text"]
+
+    monkeypatch.setattr(corpora, "load_corpus", lambda *a, **k: Corpus())
+    monkeypatch.setattr(corpora, "token_blocks", lambda *a, **k: torch.zeros(have, 8))
+    with pytest.raises(ValueError, match=f"the validation split of austen has {words} of 8 tokens$"):  # fmt: skip
+        calibration_blocks(None, "austen", "validation", 8, 1000, False)
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [(dict(adapter=None), "adapter"), (dict(out=""), "out"), (dict(blocks=-1), "blocks"),

@@ -245,7 +245,8 @@ def test_a_failed_write_leaves_no_partial_file(result, tmp_path, monkeypatch):
 
 
 def test_clear_errors(assets, adapter, tmp_path):
-    with pytest.raises(ValueError, match=r"layers \[2, 7\] are not Focus layers.*0\.\.1"):
+    with pytest.raises(ValueError, match=r"layers \(--layers\) \[2, 7\] are not Focus layers"
+                       r".*Focus layers: 0-1, 2 in all; layers that can be inspected: 0-1"):  # fmt: skip
         _inspect(assets, adapter, layers=(7, 2, 1))
     with pytest.raises(FileNotFoundError, match="not a Focus adapter"):
         _inspect(assets, tmp_path)
@@ -260,6 +261,61 @@ def test_clear_errors(assets, adapter, tmp_path):
             InspectConfig(**bad)
     with pytest.raises(ValueError, match="unknown keys"):
         InspectConfig.from_dict({"adapterr": "x"})
+
+
+def test_layers_that_run_dense_attention_are_not_inspected(assets, adapter, tmp_path, monkeypatch):  # fmt: skip
+    """A dense layer has no groups: asked for, it is an error that lists the layers that
+    can be inspected (before the model loads); by default only the routed layers are
+    inspected; an adapter with no routed layer is an error."""
+    import focus_attention.assets.models
+    from focus_attention.evaluation.calibration import CalibrateConfig, calibrate_adapter
+
+    for dense in ((1,), (0, 1)):
+        calibrate_adapter(CalibrateConfig(model=str(assets["model"]), adapter=str(adapter),
+                                          out=str(tmp_path / str(len(dense))), blocks=0,
+                                          dense_layers=dense, progress=False))  # fmt: skip
+    res = _inspect(assets, tmp_path / "1", baseline=False, shuffles=0)
+    assert res["dense_layers"] == [1] and res["focus_layers"] == [0, 1]
+    assert list(res["layers"]) == ["0"] and list(res["groups"]) == ["0"]
+    assert res["config"]["detail_layers"] == [0]
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the layers were checked")
+
+    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    with pytest.raises(ValueError, match=r"layers \(--layers\) \[1\] run dense attention in "
+                       r"this adapter \(dense_layers 1\) and have no groups; layers that can be "
+                       r"inspected: 0$"):  # fmt: skip
+        _inspect(assets, tmp_path / "1", layers=(0, 1))
+    for layers in (None, (0,)):
+        with pytest.raises(ValueError, match=r"every Focus layer of this adapter runs dense "
+                           r"attention \(dense_layers 0-1\): no layer has groups to inspect"):  # fmt: skip
+            _inspect(assets, tmp_path / "2", layers=layers)
+
+
+def test_check_layers_lists_the_layers_in_short_form():
+    from focus_attention.evaluation.groups import check_layers
+
+    layers = list(range(30))
+    dense = (18, 20, 21, 22, 23)
+    assert check_layers(None, layers, dense) == [i for i in layers if i not in dense]
+    assert check_layers((0, 19), layers, dense) == [0, 19]
+    with pytest.raises(ValueError, match=r"\[20\] run dense attention .*dense_layers 18, 20-23\)"
+                       r".*can be inspected: 0-17, 19, 24-29$"):  # fmt: skip
+        check_layers((0, 20), layers, dense)
+
+
+def test_paths_that_cannot_be_an_adapter_or_the_output_are_refused(assets, adapter, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"out \(--out\): received .*afile', which is a file"):
+        _inspect(assets, adapter, out=str(tmp_path / "afile"))
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a folder; expected an adapter "
+                       r"folder .*: pass .*, the folder that holds it"):  # fmt: skip
+        _inspect(assets, adapter / "focus_config.json")
+    (tmp_path / "sweep" / "cells" / "a").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"not a Focus adapter; .* output folder of focus "
+                       r"sweep: pass one of its 1 cells, such as .*sweep/cells/a"):  # fmt: skip
+        _inspect(assets, tmp_path / "sweep")
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,5 +363,5 @@ def test_cli_writes_the_outputs_and_reports_bad_layers(assets, adapter, tmp_path
     assert list(res["groups"]) == ["1"] and res["config"]["layers"] == [1]
     assert (out / "inspect.md").is_file() and (out / "composition.png").is_file()
     assert main([*argv[:-1], str(tmp_path / "bad"), "--layers", "5"]) == 1
-    assert "layers [5] are not Focus layers" in capsys.readouterr().err
+    assert "layers (--layers) [5] are not Focus layers" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

@@ -81,7 +81,7 @@ def test_top_k_subset_and_overrides(assets, adapter):
     assert all(math.isfinite(v) for v in res["ppl"]["focus_topk"].values())
     res = _evaluate(assets, adapter, top_k=[1], dense_heads=((0, 0),), max_tokens=64)
     assert res["config"]["focus"]["dense_heads"] == [[0, 0]]
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"--top-k\): received \[5\], expected values in 1..4"):
         _evaluate(assets, adapter, top_k=[5])
 
 
@@ -113,6 +113,10 @@ def test_dense_layers_override(assets, adapter):
     assert dense["ppl"]["focus_topk"]["1"] == pytest.approx(dense["ppl"]["base"], rel=1e-5)
     assert dense["ppl"]["focus_soft"] == pytest.approx(dense["ppl"]["base"], rel=1e-5)
     assert dense["pairs_retained"]["1"] == 1.0
+    assert dense["dominance"]["topk"]["1"] is None  # no layer routes: no groups
+    table = markdown_table(dense)  # a dash for the dominance no layer has
+    assert "| Focus top-k | 1 |" in table and "| 100.0% | - |" in table.split("Focus top-k")[1]
+    assert "| Focus top-1 |" in table  # the position table
     one = _evaluate(assets, adapter, dense_layers=[layers[-1]], **kw)
     by_layer = one["pairs_retained_by_layer"]["1"]
     assert by_layer[str(layers[-1])] == 1.0
@@ -203,9 +207,44 @@ def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
     (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
-    with pytest.raises(ValueError, match=r"top_k_values: \[9\] outside 1..K=4"):
+    with pytest.raises(ValueError, match=r"top_k \(--top-k\): received \[9\], expected values "
+                       r"in 1..4, the adapter's number of groups K"):  # fmt: skip
         evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", top_k=[9],
                  progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"query_top_k \(--query-top-k\): received 5"):
+        evaluate(model="any-model", adapter=tmp_path, corpus="any-corpus", query_top_k=5,
+                 progress=False)  # fmt: skip
+
+
+def test_bad_paths_fail_before_the_model_loads(tmp_path, monkeypatch):
+    """Output files that cannot be written, an adapter file instead of its folder and a
+    sweep's output folder are refused before the model loads, naming what to pass."""
+    import focus_attention.assets.models
+    from focus_attention.hf import FocusConfig
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
+    kw = dict(model="any-model", corpus="any-corpus", progress=False)
+    for name in ("json", "markdown"):
+        with pytest.raises(ValueError, match=f"{name}: received .*, a directory"):
+            evaluate(adapter=adapter, **{name: str(tmp_path)}, **kw)
+        under_a_file = str(adapter / "focus_config.json" / "out.md")
+        with pytest.raises(ValueError, match=f"{name}: received .* is a file, not a folder"):
+            evaluate(adapter=adapter, **{name: under_a_file}, **kw)
+    with pytest.raises(FileNotFoundError, match=r"focus_config\.json is a file, not a folder; "
+                       "expected an adapter folder .*: pass .*adapter, the folder that holds it"):  # fmt: skip
+        evaluate(adapter=adapter / "focus_config.json", **kw)
+    (tmp_path / "sweep" / "cells" / "k8").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"output folder of focus sweep: pass one of its "
+                       r"1 cells, such as .*sweep/cells/k8"):  # fmt: skip
+        evaluate(adapter=tmp_path / "sweep", **kw)
+    with pytest.raises(FileNotFoundError, match=r"adapter folder .*none not found \(--adapter\)"):
+        evaluate(adapter=tmp_path / "none", **kw)
 
 
 def test_perplexity_by_position_pools_back_to_the_total(assets, adapter):
@@ -257,6 +296,11 @@ def test_without_soft_routing(assets, adapter):
     table = markdown_table(lean)
     assert "Focus soft" not in table and table.count("| Focus top-k |") == 2
     assert "dense_layers" not in table
+    # the perplexity-by-position table, with the rows there are
+    assert "Perplexity by token position" in table
+    assert "| Focus top-1 |" in table and "| Focus top-2 |" in table
+    lean["ppl_by_position"].pop("focus_topk")  # a result with the base row only
+    assert markdown_table(lean).count("| base (dense) |") == 2
     dense = _evaluate(assets, adapter, top_k=[1], soft=False, dense_layers=[1])
     assert "inference_routing=causal, dense_layers=1)" in markdown_table(dense)
 

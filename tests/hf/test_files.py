@@ -297,3 +297,25 @@ def test_the_command_line_reports_a_damaged_adapter_on_one_line(
     reported = [line for line in err.splitlines() if line.startswith("focus: error:")]
     assert len(reported) == 1 and err.rstrip().endswith(reported[0])
     assert reported[0].startswith(f"focus: error: {tmp_path / name}: ")
+
+
+def test_a_file_or_a_sweep_folder_given_as_the_adapter_says_what_to_pass(tmp_path):
+    _, fm = focus("llama")
+    fm.save_pretrained(tmp_path / "adapter")
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        with pytest.raises(FileNotFoundError, match=rf"{name} is a file, not a folder; expected "
+                           rf"an adapter folder .*: pass {tmp_path / 'adapter'}, the folder"):  # fmt: skip
+            load(tmp_path / "adapter" / name)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"notes\.txt is a file, not a folder; expected an "
+                       r"adapter folder \(focus_config\.json and focus_model\.safetensors\) or the "
+                       r"folder of a focus train run$"):  # fmt: skip
+        load(tmp_path / "notes.txt")
+    sweep = tmp_path / "sweep"
+    for cell in ("k8", "k4"):
+        (sweep / "cells" / cell).mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=rf"; {sweep} is the output folder of focus sweep: "
+                       rf"pass one of its 2 cells, such as {sweep / 'cells' / 'k4'}$"):  # fmt: skip
+        load(sweep)
+    assert hf_files.sweep_hint(tmp_path / "adapter") == ""
+    assert hf_files.check_adapter_folder(str(tmp_path / "none")) == tmp_path / "none"

@@ -336,12 +336,12 @@ def test_eval_of_every_method(assets, runs, method):
         assert res["routing_affected_share"] is None and res["config"]["focus"] is None
     table = markdown_table(res)
     assert "| tuned (dense) |" in table and ("Focus top-k" in table) == focus
-    # with Focus, the position table has the tuned row too
-    assert table.count("| tuned (dense) |") == (2 if focus else 1)
+    # the position table has the tuned row too
+    assert table.count("| tuned (dense) |") == 2
 
 
 def test_eval_of_a_dense_run_refuses_focus_settings(assets, runs):
-    with pytest.raises(ValueError, match="top_k_values.*no Focus adapter"):
+    with pytest.raises(ValueError, match="--top-k.*no Focus adapter"):
         _eval(assets, runs["lora"].out, top_k=(1,))
 
 

@@ -381,7 +381,8 @@ def rank_calibration_heads(config: CalibrateConfig) -> dict[str, Any]:
     """
     result = rank_retrieval_layers(RetrievalLayersConfig(
         model=config.model, adapter=config.adapter, corpus=config.corpus, split=config.split,
-        lengths=(config.ranking_length,), haystacks=("passkey",), count=1, threads=config.threads,
+        lengths=(config.ranking_length,), haystacks=("passkey",), count=1, heads=1,
+        threads=config.threads,
         progress=config.progress,
     ))  # fmt: skip
     return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}

@@ -4,18 +4,27 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..evaluation.settings import CalibrateConfig
+from ..utils.io import check_output_folder
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+
+#: the settings the command needs from a flag or --config
+REQUIRED = ("adapter", "out")
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..bench.needle import rank_calibration_heads
     from ..evaluation.calibration import CALIBRATION_NAME, calibrate_adapter
 
-    config = command_config(args, CalibrateConfig, "calibrate", required=("adapter", "out"))
+    config = command_config(args, CalibrateConfig, "calibrate", required=REQUIRED)
+    check_output_folder(config.out, "--out")
+    if config.split == "test":
+        print("focus: warning: --split test: the test split is meant for evaluation; calibrate "
+              "on the validation split (the default) to keep it held out", file=sys.stderr)  # fmt: skip
     record = calibrate_adapter(config, rank_calibration_heads)
     focus = record["focus"]
     print(f"wrote {config.out}: window {focus['window']}, sink_tokens {focus['sink_tokens']}, "
@@ -43,5 +52,5 @@ def register_cli(subparsers: Any) -> None:
         "calibration.json beside it.",
     )
     add_config_flag(p, "calibrate")
-    add_flags(p, CalibrateConfig)
+    add_flags(p, CalibrateConfig, required=REQUIRED)
     p.set_defaults(func=run_guarded(_run))

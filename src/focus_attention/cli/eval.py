@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from ..evaluation.settings import EvalConfig
+from ..utils.io import check_output_file
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
 
@@ -14,7 +15,10 @@ from .flags import add_config_flag, add_flags, command_config
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation import evaluate, markdown_table
 
-    config = command_config(args, EvalConfig, "eval", required=("adapter",))
+    config = command_config(args, EvalConfig, "eval")
+    for name in ("json", "markdown"):
+        if getattr(config, name) is not None:
+            check_output_file(getattr(config, name), f"--{name}")
     result = evaluate(config)
     print(markdown_table(result))
     weights = result.base_weights_sha256

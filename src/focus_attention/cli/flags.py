@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import re
 import sys
 import types
 import typing
@@ -75,14 +77,18 @@ def add_flags(
     cls: type,
     *,
     exclude: Iterable[str] = (),
+    required: Iterable[str] = (),
 ) -> None:
-    """Add one flag per field of ``cls`` (see the module docstring), with the field's default.
+    """Add one flag per field of ``cls`` (see the module docstring), with the field's default;
+    the help of a field in ``required`` (those :func:`command_config` requires) says
+    ``(required)`` instead of a default (a group's ``(default: ...)`` note dropped).
 
     Raises:
         TypeError: a field whose type cannot be read from the command line and has no
             ``metadata["type"]``.
     """
     hints = typing.get_type_hints(cls)
+    required = set(required)
     for field in flag_fields(cls, exclude):
         meta = field.metadata
         default = _default(field)
@@ -93,14 +99,17 @@ def add_flags(
         if several is None:  # one or several, as the class says
             several = field.name in getattr(cls, "SEVERAL", ())
             shown = ("; one or more, each run in turn" if several else "") + shown
-        kwargs["help"] = (meta["help"] + shown).replace("%", "%%")
+        text = meta["help"] + shown
+        if field.name in required:
+            text = _DEFAULT_NOTE.sub("", meta["help"]) + " (required)"
+        kwargs["help"] = text.replace("%", "%%")
         parse = meta.get("type", parse)
         if parse is None:
             raise TypeError(f"{cls.__name__}.{field.name}: no flag type (set metadata['type'])")
         if parse is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = parse
+            kwargs["type"] = parse if parse in _SCALARS else flag_parser(parse)
             if several and "type" not in meta:
                 kwargs["nargs"] = "+"
             for key in ("choices", "metavar"):
@@ -109,6 +118,31 @@ def add_flags(
         parser.add_argument(flag_name(field.name), **kwargs)
         for old in _old_names(cls, field.name):
             _add_deprecated(parser, old, field.name, kwargs)
+
+
+#: a group's note on its default at the end of a help text, dropped for a required flag
+_DEFAULT_NOTE = re.compile(r" \(default[^()]*\)$")
+
+#: the ``<Class>.<field>: `` a settings check starts its message with (argparse names the flag)
+_FIELD_PREFIX = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*: ")
+
+
+def flag_parser(parse: Any) -> Any:
+    """``parse`` (a flag's ``metadata["type"]``) for argparse: a ``ValueError`` it raises
+    becomes an ``argparse.ArgumentTypeError`` with its own message (less a leading
+    ``<Class>.<field>: ``, as argparse names the flag), so that the error reads
+    ``argument --flag: <message>`` instead of ``invalid <function name> value``."""
+
+    @functools.wraps(parse)
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(_FIELD_PREFIX.sub("", str(err))) from err
+
+    return read
 
 
 def _old_names(cls: type, name: str) -> list[str]:
@@ -189,7 +223,8 @@ def command_config(
 
     Raises:
         ValueError: a required field given nowhere; unknown or invalid settings (the message
-            names the file).
+            names the file); a ``--config`` file that is missing, a folder, not TOML or
+            without the table.
     """
     settings = renamed_keys(read_config_table(args.config, table), cls, table)
     settings.update(flag_values(args, cls))
@@ -216,19 +251,39 @@ def renamed_keys(settings: dict[str, Any], cls: type, table: str) -> dict[str, A
 
 
 def read_config_table(path: str | None, table: str) -> dict[str, Any]:
-    """Table ``[table]`` of the TOML file ``path`` as a dict (``{}`` when ``path`` is None);
-    a dotted name such as ``bench.kernel`` is a sub-table.
+    """Table ``[table]`` of the TOML file ``path`` (``--config``) as a dict (``{}`` when
+    ``path`` is None); a dotted name such as ``bench.kernel`` is a sub-table.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: invalid TOML, or no such table (the message names the file).
+        ValueError: no such file, a folder or an unreadable file, invalid TOML, or no such
+            table (the message names ``--config``, the file and what it holds).
     """
     if path is None:
         return {}
-    data = read_toml(path, "settings file")
+    expected = f"expected a TOML settings file (its [{table}] table is read)"
+    try:
+        data = read_toml(path, "settings file")
+    except FileNotFoundError as err:
+        raise ValueError(f"--config: {path} not found; {expected}") from err
+    except IsADirectoryError as err:
+        raise ValueError(f"--config: {path} is a folder; {expected}") from err
+    except OSError as err:
+        raise ValueError(f"--config: {path} cannot be read ({err.strerror or err}); "
+                         f"{expected}") from err  # fmt: skip
     found: Any = data
-    for part in table.split("."):
-        if not isinstance(found, dict) or not isinstance(found.get(part), dict):
-            raise ValueError(f"{path}: no [{table}] table (tables: {sorted(data)})")
+    for depth, part in enumerate(table.split(".")):
+        if not isinstance(found.get(part), dict):
+            where = "the file" if depth == 0 else f"[{'.'.join(table.split('.')[:depth])}]"
+            raise ValueError(f"--config: {path} has no [{table}] table ({where} holds "
+                             f"{_contents(found)})")  # fmt: skip
         found = found[part]
     return dict(found)
+
+
+def _contents(data: dict[str, Any]) -> str:
+    """What a TOML table holds, for a message: its keys and its sub-tables."""
+    tables = sorted(k for k, v in data.items() if isinstance(v, dict))
+    keys = sorted(k for k, v in data.items() if not isinstance(v, dict))
+    held = [f"keys {keys}"] if keys else []
+    held.append(f"tables {['[' + t + ']' for t in tables]}" if tables else "no table")
+    return " and ".join(held)

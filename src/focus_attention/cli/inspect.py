@@ -7,17 +7,24 @@ import argparse
 from typing import Any
 
 from ..evaluation.settings import InspectConfig
+from ..utils.io import check_output_folder
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+
+#: the settings the command needs from a flag or --config
+REQUIRED = ("adapter", "out")
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation.groups import inspect_groups
 
-    config = command_config(args, InspectConfig, "inspect", required=("adapter", "out"))
+    config = command_config(args, InspectConfig, "inspect", required=REQUIRED)
+    check_output_folder(config.out, "--out")
     result = inspect_groups(config)
     s = result["summary"]
-    print(f"{result['tokens']:,d} tokens, {len(result['layers'])} Focus layers")
+    dense = result["dense_layers"]
+    print(f"{result['tokens']:,d} tokens, {len(result['layers'])} Focus layers"
+          + (f" ({len(dense)} more run dense attention: {dense})" if dense else ""))  # fmt: skip
     for name in result["routings"]:
         print(f"mean NMI(group; category) {name}: {s[f'nmi_{name}']:.4f}")
     if s["nmi_shuffled"] is not None:
@@ -40,5 +47,5 @@ def register_cli(subparsers: Any) -> None:
         "composition.png into --out.",
     )
     add_config_flag(p, "inspect")
-    add_flags(p, InspectConfig)
+    add_flags(p, InspectConfig, required=REQUIRED)
     p.set_defaults(func=run_guarded(_run))

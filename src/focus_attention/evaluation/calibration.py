@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..hf.files import CONFIG_NAME, weights_file_sha256
+from ..hf.files import CONFIG_NAME, adapter_layout, weights_file_sha256
 from ..utils.env import environment, library_versions
 from ..utils.io import replace_entries, write_json_atomic
 from .settings import CalibrateConfig
@@ -41,9 +41,10 @@ def calibration_blocks(tokenizer: Any, corpus: str, split: str, seq_len: int, co
     blocks = token_blocks(tokenizer, texts, seq_len, max_tokens=count * seq_len,
                           prepend_bos=prepend_bos)  # fmt: skip
     if blocks.shape[0] < count:
+        have = blocks.shape[0]
         raise ValueError(
-            f"calibration with {count} blocks: the {split} split of {corpus} has "
-            f"{blocks.shape[0]} blocks of {seq_len} tokens"
+            f"calibration with {count} blocks: the {split} split of {corpus} has {have} "
+            f"{'block' if have == 1 else 'blocks'} of {seq_len} tokens"
         )
     return blocks
 
@@ -58,9 +59,15 @@ def calibrate_on(model: Any, blocks: torch.Tensor, progress: Any = None) -> None
 
 
 def _check_out(config: CalibrateConfig) -> Path:
-    """The output directory, refused when it is the source or already holds an adapter
-    (without ``overwrite``)."""
+    """The output directory, refused when it is a file, the source or already holds an
+    adapter (without ``overwrite``); a local source adapter refused when it is a file or
+    holds no adapter (before the model loads; a hub repo id is left to the loader)."""
     out = Path(config.out)
+    if Path(config.adapter).exists():
+        adapter_layout(Path(config.adapter))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out (--out): received {config.out!r}, which is a file, not a folder; "
+                         "expected a folder to write the adapter into")  # fmt: skip
     if out.resolve() == Path(config.adapter).resolve():
         raise ValueError(f"--out {out} is the source adapter: write the new adapter elsewhere")
     if (out / CONFIG_NAME).exists() and not config.overwrite:
@@ -146,11 +153,11 @@ def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateCo
         called after ``out`` is checked and before the model loads).
 
     Raises:
-        ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` equal to the
-            source, too few blocks in the split, a head ranking that does not fit the budget
-            or the model.
+        ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` a file or
+            equal to the source, too few blocks in the split, a head ranking that does not
+            fit the budget or the model.
         FileExistsError: ``out`` already holds an adapter and ``overwrite`` is False.
-        FileNotFoundError: the source adapter is missing.
+        FileNotFoundError: the source adapter is missing, or is a file.
     """
     from tqdm.auto import tqdm
 

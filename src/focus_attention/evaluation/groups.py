@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..hf.files import CONFIG_NAME
+from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint
 from ..utils.env import environment, library_versions
 from ..utils.io import atomic_write_text, write_json_atomic
 from .categories import CATEGORIES, token_categories, token_texts
@@ -316,38 +316,73 @@ def _saved_config(cfg: InspectConfig) -> Any:
     """The adapter's saved Focus settings, checked against ``cfg`` before the model loads.
 
     Raises:
-        ValueError: no adapter given, ``top_k`` above K, layers the adapter does not route.
-        FileNotFoundError: no adapter config in the directory.
+        ValueError: no adapter given, ``top_k`` above K, layers the adapter does not route
+            (not Focus layers, or layers that run dense attention), no routed layer at all,
+            an ``out`` that is not a folder.
+        FileNotFoundError: no adapter config in the directory, or a file in its place.
     """
     from ..hf.config import FocusConfig
 
     if cfg.adapter is None:
         raise ValueError("an adapter directory is required (--adapter DIR)")
-    path = Path(cfg.adapter) / CONFIG_NAME
+    if cfg.out is not None and Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"out (--out): received {cfg.out!r}, which is a file, not a folder; "
+                         "expected a folder to write the results into")  # fmt: skip
+    path = check_adapter_folder(cfg.adapter) / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {cfg.adapter} is not a Focus adapter")
+        raise FileNotFoundError(
+            f"{path} not found: {cfg.adapter} is not a Focus adapter{sweep_hint(cfg.adapter)}"
+        )
     saved = FocusConfig.from_json_file(path)
     if cfg.top_k > saved.num_groups:
         raise ValueError(f"top_k={cfg.top_k}: expected 1..K={saved.num_groups} (the adapter's K)")
     if saved.layers is not None:
-        check_layers(cfg.layers, list(saved.layers))
+        check_layers(cfg.layers, list(saved.layers), saved.dense_layers)
     return saved
 
 
-def check_layers(layers: tuple[int, ...] | None, focus_layers: list[int]) -> list[int]:
-    """The layers to detail: ``layers``, or every Focus layer when None.
+def _spans(layers: list[int]) -> str:
+    """Layer indices in short form: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for i in sorted(layers):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def check_layers(
+    layers: tuple[int, ...] | None, focus_layers: list[int], dense_layers: tuple[int, ...] = ()
+) -> list[int]:
+    """The layers to detail: ``layers``, or every routed Focus layer (those of
+    ``focus_layers`` not in ``dense_layers``, which have no groups) when None.
 
     Raises:
-        ValueError: a layer that is not a Focus layer (the message lists the Focus layers).
+        ValueError: a layer that is not a Focus layer or runs dense attention (the message
+            lists the layers that can be inspected); no routed layer at all.
     """
+    routed = [i for i in focus_layers if i not in set(dense_layers)]
+    if not routed:
+        raise ValueError(
+            f"every Focus layer of this adapter runs dense attention (dense_layers "
+            f"{_spans(list(dense_layers))}): no layer has groups to inspect"
+        )
     if layers is None:
-        return list(focus_layers)
+        return routed
     missing = sorted(set(layers) - set(focus_layers))
     if missing:
         raise ValueError(
-            f"layers {missing} are not Focus layers of this adapter (Focus layers: "
-            f"{focus_layers[0]}..{focus_layers[-1]}, {len(focus_layers)} in all: "
-            f"{list(focus_layers)})"
+            f"layers (--layers) {missing} are not Focus layers of this adapter (Focus layers: "
+            f"{_spans(focus_layers)}, {len(focus_layers)} in all; layers that can be "
+            f"inspected: {_spans(routed)})"
+        )
+    dense = sorted(set(layers) & set(dense_layers))
+    if dense:
+        raise ValueError(
+            f"layers (--layers) {dense} run dense attention in this adapter (dense_layers "
+            f"{_spans(list(dense_layers))}) and have no groups; layers that can be inspected: "
+            f"{_spans(routed)}"
         )
     return list(layers)
 
@@ -461,16 +496,20 @@ def inspect_groups(config: InspectConfig | None = None, /, **settings: Any) -> d
     Returns:
         the result (the content of ``inspect.json``): ``config``, ``tokens``, ``windows``,
         ``categories`` (names and token counts), ``focus`` (the adapter's settings),
-        ``layers`` (every Focus layer: per routing ``shares``, ``dominance``, ``nmi``,
-        ``composition`` ``[K][C]`` and ``continuation_share``; ``nmi_shuffled``),
+        ``focus_layers``, ``dense_layers`` (the Focus layers that run dense attention: no
+        groups, not inspected), ``layers`` (every routed Focus layer: per routing
+        ``shares``, ``dominance``, ``nmi``, ``composition`` ``[K][C]`` and
+        ``continuation_share``; ``nmi_shuffled``),
         ``groups`` (the detailed layers: tokens, snippets, category shares and lifts per
         group), ``summary``, ``versions``, ``environment``, ``seconds``. With ``out`` set,
         ``inspect.json``, ``inspect.md`` and the plots are written there (atomically).
 
     Raises:
         ValueError: bad settings, a missing adapter argument, ``top_k`` above K, layers that
-            are not Focus layers, too little text.
-        FileNotFoundError: the adapter directory holds no Focus adapter.
+            are not Focus layers or run dense attention (the default ``layers`` takes the
+            routed ones), an adapter whose every Focus layer runs dense attention, an
+            ``out`` that is a file, too little text.
+        FileNotFoundError: the adapter directory holds no Focus adapter, or is a file.
     """
     from tqdm.auto import tqdm
 
@@ -484,7 +523,8 @@ def inspect_groups(config: InspectConfig | None = None, /, **settings: Any) -> d
     with tqdm(total=blocks.shape[0] * passes, disable=not cfg.progress, desc="inspect",
               dynamic_ncols=True) as bar:  # fmt: skip
         runs, focus_layers = _route_all(base, saved, cfg, blocks, bar)
-    detail = check_layers(cfg.layers, focus_layers)
+    dense = [i for i in focus_layers if i not in runs["trained"]]  # they record no routing
+    detail = check_layers(cfg.layers, focus_layers, tuple(dense))
     index = TokenIndex(tokenizer, blocks.flatten())
     layers = _layers_block(runs, index, cfg)
     result = {
@@ -503,6 +543,7 @@ def inspect_groups(config: InspectConfig | None = None, /, **settings: Any) -> d
         },  # fmt: skip
         "focus": saved.to_dict(),
         "focus_layers": focus_layers,
+        "dense_layers": dense,
         "summary": _summary(layers),
         "layers": layers,
         "groups": _groups_block(index, runs["trained"], detail, cfg),

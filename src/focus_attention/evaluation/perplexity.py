@@ -48,10 +48,15 @@ import torch
 import torch.nn.functional as F
 
 from ..hf.architectures import kv_heads_of
-from ..hf.files import CONFIG_NAME, weights_file_sha256
+from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint, weights_file_sha256
 from ..ops import pairs_retained
 from ..utils.env import environment, library_versions, weights_sha256
-from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
+from ..utils.io import (
+    TRAIN_CONFIG_NAME,
+    atomic_write_text,
+    check_output_file,
+    write_json_atomic,
+)
 from .calibration import calibrate_on, calibration_blocks
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import PositionNLL, bucket_bounds, position_table
@@ -92,7 +97,7 @@ class EvalResult:
             that differ from the untouched base), ``changed_count``, ``tensors`` and
             ``lora_tensors``.
         dominance: ``soft`` / ``soft_max`` and ``topk`` / ``topk_max`` ``{"k": ...}``: mean
-            over layers and worst layer.
+            over layers and worst layer (None when every Focus layer runs dense attention).
         group_shares: ``soft`` and ``topk`` ``{"k": {layer: [K shares]}}``.
         pairs_retained_by_layer: ``{"k": {layer: share}}``.
         routing_affected_share: share of scored tokens that have keys beyond the window
@@ -284,37 +289,53 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
     [])`` for a run without Focus); checked before the model loads (that takes a while).
 
     Raises:
-        FileNotFoundError: neither a Focus adapter nor LoRA / trained weights.
+        FileNotFoundError: no such folder, a file in its place, or neither a Focus adapter
+            nor LoRA / trained weights in it.
         ValueError: a ``top_k`` outside ``1..K``; Focus settings for a run without Focus.
     """
     from ..hf.config import FocusConfig
 
-    adapter = Path(cfg.adapter)
+    adapter = check_adapter_folder(cfg.adapter)
     parts = run_parts(adapter)
     if not parts["focus"]:
+        if not adapter.is_dir():
+            raise FileNotFoundError(f"adapter folder {adapter} not found (--adapter); expected "
+                                    "a Focus adapter or a focus train run")  # fmt: skip
         if not (parts["lora"] or parts["model"]):
             raise FileNotFoundError(
                 f"{adapter / CONFIG_NAME} not found: not a Focus adapter, and no LoRA adapter "
-                "(lora/) or trained model (model/) of a focus train run either"
+                f"(lora/) or trained model (model/) of a focus train run either{sweep_hint(adapter)}"
             )
-        asked = {"top_k_values": cfg.top_k, "inference_routing": cfg.inference_routing,
-                 "window": cfg.window, "sink_tokens": cfg.sink_tokens,
-                 "dense_layers": cfg.dense_layers, "query_top_k": cfg.query_top_k,
-                 "calibrate_blocks": cfg.calibrate_blocks or None,
-                 "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
-        given = sorted(k for k, v in asked.items() if v is not None)
-        if given:
-            raise ValueError(f"{given}: {adapter} holds no Focus adapter (a dense run)")
+        _refuse_focus_settings(cfg, adapter)
         return None, []
     saved = FocusConfig.from_json_file(adapter / CONFIG_NAME)
     k_all = list(range(1, saved.num_groups + 1))
     ks = k_all if cfg.top_k is None else list(cfg.top_k)
     outside = [k for k in ks if k not in k_all]
+    expected = f"values in 1..{saved.num_groups}, the adapter's number of groups K"
     if outside:
-        raise ValueError(f"top_k_values: {outside} outside 1..K={saved.num_groups}")
+        raise ValueError(f"top_k (--top-k): received {outside}, expected {expected}")
     if cfg.query_top_k is not None and cfg.query_top_k not in k_all:
-        raise ValueError(f"query_top_k: {cfg.query_top_k} outside 1..K={saved.num_groups}")
+        raise ValueError(f"query_top_k (--query-top-k): received {cfg.query_top_k}, expected "
+                         f"{expected}")  # fmt: skip
     return saved, ks
+
+
+def _refuse_focus_settings(cfg: EvalConfig, adapter: Path) -> None:
+    """Refuse the Focus settings (their flags) given for a run without Focus.
+
+    Raises:
+        ValueError: one was given (the message names every one).
+    """
+    asked = {"top_k": cfg.top_k, "inference_routing": cfg.inference_routing,
+             "window": cfg.window, "sink_tokens": cfg.sink_tokens,
+             "dense_layers": cfg.dense_layers, "query_top_k": cfg.query_top_k,
+             "calibrate_blocks": cfg.calibrate_blocks or None,
+             "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
+    given = sorted("--" + k.replace("_", "-") for k, v in asked.items() if v is not None)
+    if given:
+        raise ValueError(f"{', '.join(given)}: {adapter} holds no Focus adapter (a dense run), "
+                         "so there is no routing to set")  # fmt: skip
 
 
 class _Scores:
@@ -471,15 +492,19 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         ``config.markdown``) when set.
 
     Raises:
-        ValueError: bad settings, a ``top_k`` outside ``1..K``, too little text, an adapter
-            saved for another base model.
-        FileNotFoundError: the adapter files are missing.
+        ValueError: bad settings, a ``json`` or ``markdown`` path that cannot be written
+            (found before any work), a ``top_k`` outside ``1..K``, too little text, an
+            adapter saved for another base model.
+        FileNotFoundError: the adapter files are missing, or ``adapter`` is a file.
         RuntimeError: the base weights changed during the evaluation.
     """
     from tqdm.auto import tqdm
 
     cfg = dataclasses.replace(config, **settings) if config is not None else EvalConfig(**settings)
     t_all = time.monotonic()
+    for name in ("json", "markdown"):
+        if getattr(cfg, name) is not None:
+            check_output_file(getattr(cfg, name), name)
     saved, ks = _adapter_top_k_values(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -626,9 +651,11 @@ def _title(r: dict[str, Any]) -> str:
 def markdown_table(result: EvalResult | dict[str, Any]) -> str:
     """The evaluation as a markdown table: one row for the base model, one for the tuned
     model (runs that trained LoRA or base weights), one for soft routing and one per
-    evaluated ``top_k`` (PPL, change against the base, pairs retained, dominance), after a
-    one-line description of what was measured. ``result`` may be an :class:`EvalResult`
-    or its dict (a JSON result file)."""
+    evaluated ``top_k`` (PPL, change against the base, pairs retained, dominance: ``-``
+    where no layer routes), after a one-line description of what was measured; then the
+    perplexity-by-position table with a row for each model scored (none for results
+    written before it existed). ``result`` may be an :class:`EvalResult` or its dict (a
+    JSON result file)."""
     r = result.to_dict() if isinstance(result, EvalResult) else result
     base = r["ppl"]["base"]
 
@@ -652,10 +679,11 @@ def markdown_table(result: EvalResult | dict[str, Any]) -> str:
         lines.append(f"| Focus soft | - | {soft:.3f} | {rel(soft)} | (gated, dense) | {dsoft_s} |")
     for k, v in r["ppl"].get("focus_topk", {}).items():
         pr = r["pairs_retained"][k]
-        d = r["dominance"]["topk"][k]
-        lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d:.3f} |")
+        d = r["dominance"]["topk"][k]  # None when every Focus layer runs dense attention
+        d_s = "-" if d is None else f"{d:.3f}"
+        lines.append(f"| Focus top-k | {k} | {v:.3f} | {rel(v)} | {100 * pr:.1f}% | {d_s} |")
     by_position = r.get("ppl_by_position")
-    if by_position and "focus_soft" in by_position:
+    if by_position and by_position.get("base"):
         table = position_table(by_position)
         if by_position.get("tuned"):  # the tuned model's row after the base's
             cells = " | ".join("-" if v is None else f"{v:.3f}" for v in by_position["tuned"])

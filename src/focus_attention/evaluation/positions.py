@@ -63,7 +63,9 @@ class PositionNLL:
 
 def position_table(by_position: dict[str, Any]) -> list[str]:
     """Markdown lines of the perplexity-by-position table of an evaluation result
-    (``EvalResult.ppl_by_position``): one column per bucket, one row per model."""
+    (``EvalResult.ppl_by_position``): one column per bucket, one row per model it holds
+    (``base``, then ``focus_soft`` and ``focus_topk`` where present; ``-`` for a bucket
+    without tokens)."""
     bounds = by_position["buckets"]
     head = " | ".join(f"{a}-{b - 1}" for a, b in bounds)
     lines = [
@@ -81,7 +83,7 @@ def position_table(by_position: dict[str, Any]) -> list[str]:
     lines.append(row("base (dense)", by_position["base"]))
     if "focus_soft" in by_position:
         lines.append(row("Focus soft", by_position["focus_soft"]))
-    for k, values in by_position["focus_topk"].items():
+    for k, values in by_position.get("focus_topk", {}).items():
         lines.append(row(f"Focus top-{k}", values))
     return lines
 

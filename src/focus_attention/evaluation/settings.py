@@ -45,19 +45,22 @@ POSITION_BUCKETS = (0, 128, 512, 2048, 8192)
 
 
 def parse_max_tokens(text: str) -> int | None:
-    """The ``--max-tokens`` flag: a count, or ``all`` / ``none`` / ``0`` for no cap.
+    """The ``--max-tokens`` flag: a count ``>= 1``, or ``all`` (or ``none``) for no cap.
 
     Raises:
-        argparse.ArgumentTypeError: anything else.
+        argparse.ArgumentTypeError: anything else (0 and negative counts included).
     """
-    if text.strip().lower() in ("all", "none", "0"):
+    if text.strip().lower() in ("all", "none"):
         return None
     try:
-        return int(text)
-    except ValueError as err:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
         raise argparse.ArgumentTypeError(
-            f"expected a number of tokens or 'all', got {text!r}"
-        ) from err
+            f"expected a number of tokens (an int >= 1) or 'all' for the whole split, got {text!r}"
+        )
+    return value
 
 
 @settings_class(
@@ -77,7 +80,7 @@ class EvalConfig(ResultFile, RunSettings, BosSettings, AdapterOverrides, BlockSe
 
     max_tokens: int | None = field(
         default=DEFAULT_MAX_TOKENS,
-        metadata={"help": "cap on evaluated tokens, 'all' for the whole split",
+        metadata={"help": "cap on evaluated tokens: an int >= 1, or 'all' for the whole split",
                   "type": parse_max_tokens},
     )  # fmt: skip
     calibrate_blocks: int = field(
@@ -189,8 +192,9 @@ class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides
 class InspectConfig(OutputSettings, RunSettings, SeedSettings, TopKValues, BlockSettings, TextSettings, ModelSettings):  # fmt: skip
     """Settings of one inspection (each field with help text a ``focus inspect`` flag and a
     key of the ``[inspect]`` table of ``--config``). ``top_k`` is one value (default 1:
-    each token's first group); ``seed`` seeds the permutations; ``tokens`` is the
-    deprecated name of ``max_tokens``.
+    each token's first group); ``seed`` seeds the permutations; ``out`` is required on the
+    command line, and None in Python writes no files; ``tokens`` is the deprecated name of
+    ``max_tokens``.
 
     Raises:
         ValueError: on construction, naming the first bad field.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -193,14 +194,55 @@ def tensor_to_document(tensor: torch.Tensor, where: str) -> tuple[FocusConfig, d
     return parse_config_document(text, where)
 
 
+#: where ``focus sweep`` trains its cells, inside its output folder
+SWEEP_CELLS = "cells"
+
+
+def check_adapter_folder(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a :class:`~pathlib.Path`, refused when it is a file: an adapter is a
+    folder (checked before a model loads).
+
+    Raises:
+        FileNotFoundError: ``directory`` is a file (the message says a folder is expected
+            and, for a file of an adapter, names the folder that holds it).
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        hint = ""
+        if directory.name in (CONFIG_NAME, WEIGHTS_NAME, TRAINER_WEIGHTS_NAME):
+            hint = f": pass {os.fspath(directory.parent)}, the folder that holds it"
+        raise FileNotFoundError(
+            f"{directory} is a file, not a folder; expected an adapter folder ({CONFIG_NAME} "
+            f"and {WEIGHTS_NAME}) or the folder of a focus train run{hint}"
+        )
+    return directory
+
+
+def sweep_hint(directory: str | os.PathLike[str]) -> str:
+    """``"; <directory> is the output folder of focus sweep: ..."`` naming one of its cells
+    when ``directory`` holds :data:`SWEEP_CELLS` folders, else ``""``: a suffix for the
+    error of a folder that holds no adapter."""
+    cells = Path(directory) / SWEEP_CELLS
+    try:
+        found = sorted(p.name for p in cells.iterdir() if p.is_dir())
+    except OSError:  # no such folder, or unreadable
+        found = []
+    if not found:
+        return ""
+    return (f"; {os.fspath(directory)} is the output folder of focus sweep: pass one of its "
+            f"{len(found)} cells, such as {os.fspath(cells / found[0])}")  # fmt: skip
+
+
 def adapter_layout(directory: Path) -> str:
     """``"adapter"`` or ``"trainer"``: which layout ``directory`` holds.
 
     Raises:
-        FileNotFoundError: neither the adapter files nor a Trainer weights file holding a
-            Focus state dict.
+        FileNotFoundError: ``directory`` is a file (:func:`check_adapter_folder`); neither
+            the adapter files nor a Trainer weights file holding a Focus state dict (the
+            message names the cells of a ``focus sweep`` output folder).
         UnreadableFileError: a damaged or unreadable Trainer weights file.
     """
+    directory = check_adapter_folder(directory)
     if (directory / CONFIG_NAME).exists() or (directory / WEIGHTS_NAME).exists():
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).exists():
@@ -217,6 +259,7 @@ def adapter_layout(directory: Path) -> str:
     raise FileNotFoundError(
         f"{directory / CONFIG_NAME} not found (a Focus adapter folder holds {CONFIG_NAME} and "
         f"{WEIGHTS_NAME}; a Trainer output folder holds {TRAINER_WEIGHTS_NAME})"
+        + sweep_hint(directory)
     )
 
 

@@ -231,6 +231,30 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+def _check_writable_place(path: Path, name: str, expected: str) -> None:
+    """The nearest existing folder at or above ``path`` is a folder that accepts a new file
+    (a probe file is created there and removed).
+
+    Raises:
+        ValueError: a file stands there, or no file can be created (permissions, a
+            read-only or virtual file system); the message names ``name`` and ``path``.
+    """
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, but {os.fspath(folder)!r} is "
+                         f"a file, not a folder; {expected}")  # fmt: skip
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".focus-probe-", dir=folder)
+    except OSError as err:
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, but no file can be created in "
+                         f"{os.fspath(folder)!r} ({err.strerror or err}); {expected}, in a "
+                         "writable place") from err  # fmt: skip
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_output_file(path: str | os.PathLike[str], name: str) -> Path:
     """Check, before any work, that the file ``path`` can be written (created or replaced,
     its missing parent folders created): so that a long computation is not lost to an
@@ -250,23 +274,36 @@ def check_output_file(path: str | os.PathLike[str], name: str) -> Path:
             and ``path``.
     """
     path = Path(path)
+    expected = "expected the path of a file to write"
     if path.is_dir():
-        raise ValueError(f"{name}: received {os.fspath(path)!r}, a directory; expected the "
-                         "path of a file to write")  # fmt: skip
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(f"{name}: received {os.fspath(path)!r}, but {os.fspath(folder)!r} is "
-                         "a file, not a folder; expected the path of a file to write")  # fmt: skip
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".focus-probe-", dir=folder)
-    except OSError as err:
-        raise ValueError(f"{name}: received {os.fspath(path)!r}, but no file can be created in "
-                         f"{os.fspath(folder)!r} ({err.strerror or err}); expected a path in a "
-                         "writable folder") from err  # fmt: skip
-    os.close(fd)
-    os.unlink(probe)
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, a directory; {expected}")
+    _check_writable_place(path.parent, name, expected)
+    return path
+
+
+def check_output_folder(path: str | os.PathLike[str], name: str) -> Path:
+    """Check, before any work, that ``path`` can be the folder a command writes its files
+    into: an existing folder, or a new one (with its missing parents) under a folder that
+    accepts new files.
+
+    Args:
+        path: the folder.
+        name: how the user gave it, for the message (a flag such as ``"--out"``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``path`` or one of its parents is not a folder (a file, a device such
+            as ``/dev/null``), or no file can be created where the folder is or would be
+            (permissions, a read-only or virtual file system); the message names ``name``
+            and ``path``.
+    """
+    path = Path(path)
+    expected = "expected a folder to write the results into (created when missing)"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: received {os.fspath(path)!r}, which is not a folder; {expected}")
+    _check_writable_place(path, name, expected)
     return path
 
 
