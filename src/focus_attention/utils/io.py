@@ -231,15 +231,15 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def _check_writable_place(path: Path, name: str, expected: str) -> None:
-    """The nearest existing folder at or above ``path`` is a folder that accepts a new file
-    (a probe file is created there and removed).
+def _check_writable_place(path: Path, start: Path, name: str, expected: str) -> None:
+    """The nearest existing folder at or above ``start`` (``path`` or its parent) is a folder
+    that accepts a new file (a probe file is created there and removed).
 
     Raises:
         ValueError: a file stands there, or no file can be created (permissions, a
             read-only or virtual file system); the message names ``name`` and ``path``.
     """
-    folder = path
+    folder = start
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
@@ -277,7 +277,7 @@ def check_output_file(path: str | os.PathLike[str], name: str) -> Path:
     expected = "expected the path of a file to write"
     if path.is_dir():
         raise ValueError(f"{name}: received {os.fspath(path)!r}, a directory; {expected}")
-    _check_writable_place(path.parent, name, expected)
+    _check_writable_place(path, path.parent, name, expected)
     return path
 
 
@@ -303,7 +303,7 @@ def check_output_folder(path: str | os.PathLike[str], name: str) -> Path:
     expected = "expected a folder to write the results into (created when missing)"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{name}: received {os.fspath(path)!r}, which is not a folder; {expected}")
-    _check_writable_place(path, name, expected)
+    _check_writable_place(path, path, name, expected)
     return path
 
 
