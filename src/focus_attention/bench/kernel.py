@@ -22,7 +22,7 @@ from ..ops import (
 )
 from ..ops.reference import expand_kv_heads
 from ..utils.env import environment, library_versions
-from .plots import save_png
+from ..utils.plots import save_png
 from .settings import DTYPE_NAMES, KERNEL_LENGTHS, KernelBenchConfig
 from .timing import cuda_peak_extra_bytes, device_synchronize, median_seconds, peak_extra_bytes
 
@@ -349,7 +349,7 @@ def gate_lines(result: dict[str, Any]) -> list[str]:
 
 def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """PNG plot of measured and ideal speedup against N, one line pair per top_k, written
-    to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
+    to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..hf.architectures import text_config_of
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
 from .kernel import sparse_backend_name
@@ -64,7 +65,7 @@ def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int 
     Raises:
         ValueError: ``owner.name`` beyond the learned positions, or too long for the memory.
     """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # fmt: skip
+    cfg = text_config_of(model.config)
     positions = getattr(cfg, "max_position_embeddings", None)
     rotary = any(getattr(cfg, key, None) for key in ("rope_theta", "rope_parameters", "rope_scaling"))  # fmt: skip
     if positions is not None and longest > positions and not rotary:

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..hf.architectures import kv_heads_of
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
-from .plots import save_png
+from ..utils.plots import save_png
 from .settings import (
     HAYSTACKS,
     NEEDLE_DEPTHS,
@@ -333,7 +334,7 @@ def rank_retrieval_layers(config: RetrievalLayersConfig) -> dict[str, Any]:
     if config.count > len(fm.focus_layers):
         raise bad("RetrievalLayersConfig", "count", config.count,
                   f"at most the {len(fm.focus_layers)} Focus layers")  # fmt: skip
-    pairs = len(fm.focus_layers) * _key_value_heads(fm.base_model)
+    pairs = len(fm.focus_layers) * kv_heads_of(fm.base_model.config)
     if config.heads > pairs:
         raise bad("RetrievalLayersConfig", "heads", config.heads,
                   f"at most the {pairs} (Focus layer, key-value head) pairs")  # fmt: skip
@@ -386,14 +387,6 @@ def rank_calibration_heads(config: CalibrateConfig) -> dict[str, Any]:
         progress=config.progress,
     ))  # fmt: skip
     return {k: result[k] for k in ("config", "head_ranking", "by_head", "prompts", "seconds")}
-
-
-def _key_value_heads(model: Any) -> int:
-    """The key-value heads of each attention layer of ``model`` (its text config's)."""
-    cfg = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def _mean(values: list[float]) -> float:
@@ -498,7 +491,7 @@ def needle_table(result: dict[str, Any]) -> str:
 
 def plot_needle(result: dict[str, Any], path: str) -> None:
     """One heatmap per (haystack, mode): lengths (rows) by depths (columns), the share
-    retrieved in each cell; written to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
+    retrieved in each cell; written to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,8 +19,8 @@ from ..deploy.serve import ServedModel
 from ..deploy.settings import BASE_CONFIG_KEY, REMOTE_CODE_NAME
 from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import environment
+from ..utils.plots import save_png
 from .model import routers_record
-from .plots import save_png
 from .settings import ServeBenchConfig
 
 __all__ = [
@@ -413,7 +413,7 @@ def serve_table(result: dict[str, Any]) -> str:
 
 def plot_serve(result: dict[str, Any], path: str) -> None:
     """Tokens per second, TTFT p50 and latency p99 against the prompt length, one line per
-    (served model, concurrency); written to ``path`` (:func:`~focus_attention.bench.plots.save_png`)."""
+    (served model, concurrency); written to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
     import matplotlib
 
     matplotlib.use("Agg")

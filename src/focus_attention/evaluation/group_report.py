@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import atomic_write
+from ..utils.plots import save_png
 
 __all__ = ["COMPOSITION_PNG", "SHARES_PNG", "markdown_summary", "write_group_plots"]
 
@@ -160,7 +160,7 @@ def _plot_composition(plt: Any, result: dict[str, Any], path: Path) -> Path | No
     fig.colorbar(image, ax=axes, shrink=0.7,
                  label="log2 lift: category share in the group / in the text (0: not above)")  # fmt: skip
     fig.suptitle("What the trained groups over-represent, by word category", fontsize=11)
-    return _save(plt, fig, path)
+    return save_png(fig, path, dpi=90)
 
 
 def _plot_shares(plt: Any, result: dict[str, Any], path: Path) -> Path:
@@ -193,15 +193,7 @@ def _plot_shares(plt: Any, result: dict[str, Any], path: Path) -> Path:
     ax2.set_title("how far the groups are from random")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    return _save(plt, fig, path)
-
-
-def _save(plt: Any, fig: Any, path: Path) -> Path:
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
-    finally:
-        plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=90)
 
 
 def write_group_plots(result: dict[str, Any], out: str | Path) -> list[Path]:

@@ -104,9 +104,15 @@ def hidden_size(config) -> int:
     return int(config.hidden_size)
 
 
+def text_config_of(model_config: Any) -> Any:
+    """The text (decoder) config of a transformers config: ``get_text_config()`` where the
+    config has it (a multimodal model's language part), else the config itself."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config  # fmt: skip
+
+
 def kv_heads_of(model_config: Any) -> int:
     """Key-value heads per layer of a transformers config, read from its text config where
     it has one (``num_key_value_heads``, else ``num_attention_heads``: no grouped-query
     attention)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config  # fmt: skip
+    text = text_config_of(model_config)
     return int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)

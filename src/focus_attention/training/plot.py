@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..utils.io import atomic_write
+from ..utils.plots import save_png
 from .outputs import read_log
 
 __all__ = ["write_plot"]
@@ -69,9 +69,4 @@ def write_plot(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str
     _plot_loss(ax1, train_rows)
     _plot_validation(ax2, val_rows)
     fig.tight_layout()
-    png = Path(png_path)
-    try:
-        atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    finally:
-        plt.close(fig)
-    return png
+    return save_png(fig, png_path)

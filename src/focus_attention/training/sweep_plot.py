@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import atomic_write
+from ..utils.plots import save_png
 from .outputs import LOG_NAME, read_log
 
 __all__ = ["PAIRS_PLOT", "DOMINANCE_PLOT", "write_pairs_plot", "write_sweep_plots"]
@@ -63,14 +63,8 @@ def _plot_dominance(axes: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    try:
-        fig.tight_layout()
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    finally:
-        plt.close(fig)
-    return path
+    fig.tight_layout()
+    return save_png(fig, path)
 
 
 def write_pairs_plot(

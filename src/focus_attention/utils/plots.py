@@ -1,4 +1,4 @@
-"""How the benchmarks write their plots: PNG files, replaced atomically."""
+"""How the package writes its plots: PNG files, replaced atomically."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import atomic_write
+from .io import atomic_write
 
 __all__ = ["save_png"]
 
