@@ -141,6 +141,11 @@ def fill(value: Any, paths: dict[str, str]) -> Any:
     return value
 
 
+def _texts(value: Any) -> list[str]:
+    """The strings of a setting's value: itself, or the strings of a list."""
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+
+
 def _check_placeholders(key: str, value: Any, where: str) -> None:
     """Every ``{name}`` in ``value`` (a string, or the strings of a list) is one of
     :data:`PLACEHOLDERS`.
@@ -148,9 +153,7 @@ def _check_placeholders(key: str, value: Any, where: str) -> None:
     Raises:
         ValueError: naming ``where``, the setting ``key`` and the unknown placeholder.
     """
-    for text in value if isinstance(value, list) else [value]:
-        if not isinstance(text, str):
-            continue
+    for text in _texts(value):
         for name in PLACEHOLDER.findall(text):
             if name not in PLACEHOLDERS:
                 raise ValueError(f"{where}: {key} {text!r}: unknown placeholder {{{name}}}; "
@@ -275,8 +278,7 @@ def runs_folder(runs: str | Path) -> str:
 
 
 def _uses_runs(settings: dict[str, Any]) -> bool:
-    return any("{runs}" in v for value in settings.values()
-               for v in (value if isinstance(value, list) else [value]) if isinstance(v, str))  # fmt: skip
+    return any("{runs}" in text for value in settings.values() for text in _texts(value))
 
 
 def recorded_differences(step: Step, record: dict[str, Any], runs: str | Path) -> list[str] | None:
