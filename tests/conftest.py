@@ -6,6 +6,15 @@ import os
 
 import pytest
 
+# The Triton kernels run on CPU tensors under Triton's interpreter, which Triton switches on
+# when a kernel is defined: set before any test imports them, and only on a machine without
+# a CUDA device (there they compile, as in production). FOCUS_TRITON_COMPILE=1 keeps it off.
+if os.environ.get("FOCUS_TRITON_COMPILE", "0") != "1":
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="module")
 def inductor():
