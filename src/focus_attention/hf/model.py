@@ -22,7 +22,7 @@ from .architectures import (
     layer_types,
 )
 from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
-from .cache import check_dynamic_cache
+from .cache import check_cache
 from .config import ROUTINGS, FocusConfig
 from .files import (
     CONFIG_NAME,
@@ -406,7 +406,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 gen_cfg = gen_cfg or getattr(self.base_model, "generation_config", None)
                 impl = getattr(gen_cfg, "cache_implementation", None)
                 impl = kwargs.get("cache_implementation", impl)
-            check_dynamic_cache(kwargs.get("past_key_values", kwargs.get("cache")), impl)
+            check_cache(kwargs.get("past_key_values", kwargs.get("cache")), impl)
         if self._sequence_topk():
             if (
                 kwargs.get("use_cache")
