@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_support import interpreting
+
 __all__ = ["launch_merge", "launch_partials"]
 
 
@@ -33,18 +35,44 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` with float32 sums. ``DOT``: 0, the inputs' dtype (half inputs: exact
+    products on tensor cores); 1, float32 inputs without TF32 rounding; 2, half inputs
+    converted to float32 first, the same products (a half times a half is exact in float32)
+    for Triton's interpreter, whose bfloat16 ``tl.dot`` multiplies the raw bits (Triton 3.7)."""
+    if DOT == 1:
+        c = tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _weighted_values(p, v, DOT: tl.constexpr):
+    """``p @ v`` for float32 weights ``p``. Half values: the weights split into two terms of
+    the values' dtype, ``p = hi + lo`` to about ``2**-16`` relative, two tensor-core products
+    (a single rounding of ``p`` would cost ``2**-9`` for bfloat16)."""
+    if DOT == 1:
+        c = _dot(p, v, DOT)
+    else:
+        hi = p.to(v.dtype)
+        c = _dot(hi, v, DOT) + _dot((p - hi.to(tl.float32)).to(v.dtype), v, DOT)
+    return c
+
+
+@triton.jit
 def _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok, stride_kn, stride_kd,
             stride_vn, stride_vd, scale, softcap, SOFTCAP: tl.constexpr,
-            IEEE: tl.constexpr):  # fmt: skip
+            DOT: tl.constexpr):  # fmt: skip
     """One block of keys at positions ``keys`` (``ok``: visible) folded into the online
     softmax state ``(m_i, l_i, acc)`` of the query rows ``q``."""
     kv_mask = ok[:, None] & d_ok[None, :]
     keys = keys.to(tl.int64)
     k = tl.load(k_rows + keys[:, None] * stride_kn + d_off[None, :] * stride_kd, mask=kv_mask,
                 other=0.0)  # fmt: skip
-    # float32: exact products (no TF32); half: the tensor cores' products, float32 sums
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
-    s = s * scale
+    s = _dot(q, tl.trans(k), DOT) * scale
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
     s = tl.where(ok[None, :], s, float("-inf"))
@@ -55,8 +83,7 @@ def _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok, stride_kn, 
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_rows + keys[:, None] * stride_vn + d_off[None, :] * stride_vd, mask=kv_mask,
                 other=0.0)  # fmt: skip
-    pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _weighted_values(p, v, DOT)
     return m_new, l_i, acc
 
 
@@ -78,7 +105,7 @@ def _older_entries(entries, count, newest, span, stride_ie, BLOCK_N: tl.constexp
 def _window_part(q, k_rows, v_rows, pad_row, pos, window, split, num_splits, m_i, l_i, acc,
                  d_off, d_ok, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, scale,
                  softcap, BLOCK_N: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                 IEEE: tl.constexpr):  # fmt: skip
+                 DOT: tl.constexpr):  # fmt: skip
     """This split's share of the window: keys ``max(0, pos - window + 1) .. pos``."""
     low = tl.maximum(pos - window + 1, 0)
     share = tl.cdiv(tl.maximum(pos + 1 - low, 0), num_splits)
@@ -91,7 +118,7 @@ def _window_part(q, k_rows, v_rows, pad_row, pos, window, split, num_splits, m_i
             ok = ok & (tl.load(pad_row + keys * stride_pn, mask=ok, other=0) != 0)
         m_i, l_i, acc = _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok,
                                 stride_kn, stride_kd, stride_vn, stride_vd, scale, softcap,
-                                SOFTCAP, IEEE)  # fmt: skip
+                                SOFTCAP, DOT)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -100,7 +127,7 @@ def _group_part(q, k_rows, v_rows, pad_row, entries, count, code_row, qcode, gro
                 span, split, num_splits, m_i, l_i, acc, d_off, d_ok, stride_kn, stride_kd,
                 stride_vn, stride_vd, stride_pn, stride_ie, stride_sn, scale, softcap,
                 BLOCK_N: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                IEEE: tl.constexpr):  # fmt: skip
+                DOT: tl.constexpr):  # fmt: skip
     """This split's share of the bucket of ``group`` older than the window (entries at
     positions ``<= newest``), less the keys that share a lower group with the query."""
     older = _older_entries(entries, count, newest, span, stride_ie, BLOCK_N)
@@ -120,7 +147,7 @@ def _group_part(q, k_rows, v_rows, pad_row, entries, count, code_row, qcode, gro
             ok = ok & (tl.load(pad_row + keys * stride_pn, mask=ok, other=0) != 0)
         m_i, l_i, acc = _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok,
                                 stride_kn, stride_kd, stride_vn, stride_vd, scale, softcap,
-                                SOFTCAP, IEEE)  # fmt: skip
+                                SOFTCAP, DOT)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -146,7 +173,7 @@ def _partials_kernel(
     stride_lb, stride_lt, stride_lh, stride_ls,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, HAS_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """One (query, block of query heads) x split x (row, key-value head) program."""
     t = tl.program_id(0) // head_blocks
@@ -174,7 +201,7 @@ def _partials_kernel(
     m_i, l_i, acc = _window_part(q, k_rows, v_rows, pad_row, pos, window, split, num_splits,
                                  m_i, l_i, acc, d_off, d_ok, stride_kn, stride_kd, stride_vn,
                                  stride_vd, stride_pn, scale, softcap, BLOCK_N, HAS_PAD,
-                                 SOFTCAP, IEEE)  # fmt: skip
+                                 SOFTCAP, DOT)  # fmt: skip
     newest = pos - window  # the newest key older than the window
     span = window + num_queries - 1  # the bucket entries newer than it are among the last span
     for g in range(num_groups):
@@ -186,7 +213,7 @@ def _partials_kernel(
                                         newest, span, split, num_splits, m_i, l_i, acc, d_off,
                                         d_ok, stride_kn, stride_kd, stride_vn, stride_vd,
                                         stride_pn, stride_ie, stride_sn, scale, softcap,
-                                        BLOCK_N, HAS_PAD, SOFTCAP, IEEE)  # fmt: skip
+                                        BLOCK_N, HAS_PAD, SOFTCAP, DOT)  # fmt: skip
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -263,8 +290,15 @@ def launch_partials(
         *pad_strides, *out.stride(), *lse.stride(),
         HEAD_DIM=d, BLOCK_H=block_heads, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_keys, PER_HEAD=query_codes.shape[1] > 1, HAS_PAD=key_padding_mask is not None,
-        SOFTCAP=softcap is not None, IEEE=query.dtype == torch.float32, num_warps=num_warps,
+        SOFTCAP=softcap is not None, DOT=_dot_mode(query.dtype), num_warps=num_warps,
     )  # fmt: skip
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    """The ``DOT`` mode of :func:`_dot` for inputs of ``dtype``."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if dtype == torch.bfloat16 and interpreting() else 0
 
 
 def launch_merge(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
