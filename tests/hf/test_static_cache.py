@@ -65,7 +65,7 @@ def test_static_cache_decodes_as_the_dynamic_one(arch):
     ids=["top2", "query-top2", "dense-layer", "dense-head", "streaming", "no-sinks-window1"],
 )
 def test_static_cache_decodes_as_the_dynamic_one_with_each_setting(settings):
-    _, fm = focus("llama", num_groups=4, window=8, sink_tokens=2, **{**settings})
+    _, fm = focus("llama", **{"num_groups": 4, "window": 8, "sink_tokens": 2, **settings})
     x = ids(1, PROMPT, seed=32)
     assert_same_decoding(greedy(fm, x, cache_implementation="static"), greedy(fm, x))
 
@@ -163,5 +163,7 @@ def test_a_reset_static_cache_decodes_as_a_new_one():
         fm(input_ids=ids(1, 25, seed=40), **cache_kwargs(cache), use_cache=True)
         cache.reset()
         got = fm(input_ids=x, **cache_kwargs(cache), use_cache=True).logits
-        want = fm(input_ids=x, **cache_kwargs(DynamicCache(config=fm.config)), use_cache=True).logits
+        want = fm(
+            input_ids=x, **cache_kwargs(DynamicCache(config=fm.config)), use_cache=True
+        ).logits
     assert (got - want).abs().max() <= 1e-5

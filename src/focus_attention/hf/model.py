@@ -43,6 +43,7 @@ from .files import (
     to_file_tensors,
     write_adapter,
 )
+from .masks import masks_for_generate
 from .paged import FocusContinuousBatching
 from .router import FocusRouter, check_router_values
 from .runtime import (
@@ -263,6 +264,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._handles = self._attach(runtime, modules)
         register_focus_attention()
         model_config._attn_implementation = ATTN_IMPLEMENTATION
+        base_model.create_masks_for_generate = masks_for_generate(base_model)
         self._unloaded = False
         self.register_load_state_dict_post_hook(_base_keys_not_expected)
         self.train(base_model.training)
@@ -949,6 +951,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         for part in _pretrained_parts(base):
             part.__dict__.pop(RUNTIME_ATTR, None)
         base.config._attn_implementation = self._runtime.base_impl
+        base.__dict__.pop("create_masks_for_generate", None)
         for name, p in base.named_parameters():
             p.requires_grad_(self._requires_grad.get(name, p.requires_grad))
         self._handles = {}

@@ -141,7 +141,7 @@ class FocusStaticLayer(StaticLayer):
         nq = query.shape[2]
         if backend == "auto" and nq <= STATIC_DECODE_QUERIES:
             decode = bucket_decode if triton_reason(query.device) is None else bucket_decode_reference  # fmt: skip
-            lengths = self.cumulative_length.expand(query.shape[0])
+            lengths = self.cumulative_length.expand(query.shape[0]).contiguous()
             out, _ = decode(query, key, value, query_groups[:, None], self.buckets,
                             lengths, window, scale=scale, softcap=softcap,
                             key_padding_mask=self.real, needs_lse=False)  # fmt: skip
@@ -195,8 +195,9 @@ def focus_static_layer(cache: Any, layer_idx: int) -> FocusStaticLayer:
     """Make layer ``layer_idx`` of a static ``cache`` a :class:`FocusStaticLayer` and return it.
 
     An empty ``StaticLayer`` is replaced by one of the same ``max_cache_len``; an empty
-    ``StaticSlidingWindowLayer`` (a sliding-window layer of the base model) by one of the
-    longest full layer's ``max_cache_len``, so the Focus layer keeps every key.
+    ``StaticSlidingWindowLayer`` (a sliding-window layer of the base model) whose window is
+    shorter than the cache by one of the longest full layer's ``max_cache_len``, so the Focus
+    layer keeps every key.
 
     Raises:
         ValueError: the layer already holds keys computed without Focus; a sliding layer in
@@ -212,7 +213,8 @@ def focus_static_layer(cache: Any, layer_idx: int) -> FocusStaticLayer:
             "start from an empty cache"
         )
     length = layer.max_cache_len
-    if isinstance(layer, StaticSlidingWindowLayer):
+    # a sliding layer whose window is shorter than the cache holds only the window's length
+    if isinstance(layer, StaticSlidingWindowLayer) and not getattr(layer, "_is_croppable", False):
         full = [x.max_cache_len for x in cache.layers if not isinstance(x, StaticSlidingWindowLayer)]  # fmt: skip
         if not full:
             raise ValueError(
