@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from focus_attention.ops.sparse import triton_decode, triton_decode_kernels
 from focus_attention.ops.sparse.buckets import GroupBuckets
@@ -32,12 +31,7 @@ from .helpers import (
     max_err,
     naive_attention,
 )
-
-#: aten operations that read a device value on the host, or give a shape that depends on one
-SYNC_OPS = {
-    "_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal",
-    "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_scatter", "allclose",
-}  # fmt: skip
+from .op_record import OpRecorder, assert_same_operations
 
 
 @dataclass
@@ -361,30 +355,6 @@ def test_property_kernel_and_reference(params):
     setup.check(*setup.run(bucket_decode_reference))
 
 
-class _Recorder(TorchDispatchMode):
-    """The aten operations dispatched inside the context, with their tensor arguments'
-    shapes and dtypes and their other arguments (no values of tensors)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat = [*args, *(kwargs or {}).values()]
-        self.ops.append((func.overloadpacket.__name__, str(func), tuple(map(_describe, flat))))
-        return func(*args, **(kwargs or {}))
-
-
-def _describe(arg):
-    """An operation's argument without the values of tensors (the interpreter's copies pass
-    storages: their size only)."""
-    if isinstance(arg, torch.Tensor):
-        return tuple(arg.shape), arg.dtype
-    if isinstance(arg, (torch.UntypedStorage, torch.TypedStorage)):
-        return "storage", arg.nbytes()
-    return repr(arg)
-
-
 def _layout(arg):
     """A launch argument without the values of tensors: shapes and strides."""
     if isinstance(arg, GroupBuckets):
@@ -423,12 +393,10 @@ def test_operations_do_not_depend_on_values(fn, splits, monkeypatch):
     for seed, lengths, top_k in [(1, (37, 20), 1), (2, (25, 44), 3)]:
         setup = build(seed=seed, lengths=lengths, top_k=top_k, nq=2, per_head=True,
                       padding="random", num_splits=splits, membership="random")  # fmt: skip
-        with _Recorder() as recorder:
+        with OpRecorder() as recorder:
             setup.run(fn)
-        records.append(recorder.ops)
-    assert records[0] == records[1]
-    assert records[0], "nothing recorded"
-    assert not {name for name, *_ in records[0]} & SYNC_OPS
+        records.append(recorder)
+    assert_same_operations(*records)
     if fn is bucket_decode:
         assert len(launches) == 2 * (1 if splits == 1 else 2)
         half = len(launches) // 2
