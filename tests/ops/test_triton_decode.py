@@ -480,15 +480,18 @@ def test_backend_unavailable_without_the_interpreter(monkeypatch):
     bucket_decode_reference(*args, **kwargs)  # the fallback
 
 
-def test_half_weights_keep_float32_accuracy():
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_half_weights_keep_float32_accuracy(softcap):
     """float16: the kernel's output is the float32 reference's, rounded once, in all but a
     few elements (rounding ties of two float32 sums): the weights enter the value product
     to about ``2**-16``, not rounded to float16 (that would change about a third of the
-    elements). bfloat16 is not compared bitwise here: Triton's interpreter converts float32
-    to bfloat16 by truncation, the GPU by rounding to nearest."""
+    elements); with soft-capping too. bfloat16 is not compared bitwise here: Triton's
+    interpreter converts float32 to bfloat16 by truncation, the GPU by rounding to nearest."""
     setup = build(dtype=torch.float16, dim=64, heads=8, lengths=(47, 40), window=8, top_k=2, nq=2)
-    out, _ = setup.run()
-    ref, _ = setup.run(bucket_decode_reference)
+    if softcap is not None:
+        setup = _inflate(setup)
+    out, _ = setup.run(softcap=softcap)
+    ref, _ = setup.run(bucket_decode_reference, softcap=softcap)
     assert (out != ref).float().mean().item() < 0.01
 
 
@@ -501,3 +504,113 @@ def test_lengths_are_clamped_to_the_cache():
         clamped, clamped_lse = fn(query, key, value, qg, buckets, torch.tensor([60, -3]), window)
         assert torch.equal(out[0], clamped[0]) and torch.equal(lse[0], clamped_lse[0])
         assert (clamped[1] == 0).all() and (clamped_lse[1] == -math.inf).all()
+
+
+# --------------------------------------------------------------------------------------
+# on a CUDA device: the compiled kernel, graph capture, compilations
+# --------------------------------------------------------------------------------------
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda(setup: Setup) -> Setup:
+    """The call's tensors on the current CUDA device (the oracle cases stay on the CPU)."""
+
+    def move(x):
+        if isinstance(x, GroupBuckets):
+            return GroupBuckets(x.index.cuda(), x.count.cuda(), x.codes.cuda())
+        return x.cuda() if isinstance(x, torch.Tensor) else x
+
+    kwargs = {k: move(v) for k, v in setup.kwargs.items()}
+    return Setup(tuple(map(move, setup.args)), kwargs, setup.cases)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("params", GRID)
+def test_cuda_grid(params, dtype):
+    """The compiled kernel against the oracle (default split count: from the SM count)."""
+    if dtype != torch.float32 and ("scale" in params or "softcap" in params):
+        pytest.skip("the scale and softcap oracle is float32")
+    setup = build(**params, dtype=dtype)
+    if "softcap" in params:
+        setup = _inflate(setup)
+    out, lse = _cuda(setup).run()
+    setup.check(out.cpu(), lse.cpu())
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_graph_replays_a_decoding_step(splits):
+    """One decoding step (append the new token's groups, then attend) captured in a CUDA
+    graph, replayed with the tensors of two other calls of the same shapes copied in:
+    each replay equals that call run eagerly."""
+    params = dict(per_head=True, top_k=2, padding="left", num_splits=splits, sinks=1)
+    first = _cuda(build(seed=1, lengths=(37, 20), **params))
+    static = _step_inputs(first)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and allocate before capture
+        _step(static, first)
+    torch.cuda.current_stream().wait_stream(stream)
+    _load(static, _step_inputs(first))
+    with torch.cuda.graph(graph):
+        result = _step(static, first)
+    for seed, lengths in [(2, (25, 44)), (3, (48, 9))]:
+        other = _cuda(build(seed=seed, lengths=lengths, **params))
+        _load(static, _step_inputs(other))
+        graph.replay()
+        expected = _step(_step_inputs(other), other)
+        torch.testing.assert_close(result[0], expected[0], atol=0, rtol=0)
+        torch.testing.assert_close(result[1], expected[1], atol=0, rtol=0)
+        other.check(result[0].cpu(), result[1].cpu())
+
+
+def _step_inputs(setup: Setup) -> dict:
+    """The state before a call's last token: buckets cropped to ``L - 1``, and the token's
+    position and groups."""
+    query, key, value, qg, buckets, lengths, _ = setup.args
+    before = GroupBuckets(buckets.index.clone(), buckets.count.clone(), buckets.codes.clone())
+    before.crop_(lengths - 1)
+    rows = torch.arange(len(lengths), device=lengths.device)
+    token = _key_groups(buckets)[rows, :, lengths - 1][:, :, None]  # [B, R, 1, K]
+    return dict(query=query, key=key, value=value, qg=qg, buckets=before, lengths=lengths,
+                positions=(lengths - 1)[:, None], token=token)  # fmt: skip
+
+
+def _load(static: dict, values: dict) -> None:
+    """Copy ``values`` into the static tensors of a captured step."""
+    for name, value in values.items():
+        if isinstance(value, GroupBuckets):
+            for mine, new in zip(static[name].__dict__.values(), value.__dict__.values(),
+                                 strict=True):  # fmt: skip
+                mine.copy_(new)
+        else:
+            static[name].copy_(value)
+
+
+def _step(inputs: dict, setup: Setup):
+    inputs["buckets"].append_(inputs["positions"], inputs["token"])
+    args = (inputs["query"], inputs["key"], inputs["value"], inputs["qg"], inputs["buckets"],
+            inputs["lengths"], setup.args[6])  # fmt: skip
+    return bucket_decode(*args, **setup.kwargs)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_compiles_once_for_every_cache_length(monkeypatch):
+    """Capacities, lengths and split counts vary between calls of one model: the kernels
+    compile once (Triton's cache hook sees each compilation)."""
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "knobs"):
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook",
+                        lambda **kw: compiled.append(kw["fn"].name))  # fmt: skip
+    for capacity, lengths, splits in [(64, (60, 30), 2), (100, (99, 2), 3), (1000, (700, 999), 5)]:
+        setup = _cuda(build(capacity=capacity, lengths=lengths, top_k=2, num_splits=splits))
+        setup.check(*(t.cpu() for t in setup.run()))
+    assert sorted(compiled) == ["_merge_kernel", "_partials_kernel"], compiled

@@ -251,5 +251,5 @@ class GroupBuckets:
         slots = torch.arange(c1 - 1, device=self.device)
         kept = (self.index[..., :-1] < limit[:, None, None, None]) & (slots < self.count[..., None])
         self.count.copy_(kept.sum(dim=-1, dtype=torch.int32))
-        pass
+        self.codes.masked_fill_(slots >= limit[:, None, None], 0)
         return self
