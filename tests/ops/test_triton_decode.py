@@ -316,7 +316,7 @@ def test_appended_buckets_give_the_same_result(small_blocks):
 
 def _key_groups(buckets: GroupBuckets) -> torch.Tensor:
     """bool ``[B, R, C, K]`` memberships from the buckets' codes."""
-    bits = torch.arange(buckets.num_groups)
+    bits = torch.arange(buckets.num_groups, device=buckets.device)
     return (buckets.codes[..., None] >> bits) & 1 == 1
 
 
