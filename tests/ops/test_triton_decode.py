@@ -262,6 +262,17 @@ def test_production_block_size():
     setup.check(*setup.run())
 
 
+@pytest.mark.parametrize(
+    "params", [dict(heads=20, kv_heads=1), dict(heads=34, kv_heads=2, per_head=True, nq=2)]
+)
+def test_query_heads_in_several_programs(params, monkeypatch):
+    """More query heads per key-value head than one program takes: blocks of them, the
+    last one partial."""
+    monkeypatch.setattr(triton_decode, "MAX_BLOCK_HEADS", 16)
+    setup = build(**params, top_k=2)
+    setup.check(*setup.run())
+
+
 def test_needs_lse_false_returns_the_same_output():
     setup = build(nq=2, top_k=2, padding="right")
     out, lse = setup.run()
