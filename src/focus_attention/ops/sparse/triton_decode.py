@@ -33,11 +33,17 @@ from .triton_support import MAX_KERNEL_GROUPS, group_codes, triton_reason
 __all__ = [
     "BLOCK_KEYS",
     "KERNEL_DTYPES",
+    "MAX_BLOCK_HEADS",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
+    "MIN_PROGRAMS_PER_SM",
+    "MIN_SPLIT_KEYS",
+    "DecodeCall",
     "bucket_decode",
     "bucket_decode_reference",
+    "check_decode",
     "default_num_splits",
+    "reference_visibility",
 ]
 
 #: input dtypes of the kernel.
