@@ -517,6 +517,18 @@ def test_lengths_are_clamped_to_the_cache():
         assert (clamped[1] == 0).all() and (clamped_lse[1] == -math.inf).all()
 
 
+def test_lengths_of_any_layout():
+    """Lengths given as a view (a static cache's 0-d length expanded over the batch, stride 0)
+    read as the same lengths contiguous."""
+    setup = build(lengths=(30, 30), top_k=1, nq=1)
+    query, key, value, qg, buckets, _, window = setup.args
+    one = torch.tensor(30)
+    for fn in (bucket_decode, bucket_decode_reference):
+        want = fn(query, key, value, qg, buckets, torch.tensor([30, 30]), window)
+        got = fn(query, key, value, qg, buckets, one.expand(2), window)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
 # --------------------------------------------------------------------------------------
 # on a CUDA device: the compiled kernel, graph capture, compilations
 # --------------------------------------------------------------------------------------
