@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from focus_attention.ops import dense_attention, focus_mask, sparse_attention
 
 #: the explicit sparse backends every exactness test runs on.
-BACKENDS = ("gather", "masked", "cpu_fused", "cpu_flash", "math")
+BACKENDS = ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "math")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: tolerance for fp32 outputs (max abs error against the exact result).
 FP32_ATOL = 1e-5

@@ -58,49 +58,34 @@ def _request(**kw) -> SparseRequest:
 
 
 def test_flex_is_registered_between_the_cpu_kernels_and_math():
-    assert BACKENDS == ("auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:6] == ("gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:7] == ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(
-    "request_kw",
+    "request_kw,chosen",
     [
-        pytest.param({}, id="fp32"),
-        pytest.param(dict(num_groups=70), id="70-groups"),
-        pytest.param(dict(needs_grad=True), id="grad"),
-        pytest.param(dict(softcap=True), id="softcap"),
-        pytest.param(dict(dtype=torch.float64), id="float64"),
+        pytest.param({}, "triton", id="fp32"),
+        pytest.param(dict(dtype=torch.bfloat16), "triton", id="bf16"),
+        pytest.param(dict(dtype=torch.float64), "flex", id="fp64"),
+        pytest.param(dict(needs_grad=True), "flex", id="grad"),
+        pytest.param(dict(softcap=True), "triton", id="softcap"),
+        pytest.param(dict(num_groups=100), "flex", id="100-groups"),
     ],
 )
-def test_auto_never_chooses_flex_on_cpu(request_kw, kernel_built):
-    """CPU keeps its own order (cpu_fused, cpu_flash, math): flex is only named there."""
-    assert resolve_backend("auto", _request(**request_kw)).name != "flex"
-    if not request_kw.get("needs_grad"):
-        assert resolve_backend("flex", _request(**request_kw)).name == "flex"
-
-
-@pytest.mark.parametrize(
-    "request_kw",
-    [
-        pytest.param({}, id="fp32"),
-        pytest.param(dict(dtype=torch.bfloat16), id="bf16"),
-        pytest.param(dict(needs_grad=True), id="grad"),
-        pytest.param(dict(softcap=True), id="softcap"),
-        pytest.param(dict(num_groups=100), id="100-groups"),
-    ],
-)
-def test_auto_chooses_flex_on_cuda(request_kw, monkeypatch):
-    """Decided from the request alone (no GPU needed): with Triton present, "auto" takes
-    flex for CUDA calls, gradients and soft-capping included."""
+def test_auto_on_cuda_chooses_the_triton_kernels_then_flex(request_kw, chosen, monkeypatch):
+    """Decided from the request alone (no GPU needed): with Triton present, "auto" takes the
+    package's Triton kernels for CUDA calls they run (inference, float32/bfloat16/float16,
+    K <= 62, soft-capping), and flex for the others (gradients, float64, more groups)."""
     monkeypatch.setattr(flex, "triton_available", lambda: True)
-    assert resolve_backend("auto", _request(device=CUDA, **request_kw)).name == "flex"
+    assert resolve_backend("auto", _request(device=CUDA, **request_kw)).name == chosen
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
 @pytest.mark.parametrize("queries", [1, 8, 9])
-def test_auto_chooses_gather_for_decoding_sized_calls_on_cuda(device, queries, monkeypatch):
+def test_auto_chooses_gather_for_decoding_sized_calls_with_gradients_on_cuda(device, queries, monkeypatch):  # fmt: skip
     monkeypatch.setattr(flex, "triton_available", lambda: True)
-    got = resolve_backend("auto", _request(device=device, num_queries=queries)).name
+    got = resolve_backend("auto", _request(device=device, num_queries=queries, needs_grad=True)).name  # fmt: skip
     assert (got == "gather") == (queries <= 8 and device == CUDA)
 
 

@@ -48,8 +48,8 @@ def _spy_fused(monkeypatch) -> list[bool]:
 
 
 def test_backends_are_listed_in_autos_order():
-    assert BACKENDS == ("auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:6] == ("gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == ("auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names()[:7] == ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_auto_with_no_capable_backend_gives_every_reason(monkeypatch):
 
 def test_unknown_backend_names_the_registered_ones():
     with pytest.raises(BackendUnavailable, match="cpu_flash.*flex"):
-        resolve_backend("triton", _request())
+        resolve_backend("cuda_kernels", _request())
 
 
 def test_backend_errors_are_value_errors_of_their_own_type():
@@ -107,8 +107,8 @@ def test_backend_errors_are_value_errors_of_their_own_type():
     assert issubclass(BackendUnavailable, ValueError)
     q = torch.randn(1, 2, 3, 4)
     groups = torch.ones(1, 3, 2, dtype=torch.bool)
-    with pytest.raises(BackendUnavailable, match="triton"):
-        sparse_attention(q, q, q, groups, groups, 2, backend="triton")
+    with pytest.raises(BackendUnavailable, match="cuda_kernels"):
+        sparse_attention(q, q, q, groups, groups, 2, backend="cuda_kernels")
     with pytest.raises(BackendUnavailable, match="inference only"):
         sparse_attention(q.requires_grad_(), q, q, groups, groups, 2, backend="masked")
     with pytest.raises(ValueError) as info:
@@ -246,3 +246,15 @@ def test_cpu_kernels_refuse_inputs_that_require_grad():
         out = sparse_attention(q, case.k, case.v, case.qg, case.kg, 4, backend="cpu_flash")
     mask = focus_mask(case.qg, case.kg, 4)
     torch.testing.assert_close(out, dense_attention(case.q, case.k, case.v, mask)[0])
+
+
+def test_triton_runs_by_name_on_the_cpu_only_under_the_interpreter(monkeypatch):
+    """On CPU tensors the ``triton`` backend runs under Triton's interpreter (the tests set
+    ``TRITON_INTERPRET=1``) and only when named: ``"auto"`` chooses it on CUDA only; without
+    the interpreter it refuses, saying where it runs."""
+    request = _request()
+    assert resolve_backend("triton", request).name == "triton"
+    assert resolve_backend("auto", request).name != "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailable, match="runs on CUDA tensors .*TRITON_INTERPRET=1"):
+        resolve_backend("triton", request)

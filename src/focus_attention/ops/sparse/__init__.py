@@ -4,14 +4,15 @@
 - :mod:`.dispatch`: the backend registry (:func:`register_backend`,
   :func:`resolve_backend`, :func:`backend_names`) and the custom operator;
 - :mod:`.decomposition`: the disjoint group / local decomposition of the Python backends;
-- :mod:`.gather` (decoding-sized calls), :mod:`.masked` (decoding without a host
-  synchronisation), :mod:`.cpu_fused` (with :mod:`.extension`, the
-  build of ``csrc/focus_cpu.cpp``), :mod:`.cpu_flash`, :mod:`.flex` (PyTorch's
-  FlexAttention), :mod:`.math`: the built-in backends, registered on import in
+- :mod:`.triton_backend` (this package's Triton kernels: :mod:`.triton_decode` over group
+  buckets, :mod:`.buckets`, and :mod:`.triton_prefill`), :mod:`.gather` (decoding-sized
+  calls), :mod:`.masked` (decoding without a host synchronisation), :mod:`.cpu_fused` (with
+  :mod:`.extension`, the build of ``csrc/focus_cpu.cpp``), :mod:`.cpu_flash`, :mod:`.flex`
+  (PyTorch's FlexAttention), :mod:`.math`: the built-in backends, registered on import in
   ``"auto"``'s order.
 """
 
-from . import cpu_flash, cpu_fused, flex, gather, masked, math  # noqa: F401  (each registers its backend)
+from . import cpu_flash, cpu_fused, flex, gather, masked, math, triton_backend  # noqa: F401  (each registers its backend)
 from .api import Backend, sparse_attention
 from .cpu_fused import fused_kernel_available
 from .dispatch import (

@@ -22,7 +22,7 @@ from .dispatch import (
 
 __all__ = ["Backend", "sparse_attention"]
 
-Backend = Literal["auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math"]
+Backend = Literal["auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
 @without_autocast
@@ -57,9 +57,16 @@ def sparse_attention(
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
-        backend: ``"auto"`` (the first that can run the call, in the order ``gather``,
-            ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``) or a registered backend
-            (:func:`backend_names`); inputs that require grad need a differentiable one:
+        backend: ``"auto"`` (the first that can run the call, in the order ``triton``,
+            ``gather``, ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``) or a registered
+            backend (:func:`backend_names`); inputs that require grad need a differentiable
+            one:
+
+            - ``"triton"``: this package's Triton kernels, no host synchronisation: for at
+              most 8 queries (decoding) group buckets and a split-K kernel reading only the
+              window and the query's groups' keys, else a group-sorted prefill kernel
+              (``"auto"`` on CUDA); CUDA, or the CPU under ``TRITON_INTERPRET=1``; float32,
+              bfloat16, float16, K <= 62, ``softcap``, inference only.
 
             - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
               queries: decoding); any device and dtype, ``softcap``, differentiable.

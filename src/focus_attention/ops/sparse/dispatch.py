@@ -6,7 +6,8 @@ declares it can do (devices, dtypes, gradients, soft-capping, at most how many g
 an optional check of its own, e.g. whether a kernel could be built). From these
 :meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
 :func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
-backend that can run the call in increasing ``priority``: ``gather`` (8, chosen by ``"auto"``
+backend that can run the call in increasing ``priority``: ``triton`` (7, chosen by ``"auto"``
+on CUDA: this package's Triton kernels), ``gather`` (8, chosen by ``"auto"``
 on CUDA for calls of at most 8 queries: decoding), ``masked`` (9, run by name only),
 ``cpu_fused`` (10),
 ``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100).
