@@ -19,7 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from focus_attention.ops import focus_mask
 from focus_attention.ops.sparse import BackendUnavailable
-from focus_attention.ops.sparse.triton_prefill import group_prefill, prefill_blocks, prefill_layout
+from focus_attention.ops.sparse.triton_prefill import (
+    class_order,
+    group_order,
+    group_prefill,
+    prefill_blocks,
+)
 from focus_attention.ops.sparse.triton_support import triton_reason
 
 from .helpers import (
@@ -235,24 +240,28 @@ def test_empty_inputs(shape):
 # --------------------------------------------------------------------------------------
 
 
-def test_layout_is_the_group_sorted_order():
+def test_layouts_sort_by_class_and_by_group():
     case = make_case(batch=2, nk=30, groups=5, membership="random", padding="random", seed=2)
     step = 4
-    lay = prefill_layout(case.qg[:, None], case.kg[:, None], case.kpm, step)
     members = case.kg & case.kpm[..., None]
+    classes = class_order(case.qg[:, None])
+    groups = group_order(members[:, None], step)
     for b in range(2):
         codes = [sum(1 << g for g in range(5) if case.qg[b, t, g]) for t in range(case.nq)]
         order = sorted(range(case.nq), key=lambda t: (codes[t], t))
-        assert lay.query_rows[b, 0].tolist() == order
-        assert lay.query_codes[b, 0].tolist() == [codes[t] for t in order]
+        assert classes.rows[b, 0].tolist() == order
+        assert classes.codes[b, 0].tolist() == [codes[t] for t in order]
+        key_codes = [sum(1 << g for g in range(5) if members[b, j, g]) for j in range(case.nk)]
+        assert groups.codes[b, 0].tolist() == key_codes
         start = 0
         for g in range(5):
             keys = [j for j in range(case.nk) if members[b, j, g]]
-            assert lay.segments[b, 0, g] == start
-            assert lay.key_rows[b, 0, start : start + len(keys)].tolist() == keys
+            assert groups.segments[b, 0, g] == start
+            assert groups.rows[b, 0, start : start + len(keys)].tolist() == keys
             below = [sum(1 for j in keys if j < (c + 1) * step) for c in range(-(-30 // step))]
-            assert lay.counts[b, 0, :, g].tolist() == below
+            assert groups.counts[b, 0, :, g].tolist() == below
             start += len(keys)
+    assert groups.low_masks.tolist() == [0, 1, 3, 7, 15]
 
 
 #: aten operations that wait for the device (or whose result shape depends on the data)

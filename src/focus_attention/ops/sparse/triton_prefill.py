@@ -58,11 +58,13 @@ from .triton_support import MAX_KERNEL_GROUPS, group_codes, interpreting, triton
 __all__ = [
     "MAX_HEAD_DIM",
     "PREFILL_DTYPES",
+    "ClassOrder",
+    "GroupOrder",
     "PrefillBlocks",
-    "PrefillLayout",
+    "class_order",
+    "group_order",
     "group_prefill",
     "prefill_blocks",
-    "prefill_layout",
 ]
 
 #: largest head size the kernels take (padded to a power of two inside).
@@ -71,6 +73,8 @@ MAX_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: groups whose codes fit an int32 word (faster than int64 on GPUs).
 _INT32_GROUPS = 31
+#: log2(e): the kernels compute logits in base 2.
+_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -121,82 +125,87 @@ def prefill_blocks(head_dim: int, rep: int, *, interpret: bool | None = None) ->
     return PrefillBlocks(rows, rows // rep, block_n, block_d, block_n, warps, stages)
 
 
+def _code_dtype(num_groups: int) -> torch.dtype:
+    """int32 codes where ``K`` fits one (faster on GPUs), else int64."""
+    return torch.int32 if num_groups <= _INT32_GROUPS else torch.int64
+
+
 @dataclass(frozen=True)
-class PrefillLayout:
-    """The device-side layouts of one call (docs/method.md §5), per batch element and
-    routing row (``R`` of them).
+class ClassOrder:
+    """A token list (the queries, or the keys) sorted by membership class: by group code,
+    then by position, each token once; per batch element and routing row (``R``).
 
     Attributes:
-        query_rows: int32 ``[B, R, Nq]`` the query index of each row of the class layout
-            (queries sorted by group code, then position; each query once).
-        query_codes: ``[B, R, Nq]`` the group code of each row (int32 for ``K <= 31``,
-            else int64; bit ``g`` set iff the query holds group ``g``).
-        key_rows: int32 ``[B, R, Nk * K + 1]`` the group-sorted key layout: the real keys
-            of group 0 in position order, then group 1, ...; rows past the last are unused
-            (``Nk * K`` bounds the memberships; the final row takes the non-members' writes).
-        key_codes: ``[B, R, Nk]`` the group code of each key (0 for padding).
-        segments: int32 ``[B, R, K]`` where group ``g`` starts in ``key_rows``.
-        counts: int32 ``[B, R, ceil(Nk / count_step), K]``: entry ``[.., c, g]`` counts
-            the real keys of group ``g`` at positions below ``(c + 1) * count_step``.
-        low_masks: ``[K]`` of the code dtype, ``2**g - 1`` (the groups below ``g``).
-        count_step: positions per entry of ``counts``.
+        rows: int32 ``[B, R, N]`` the token index of each row.
+        codes: ``[B, R, N]`` the group code of each row (int32 for ``K <= 31``, else int64;
+            bit ``g`` set iff the token holds group ``g``).
     """
 
-    query_rows: torch.Tensor
-    query_codes: torch.Tensor
-    key_rows: torch.Tensor
-    key_codes: torch.Tensor
+    rows: torch.Tensor
+    codes: torch.Tensor
+
+
+def class_order(members: torch.Tensor) -> ClassOrder:
+    """The :class:`ClassOrder` of bool memberships ``[B, R, N, K]`` (a stable sort of the
+    codes on their device; no host synchronisation)."""
+    codes, order = torch.sort(group_codes(members), dim=-1, stable=True)
+    return ClassOrder(order.to(torch.int32), codes.to(_code_dtype(members.shape[-1])))
+
+
+@dataclass(frozen=True)
+class GroupOrder:
+    """A token list laid out group by group (docs/method.md §5): the tokens of group 0 in
+    position order, then those of group 1, ..., one row per membership; per batch element and
+    routing row (``R``).
+
+    Attributes:
+        rows: int32 ``[B, R, N * K + 1]`` the token index of each row; rows past the last
+            membership are unused (``N * K`` bounds the memberships; the final row takes the
+            non-members' writes while it is built).
+        segments: int32 ``[B, R, K]`` where group ``g`` starts in ``rows``.
+        counts: int32 ``[B, R, ceil(N / step), K]``: entry ``[.., c, g]`` counts the tokens
+            of group ``g`` with index below ``(c + 1) * step`` (the last entry: all of them).
+        codes: ``[B, R, N]`` the group code of each token, in token order (int32 for
+            ``K <= 31``, else int64).
+        low_masks: ``[K]`` of the codes' dtype, ``2**g - 1`` (the groups below ``g``).
+        step: tokens per entry of ``counts``.
+    """
+
+    rows: torch.Tensor
     segments: torch.Tensor
     counts: torch.Tensor
+    codes: torch.Tensor
     low_masks: torch.Tensor
-    count_step: int
+    step: int
 
 
-def prefill_layout(
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    count_step: int,
-) -> PrefillLayout:
-    """Build the layouts of :class:`PrefillLayout` on the memberships' device with
-    fixed-shape operations (no host synchronisation; the same operations for any routing of
-    the same shapes).
+def group_order(members: torch.Tensor, step: int) -> GroupOrder:
+    """The :class:`GroupOrder` of bool memberships ``[B, R, N, K]`` (``N >= 1``; padding
+    already removed from them), built with fixed-shape operations on their device (a
+    cumulative count and a scatter; no host synchronisation, the same operations for any
+    routing of the same shapes).
 
-    Args:
-        query_groups: bool ``[B, R, Nq, K]``; key_groups: bool ``[B, R, Nk, K]``, ``Nk >= 1``,
-            ``K <= MAX_KERNEL_GROUPS``.
-        key_padding_mask: bool ``[B, Nk]`` (True = real) or None.
-        count_step: positions per entry of the count table, ``>= 1``.
+    Raises:
+        ValueError: ``step`` not an int ``>= 1``.
     """
-    bsz, routes, nk, k = key_groups.shape
-    members = key_groups
-    if key_padding_mask is not None:
-        members = members & key_padding_mask[:, None, :, None]
-    code_dtype = torch.int32 if k <= _INT32_GROUPS else torch.int64
-    query_codes, order = torch.sort(group_codes(query_groups), dim=-1, stable=True)
-    cum = torch.cumsum(members, dim=2, dtype=torch.int32)  # [B, R, Nk, K]
+    check_int("group_order", "step", step, 1)
+    bsz, routes, n, k = members.shape
+    device = members.device
+    cum = torch.cumsum(members, dim=2, dtype=torch.int32)  # [B, R, N, K]
     totals = cum[:, :, -1, :]
     segments = torch.cumsum(totals, dim=-1, dtype=torch.int32) - totals
-    slots = nk * k
+    slots = n * k
     dest = (segments[:, :, None, :] + cum - 1).to(torch.int64)
-    dest = torch.where(members, dest, slots).reshape(bsz, routes, slots)  # slot nk*k: unused
-    tokens = torch.arange(nk, dtype=torch.int32, device=members.device)
-    tokens = tokens[None, None, :, None].expand(bsz, routes, nk, k).reshape(bsz, routes, slots)
-    key_rows = torch.zeros(bsz, routes, slots + 1, dtype=torch.int32, device=members.device)
-    key_rows.scatter_(2, dest, tokens)
-    ends = torch.arange(count_step, nk + count_step, count_step, device=members.device)
-    counts = cum.index_select(2, ends.clamp(max=nk) - 1)
-    low = torch.pow(2, torch.arange(k, device=members.device, dtype=torch.int64)) - 1
-    return PrefillLayout(
-        query_rows=order.to(torch.int32),
-        query_codes=query_codes.to(code_dtype),
-        key_rows=key_rows,
-        key_codes=group_codes(members).to(code_dtype),
-        segments=segments,
-        counts=counts.contiguous(),
-        low_masks=low.to(code_dtype),
-        count_step=count_step,
-    )
+    dest = torch.where(members, dest, slots).reshape(bsz, routes, slots)
+    tokens = torch.arange(n, dtype=torch.int32, device=device)
+    tokens = tokens[None, None, :, None].expand(bsz, routes, n, k).reshape(bsz, routes, slots)
+    rows = torch.zeros(bsz, routes, slots + 1, dtype=torch.int32, device=device)
+    rows.scatter_(2, dest, tokens)
+    ends = torch.arange(step, n + step, step, device=device).clamp(max=n) - 1
+    low = torch.pow(2, torch.arange(k, device=device, dtype=torch.int64)) - 1
+    code_dtype = _code_dtype(k)
+    return GroupOrder(rows, segments, cum.index_select(2, ends), group_codes(members).to(code_dtype),
+                      low.to(code_dtype), step)  # fmt: skip
 
 
 def group_prefill(
@@ -220,6 +229,8 @@ def group_prefill(
     key ``j`` iff ``j <= i``, key ``j`` is real, and (``i - j < window`` or they share a
     group): exactly :func:`~focus_attention.ops.sparse_attention`'s mask. Runs on CUDA
     tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
+    Differentiable in ``query``, ``key`` and ``value`` (FlashAttention-2's backward over the
+    same layouts; the log-sum-exp output too).
 
     Args:
         query: ``[B, H, Nq, D]`` float32, bfloat16 or float16, ``D <= 256``.
@@ -249,47 +260,145 @@ def group_prefill(
     window, scale = _checked(query, key, value, query_groups, key_groups, window, scale,
                              softcap, key_padding_mask)  # fmt: skip
     b, h, nq, d = query.shape
-    if query.numel() == 0 or key.shape[2] == 0:
-        out = query.new_zeros(b, nq, h, d)
-        return out, query.new_full((b, nq, h), -math.inf, dtype=torch.float32) if needs_lse else None  # fmt: skip
-    blocks = prefill_blocks(d, h // key.shape[1])
-    layout = prefill_layout(query_groups, key_groups, key_padding_mask, blocks.count_step)
-    return _forward(query, key, value, layout, blocks, window, scale, softcap,
-                    key_padding_mask, needs_lse)  # fmt: skip
+    if query.numel() == 0:  # also Nk = 0, which implies Nq = 0
+        lse = query.new_full((b, nq, h), -math.inf, dtype=torch.float32)
+        return query.new_zeros(b, nq, h, d), lse if needs_lse else None
+    args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale, softcap)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        out, lse = _GroupPrefill.apply(*args)
+        return out, lse if needs_lse else None
+    launch = _Launch.of(*args)
+    keys = group_order(launch.key_members(), launch.blocks.count_step)
+    return _forward(launch, class_order(query_groups), keys, needs_lse)
 
 
-def _forward(q, k, v, layout: PrefillLayout, blocks: PrefillBlocks, window, scale, softcap,
-             padding, needs_lse):  # fmt: skip
+@dataclass(frozen=True)
+class _Launch:
+    """What every kernel launch of one call shares."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_groups: torch.Tensor
+    key_groups: torch.Tensor
+    padding: torch.Tensor | None
+    window: int
+    scale: float
+    softcap: float | None
+    blocks: PrefillBlocks
+
+    @classmethod
+    def of(cls, q, k, v, query_groups, key_groups, padding, window, scale, softcap) -> _Launch:
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        blocks = prefill_blocks(q.shape[-1], q.shape[1] // k.shape[1])
+        return cls(q, k, v, query_groups, key_groups, padding, window, scale, softcap, blocks)
+
+    def key_members(self) -> torch.Tensor:
+        """The keys' memberships without padding keys."""
+        if self.padding is None:
+            return self.key_groups
+        return self.key_groups & self.padding[:, None, :, None]
+
+    def real(self) -> torch.Tensor:
+        """The padding mask as bytes (any tensor when there is none: not read)."""
+        return self.q if self.padding is None else self.padding.view(torch.uint8)
+
+    def numbers(self, out: torch.Tensor, lse: torch.Tensor) -> list:
+        """Strides (query, key, value, token-major output, log-sum-exp) and sizes."""
+        q, k, v = self.q, self.k, self.v
+        strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3]]
+        sizes = [q.shape[2], k.shape[2], self.window, k.shape[1], self.query_groups.shape[1],
+                 self.query_groups.shape[3]]  # fmt: skip
+        return [*strides, *lse.stride()[:2], *sizes]
+
+    def scales(self) -> list:
+        """``scale * log2(e)``, ``scale / softcap``, ``softcap * log2(e)`` (1 for no cap)."""
+        cap = 1.0 if self.softcap is None else self.softcap
+        return [self.scale * _LOG2E, self.scale / cap, cap * _LOG2E]
+
+    def constants(self) -> dict:
+        """The kernels' compile-time arguments and launch options."""
+        blocks, h, d = self.blocks, self.q.shape[1], self.q.shape[3]
+        return dict(REP=h // self.k.shape[1], QPT=blocks.queries_per_tile,
+                    BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
+                    HEAD_DIM=d, COUNT_STEP=blocks.count_step,
+                    HAS_SOFTCAP=self.softcap is not None, HAS_PADDING=self.padding is not None,
+                    EXACT=self.q.dtype == torch.float32 or interpreting(),
+                    num_warps=blocks.num_warps, num_stages=blocks.num_stages)  # fmt: skip
+
+
+def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: bool):
     """Allocate the results and launch the forward kernel (no host synchronisation)."""
     from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
 
-    b, h, nq, d = q.shape
-    h_kv, nk = k.shape[1], k.shape[2]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty(b, nq, h, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, nq, h, dtype=torch.float32, device=q.device) if needs_lse else out
-    real = out if padding is None else padding.view(torch.uint8)
-    cap = 1.0 if softcap is None else softcap
-    grid = (_cdiv(nq, blocks.queries_per_tile), b * h_kv)
+    b, h, nq, d = launch.q.shape
+    out = torch.empty(b, nq, h, d, dtype=launch.q.dtype, device=launch.q.device)
+    lse = torch.empty(b, nq, h, dtype=torch.float32, device=out.device) if needs_lse else out
+    grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * launch.k.shape[1])
     kernels.group_prefill_fwd[grid](
-        q, k, v, out, lse,
-        layout.query_rows, layout.query_codes, layout.key_rows, layout.key_codes,
-        layout.segments, layout.counts, layout.low_masks, real,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        nq, nk, window, h_kv, layout.query_rows.shape[1], layout.low_masks.shape[0],
-        scale * kernels.LOG2E, scale / cap, cap * kernels.LOG2E,
-        REP=h // h_kv, QPT=blocks.queries_per_tile, BLOCK_M=blocks.block_m,
-        BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d, HEAD_DIM=d,
-        COUNT_STEP=blocks.count_step, HAS_SOFTCAP=softcap is not None,
-        HAS_PADDING=padding is not None, WRITE_LSE=needs_lse,
-        EXACT=q.dtype == torch.float32 or interpreting(),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        launch.q, launch.k, launch.v, out, lse, queries.rows, queries.codes, keys.rows,
+        keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
+        *launch.numbers(out, lse), *launch.scales(), WRITE_LSE=needs_lse, **launch.constants(),
     )  # fmt: skip
     return out, lse if needs_lse else None
+
+
+def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder):
+    """``(dq, dk, dv)`` with the strides of ``q``, ``k``, ``v``: the ``delta`` pass, then the
+    query-tile kernel for ``dq`` and the key-tile kernel for ``dk``/``dv`` (which lay the keys
+    out by class and the queries by group)."""
+    from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
+
+    q, k, v = launch.q, launch.k, launch.v
+    b, h, nq, d = q.shape
+    dout = out.new_zeros(out.shape) if dout is None else dout.contiguous()
+    delta = torch.empty_like(lse)
+    rows = 16
+    kernels.group_prefill_bwd_delta[(_cdiv(b * nq * h, rows),)](
+        out, dout, lse if dlse is None else dlse.contiguous(), delta, b * nq * h, HEAD_DIM=d,
+        ROWS=rows, BLOCK_D=launch.blocks.block_d, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    numbers, scales = launch.numbers(dout, lse), [launch.scale, *launch.scales()]
+    grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * k.shape[1])
+    kernels.group_prefill_bwd_dq[grid](
+        q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
+        keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
+        **launch.constants(),
+    )  # fmt: skip
+    key_classes = class_order(launch.key_members())
+    query_groups = group_order(launch.query_groups, launch.blocks.count_step)
+    grid = (_cdiv(k.shape[2], launch.blocks.block_n), b * k.shape[1])
+    kernels.group_prefill_bwd_dkdv[grid](
+        q, k, v, dout, lse, delta, dk, dv, key_classes.rows, key_classes.codes,
+        query_groups.rows, query_groups.codes, query_groups.segments, query_groups.counts,
+        query_groups.low_masks, launch.real(), *numbers, *scales, **launch.constants(),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _GroupPrefill(torch.autograd.Function):
+    """:func:`group_prefill` with gradients for ``query``, ``key`` and ``value`` (and through
+    the log-sum-exp output). The forward's layouts are kept for the backward, which builds
+    the two it adds (keys by class, queries by group)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, query_groups, key_groups, padding, window, scale, softcap):
+        launch = _Launch.of(query, key, value, query_groups, key_groups, padding, window, scale,
+                            softcap)  # fmt: skip
+        queries = class_order(query_groups)
+        keys = group_order(launch.key_members(), launch.blocks.count_step)
+        out, lse = _forward(launch, queries, keys, needs_lse=True)
+        ctx.launch, ctx.queries, ctx.keys = launch, queries, keys
+        ctx.save_for_backward(out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.launch, out, lse, dout, dlse, ctx.queries, ctx.keys)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _cdiv(a: int, b: int) -> int:
