@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from focus_attention.ops import focus_mask
+from focus_attention.ops import dense_attention, focus_mask
 from focus_attention.ops.sparse import BackendUnavailable
 from focus_attention.ops.sparse.triton_prefill import (
     class_order,
@@ -33,7 +33,10 @@ from .helpers import (
     HYP,
     Case,
     assert_matches_oracle,
+    brute_mask,
     case_params,
+    gen,
+    low_precision_bound,
     make_case,
     max_err,
     naive_attention,
@@ -233,6 +236,139 @@ def test_empty_inputs(shape):
     out, lse = group_prefill(q, k, v, qg, kg, 4)
     assert out.shape == (b, nq, h, 8) and (out == 0).all()
     assert lse.shape == (b, nq, h) and (lse == -math.inf).all()
+
+
+# --------------------------------------------------------------------------------------
+# gradients
+# --------------------------------------------------------------------------------------
+
+
+def _head_masks(case: Case, qg: torch.Tensor | None, kg: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[B, H, Nq, Nk]``: the mask of each query head (per key-value head routing
+    when ``qg``/``kg`` ``[B, H_kv, N, K]`` are given)."""
+    heads, kv_heads = case.q.shape[1], case.k.shape[1]
+    if qg is None:
+        return case.mask()[:, None].expand(-1, heads, -1, -1)
+    per_kv = [brute_mask(qg[:, h], kg[:, h], case.window, case.kpm) for h in range(kv_heads)]
+    return torch.stack([per_kv[h // (heads // kv_heads)] for h in range(heads)], dim=1)
+
+
+def _loss(out, lse, seen, weights):
+    """A scalar that reads every output element and every finite log-sum-exp."""
+    w_out, w_lse = weights
+    loss = (out.double() * w_out.double()).sum()
+    if w_lse is not None:
+        loss = loss + (torch.where(seen, lse.double(), 0.0) * w_lse.double()).sum()
+    return loss
+
+
+def gradients(case: Case, dtype, *, kernel: bool, qg=None, kg=None, lse=True, **kw):
+    """``(dq, dk, dv)`` in float64 on the CPU of a fixed random loss of the outputs (and the
+    log-sum-exp with ``lse``) with inputs of ``dtype``: from :func:`group_prefill` when
+    ``kernel``, else from the dense oracle."""
+    g = gen(7)
+    b, h, nq, d = case.q.shape
+    w_out = torch.randn(b, nq, h, d, generator=g).to(case.q.dtype)
+    w_lse = torch.randn(b, nq, h, generator=g) if lse else None
+    masks = _head_masks(case, qg, kg)
+    seen = masks.any(dim=-1).transpose(1, 2)  # [B, Nq, H]
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (case.q, case.k, case.v)]
+    if kernel:
+        qg = case.qg[:, None] if qg is None else qg
+        kg = case.kg[:, None] if kg is None else kg
+        inputs = [_on_device(x.detach()).requires_grad_() for x in leaves]
+        out, lse_out = group_prefill(*inputs, _on_device(qg), _on_device(kg), case.window,
+                                     key_padding_mask=_on_device(case.kpm), **kw)  # fmt: skip
+        _loss(out.cpu(), lse_out.cpu(), seen, (w_out, w_lse)).backward()
+        return [x.grad.cpu().double() for x in inputs]
+    out, lse_out = dense_attention(*leaves, masks, **kw)
+    _loss(out.transpose(1, 2), lse_out.transpose(1, 2), seen, (w_out, w_lse)).backward()
+    return [x.grad.double() for x in leaves]
+
+
+def assert_gradients_match(case: Case, **kw) -> None:
+    """fp32: each gradient within ``1e-5 * max(1, max |reference|)`` of the float64 oracle's.
+    bfloat16/float16: within :func:`low_precision_bound` of the dense oracle run in that
+    dtype (its error against the float64 oracle on the same values)."""
+    got = gradients(case, case.q.dtype, kernel=True, **kw)
+    ref = gradients(case, torch.float64, kernel=False, **kw)
+    low = case.q.dtype != torch.float32
+    dense = gradients(case, case.q.dtype, kernel=False, **kw) if low else ref
+    for name, a, r, d in zip(("dq", "dk", "dv"), got, ref, dense, strict=True):
+        assert torch.isfinite(a).all(), f"{name} not finite"
+        err = max_err(a, r)
+        if low:
+            bound = low_precision_bound(max_err(d, r), r, case.q.dtype)
+        else:
+            bound = FP32_ATOL * max(1.0, r.abs().max().item())
+        assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+def _grad_grid() -> list:
+    base = dict(batch=2, heads=4, kv_heads=2, nk=40, groups=4, top_k=1, window=5)
+    rows: list = []
+
+    def add(name: str, **kw) -> None:
+        rows.append(pytest.param({**base, **kw}, id=name))
+
+    add("top1")
+    add("mha-top2", heads=2, kv_heads=2, top_k=2)
+    add("gqa3-top3", heads=3, kv_heads=1, top_k=3, window=2)
+    add("gqa4-pad-random", heads=8, kv_heads=2, top_k=2, padding="random")
+    add("pad-left-empty-rows", padding="left", lengths=[0, 25], top_k=2)
+    add("chunk", nq=17, top_k=2, padding="right")
+    add("independent-chunk", nq=23, query_membership="independent", membership="random")
+    add("query-wider", query_membership="wider", seed=3)
+    add("K1-window1", groups=1, window=1)
+    add("window-beyond-n", window=50, top_k=2)
+    add("K40-top3", groups=40, top_k=3, batch=1)
+    bn = prefill_blocks(16, 2).block_n
+    for n in (bn + 1, 2 * bn + 3):
+        add(f"edge-n{n}", nk=n, batch=1, top_k=2, seed=n)
+    add("edge-rep3-chunk", heads=3, kv_heads=1, nk=2 * bn + 3, nq=prefill_blocks(16, 3).queries_per_tile + 1, batch=1)  # fmt: skip
+    return rows
+
+
+@pytest.mark.parametrize("params", _grad_grid())
+def test_gradients_fp32_equal_float64(params):
+    assert_gradients_match(make_case(**params))
+
+
+@pytest.mark.parametrize(("scale", "softcap"), [(None, 0.9), (0.4, 20.0), (1.7, None)])
+def test_gradients_scale_and_softcap(scale, softcap):
+    case = make_case(batch=1, heads=4, kv_heads=2, nk=36, top_k=2, window=4, padding="left")
+    assert_gradients_match(case, scale=scale, softcap=softcap)
+
+
+def test_gradients_of_the_output_alone():
+    case = make_case(batch=2, heads=4, kv_heads=2, nk=36, top_k=2, window=3, padding="random")
+    assert_gradients_match(case, lse=False)
+
+
+def test_gradients_with_sinks_and_per_head_routing():
+    case = with_sinks(make_case(batch=2, heads=6, kv_heads=3, nk=36, groups=5, window=4))
+    assert_gradients_match(case)
+    qg, kg = per_head_routing(case, seed=5)
+    assert_gradients_match(case, qg=qg, kg=kg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gradients_half_within_twice_dense_error(dtype):
+    case = make_case(batch=2, heads=4, kv_heads=2, nk=40, nq=31, top_k=2, window=5,
+                     padding="random", dtype=dtype)  # fmt: skip
+    assert_gradients_match(case)
+
+
+@given(params=case_params(max_nk=32, long_nk=56))
+@settings(HYP, max_examples=6)
+def test_property_gradients_equal_float64(params):
+    assert_gradients_match(make_case(**params))
+
+
+def test_no_gradient_without_requires_grad():
+    case = make_case(batch=1, heads=2, kv_heads=1, nk=20)
+    out, lse = run(case)
+    assert out.grad_fn is None and lse.grad_fn is None
 
 
 # --------------------------------------------------------------------------------------
