@@ -213,7 +213,9 @@ def test_strided_inputs():
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (case.q, case.k, case.v))
     wide = torch.randn(*case.k.shape[:3], 32)
     wide[..., ::2] = case.k
-    strided = Case(q, wide[..., ::2], v, case.qg, case.kg, case.window)
+    padding = torch.rand(2, 2 * case.nk) < 0.8
+    case.kpm = padding[:, ::2]  # a strided padding mask
+    strided = Case(q, wide[..., ::2], v, case.qg, case.kg, case.window, case.kpm)
     assert_matches_oracle(case, *run(strided))
 
 
@@ -325,7 +327,8 @@ def _grad_grid() -> list:
     bn = prefill_blocks(16, 2).block_n
     for n in (bn + 1, 2 * bn + 3):
         add(f"edge-n{n}", nk=n, batch=1, top_k=2, seed=n)
-    add("edge-rep3-chunk", heads=3, kv_heads=1, nk=2 * bn + 3, nq=prefill_blocks(16, 3).queries_per_tile + 1, batch=1)  # fmt: skip
+    qpt = prefill_blocks(16, 3).queries_per_tile
+    add("edge-rep3-chunk", heads=3, kv_heads=1, nk=2 * bn + 3, nq=qpt + 1, batch=1)
     return rows
 
 
@@ -363,6 +366,23 @@ def test_gradients_half_within_twice_dense_error(dtype):
 @settings(HYP, max_examples=6)
 def test_property_gradients_equal_float64(params):
     assert_gradients_match(make_case(**params))
+
+
+def test_gradients_for_keys_and_values_only():
+    """A query that needs no gradient gets none; the others are those of a full call."""
+    case = make_case(batch=2, heads=4, kv_heads=2, nk=30, top_k=2, window=3, padding="random")
+    grads = []
+    for query_grad in (True, False):
+        q = _on_device(case.q.detach().clone()).requires_grad_(query_grad)
+        k, v = (_on_device(x.detach().clone()).requires_grad_() for x in (case.k, case.v))
+        groups = [_on_device(x[:, None]) for x in (case.qg, case.kg)]
+        out, lse = group_prefill(
+            q, k, v, *groups, case.window, key_padding_mask=_on_device(case.kpm)
+        )
+        (out.float().square().sum() + torch.where(lse.isfinite(), lse, 0).sum()).backward()
+        grads.append((q.grad, k.grad, v.grad))
+    assert grads[1][0] is None and grads[0][0] is not None
+    assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])
 
 
 def test_no_gradient_without_requires_grad():
@@ -438,6 +458,27 @@ def test_launcher_is_free_of_host_synchronisation():
         recorded.append(rec.ops)
     names = [name for name, _, _ in recorded[0]]
     assert any("sort" in n for n in names) and any("scatter" in n for n in names)
+    assert not [n for n in names if any(s in n for s in SYNC_OPS)]
+    assert not [op for op in recorded[0] if op[2]], "boolean indexing"
+    assert recorded[0] == recorded[1]
+
+
+def test_backward_is_free_of_host_synchronisation():
+    """The same for a backward pass (its layouts, the delta pass, the two kernels)."""
+    recorded = []
+    for seed, membership in ((1, "topk"), (2, "random")):
+        case = make_case(batch=2, heads=4, kv_heads=2, nk=30, nq=21, groups=5, top_k=2,
+                         membership=membership, padding="random", seed=seed)  # fmt: skip
+        inputs = [_on_device(x.detach().clone()).requires_grad_() for x in (case.q, case.k, case.v)]
+        groups = [_on_device(x[:, None]) for x in (case.qg, case.kg)]
+        padding = _on_device(case.kpm)
+        out, _ = group_prefill(*inputs, *groups, case.window, key_padding_mask=padding)
+        loss = out.float().sum()
+        with _Recorder() as rec:
+            loss.backward()
+        recorded.append(rec.ops)
+        assert all(x.grad is not None for x in inputs)
+    names = [name for name, _, _ in recorded[0]]
     assert not [n for n in names if any(s in n for s in SYNC_OPS)]
     assert not [op for op in recorded[0] if op[2]], "boolean indexing"
     assert recorded[0] == recorded[1]
@@ -546,10 +587,10 @@ def test_compiles_once_for_every_length():
     from focus_attention.ops.sparse import triton_prefill_kernels as kernels
 
     sizes = []
-    for nk, window in ((300, 16), (517, 33), (1000, 128)):
-        case = make_case(batch=1, heads=4, kv_heads=2, nk=nk, top_k=2, window=window)
+    for nk, nq, window in ((300, 300, 16), (517, 200, 33), (1000, 1000, 128)):
+        case = make_case(batch=1, heads=4, kv_heads=2, nk=nk, nq=nq, top_k=2, window=window)
         case = case.to(torch.bfloat16)
         assert_matches_oracle(case, *run(case))
         cache = kernels.group_prefill_fwd.device_caches[torch.cuda.current_device()][0]
         sizes.append(len(cache))
-    assert sizes == [1, 1, 1]
+    assert sizes[0] == sizes[1] == sizes[2]

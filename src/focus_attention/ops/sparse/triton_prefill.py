@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...utils.checks import check_int
 from ..checks import check_bool, check_device, check_positive, check_qkv, check_tensor, fail
@@ -204,8 +205,8 @@ def group_order(members: torch.Tensor, step: int) -> GroupOrder:
     ends = torch.arange(step, n + step, step, device=device).clamp(max=n) - 1
     low = torch.pow(2, torch.arange(k, device=device, dtype=torch.int64)) - 1
     code_dtype = _code_dtype(k)
-    return GroupOrder(rows, segments, cum.index_select(2, ends), group_codes(members).to(code_dtype),
-                      low.to(code_dtype), step)  # fmt: skip
+    codes = group_codes(members).to(code_dtype)
+    return GroupOrder(rows, segments, cum.index_select(2, ends), codes, low.to(code_dtype), step)
 
 
 def group_prefill(
@@ -301,7 +302,7 @@ class _Launch:
 
     def real(self) -> torch.Tensor:
         """The padding mask as bytes (any tensor when there is none: not read)."""
-        return self.q if self.padding is None else self.padding.view(torch.uint8)
+        return self.q if self.padding is None else self.padding.contiguous().view(torch.uint8)
 
     def numbers(self, out: torch.Tensor, lse: torch.Tensor) -> list:
         """Strides (query, key, value, token-major output, log-sum-exp) and sizes."""
@@ -343,10 +344,11 @@ def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: 
     return out, lse if needs_lse else None
 
 
-def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder):
-    """``(dq, dk, dv)`` with the strides of ``q``, ``k``, ``v``: the ``delta`` pass, then the
-    query-tile kernel for ``dq`` and the key-tile kernel for ``dk``/``dv`` (which lay the keys
-    out by class and the queries by group)."""
+def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder,
+              needs_dq: bool):  # fmt: skip
+    """``(dq, dk, dv)`` with the strides of ``q``, ``k``, ``v`` (``dq`` None unless
+    ``needs_dq``): the ``delta`` pass, then the query-tile kernel for ``dq`` and the key-tile
+    kernel for ``dk``/``dv`` (which lay the keys out by class and the queries by group)."""
     from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
 
     q, k, v = launch.q, launch.k, launch.v
@@ -358,14 +360,16 @@ def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: 
         out, dout, lse if dlse is None else dlse.contiguous(), delta, b * nq * h, HEAD_DIM=d,
         ROWS=rows, BLOCK_D=launch.blocks.block_d, HAS_DLSE=dlse is not None,
     )  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
     numbers, scales = launch.numbers(dout, lse), [launch.scale, *launch.scales()]
-    grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * k.shape[1])
-    kernels.group_prefill_bwd_dq[grid](
-        q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
-        keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
-        **launch.constants(),
-    )  # fmt: skip
+    if needs_dq:
+        dq = torch.empty_like(q)
+        grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * k.shape[1])
+        kernels.group_prefill_bwd_dq[grid](
+            q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
+            keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
+            **launch.constants(),
+        )  # fmt: skip
     key_classes = class_order(launch.key_members())
     query_groups = group_order(launch.query_groups, launch.blocks.count_step)
     grid = (_cdiv(k.shape[2], launch.blocks.block_n), b * k.shape[1])
@@ -395,9 +399,11 @@ class _GroupPrefill(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, dlse):
         out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.launch, out, lse, dout, dlse, ctx.queries, ctx.keys)
+        dq, dk, dv = _backward(ctx.launch, out, lse, dout, dlse, ctx.queries, ctx.keys,
+                               ctx.needs_input_grad[0])  # fmt: skip
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -420,7 +426,8 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, softcap
         fail("query", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
     for name, groups, n in (("query_groups", query_groups, nq), ("key_groups", key_groups, nk)):
         _check_groups(name, groups, (b, n), h_kv, query.device)
-    if query_groups.shape[1] != key_groups.shape[1] or query_groups.shape[3] != key_groups.shape[3]:  # fmt: skip
+    q_shape, k_shape = query_groups.shape, key_groups.shape
+    if q_shape[1] != k_shape[1] or q_shape[3] != k_shape[3]:
         fail("key_groups", f"shape {tuple(key_groups.shape)}",
              f"R and K of query_groups {tuple(query_groups.shape)}")  # fmt: skip
     check_int("group_prefill", "window", window, 1)

@@ -223,8 +223,9 @@ def group_prefill_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for g in range(0, num_groups):  # group part
-        seg, count, member, low = _group_segment(g, KROWS, SEGMENTS, COUNTS, LOW, route, row_ok,
-                                                 qcode, qpos, nk, window, num_groups, COUNT_STEP)  # fmt: skip
+        seg, count, member, low = _group_segment(
+            g, KROWS, SEGMENTS, COUNTS, LOW, route, row_ok, qcode, qpos, nk, window, num_groups,
+            COUNT_STEP)  # fmt: skip
         for n0 in range(0, count, BLOCK_N):
             kj, k_ok, visible = _group_keys(seg, KCODES + route * nk, n0, count, cols, member,
                                             qpos, low, window)  # fmt: skip
@@ -256,8 +257,10 @@ def group_prefill_fwd(
 
 
 @triton.jit
-def group_prefill_bwd_delta(OUT, DOUT, DLSE, DELTA, n_rows, HEAD_DIM: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr):  # fmt: skip
+def group_prefill_bwd_delta(
+    OUT, DOUT, DLSE, DELTA, n_rows,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):  # fmt: skip
     """``delta = rowsum(dout * out) - dlse`` in fp32 over contiguous rows ``[n_rows, D]``
     (``dlse``: the gradient of the log-sum-exp output, when it has one). Grid:
     ``ceil(n_rows / ROWS)``."""
@@ -352,8 +355,9 @@ def group_prefill_bwd_dq(
     v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for g in range(0, num_groups):
-        seg, count, member, low = _group_segment(g, KROWS, SEGMENTS, COUNTS, LOW, route, row_ok,
-                                                 qcode, qpos, nk, window, num_groups, COUNT_STEP)  # fmt: skip
+        seg, count, member, low = _group_segment(
+            g, KROWS, SEGMENTS, COUNTS, LOW, route, row_ok, qcode, qpos, nk, window, num_groups,
+            COUNT_STEP)  # fmt: skip
         for n0 in range(0, count, BLOCK_N):
             kj, k_ok, visible = _group_keys(seg, KCODES + route * nk, n0, count, cols, member,
                                             qpos, low, window)  # fmt: skip
@@ -448,6 +452,20 @@ def _local_queries(cur, rows, has, kj, nq, nk, window, REP: tl.constexpr, QPT: t
     return qi, row_ok, visible
 
 
+@triton.jit
+def _key_tile(KROWS, KCODES, real, route, nk, BLOCK_N: tl.constexpr, HAS_PADDING: tl.constexpr):
+    """The keys of this program's tile of the keys' class layout: indices, group codes,
+    which exist and which are real."""
+    slot = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = slot < nk
+    kj = tl.load(KROWS + route * nk + slot, mask=k_ok, other=0)
+    kcode = tl.load(KCODES + route * nk + slot, mask=k_ok, other=0)
+    k_real = k_ok
+    if HAS_PADDING:
+        k_real &= tl.load(real + kj, mask=k_ok, other=0) != 0
+    return kj, kcode, k_ok, k_real
+
+
 @triton.jit(
     do_not_specialize=[
         "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
@@ -478,13 +496,8 @@ def group_prefill_bwd_dkdv(
     route = b * routing_rows + kvh % routing_rows
     rows = tl.arange(0, BLOCK_M)
     dcols = tl.arange(0, BLOCK_D)
-    slot = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = slot < nk
-    kj = tl.load(KROWS + route * nk + slot, mask=k_ok, other=0)
-    kcode = tl.load(KCODES + route * nk + slot, mask=k_ok, other=0)
-    k_real = k_ok
-    if HAS_PADDING:
-        k_real &= tl.load(REAL + b * nk + kj, mask=k_ok, other=0) != 0
+    kj, kcode, k_ok, k_real = _key_tile(KROWS, KCODES, REAL + b * nk, route, nk, BLOCK_N,
+                                        HAS_PADDING)  # fmt: skip
     k_at = K + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_at = V + b * stride_vb + kvh.to(tl.int64) * stride_vh
     k = _rows(k_at, kj, stride_kn, k_ok, dcols, HEAD_DIM, EXACT)
@@ -495,12 +508,13 @@ def group_prefill_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, num_groups):
-        seg, start, total, member, low = _query_segment(g, QROWS, SEGMENTS, COUNTS, LOW, route,
-                                                        kj, kcode, k_ok, nq, nk, window,
-                                                        num_groups, COUNT_STEP)  # fmt: skip
+        seg, start, total, member, low = _query_segment(
+            g, QROWS, SEGMENTS, COUNTS, LOW, route, kj, kcode, k_ok, nq, nk, window, num_groups,
+            COUNT_STEP)  # fmt: skip
         for m0 in range(start, total, QPT):
-            qi, row_ok, visible = _group_queries(seg, QCODES + route * nq, m0, total, rows,
-                                                 member, kj, low, nq, nk, window, REP, QPT)  # fmt: skip
+            qi, row_ok, visible = _group_queries(
+                seg, QCODES + route * nq, m0, total, rows, member, kj, low, nq, nk, window, REP,
+                QPT)  # fmt: skip
             dk, dv = _dkdv_step(dk, dv, k, v, q_b, o_b, l_b, d_b, stride_qh, stride_qn,
                                 stride_oh, stride_on, stride_ln, qi, head, row_ok, visible,
                                 dcols, scale_log2, cap_scale, cap_log2, HEAD_DIM, HAS_SOFTCAP,
