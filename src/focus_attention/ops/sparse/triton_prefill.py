@@ -62,6 +62,7 @@ __all__ = [
     "ClassOrder",
     "GroupOrder",
     "PrefillBlocks",
+    "TileSizes",
     "class_order",
     "group_order",
     "group_prefill",
@@ -79,31 +80,62 @@ _LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class PrefillBlocks:
-    """Tile sizes of one launch.
+class TileSizes:
+    """Tile sizes and launch options of one kernel.
 
     Attributes:
         block_m: rows of a query tile (``queries_per_tile * rep`` of them used).
-        queries_per_tile: queries of the class layout per tile (``QPT``).
+        queries_per_tile: queries per query tile (``QPT = block_m // rep``).
         block_n: keys per key tile.
-        block_d: head size padded to a power of two (at least 16).
-        count_step: positions per entry of the key count table.
         num_warps, num_stages: CUDA launch options (ignored by the interpreter).
     """
 
     block_m: int
     queries_per_tile: int
     block_n: int
-    block_d: int
-    count_step: int
     num_warps: int
     num_stages: int
 
 
-def prefill_blocks(head_dim: int, rep: int, *, interpret: bool | None = None) -> PrefillBlocks:
-    """The fixed tile sizes for ``head_dim`` and ``rep`` query heads per key-value head:
-    small tiles under the interpreter (tests cross their edges at small lengths), CUDA sizes
-    by head size otherwise (``interpret``: default, whether ``TRITON_INTERPRET=1``).
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """The tiles of one call's kernels.
+
+    Attributes:
+        forward, dq, dkdv: the forward kernel's, the ``dq`` kernel's and the ``dk``/``dv``
+            kernel's tiles (the latter's ``block_n`` keys per program).
+        block_d: head size padded to a power of two (at least 16).
+        count_step: tokens per entry of the layouts' count tables.
+    """
+
+    forward: TileSizes
+    dq: TileSizes
+    dkdv: TileSizes
+    block_d: int
+    count_step: int
+
+
+#: ``(block_m, block_n, num_warps, num_stages)`` of the forward, dq and dk/dv kernels on CUDA,
+#: by padded head size (half precision), chosen so that ptxas reports no register spills for
+#: sm_90 (the ``dq`` tile of D = 256 spills a little in every shape tried); float32 inputs
+#: (FMA dots, a correctness path) take small tiles; the interpreter small tiles whose edges
+#: the tests cross (the backward's differ from the forward's, as on CUDA).
+_CUDA_TILES = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)),
+    128: ((64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
+    256: ((64, 32, 8, 2), (64, 16, 8, 1), (32, 32, 8, 1)),
+}
+_FP32_TILES = ((32, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1))
+_INTERPRETER_TILES = ((32, 16, 1, 1), (16, 32, 1, 1), (16, 32, 1, 1))
+
+
+def prefill_blocks(
+    head_dim: int, rep: int, dtype: torch.dtype = torch.bfloat16, *, interpret: bool | None = None
+) -> PrefillBlocks:
+    """The fixed tiles for ``head_dim``, ``rep`` query heads per key-value head and the input
+    ``dtype``: CUDA tiles by head size (``_CUDA_TILES``; no autotuning), or, under Triton's
+    interpreter (``interpret``, default: whether ``TRITON_INTERPRET=1``), small tiles whose
+    edges tests cross at small lengths. A query tile has at least ``rep`` rows.
 
     Raises:
         ValueError: ``head_dim`` not in ``1..MAX_HEAD_DIM`` or ``rep < 1``.
@@ -115,15 +147,16 @@ def prefill_blocks(head_dim: int, rep: int, *, interpret: bool | None = None) ->
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     interpret = interpreting() if interpret is None else interpret
     if interpret:
-        rows, block_n, warps, stages = 32, 16, 1, 1
-    elif block_d <= 64:
-        rows, block_n, warps, stages = 64, 64, 4, 3
-    elif block_d <= 128:
-        rows, block_n, warps, stages = 64, 64, 4, 2
+        table, step = _INTERPRETER_TILES, 16
+    elif dtype == torch.float32:
+        table, step = _FP32_TILES, 64
     else:
-        rows, block_n, warps, stages = 64, 32, 8, 1
-    rows = max(rows, 1 << (rep - 1).bit_length())  # at least one query per tile
-    return PrefillBlocks(rows, rows // rep, block_n, block_d, block_n, warps, stages)
+        table, step = _CUDA_TILES[max(64, block_d)], 64
+    tiles = []
+    for block_m, block_n, warps, stages in table:
+        block_m = max(block_m, 1 << (rep - 1).bit_length())  # at least one query per tile
+        tiles.append(TileSizes(block_m, block_m // rep, block_n, warps, stages))
+    return PrefillBlocks(*tiles, block_d=block_d, count_step=step)
 
 
 def _code_dtype(num_groups: int) -> torch.dtype:
@@ -291,7 +324,7 @@ class _Launch:
     @classmethod
     def of(cls, q, k, v, query_groups, key_groups, padding, window, scale, softcap) -> _Launch:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        blocks = prefill_blocks(q.shape[-1], q.shape[1] // k.shape[1])
+        blocks = prefill_blocks(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
         return cls(q, k, v, query_groups, key_groups, padding, window, scale, softcap, blocks)
 
     def key_members(self) -> torch.Tensor:
@@ -317,15 +350,15 @@ class _Launch:
         cap = 1.0 if self.softcap is None else self.softcap
         return [self.scale * _LOG2E, self.scale / cap, cap * _LOG2E]
 
-    def constants(self) -> dict:
-        """The kernels' compile-time arguments and launch options."""
+    def constants(self, tiles: TileSizes) -> dict:
+        """A kernel's compile-time arguments and launch options for ``tiles``."""
         blocks, h, d = self.blocks, self.q.shape[1], self.q.shape[3]
-        return dict(REP=h // self.k.shape[1], QPT=blocks.queries_per_tile,
-                    BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
+        return dict(REP=h // self.k.shape[1], QPT=tiles.queries_per_tile,
+                    BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=blocks.block_d,
                     HEAD_DIM=d, COUNT_STEP=blocks.count_step,
                     HAS_SOFTCAP=self.softcap is not None, HAS_PADDING=self.padding is not None,
                     EXACT=self.q.dtype == torch.float32 or interpreting(),
-                    num_warps=blocks.num_warps, num_stages=blocks.num_stages)  # fmt: skip
+                    num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
 
 
 def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: bool):
@@ -335,11 +368,13 @@ def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: 
     b, h, nq, d = launch.q.shape
     out = torch.empty(b, nq, h, d, dtype=launch.q.dtype, device=launch.q.device)
     lse = torch.empty(b, nq, h, dtype=torch.float32, device=out.device) if needs_lse else out
-    grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * launch.k.shape[1])
+    tiles = launch.blocks.forward
+    grid = (_cdiv(nq, tiles.queries_per_tile), b * launch.k.shape[1])
     kernels.group_prefill_fwd[grid](
         launch.q, launch.k, launch.v, out, lse, queries.rows, queries.codes, keys.rows,
         keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
-        *launch.numbers(out, lse), *launch.scales(), WRITE_LSE=needs_lse, **launch.constants(),
+        *launch.numbers(out, lse), *launch.scales(), WRITE_LSE=needs_lse,
+        **launch.constants(tiles),
     )  # fmt: skip
     return out, lse if needs_lse else None
 
@@ -364,19 +399,20 @@ def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: 
     numbers, scales = launch.numbers(dout, lse), [launch.scale, *launch.scales()]
     if needs_dq:
         dq = torch.empty_like(q)
-        grid = (_cdiv(nq, launch.blocks.queries_per_tile), b * k.shape[1])
+        grid = (_cdiv(nq, launch.blocks.dq.queries_per_tile), b * k.shape[1])
         kernels.group_prefill_bwd_dq[grid](
             q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
             keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
-            **launch.constants(),
+            **launch.constants(launch.blocks.dq),
         )  # fmt: skip
     key_classes = class_order(launch.key_members())
     query_groups = group_order(launch.query_groups, launch.blocks.count_step)
-    grid = (_cdiv(k.shape[2], launch.blocks.block_n), b * k.shape[1])
+    grid = (_cdiv(k.shape[2], launch.blocks.dkdv.block_n), b * k.shape[1])
     kernels.group_prefill_bwd_dkdv[grid](
         q, k, v, dout, lse, delta, dk, dv, key_classes.rows, key_classes.codes,
         query_groups.rows, query_groups.codes, query_groups.segments, query_groups.counts,
-        query_groups.low_masks, launch.real(), *numbers, *scales, **launch.constants(),
+        query_groups.low_masks, launch.real(), *numbers, *scales,
+        **launch.constants(launch.blocks.dkdv),
     )  # fmt: skip
     return dq, dk, dv
 

@@ -32,10 +32,10 @@ __all__ = [
 ]
 
 #: log2(e) and ln(2): logits in base 2 inside the kernels, natural log-sum-exp outside.
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 #: larger than any tile index (the local part's "no further tile").
-NO_TILE = 1 << 30
+NO_TILE = tl.constexpr(1 << 30)
 
 
 @triton.jit
@@ -186,8 +186,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, kj, k_ok, vi
 
 @triton.jit(
     do_not_specialize=[
-        "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
-        "stride_ob", "stride_lb", "nq", "nk", "window", "num_groups",
+        "stride_lb", "nq", "nk", "window", "num_groups",
     ]
 )  # fmt: skip
 def group_prefill_fwd(
@@ -316,8 +315,7 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, kj, k
 
 @triton.jit(
     do_not_specialize=[
-        "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
-        "stride_ob", "stride_lb", "nq", "nk", "window", "num_groups",
+        "stride_lb", "nq", "nk", "window", "num_groups",
     ]
 )  # fmt: skip
 def group_prefill_bwd_dq(
@@ -468,8 +466,7 @@ def _key_tile(KROWS, KCODES, real, route, nk, BLOCK_N: tl.constexpr, HAS_PADDING
 
 @triton.jit(
     do_not_specialize=[
-        "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
-        "stride_ob", "stride_lb", "nq", "nk", "window", "num_groups",
+        "stride_lb", "nq", "nk", "window", "num_groups",
     ]
 )  # fmt: skip
 def group_prefill_bwd_dkdv(
