@@ -87,7 +87,7 @@ def _grid() -> list:
     add("mqa-3", heads=3, kv_heads=1, nk=40)
     for dim in (7, 64, 40):
         add(f"dim{dim}", dim=dim, nk=40, batch=1)
-    for top_k in (1, 2, 3, 4):
+    for top_k in (2, 3, 4):  # top_k = 1: the base
         add(f"top{top_k}of4", top_k=top_k, seed=top_k)
     add("K1", groups=1)
     add("K7-top3-window2", groups=7, top_k=3, window=2, nk=60)
@@ -105,7 +105,7 @@ def _grid() -> list:
     for kind in ("wider", "narrower", "independent"):
         add(f"query-{kind}", query_membership=kind, top_k=2, seed=5)
         add(f"query-{kind}-chunk", query_membership=kind, nq=17, seed=6)
-    for nq in (1, 2, 16, 47):
+    for nq in (1, 2, 47):
         add(f"chunk-{nq}of48", nq=nq, top_k=2, seed=nq)
     add("decode-like-top3", nq=1, nk=70, top_k=3, window=2)
     for rep in (1, 2):
@@ -221,7 +221,7 @@ def test_strided_inputs():
 
 
 @given(params=case_params(max_nk=40, long_nk=70))
-@settings(HYP, max_examples=12)
+@settings(HYP, max_examples=10)
 def test_property_fp32_equals_oracle(params):
     case = make_case(**params)
     assert_matches_oracle(case, *run(case))
@@ -367,7 +367,7 @@ def test_gradients_half_within_twice_dense_error(dtype):
 
 
 @given(params=case_params(max_nk=32, long_nk=56))
-@settings(HYP, max_examples=6)
+@settings(HYP, max_examples=5)
 def test_property_gradients_equal_float64(params):
     assert_gradients_match(make_case(**params))
 
@@ -654,3 +654,17 @@ def test_compiles_once_for_every_length():
         cache = kernels.group_prefill_fwd.device_caches[torch.cuda.current_device()][0]
         sizes.append(len(cache))
     assert sizes[0] == sizes[1] == sizes[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_long_prefill_on_gpu(dtype, dim):
+    """Compiled kernels (tensor-core dots, rounded probabilities) at a length that spans many
+    tiles of every kernel, against the oracle; gradients against float64 at a shorter one."""
+    case = make_case(batch=1, heads=8, kv_heads=2, nk=2048, nq=1536, dim=dim, groups=8,
+                     top_k=2, window=128, padding="left", lengths=[2000], dtype=dtype)  # fmt: skip
+    assert_matches_oracle(case, *run(case))
+    short = make_case(batch=1, heads=8, kv_heads=2, nk=300, dim=dim, groups=8, window=32)
+    assert_gradients_match(short.to(dtype))

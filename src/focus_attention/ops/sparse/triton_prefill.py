@@ -29,17 +29,36 @@ tile's ``QPT`` queries span about ``QPT * Nq / class size`` positions).
 one tile (``QPT = BLOCK_M // rep`` queries each), so every key/value tile is loaded once for
 all of them, and a tile's queries (hence its local key tiles) are ``rep`` times fewer.
 
-**On the device.** The layouts are built with fixed-shape torch operations (a stable sort of
-the query codes; a cumulative count and a scatter for the key layout): no host
-synchronisation, no shape that depends on the routing. The kernel is compiled once per head
-size, dtype, ``rep`` and flags: lengths, windows, batch and head strides and ``K`` are not
-specialised on.
+**Gradients** (FlashAttention-2's backward: probabilities recomputed from the saved
+log-sum-exp): ``dq`` per query tile of the same class layout, over the same key tiles;
+``dk``/``dv`` per key tile of the *keys'* class layout, over the group-sorted *queries* (for
+each group a key of the tile holds, that group's queries from ``window`` positions after
+the tile's first key of the group) and the queries whose window holds its keys, summed
+over the packed query heads in registers. Each gradient row is written once: no atomics.
 
-Costs beside the output (per batch element and routing row ``R``): query order and codes
-(8-12 bytes per query), the key layout (4 bytes per key and group: ``Nk * K`` rows, an upper
-bound of the memberships), key codes (4-8 bytes per key) and a count table
-(``4 K`` bytes per ``COUNT_STEP`` keys). Building them allocates temporaries of about
-``21 K`` bytes per key (codes, cumulative counts, scatter indices).
+**On the device.** Layouts are built with fixed-shape torch operations (a stable sort of the
+codes; a cumulative count and a scatter for a group-sorted layout): no host synchronisation
+and no shape that depends on the routing; the grids derive from shapes only. Lengths, the
+window, ``K`` and the log-sum-exp's batch stride are not specialised on, so for a head size
+that is a multiple of 16 (and 16-byte aligned tensors) one compilation per dtype, head
+size, ``rep``, ``R = 1`` or not and flags serves every length; for other head sizes the
+divisibility of ``N * D`` by 16 may give a second one. Tiles are fixed per kernel and head
+size (:func:`prefill_blocks`; no autotuning).
+
+**Numerics.** fp32 accumulation and softmax state. Half-precision inputs on CUDA round the
+probabilities (and ``dS``) to the input dtype for the tensor-core dots, as FlashAttention
+does; fp32 inputs use IEEE fp32 dots (no TF32); under the interpreter every dot runs in
+fp32 (its bfloat16 dots are not usable).
+
+**Memory** beside the results, per batch element and routing row ``R``: the queries' class
+order (8-12 bytes per query), the keys' group order (``4 K + 4..8`` bytes per key: ``Nk * K``
+rows, an upper bound of the memberships, codes and a count table of ``4 K`` bytes per 64
+keys), and while building them temporaries of about ``30 K`` bytes per token (codes,
+cumulative counts, scatter indices); at 128K tokens, ``K = 8``, ``R = 1``: about 6 MiB kept
+and 30 MiB transient, against 1 GiB for a bfloat16 output of 32 heads of 128. The forward's
+layouts stay alive until the backward, which adds ``delta`` (float32 ``[B, Nq, H]``), the
+keys' class order and the queries' group order (the same sizes with queries and keys
+swapped), and a contiguous copy of the output's gradient when it is strided.
 """
 
 from __future__ import annotations

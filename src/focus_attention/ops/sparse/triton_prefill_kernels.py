@@ -17,6 +17,15 @@ key/value tile. Its online softmax runs over two disjoint key sets:
 
 The result is written once per query and head (token-major), with its log-sum-exp. Logits
 are scaled into base 2 (``exp2``); a row that sees no key outputs 0 and ``-inf``.
+
+The backward (FlashAttention-2) recomputes probabilities from the saved log-sum-exp:
+:func:`group_prefill_bwd_delta` (``rowsum(dO * O)``), :func:`group_prefill_bwd_dq` (the
+forward's loops) and :func:`group_prefill_bwd_dkdv` (one key tile of the keys' class layout
+over the group-sorted queries and the queries whose window holds its keys).
+
+``EXACT`` runs every dot in fp32 (fp32 inputs, and the interpreter, whose bfloat16 dots are
+not usable); otherwise the probabilities are rounded to the input dtype for the tensor-core
+dots. Globals read inside kernels are ``tl.constexpr`` (required when compiling).
 """
 
 from __future__ import annotations
