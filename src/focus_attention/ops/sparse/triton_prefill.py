@@ -29,17 +29,36 @@ tile's ``QPT`` queries span about ``QPT * Nq / class size`` positions).
 one tile (``QPT = BLOCK_M // rep`` queries each), so every key/value tile is loaded once for
 all of them, and a tile's queries (hence its local key tiles) are ``rep`` times fewer.
 
-**On the device.** The layouts are built with fixed-shape torch operations (a stable sort of
-the query codes; a cumulative count and a scatter for the key layout): no host
-synchronisation, no shape that depends on the routing. The kernel is compiled once per head
-size, dtype, ``rep`` and flags: lengths, windows, batch and head strides and ``K`` are not
-specialised on.
+**Gradients** (FlashAttention-2's backward: probabilities recomputed from the saved
+log-sum-exp): ``dq`` per query tile of the same class layout, over the same key tiles;
+``dk``/``dv`` per key tile of the *keys'* class layout, over the group-sorted *queries* (for
+each group a key of the tile holds, that group's queries from ``window`` positions after
+the tile's first key of the group) and the queries whose window holds its keys, summed
+over the packed query heads in registers. Each gradient row is written once: no atomics.
 
-Costs beside the output (per batch element and routing row ``R``): query order and codes
-(8-12 bytes per query), the key layout (4 bytes per key and group: ``Nk * K`` rows, an upper
-bound of the memberships), key codes (4-8 bytes per key) and a count table
-(``4 K`` bytes per ``COUNT_STEP`` keys). Building them allocates temporaries of about
-``21 K`` bytes per key (codes, cumulative counts, scatter indices).
+**On the device.** Layouts are built with fixed-shape torch operations (a stable sort of the
+codes; a cumulative count and a scatter for a group-sorted layout): no host synchronisation
+and no shape that depends on the routing; the grids derive from shapes only. Lengths, the
+window, ``K`` and the log-sum-exp's batch stride are not specialised on, so for a head size
+that is a multiple of 16 (and 16-byte aligned tensors) one compilation per dtype, head
+size, ``rep``, ``R = 1`` or not and flags serves every length; for other head sizes the
+divisibility of ``N * D`` by 16 may give a second one. Tiles are fixed per kernel and head
+size (:func:`prefill_blocks`; no autotuning).
+
+**Numerics.** fp32 accumulation and softmax state. Half-precision inputs on CUDA round the
+probabilities (and ``dS``) to the input dtype for the tensor-core dots, as FlashAttention
+does; fp32 inputs use IEEE fp32 dots (no TF32); under the interpreter every dot runs in
+fp32 (its bfloat16 dots are not usable).
+
+**Memory** beside the results, per batch element and routing row ``R``: the queries' class
+order (8-12 bytes per query), the keys' group order (``4 K + 4..8`` bytes per key: ``Nk * K``
+rows, an upper bound of the memberships, codes and a count table of ``4 K`` bytes per 64
+keys), and while building them temporaries of about ``30 K`` bytes per token (codes,
+cumulative counts, scatter indices); at 128K tokens, ``K = 8``, ``R = 1``: about 6 MiB kept
+and 30 MiB transient, against 1 GiB for a bfloat16 output of 32 heads of 128. The forward's
+layouts stay alive until the backward, which adds ``delta`` (float32 ``[B, Nq, H]``), the
+keys' class order and the queries' group order (the same sizes with queries and keys
+swapped), and a contiguous copy of the output's gradient when it is strided.
 """
 
 from __future__ import annotations
@@ -48,6 +67,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...utils.checks import check_int
 from ..checks import check_bool, check_device, check_positive, check_qkv, check_tensor, fail
@@ -58,11 +78,14 @@ from .triton_support import MAX_KERNEL_GROUPS, group_codes, interpreting, triton
 __all__ = [
     "MAX_HEAD_DIM",
     "PREFILL_DTYPES",
+    "ClassOrder",
+    "GroupOrder",
     "PrefillBlocks",
-    "PrefillLayout",
+    "TileSizes",
+    "class_order",
+    "group_order",
     "group_prefill",
     "prefill_blocks",
-    "prefill_layout",
 ]
 
 #: largest head size the kernels take (padded to a power of two inside).
@@ -71,34 +94,67 @@ MAX_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: groups whose codes fit an int32 word (faster than int64 on GPUs).
 _INT32_GROUPS = 31
+#: log2(e): the kernels compute logits in base 2.
+_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class PrefillBlocks:
-    """Tile sizes of one launch.
+class TileSizes:
+    """Tile sizes and launch options of one kernel.
 
     Attributes:
         block_m: rows of a query tile (``queries_per_tile * rep`` of them used).
-        queries_per_tile: queries of the class layout per tile (``QPT``).
+        queries_per_tile: queries per query tile (``QPT = block_m // rep``).
         block_n: keys per key tile.
-        block_d: head size padded to a power of two (at least 16).
-        count_step: positions per entry of the key count table.
         num_warps, num_stages: CUDA launch options (ignored by the interpreter).
     """
 
     block_m: int
     queries_per_tile: int
     block_n: int
-    block_d: int
-    count_step: int
     num_warps: int
     num_stages: int
 
 
-def prefill_blocks(head_dim: int, rep: int, *, interpret: bool | None = None) -> PrefillBlocks:
-    """The fixed tile sizes for ``head_dim`` and ``rep`` query heads per key-value head:
-    small tiles under the interpreter (tests cross their edges at small lengths), CUDA sizes
-    by head size otherwise (``interpret``: default, whether ``TRITON_INTERPRET=1``).
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """The tiles of one call's kernels.
+
+    Attributes:
+        forward, dq, dkdv: the forward kernel's, the ``dq`` kernel's and the ``dk``/``dv``
+            kernel's tiles (the latter's ``block_n`` keys per program).
+        block_d: head size padded to a power of two (at least 16).
+        count_step: tokens per entry of the layouts' count tables.
+    """
+
+    forward: TileSizes
+    dq: TileSizes
+    dkdv: TileSizes
+    block_d: int
+    count_step: int
+
+
+#: ``(block_m, block_n, num_warps, num_stages)`` of the forward, dq and dk/dv kernels on CUDA,
+#: by padded head size (half precision), chosen so that ptxas reports no register spills for
+#: sm_90 (the ``dq`` tile of D = 256 spills a little in every shape tried); float32 inputs
+#: (FMA dots, a correctness path) take small tiles; the interpreter small tiles whose edges
+#: the tests cross (the backward's differ from the forward's, as on CUDA).
+_CUDA_TILES = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)),
+    128: ((64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
+    256: ((64, 32, 8, 2), (64, 16, 8, 1), (32, 32, 8, 1)),
+}
+_FP32_TILES = ((32, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1))
+_INTERPRETER_TILES = ((32, 16, 1, 1), (16, 32, 1, 1), (16, 32, 1, 1))
+
+
+def prefill_blocks(
+    head_dim: int, rep: int, dtype: torch.dtype = torch.bfloat16, *, interpret: bool | None = None
+) -> PrefillBlocks:
+    """The fixed tiles for ``head_dim``, ``rep`` query heads per key-value head and the input
+    ``dtype``: CUDA tiles by head size (``_CUDA_TILES``; no autotuning), or, under Triton's
+    interpreter (``interpret``, default: whether ``TRITON_INTERPRET=1``), small tiles whose
+    edges tests cross at small lengths. A query tile has at least ``rep`` rows.
 
     Raises:
         ValueError: ``head_dim`` not in ``1..MAX_HEAD_DIM`` or ``rep < 1``.
@@ -110,93 +166,99 @@ def prefill_blocks(head_dim: int, rep: int, *, interpret: bool | None = None) ->
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     interpret = interpreting() if interpret is None else interpret
     if interpret:
-        rows, block_n, warps, stages = 32, 16, 1, 1
-    elif block_d <= 64:
-        rows, block_n, warps, stages = 64, 64, 4, 3
-    elif block_d <= 128:
-        rows, block_n, warps, stages = 64, 64, 4, 2
+        table, step = _INTERPRETER_TILES, 16
+    elif dtype == torch.float32:
+        table, step = _FP32_TILES, 64
     else:
-        rows, block_n, warps, stages = 64, 32, 8, 1
-    rows = max(rows, 1 << (rep - 1).bit_length())  # at least one query per tile
-    return PrefillBlocks(rows, rows // rep, block_n, block_d, block_n, warps, stages)
+        table, step = _CUDA_TILES[max(64, block_d)], 64
+    tiles = []
+    for block_m, block_n, warps, stages in table:
+        block_m = max(block_m, 1 << (rep - 1).bit_length())  # at least one query per tile
+        tiles.append(TileSizes(block_m, block_m // rep, block_n, warps, stages))
+    return PrefillBlocks(*tiles, block_d=block_d, count_step=step)
+
+
+def _code_dtype(num_groups: int) -> torch.dtype:
+    """int32 codes where ``K`` fits one (faster on GPUs), else int64."""
+    return torch.int32 if num_groups <= _INT32_GROUPS else torch.int64
 
 
 @dataclass(frozen=True)
-class PrefillLayout:
-    """The device-side layouts of one call (docs/method.md §5), per batch element and
-    routing row (``R`` of them).
+class ClassOrder:
+    """A token list (the queries, or the keys) sorted by membership class: by group code,
+    then by position, each token once; per batch element and routing row (``R``).
 
     Attributes:
-        query_rows: int32 ``[B, R, Nq]`` the query index of each row of the class layout
-            (queries sorted by group code, then position; each query once).
-        query_codes: ``[B, R, Nq]`` the group code of each row (int32 for ``K <= 31``,
-            else int64; bit ``g`` set iff the query holds group ``g``).
-        key_rows: int32 ``[B, R, Nk * K + 1]`` the group-sorted key layout: the real keys
-            of group 0 in position order, then group 1, ...; rows past the last are unused
-            (``Nk * K`` bounds the memberships; the final row takes the non-members' writes).
-        key_codes: ``[B, R, Nk]`` the group code of each key (0 for padding).
-        segments: int32 ``[B, R, K]`` where group ``g`` starts in ``key_rows``.
-        counts: int32 ``[B, R, ceil(Nk / count_step), K]``: entry ``[.., c, g]`` counts
-            the real keys of group ``g`` at positions below ``(c + 1) * count_step``.
-        low_masks: ``[K]`` of the code dtype, ``2**g - 1`` (the groups below ``g``).
-        count_step: positions per entry of ``counts``.
+        rows: int32 ``[B, R, N]`` the token index of each row.
+        codes: ``[B, R, N]`` the group code of each row (int32 for ``K <= 31``, else int64;
+            bit ``g`` set iff the token holds group ``g``).
     """
 
-    query_rows: torch.Tensor
-    query_codes: torch.Tensor
-    key_rows: torch.Tensor
-    key_codes: torch.Tensor
+    rows: torch.Tensor
+    codes: torch.Tensor
+
+
+def class_order(members: torch.Tensor) -> ClassOrder:
+    """The :class:`ClassOrder` of bool memberships ``[B, R, N, K]`` (a stable sort of the
+    codes on their device; no host synchronisation)."""
+    codes, order = torch.sort(group_codes(members), dim=-1, stable=True)
+    return ClassOrder(order.to(torch.int32), codes.to(_code_dtype(members.shape[-1])))
+
+
+@dataclass(frozen=True)
+class GroupOrder:
+    """A token list laid out group by group (docs/method.md §5): the tokens of group 0 in
+    position order, then those of group 1, ..., one row per membership; per batch element and
+    routing row (``R``).
+
+    Attributes:
+        rows: int32 ``[B, R, N * K + 1]`` the token index of each row; rows past the last
+            membership are unused (``N * K`` bounds the memberships; the final row takes the
+            non-members' writes while it is built).
+        segments: int32 ``[B, R, K]`` where group ``g`` starts in ``rows``.
+        counts: int32 ``[B, R, ceil(N / step), K]``: entry ``[.., c, g]`` counts the tokens
+            of group ``g`` with index below ``(c + 1) * step`` (the last entry: all of them).
+        codes: ``[B, R, N]`` the group code of each token, in token order (int32 for
+            ``K <= 31``, else int64).
+        low_masks: ``[K]`` of the codes' dtype, ``2**g - 1`` (the groups below ``g``).
+        step: tokens per entry of ``counts``.
+    """
+
+    rows: torch.Tensor
     segments: torch.Tensor
     counts: torch.Tensor
+    codes: torch.Tensor
     low_masks: torch.Tensor
-    count_step: int
+    step: int
 
 
-def prefill_layout(
-    query_groups: torch.Tensor,
-    key_groups: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    count_step: int,
-) -> PrefillLayout:
-    """Build the layouts of :class:`PrefillLayout` on the memberships' device with
-    fixed-shape operations (no host synchronisation; the same operations for any routing of
-    the same shapes).
+def group_order(members: torch.Tensor, step: int) -> GroupOrder:
+    """The :class:`GroupOrder` of bool memberships ``[B, R, N, K]`` (``N >= 1``; padding
+    already removed from them), built with fixed-shape operations on their device (a
+    cumulative count and a scatter; no host synchronisation, the same operations for any
+    routing of the same shapes).
 
-    Args:
-        query_groups: bool ``[B, R, Nq, K]``; key_groups: bool ``[B, R, Nk, K]``, ``Nk >= 1``,
-            ``K <= MAX_KERNEL_GROUPS``.
-        key_padding_mask: bool ``[B, Nk]`` (True = real) or None.
-        count_step: positions per entry of the count table, ``>= 1``.
+    Raises:
+        ValueError: ``step`` not an int ``>= 1``.
     """
-    bsz, routes, nk, k = key_groups.shape
-    members = key_groups
-    if key_padding_mask is not None:
-        members = members & key_padding_mask[:, None, :, None]
-    code_dtype = torch.int32 if k <= _INT32_GROUPS else torch.int64
-    query_codes, order = torch.sort(group_codes(query_groups), dim=-1, stable=True)
-    cum = torch.cumsum(members, dim=2, dtype=torch.int32)  # [B, R, Nk, K]
+    check_int("group_order", "step", step, 1)
+    bsz, routes, n, k = members.shape
+    device = members.device
+    cum = torch.cumsum(members, dim=2, dtype=torch.int32)  # [B, R, N, K]
     totals = cum[:, :, -1, :]
     segments = torch.cumsum(totals, dim=-1, dtype=torch.int32) - totals
-    slots = nk * k
+    slots = n * k
     dest = (segments[:, :, None, :] + cum - 1).to(torch.int64)
-    dest = torch.where(members, dest, slots).reshape(bsz, routes, slots)  # slot nk*k: unused
-    tokens = torch.arange(nk, dtype=torch.int32, device=members.device)
-    tokens = tokens[None, None, :, None].expand(bsz, routes, nk, k).reshape(bsz, routes, slots)
-    key_rows = torch.zeros(bsz, routes, slots + 1, dtype=torch.int32, device=members.device)
-    key_rows.scatter_(2, dest, tokens)
-    ends = torch.arange(count_step, nk + count_step, count_step, device=members.device)
-    counts = cum.index_select(2, ends.clamp(max=nk) - 1)
-    low = torch.pow(2, torch.arange(k, device=members.device, dtype=torch.int64)) - 1
-    return PrefillLayout(
-        query_rows=order.to(torch.int32),
-        query_codes=query_codes.to(code_dtype),
-        key_rows=key_rows,
-        key_codes=group_codes(members).to(code_dtype),
-        segments=segments,
-        counts=counts.contiguous(),
-        low_masks=low.to(code_dtype),
-        count_step=count_step,
-    )
+    dest = torch.where(members, dest, slots).reshape(bsz, routes, slots)
+    tokens = torch.arange(n, dtype=torch.int32, device=device)
+    tokens = tokens[None, None, :, None].expand(bsz, routes, n, k).reshape(bsz, routes, slots)
+    rows = torch.zeros(bsz, routes, slots + 1, dtype=torch.int32, device=device)
+    rows.scatter_(2, dest, tokens)
+    ends = torch.arange(step, n + step, step, device=device).clamp(max=n) - 1
+    low = torch.pow(2, torch.arange(k, device=device, dtype=torch.int64)) - 1
+    code_dtype = _code_dtype(k)
+    codes = group_codes(members).to(code_dtype)
+    return GroupOrder(rows, segments, cum.index_select(2, ends), codes, low.to(code_dtype), step)
 
 
 def group_prefill(
@@ -220,6 +282,8 @@ def group_prefill(
     key ``j`` iff ``j <= i``, key ``j`` is real, and (``i - j < window`` or they share a
     group): exactly :func:`~focus_attention.ops.sparse_attention`'s mask. Runs on CUDA
     tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
+    Differentiable in ``query``, ``key`` and ``value`` (FlashAttention-2's backward over the
+    same layouts; the log-sum-exp output too).
 
     Args:
         query: ``[B, H, Nq, D]`` float32, bfloat16 or float16, ``D <= 256``.
@@ -249,47 +313,153 @@ def group_prefill(
     window, scale = _checked(query, key, value, query_groups, key_groups, window, scale,
                              softcap, key_padding_mask)  # fmt: skip
     b, h, nq, d = query.shape
-    if query.numel() == 0 or key.shape[2] == 0:
-        out = query.new_zeros(b, nq, h, d)
-        return out, query.new_full((b, nq, h), -math.inf, dtype=torch.float32) if needs_lse else None  # fmt: skip
-    blocks = prefill_blocks(d, h // key.shape[1])
-    layout = prefill_layout(query_groups, key_groups, key_padding_mask, blocks.count_step)
-    return _forward(query, key, value, layout, blocks, window, scale, softcap,
-                    key_padding_mask, needs_lse)  # fmt: skip
+    if query.numel() == 0:  # also Nk = 0, which implies Nq = 0
+        lse = query.new_full((b, nq, h), -math.inf, dtype=torch.float32)
+        return query.new_zeros(b, nq, h, d), lse if needs_lse else None
+    args = (query, key, value, query_groups, key_groups, key_padding_mask, window, scale, softcap)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        out, lse = _GroupPrefill.apply(*args)
+        return out, lse if needs_lse else None
+    launch = _Launch.of(*args)
+    keys = group_order(launch.key_members(), launch.blocks.count_step)
+    return _forward(launch, class_order(query_groups), keys, needs_lse)
 
 
-def _forward(q, k, v, layout: PrefillLayout, blocks: PrefillBlocks, window, scale, softcap,
-             padding, needs_lse):  # fmt: skip
+@dataclass(frozen=True)
+class _Launch:
+    """What every kernel launch of one call shares."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_groups: torch.Tensor
+    key_groups: torch.Tensor
+    padding: torch.Tensor | None
+    window: int
+    scale: float
+    softcap: float | None
+    blocks: PrefillBlocks
+
+    @classmethod
+    def of(cls, q, k, v, query_groups, key_groups, padding, window, scale, softcap) -> _Launch:
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        blocks = prefill_blocks(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
+        return cls(q, k, v, query_groups, key_groups, padding, window, scale, softcap, blocks)
+
+    def key_members(self) -> torch.Tensor:
+        """The keys' memberships without padding keys."""
+        if self.padding is None:
+            return self.key_groups
+        return self.key_groups & self.padding[:, None, :, None]
+
+    def real(self) -> torch.Tensor:
+        """The padding mask as bytes (any tensor when there is none: not read)."""
+        return self.q if self.padding is None else self.padding.contiguous().view(torch.uint8)
+
+    def numbers(self, out: torch.Tensor, lse: torch.Tensor) -> list:
+        """Strides (query, key, value, token-major output, log-sum-exp) and sizes."""
+        q, k, v = self.q, self.k, self.v
+        strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3]]
+        sizes = [q.shape[2], k.shape[2], self.window, k.shape[1], self.query_groups.shape[1],
+                 self.query_groups.shape[3]]  # fmt: skip
+        return [*strides, *lse.stride()[:2], *sizes]
+
+    def scales(self) -> list:
+        """``scale * log2(e)``, ``scale / softcap``, ``softcap * log2(e)`` (1 for no cap)."""
+        cap = 1.0 if self.softcap is None else self.softcap
+        return [self.scale * _LOG2E, self.scale / cap, cap * _LOG2E]
+
+    def constants(self, tiles: TileSizes) -> dict:
+        """A kernel's compile-time arguments and launch options for ``tiles``."""
+        blocks, h, d = self.blocks, self.q.shape[1], self.q.shape[3]
+        return dict(REP=h // self.k.shape[1], QPT=tiles.queries_per_tile,
+                    BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=blocks.block_d,
+                    HEAD_DIM=d, COUNT_STEP=blocks.count_step,
+                    HAS_SOFTCAP=self.softcap is not None, HAS_PADDING=self.padding is not None,
+                    EXACT=self.q.dtype == torch.float32 or interpreting(),
+                    num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+
+
+def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: bool):
     """Allocate the results and launch the forward kernel (no host synchronisation)."""
     from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
 
-    b, h, nq, d = q.shape
-    h_kv, nk = k.shape[1], k.shape[2]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty(b, nq, h, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, nq, h, dtype=torch.float32, device=q.device) if needs_lse else out
-    real = out if padding is None else padding.view(torch.uint8)
-    cap = 1.0 if softcap is None else softcap
-    grid = (_cdiv(nq, blocks.queries_per_tile), b * h_kv)
+    b, h, nq, d = launch.q.shape
+    out = torch.empty(b, nq, h, d, dtype=launch.q.dtype, device=launch.q.device)
+    lse = torch.empty(b, nq, h, dtype=torch.float32, device=out.device) if needs_lse else out
+    tiles = launch.blocks.forward
+    grid = (_cdiv(nq, tiles.queries_per_tile), b * launch.k.shape[1])
     kernels.group_prefill_fwd[grid](
-        q, k, v, out, lse,
-        layout.query_rows, layout.query_codes, layout.key_rows, layout.key_codes,
-        layout.segments, layout.counts, layout.low_masks, real,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        nq, nk, window, h_kv, layout.query_rows.shape[1], layout.low_masks.shape[0],
-        scale * kernels.LOG2E, scale / cap, cap * kernels.LOG2E,
-        REP=h // h_kv, QPT=blocks.queries_per_tile, BLOCK_M=blocks.block_m,
-        BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d, HEAD_DIM=d,
-        COUNT_STEP=blocks.count_step, HAS_SOFTCAP=softcap is not None,
-        HAS_PADDING=padding is not None, WRITE_LSE=needs_lse,
-        EXACT=q.dtype == torch.float32 or interpreting(),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        launch.q, launch.k, launch.v, out, lse, queries.rows, queries.codes, keys.rows,
+        keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
+        *launch.numbers(out, lse), *launch.scales(), WRITE_LSE=needs_lse,
+        **launch.constants(tiles),
     )  # fmt: skip
     return out, lse if needs_lse else None
+
+
+def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder,
+              needs_dq: bool):  # fmt: skip
+    """``(dq, dk, dv)`` with the strides of ``q``, ``k``, ``v`` (``dq`` None unless
+    ``needs_dq``): the ``delta`` pass, then the query-tile kernel for ``dq`` and the key-tile
+    kernel for ``dk``/``dv`` (which lay the keys out by class and the queries by group)."""
+    from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
+
+    q, k, v = launch.q, launch.k, launch.v
+    b, h, nq, d = q.shape
+    dout = out.new_zeros(out.shape) if dout is None else dout.contiguous()
+    delta = torch.empty_like(lse)
+    rows = 16
+    kernels.group_prefill_bwd_delta[(_cdiv(b * nq * h, rows),)](
+        out, dout, lse if dlse is None else dlse.contiguous(), delta, b * nq * h, HEAD_DIM=d,
+        ROWS=rows, BLOCK_D=launch.blocks.block_d, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
+    numbers, scales = launch.numbers(dout, lse), [launch.scale, *launch.scales()]
+    if needs_dq:
+        dq = torch.empty_like(q)
+        grid = (_cdiv(nq, launch.blocks.dq.queries_per_tile), b * k.shape[1])
+        kernels.group_prefill_bwd_dq[grid](
+            q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
+            keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
+            **launch.constants(launch.blocks.dq),
+        )  # fmt: skip
+    key_classes = class_order(launch.key_members())
+    query_groups = group_order(launch.query_groups, launch.blocks.count_step)
+    grid = (_cdiv(k.shape[2], launch.blocks.dkdv.block_n), b * k.shape[1])
+    kernels.group_prefill_bwd_dkdv[grid](
+        q, k, v, dout, lse, delta, dk, dv, key_classes.rows, key_classes.codes,
+        query_groups.rows, query_groups.codes, query_groups.segments, query_groups.counts,
+        query_groups.low_masks, launch.real(), *numbers, *scales,
+        **launch.constants(launch.blocks.dkdv),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class _GroupPrefill(torch.autograd.Function):
+    """:func:`group_prefill` with gradients for ``query``, ``key`` and ``value`` (and through
+    the log-sum-exp output). The forward's layouts are kept for the backward, which builds
+    the two it adds (keys by class, queries by group)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, query_groups, key_groups, padding, window, scale, softcap):
+        launch = _Launch.of(query, key, value, query_groups, key_groups, padding, window, scale,
+                            softcap)  # fmt: skip
+        queries = class_order(query_groups)
+        keys = group_order(launch.key_members(), launch.blocks.count_step)
+        out, lse = _forward(launch, queries, keys, needs_lse=True)
+        ctx.launch, ctx.queries, ctx.keys = launch, queries, keys
+        ctx.save_for_backward(out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.launch, out, lse, dout, dlse, ctx.queries, ctx.keys,
+                               ctx.needs_input_grad[0])  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -311,7 +481,8 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, softcap
         fail("query", f"Nq = {nq} queries for Nk = {nk} keys", "Nq <= Nk")
     for name, groups, n in (("query_groups", query_groups, nq), ("key_groups", key_groups, nk)):
         _check_groups(name, groups, (b, n), h_kv, query.device)
-    if query_groups.shape[1] != key_groups.shape[1] or query_groups.shape[3] != key_groups.shape[3]:  # fmt: skip
+    q_shape, k_shape = query_groups.shape, key_groups.shape
+    if q_shape[1] != k_shape[1] or q_shape[3] != k_shape[3]:
         fail("key_groups", f"shape {tuple(key_groups.shape)}",
              f"R and K of query_groups {tuple(query_groups.shape)}")  # fmt: skip
     check_int("group_prefill", "window", window, 1)
