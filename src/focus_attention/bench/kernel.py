@@ -30,6 +30,7 @@ __all__ = [
     "KERNEL_LENGTHS",
     "KernelBenchConfig",
     "balanced_memberships",
+    "dense_sdpa_context",
     "kernel_peak_memory",
     "kernel_table",
     "plot_kernel",
@@ -68,8 +69,9 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
     return q, k, v, groups.to(device)
 
 
-def _dense_context(dense_kernel: str):
-    """The SDPA backend context of ``dense_kernel`` (a null context for ``auto``)."""
+def dense_sdpa_context(dense_kernel: str):
+    """The SDPA backend context of ``dense_kernel``, one of :data:`DENSE_KERNELS` (a null
+    context for ``auto``): SDPA calls inside it run that kernel or raise ``RuntimeError``."""
     import contextlib
 
     if dense_kernel == "auto":
@@ -91,7 +93,7 @@ def kernel_call(
         RuntimeError: a forced ``dense_kernel`` that cannot run these inputs (SDPA's error).
     """
     if method == "dense":
-        with _dense_context(dense_kernel):
+        with dense_sdpa_context(dense_kernel):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True
             )

@@ -16,7 +16,7 @@ from ..utils.plots import save_png
 from .inputs import bench_token_ids, load_bench_model, weights_record
 from .kernel import sparse_backend_name
 from .settings import FRESH_WINDOW, MODEL_LENGTHS, ModelBenchConfig
-from .timing import device_synchronize, median_seconds
+from .timing import available_bytes, device_synchronize, median_seconds
 
 __all__ = [
     "MODEL_LENGTHS",
@@ -27,21 +27,6 @@ __all__ = [
     "routers_record",
     "run_model_benchmark",
 ]
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
-    host's ``MemAvailable``; None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int | None:
@@ -65,7 +50,7 @@ def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int 
         raise bad(owner, name, longest, f"at most {positions} tokens (the model's learned positions)")  # fmt: skip
     hidden = getattr(cfg, "hidden_size", 0)
     per_token = (2 * hidden + 2 * (getattr(cfg, "intermediate_size", None) or 4 * hidden)) * model.dtype.itemsize  # fmt: skip
-    free = _available_bytes(model.device)
+    free = available_bytes(model.device)
     if free is not None and longest * per_token > free:
         raise bad(owner, name, longest, f"at most about {free // per_token} tokens: a forward of "
                   f"{longest} needs at least {longest * per_token / 2**30:.1f} GiB of activations, "

@@ -23,6 +23,7 @@ from ..settings import (
     GenerationLength,
     LengthSettings,
     ModelSettings,
+    OutputSettings,
     PlotFile,
     ResultFile,
     RunSettings,
@@ -57,6 +58,8 @@ __all__ = [
     "DenseKernelSetting",
     "InstructionsBenchConfig",
     "KernelBenchConfig",
+    "MergeResultsConfig",
+    "PlotResultsConfig",
     "ModelBenchConfig",
     "NeedleBenchConfig",
     "RetrievalLayersConfig",
@@ -340,7 +343,7 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     renamed={"windows": "window"},
     several=("top_k", "window"),
 )
-class ModelBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class ModelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of the end-to-end benchmark (``focus bench model``): prefill of the first
     ``lengths`` tokens of the corpus split (of seeded random ids for a ``random:PRESET``
     model), stock sdpa against Focus at every ``top_k`` and ``window`` (default: the
@@ -390,7 +393,7 @@ class ModelBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, Se
               "model": DEFAULT_MODEL, "dense_kernel": "auto"},
     several=("top_k",),
 )  # fmt: skip
-class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, DecodeBatch, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape, DenseKernelSetting):  # fmt: skip
+class DecodeBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, DecodeBatch, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape, DenseKernelSetting):  # fmt: skip
     """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
     the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
     and over the adapter's when given; ``seed`` seeds the op level's inputs; ``device``
@@ -740,3 +743,51 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
         if (self.adapter is None) == (self.export is None):
             raise bad(owner, "adapter", self.adapter, "an adapter, or an exported directory "
                       "given as export (one of them)")  # fmt: skip
+
+
+@dataclass
+class ResultFiles(Settings):
+    """Result files a command reads."""
+
+    results: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle or "
+                  "serve (or merged by focus bench merge)"},
+    )  # fmt: skip
+
+    def check_results(self, owner: str) -> None:
+        """``results``: one or more paths (stored as a tuple of str).
+
+        Raises:
+            ValueError: none given.
+        """
+        self.results = tuple(str(path) for path in self.results)
+        if not self.results:
+            raise bad(owner, "results", self.results, "one or more JSON result files")
+
+
+@settings_class()
+class MergeResultsConfig(ResultFile, ResultFiles):
+    """Settings of ``focus bench merge``: result files of one benchmark merged, in order,
+    into the JSON file ``json``.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    def __post_init__(self) -> None:
+        self.check_results("MergeResultsConfig")
+
+
+@command_help(out="folder the PNGs are written into (default: beside each result file)")
+@settings_class(defaults={"out": None})
+class PlotResultsConfig(OutputSettings, ResultFiles):
+    """Settings of ``focus bench plot``: one PNG per result held in each file.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        self.check_results("PlotResultsConfig")

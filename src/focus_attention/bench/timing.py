@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "available_bytes",
     "cuda_peak_extra_bytes",
     "device_synchronize",
     "interleaved_median_seconds",
@@ -126,3 +127,21 @@ def cuda_peak_extra_bytes(fn: Callable[[], Any]) -> int:
     peak = torch.cuda.max_memory_allocated()
     del result
     return max(0, peak - before)
+
+
+def available_bytes(device: Any) -> int | None:
+    """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
+    host's ``MemAvailable``; None where it cannot be read."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

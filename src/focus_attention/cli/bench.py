@@ -1,4 +1,4 @@
-"""``focus bench kernel|model|decode|needle|retrieval-layers|tasks|instructions|serve``: benchmarks that write JSON (:mod:`focus_attention.bench`)."""
+"""``focus bench kernel|model|decode|needle|retrieval-layers|tasks|instructions|serve``: benchmarks that write JSON (:mod:`focus_attention.bench`); ``focus bench merge|plot``: their result files merged and plotted."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from ..bench.settings import (
     DecodeBenchConfig,
     InstructionsBenchConfig,
     KernelBenchConfig,
+    MergeResultsConfig,
     ModelBenchConfig,
     NeedleBenchConfig,
+    PlotResultsConfig,
     RetrievalLayersConfig,
     ServeBenchConfig,
     TasksBenchConfig,
@@ -28,10 +30,10 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _config(args: argparse.Namespace, cls: type) -> Any:
+def _config(args: argparse.Namespace, cls: type, required: tuple[str, ...] = ()) -> Any:
     """The settings of ``focus bench NAME``: defaults, table ``[bench.NAME]`` of
-    ``--config``, then the flags."""
-    return command_config(args, cls, f"bench.{args.bench_command}")
+    ``--config``, then the flags (``required``: fields one of them must give)."""
+    return command_config(args, cls, f"bench.{args.bench_command}", required=required)
 
 
 def _outputs(config: Any, plotted: bool = False) -> str | None:
@@ -86,25 +88,51 @@ def _kernel(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from ..bench.model import model_table, run_model_benchmark
+    from ..bench.model import model_table, plot_model, run_model_benchmark
 
     config = _config(args, ModelBenchConfig)
-    _outputs(config)
+    plot = _outputs(config, plotted=True)
     _set_threads(config.threads)
     result = run_model_benchmark(config)
     print(model_table(result))
-    _write(result, config)
+    _write(result, config, plot, plot_model)
     return 0
 
 
 def _decode(args: argparse.Namespace) -> int:
-    from ..bench.decode import decode_table, run_decode_benchmark
+    from ..bench.decode import decode_table, plot_decode, run_decode_benchmark
 
     config = _config(args, DecodeBenchConfig)
-    _outputs(config)
+    plot = _outputs(config, plotted=True)
     result = run_decode_benchmark(config)
     print(decode_table(result))
-    _write(result, config)
+    _write(result, config, plot, plot_decode)
+    return 0
+
+
+#: the fields ``focus bench merge`` and ``focus bench plot`` need given
+MERGE_REQUIRED = ("results", "json")
+PLOT_REQUIRED = ("results",)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from ..bench.results import merge_results
+    from ..utils.io import read_json_file
+
+    config = _config(args, MergeResultsConfig, MERGE_REQUIRED)
+    _outputs(config)
+    merged = merge_results([read_json_file(path, "a benchmark's JSON result") for path in config.results])  # fmt: skip
+    _write(merged, config)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from ..bench.results import plot_result_file
+
+    config = _config(args, PlotResultsConfig, PLOT_REQUIRED)
+    for path in config.results:
+        for written in plot_result_file(path, config.out):
+            print(f"wrote {written}")
     return 0
 
 
@@ -175,12 +203,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_benchmark(sub: Any, name: str, config: type, run: Callable, **text: str) -> None:
+def _add_benchmark(sub: Any, name: str, config: type, run: Callable, required: tuple[str, ...] = (), **text: str) -> None:  # fmt: skip
     """One ``focus bench NAME`` sub-command: ``--config`` (table ``[bench.NAME]``) and the
-    flags of ``config``."""
+    flags of ``config`` (those in ``required`` said to be)."""
     parser = sub.add_parser(name, **text)
     add_config_flag(parser, f"bench.{name}")
-    add_flags(parser, config)
+    add_flags(parser, config, required=required)
     parser.set_defaults(func=run_guarded(run))
 
 
@@ -258,4 +286,18 @@ def register_cli(subparsers: Any) -> None:
         "prompts drawn from the corpus split. Reports per cell the requests answered of those "
         "sent, generated tokens per second, time to first token and latency p50/p99; writes "
         "JSON and a plot. Needs the serve extra and the prepared assets (focus setup).",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "merge", MergeResultsConfig, _merge, MERGE_REQUIRED,
+        help="merge result files of one benchmark into one JSON file",
+        description="Reads JSON results of one benchmark (kernel, model, decode, ...) and "
+        "writes them, in order, as the parts of one result file, with the versions and "
+        "hardware of the first at its top; focus bench plot draws each part.",
+    )  # fmt: skip
+    _add_benchmark(
+        sub, "plot", PlotResultsConfig, _plot, PLOT_REQUIRED,
+        help="plot result files of focus bench kernel, model, decode, needle or serve",
+        description="Draws each result a JSON file holds (one, or the parts of a merged file) "
+        "as a PNG beside it or in --out: speed-up against length beside the ideal for the "
+        "kernel, prefill and decoding benchmarks.",
     )  # fmt: skip
