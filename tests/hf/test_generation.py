@@ -189,13 +189,10 @@ def test_soft_routing_cannot_continue_a_cache():
             fm(input_ids=x[:, 10:], **cache_kwargs(cache), use_cache=True)
 
 
-def test_static_and_foreign_caches_are_refused():
+def test_a_cache_filled_without_focus_is_refused():
     _, fm = focus("llama", num_groups=4, top_k=1, window=8)
     x = ids(1, 12, seed=19)
     with torch.no_grad():
-        static = StaticCache(config=fm.config, max_cache_len=32)
-        with pytest.raises(ValueError, match="dynamic KV cache"):
-            fm(input_ids=x, **cache_kwargs(static), use_cache=True)
         filled = DynamicCache(config=fm.config)
         with fm.disable_focus():
             fm(input_ids=x, **cache_kwargs(filled), use_cache=True)
@@ -203,23 +200,27 @@ def test_static_and_foreign_caches_are_refused():
             fm(input_ids=x[:, :1], **cache_kwargs(filled), use_cache=True)
 
 
-def test_generate_with_a_static_cache_is_refused_early():
+def test_generate_with_an_offloaded_static_cache_is_refused_early():
+    """Offloaded static caches (and other implementations) are refused before any Focus
+    layer runs; the static cache itself is supported (tests/hf/test_static_cache.py)."""
     _, fm = focus("llama", num_groups=4, top_k=1, window=8)
     x = ids(1, 10, seed=23)
+    offloaded = StaticCache(config=fm.config, max_cache_len=32, offloading=True)
     with fm.record_routing() as records:
         for kwargs in (
-            {"cache_implementation": "static"},
             {"cache_implementation": "offloaded_static"},
-            {"generation_config": GenerationConfig(cache_implementation="static")},
-            {"past_key_values": StaticCache(config=fm.config, max_cache_len=32)},
+            {"cache_implementation": "quantized"},
+            {"generation_config": GenerationConfig(cache_implementation="offloaded_static")},
+            {"past_key_values": offloaded},
         ):
-            with pytest.raises(ValueError, match="dynamic KV cache that keeps every key"):
+            with pytest.raises(ValueError, match="KV cache that keeps every key"):
                 fm.generate(x, max_new_tokens=4, do_sample=False, **kwargs)
     assert records == []  # refused before any Focus layer ran
-    fm.generation_config.cache_implementation = "static"
-    with pytest.raises(ValueError, match="cache_implementation='static'"):
+    fm.generation_config.cache_implementation = "offloaded_static"
+    with pytest.raises(ValueError, match="cache_implementation='offloaded_static'"):
         fm.generate(x, max_new_tokens=4, do_sample=False)
-    # the base model (Focus disabled) keeps its static cache; "dynamic" still works
+    # the base model (Focus disabled) is not checked; "dynamic" still works
+    fm.generation_config.cache_implementation = "static"
     with fm.disable_focus():
         assert fm.generate(x, max_new_tokens=2, do_sample=False).shape == (1, 12)
     out = fm.generate(x, max_new_tokens=2, do_sample=False, cache_implementation="dynamic")

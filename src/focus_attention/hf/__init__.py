@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
                 "focus_attention_forward",
                 "register_focus_attention",
             ),
-            ".cache": ("BufferedDynamicLayer", "FocusCacheLayer", "check_dynamic_cache"),
+            ".cache": ("BufferedDynamicLayer", "FocusCacheLayer", "check_cache"),
             ".config": ("FocusConfig",),
             ".files": (
                 "CONFIG_NAME",
@@ -34,6 +34,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
                 "get_focus_model",
             ),
             ".router": ("ROUTER_DTYPE", "FocusRouter"),
+            ".static_cache": ("FocusStaticLayer",),
             ".runtime": ("ATTN_IMPLEMENTATION",),
         }
     ),

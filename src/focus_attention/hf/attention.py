@@ -55,6 +55,7 @@ from .paged import (
 )
 from .router import FocusRouter
 from .runtime import ATTN_IMPLEMENTATION, FocusRuntime, overrides_open
+from .static_cache import FocusStaticLayer
 
 #: attribute (in ``module.__dict__``) holding a :class:`LayerHandle` on attention modules
 HANDLE_ATTR = "_focus_handle"
@@ -181,6 +182,11 @@ def eager_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             )
         paged = is_paged_cache(cache)  # continuous batching: the groups by physical slot
         cache_layer = (paged_groups if paged else focus_cache_layer)(cache, handle.layer_idx)
+        if isinstance(cache_layer, FocusStaticLayer) and not topk:
+            raise ValueError(
+                "soft (Sinkhorn) routing cannot fill a static KV cache: use eval() or "
+                "set_routing('topk') to decode with it"
+            )
     handle.pending[threading.get_ident()] = Captured(hidden, cache_layer, cache is not None)
 
 
@@ -410,10 +416,15 @@ class LayerCall:
     sinks: torch.Tensor | None
     scale: float
     softcap: float | None
-    cache_layer: FocusCacheLayer | None
+    cache_layer: FocusCacheLayer | FocusStaticLayer | None
     has_cache: bool
     sink_tokens: int
     state: dict
+
+    @property
+    def static(self) -> bool:
+        """Whether the call writes a static KV cache (keys and values of its capacity)."""
+        return isinstance(self.cache_layer, FocusStaticLayer)
 
 
 def _take_captured(handle: LayerHandle, query: torch.Tensor) -> Captured:
@@ -467,9 +478,11 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     bsz, _, nq, head_dim = query.shape
     nk = key.shape[2]
     cfg = handle.runtime.focus_config
-    real, sinks = _key_masks(attention_mask, nk, bsz, cfg.sink_tokens, query.device)
     scale = scaling if scaling is not None else getattr(module, "scaling", None)
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if isinstance(cache_layer, FocusStaticLayer):
+        return _static_call(handle, query, key, value, captured, attention_mask, scale, kwargs)
+    real, sinks = _key_masks(attention_mask, nk, bsz, cfg.sink_tokens, query.device)
     past_len = 0 if cache_layer is None else cache_layer.group_length
     if past_len + nq != nk:
         raise ValueError(
@@ -481,6 +494,29 @@ def _resolve_call(handle, module, query, key, value, attention_mask, scaling, kw
     return LayerCall(
         query, key, value, hidden, real, real_q, sinks, scale, kwargs.get("softcap"),
         cache_layer, has_cache, cfg.sink_tokens, call_state(handle, attention_mask),
+    )  # fmt: skip
+
+
+def _static_call(handle, query, key, value, captured: Captured, attention_mask, scale: float,
+                 kwargs) -> LayerCall:  # fmt: skip
+    """The :class:`LayerCall` of a call that writes a static KV cache: ``key`` and ``value``
+    are the cache's whole buffers, the layer's :class:`FocusStaticLayer` keeps which keys are
+    real and which are sinks, and ``real_q`` marks the new tokens that are real (the last
+    columns of the 2-D padding mask, when the model was given one)."""
+    if not isinstance(attention_mask, FocusMask | None):
+        raise ValueError(
+            unsupported_mask_message(f"a prepared {type(attention_mask).__name__} mask")
+            + "; pass the 2-D attention_mask to the model instead"
+        )
+    if attention_mask is not None:
+        attention_mask.check_causal()
+    padding = None if attention_mask is None else attention_mask.padding
+    nq = query.shape[2]
+    real_q = None if padding is None else padding[:, padding.shape[1] - nq :]
+    sink_tokens = handle.runtime.focus_config.sink_tokens
+    return LayerCall(
+        query, key, value, captured.hidden, None, real_q, None, scale, kwargs.get("softcap"),
+        captured.cache_layer, True, sink_tokens, call_state(handle, attention_mask),
     )  # fmt: skip
 
 
@@ -580,6 +616,9 @@ def _topk_groups(handle: LayerHandle, call: LayerCall):
     cfg = handle.runtime.focus_config
     top_ks = (cfg.top_k, cfg.resolved_query_top_k)
     new_key_groups, q_groups = _new_token_groups(handle, call, top_ks)
+    if call.static:  # the static layer adds the sinks and keeps the keys' groups
+        call.cache_layer.append_groups(new_key_groups, call.real_q, call.sink_tokens)
+        return q_groups, None
     if call.cache_layer is None:
         return q_groups, _key_groups(call, new_key_groups)
     # the cache then holds every key's groups, sinks included: nothing of size Nk is copied
@@ -665,6 +704,12 @@ def _topk_attention(handle: LayerHandle, call: LayerCall):
     ``(out [B, H, Nq, D], query groups, key groups, maps or None)``."""
     cfg = handle.runtime.focus_config
     q_groups, k_groups = _topk_groups(handle, call)
+    if call.static:
+        if handle.runtime.wants_attentions():
+            raise ValueError("output_attentions is not supported with a static KV cache")
+        out = call.cache_layer.attend(call.query, call.key, call.value, q_groups, cfg.window,
+                                      call.scale, call.softcap, cfg.attention_backend)  # fmt: skip
+        return out, q_groups, None, None
     try:
         out = sparse_attention(
             call.query, call.key, call.value, q_groups, k_groups, cfg.window,
@@ -847,12 +892,15 @@ def _routed_layer(handle: LayerHandle, call: LayerCall):
         out, q_groups, k_groups, maps = _topk_attention(handle, call)
     recorder = runtime.current("recorder")
     if recorder is not None:
+        padding = call.real
+        if call.static:  # read back: records are for inspection, not for captured steps
+            k_groups, padding = call.cache_layer.cached_groups()
         record.update(
             query_groups=q_groups.detach(),
             key_groups=None if k_groups is None else k_groups.detach(),
-            key_padding=call.real,
+            key_padding=padding,
             sinks=call.sinks,
-            num_keys=call.key.shape[2],
+            num_keys=call.key.shape[2] if k_groups is None else k_groups.shape[1],
         )
         recorder.append(record)
     return out, maps

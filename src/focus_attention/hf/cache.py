@@ -1,5 +1,5 @@
 """The KV cache of Focus layers: every key kept, with the group memberships of the cached keys
-(docs/method.md §5 and §8)."""
+(docs/method.md §5 and §8); the static cache's layers are in :mod:`.static_cache`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     EncoderDecoderCache,
 )
+
+from .static_cache import FocusStaticLayer, focus_static_layer, is_static_layer
 
 #: spare rows a cache buffer gets when it grows, as a share of the rows it holds (and at
 #: least :data:`MIN_SPARE_ROWS`): appending one token then costs no copy of the cache,
@@ -179,58 +181,64 @@ class FocusCacheLayer(BufferedDynamicLayer):
 
 
 #: ``cache_implementation`` values (``generate``) whose caches Focus layers can use: the
-#: default dynamic cache (None / ``"dynamic"``) and its CPU-offloaded variant.
-DYNAMIC_CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded")
-#: the cache layer types a Focus layer can take over (FocusCacheLayer is a DynamicLayer)
+#: default dynamic cache (None / ``"dynamic"``), its CPU-offloaded variant, and the static
+#: cache (:mod:`.static_cache`: preallocated, for decoding steps captured in CUDA graphs).
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "offloaded", "static")
+#: the dynamic cache layer types a Focus layer can take over (FocusCacheLayer is a DynamicLayer)
 DYNAMIC_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 #: empty cache layers a Focus layer replaces by a :class:`FocusCacheLayer`
 _REPLACEABLE = (*DYNAMIC_LAYERS, BufferedDynamicLayer)
+#: what a KV cache of Focus layers must be, for the messages that refuse others
+_NEED = (
+    "Focus layers need a KV cache that keeps every key: transformers.DynamicCache (the "
+    "default) or StaticCache"
+)
 
 
-def check_dynamic_cache(cache: Any = None, cache_implementation: str | None = None) -> None:
+def check_cache(cache: Any = None, cache_implementation: str | None = None) -> None:
     """Refuse, before any forward, a KV cache Focus layers cannot use.
 
     Args:
-        cache: a ``past_key_values`` object, or None.
+        cache: a ``past_key_values`` / ``cache`` object, or None.
         cache_implementation: ``generate``'s ``cache_implementation``, or None.
 
     Raises:
         ValueError: a ``cache_implementation`` other than those in
-            :data:`DYNAMIC_CACHE_IMPLEMENTATIONS` (``"static"``, ``"offloaded_static"``,
-            ``"sliding_window"``, ``"hybrid"``, ``"quantized"``, ``"paged"``...), or a cache
-            with a layer that is not a dynamic one (``StaticLayer``, ``QuantizedLayer``...).
+            :data:`CACHE_IMPLEMENTATIONS` (``"offloaded_static"``, ``"sliding_window"``,
+            ``"hybrid"``, ``"quantized"``, ``"paged"``...), or a cache with a layer that is
+            neither a dynamic nor a static one (``QuantizedLayer``...).
     """
-    need = (
-        "Focus layers need a dynamic KV cache that keeps every key (transformers.DynamicCache, "
-        "the default)"
-    )
-    if cache_implementation not in DYNAMIC_CACHE_IMPLEMENTATIONS:
+    if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(
-            f"{need}; cache_implementation={cache_implementation!r} is not supported: leave "
-            "cache_implementation unset (or 'dynamic')"
+            f"{_NEED}; cache_implementation={cache_implementation!r} is not supported: leave "
+            "cache_implementation unset (or 'dynamic'), or 'static'"
         )
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
     if isinstance(cache, Cache):
+        if getattr(cache, "offloading", False) and any(is_static_layer(x) for x in cache.layers):
+            raise ValueError(f"{_NEED}; an offloaded static cache is not supported")
         for i, layer in enumerate(cache.layers):
-            if not isinstance(layer, DYNAMIC_LAYERS):
+            if not isinstance(layer, DYNAMIC_LAYERS) and not is_static_layer(layer):
                 raise ValueError(
-                    f"{need}; layer {i} of the given {type(cache).__name__} is a "
-                    f"{type(layer).__name__} (static, quantized and offloaded-static caches are "
-                    "not supported)"
+                    f"{_NEED}; layer {i} of the given {type(cache).__name__} is a "
+                    f"{type(layer).__name__} (quantized and offloaded-static caches are not "
+                    "supported)"
                 )
 
 
-def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
-    """Make layer ``layer_idx`` of ``cache`` a :class:`FocusCacheLayer` and return it.
+def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer | FocusStaticLayer:
+    """Make layer ``layer_idx`` of ``cache`` a :class:`FocusCacheLayer` (a dynamic cache) or a
+    :class:`~focus_attention.hf.static_cache.FocusStaticLayer` (a static one) and return it.
 
     An empty ``DynamicLayer``, ``BufferedDynamicLayer`` or ``DynamicSlidingWindowLayer``
     (transformers builds the latter for layers its config marks sliding, e.g. Mistral with
-    ``sliding_window``) is replaced, so a Focus layer keeps every key.
+    ``sliding_window``) is replaced, so a Focus layer keeps every key; a static layer is
+    replaced by :func:`~focus_attention.hf.static_cache.focus_static_layer`.
 
     Raises:
-        ValueError: a cache that is not a dynamic ``Cache`` (static, quantized, ...), or a
-            layer that already holds keys without Focus groups.
+        ValueError: a cache that is neither a dynamic nor a static ``Cache`` (quantized, ...),
+            or a layer that already holds keys without Focus groups.
     """
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
@@ -246,6 +254,8 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
     if layer_idx >= len(cache.layers):
         raise ValueError(f"the KV cache has {len(cache.layers)} layers; Focus layer {layer_idx}")
     layer = cache.layers[layer_idx]
+    if is_static_layer(layer):
+        return focus_static_layer(cache, layer_idx)
     if isinstance(layer, FocusCacheLayer):
         if layer.group_length != layer.get_seq_length():
             raise ValueError(
@@ -266,7 +276,6 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer:
         cache.layers[layer_idx] = fresh
         return fresh
     raise ValueError(
-        f"Focus layers need a dynamic KV cache (transformers.DynamicCache); layer {layer_idx} "
-        f"of the given cache is a {type(layer).__name__}. Static, quantized and offloaded-static "
-        "caches are not supported."
+        f"{_NEED}; layer {layer_idx} of the given cache is a {type(layer).__name__}. Quantized "
+        "and offloaded-static caches are not supported."
     )

@@ -17,10 +17,11 @@ import torch
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     causal_mask_function,
+    create_masks_for_generate,
     sliding_window_causal_mask_function,
 )
 
-from .runtime import disabled_base_impl
+from .runtime import ATTN_IMPLEMENTATION, disabled_base_impl
 
 #: queries per block when a non-trivial mask pattern is checked (bounds its memory).
 CHECK_BLOCK = 1024
@@ -40,7 +41,10 @@ class FocusMask:
     """
 
     def __init__(self, kwargs: dict) -> None:
-        self.kwargs = kwargs
+        # with a static cache the offsets are the cache's own length tensor, which the layers
+        # advance in place: a mask built later (lazily) needs their values of now
+        self.kwargs = {k: v.clone() if k.endswith("_offset") and isinstance(v, torch.Tensor) else v
+                       for k, v in kwargs.items()}  # fmt: skip
         pad = kwargs.get("attention_mask")
         self.padding: torch.Tensor | None = None if pad is None else pad.to(torch.bool)
         self._base: dict[str, Any] = {}
@@ -175,3 +179,20 @@ def focus_mask_interface(**kwargs: Any) -> FocusMask:
     if impl is not None:
         return ALL_MASK_ATTENTION_FUNCTIONS[impl](**kwargs)
     return FocusMask(kwargs)
+
+
+def masks_for_generate(base_model: Any) -> Callable:
+    """The ``create_masks_for_generate`` a wrapped base model gets (set on the instance, which
+    ``generate`` looks it up on): with a static KV cache, ``generate`` builds the attention
+    masks before each forward through it, which with Focus would hand the model a
+    :class:`FocusMask` where it expects a 2-D padding mask. While Focus is enabled it returns
+    the 2-D ``attention_mask`` as given (the model then builds its masks in its forward, as
+    with a dynamic cache); inside ``disable_focus()`` it runs the base model's own function."""
+    base = getattr(base_model, "create_masks_for_generate", create_masks_for_generate)
+
+    def create(config: Any, inputs_embeds: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        if config._attn_implementation == ATTN_IMPLEMENTATION and disabled_base_impl(config) is None:  # fmt: skip
+            return attention_mask
+        return base(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)  # fmt: skip
+
+    return create

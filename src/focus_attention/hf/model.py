@@ -22,7 +22,7 @@ from .architectures import (
     layer_types,
 )
 from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
-from .cache import check_dynamic_cache
+from .cache import check_cache
 from .config import ROUTINGS, FocusConfig
 from .files import (
     CONFIG_NAME,
@@ -43,6 +43,7 @@ from .files import (
     to_file_tensors,
     write_adapter,
 )
+from .masks import masks_for_generate
 from .paged import FocusContinuousBatching
 from .router import FocusRouter, check_router_values
 from .runtime import (
@@ -263,6 +264,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._handles = self._attach(runtime, modules)
         register_focus_attention()
         model_config._attn_implementation = ATTN_IMPLEMENTATION
+        base_model.create_masks_for_generate = masks_for_generate(base_model)
         self._unloaded = False
         self.register_load_state_dict_post_hook(_base_keys_not_expected)
         self.train(base_model.training)
@@ -406,7 +408,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 gen_cfg = gen_cfg or getattr(self.base_model, "generation_config", None)
                 impl = getattr(gen_cfg, "cache_implementation", None)
                 impl = kwargs.get("cache_implementation", impl)
-            check_dynamic_cache(kwargs.get("past_key_values", kwargs.get("cache")), impl)
+            check_cache(kwargs.get("past_key_values", kwargs.get("cache")), impl)
         if self._sequence_topk():
             if (
                 kwargs.get("use_cache")
@@ -949,6 +951,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         for part in _pretrained_parts(base):
             part.__dict__.pop(RUNTIME_ATTR, None)
         base.config._attn_implementation = self._runtime.base_impl
+        base.__dict__.pop("create_masks_for_generate", None)
         for name, p in base.named_parameters():
             p.requires_grad_(self._requires_grad.get(name, p.requires_grad))
         self._handles = {}

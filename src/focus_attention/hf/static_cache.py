@@ -1,0 +1,229 @@
+"""The static KV cache of Focus layers: preallocated keys, values and group buckets, so that a
+decoding step has no host synchronisation and no shape that depends on the routing, and can
+be captured in a CUDA graph (docs/method.md §5, "Decoding with a static cache").
+
+transformers' ``StaticCache`` (``generate(..., cache_implementation="static")``, or built by
+hand) preallocates ``[B, H_kv, max_cache_len, D]`` keys and values per layer and writes the
+new tokens in place. On a Focus layer :func:`focus_static_layer` swaps its empty layer for a
+:class:`FocusStaticLayer`, which also keeps, per cached key, its group memberships and, per
+group, the positions of its keys in the order they were written
+(:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, appended in place). A decoding
+step then reads the window and the buckets of the query's groups and nothing else
+(:func:`~focus_attention.ops.sparse.triton_decode.bucket_decode`, a Triton kernel on CUDA;
+its PyTorch form, :func:`~focus_attention.ops.sparse.triton_decode.bucket_decode_reference`,
+where Triton cannot run). A longer call (a prompt) reads the number of cached keys back once
+and runs :func:`~focus_attention.ops.sparse_attention` on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+from ..ops import sparse_attention
+from ..ops.sparse.buckets import GroupBuckets
+from ..ops.sparse.triton_decode import bucket_decode, bucket_decode_reference
+from ..ops.sparse.triton_support import triton_reason
+
+__all__ = ["STATIC_DECODE_QUERIES", "FocusStaticLayer", "focus_static_layer", "is_static_layer"]
+
+#: calls of at most this many new tokens (decoding steps, speculative tokens) attend through
+#: the group buckets without reading anything back; longer calls (prompts) read the number
+#: of cached keys back once and run ``sparse_attention`` on them
+STATIC_DECODE_QUERIES = 8
+
+
+class FocusStaticLayer(StaticLayer):
+    """A ``StaticLayer`` that also keeps the Focus groups of its cached keys.
+
+    Beside ``keys`` / ``values`` ``[B, H_kv, C, D]`` (``C = max_cache_len``) and the
+    number of cached tokens ``cumulative_length`` (a 0-d int64 tensor, as in
+    ``StaticLayer``), it holds, once the first tokens are cached:
+
+    - ``groups`` bool ``[B, C, K]``: the groups whose queries see each cached key (its
+      top-k memberships; every group for one of the first ``sink_tokens`` real tokens);
+    - ``buckets``: the same memberships as per-group position lists
+      (:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, one routing row);
+    - ``real`` bool ``[B, C]`` (True = real token), only once a call passed a padding mask;
+    - ``real_count`` int64 ``[B]``: real tokens cached so far per row (for the sinks);
+    - ``grouped``: a 0-d int64 tensor, the tokens whose groups were recorded (a prompt's
+      call checks it equals ``cumulative_length``).
+
+    Every buffer is written in place, at the positions of the new tokens, by a fixed
+    sequence of device operations.
+    """
+
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, **kwargs: Any) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self.groups: torch.Tensor | None = None
+        self.buckets: GroupBuckets | None = None
+        self.real: torch.Tensor | None = None
+        self.real_count: torch.Tensor | None = None
+        self.grouped: torch.Tensor | None = None
+        self.sink_tokens: int | None = None
+
+    def append_groups(self, new: torch.Tensor, real_new: torch.Tensor | None, sink_tokens: int) -> None:  # fmt: skip
+        """Record the key groups of the ``N`` tokens just cached (``update`` ran first, so
+        they sit at ``cumulative_length - N .. cumulative_length - 1``).
+
+        Args:
+            new: bool ``[B, N, K]``, the new tokens' top-k memberships as keys (a padding
+                token's are ignored).
+            real_new: bool ``[B, N]`` (True = real) or None when every new token is real.
+            sink_tokens: the first ``sink_tokens`` real tokens of a row join every group.
+
+        Raises:
+            ValueError: the cached groups were computed with another ``sink_tokens`` or
+                another number of groups, or the batch differs from the cache's.
+        """
+        bsz, n, k = new.shape
+        self._check_groups(bsz, k, sink_tokens)
+        positions = self.cumulative_length - n + torch.arange(n, device=new.device)
+        if real_new is not None and self.real is None:  # padding from now on: earlier keys real
+            self.real = torch.ones(bsz, self.max_cache_len, dtype=torch.bool, device=new.device)
+        real = torch.ones(bsz, n, dtype=torch.bool, device=new.device) if real_new is None else real_new  # fmt: skip
+        index = self.real_count[:, None] + real.long().cumsum(dim=1) - 1  # among real tokens
+        sinks = real & (index < sink_tokens)
+        keys = (new | sinks[..., None]) & real[..., None]
+        self.real_count.add_(real.long().sum(dim=1))
+        self.grouped.add_(n)
+        if self.real is not None:
+            self.real.index_copy_(1, positions, real)
+        self.groups.index_copy_(1, positions, keys)
+        self.buckets.append_(positions, keys[:, None])
+
+    def _check_groups(self, bsz: int, k: int, sink_tokens: int) -> None:
+        """Allocate the group buffers on the first call; refuse a change of ``sink_tokens``,
+        of K or of the batch afterwards."""
+        if self.groups is None:
+            device = self.keys.device
+            self.groups = torch.zeros(bsz, self.max_cache_len, k, dtype=torch.bool, device=device)
+            self.buckets = GroupBuckets.empty(bsz, 1, k, self.max_cache_len, device)
+            self.real_count = torch.zeros(bsz, dtype=torch.long, device=device)
+            self.grouped = torch.zeros((), dtype=torch.long, device=device)
+            self.sink_tokens = sink_tokens
+            return
+        if self.sink_tokens != sink_tokens:
+            raise ValueError(
+                f"the KV cache holds Focus groups computed with sink_tokens={self.sink_tokens}, "
+                f"this call has sink_tokens={sink_tokens}; start from an empty cache"
+            )
+        if tuple(self.groups.shape[::2]) != (bsz, k):
+            raise ValueError(
+                f"the KV cache holds Focus groups of batch {self.groups.shape[0]} and K = "
+                f"{self.groups.shape[2]}, this call has batch {bsz} and K = {k}; start from an "
+                "empty cache"
+            )
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               query_groups: torch.Tensor, window: int, scale: float, softcap: float | None,
+               backend: str) -> torch.Tensor:  # fmt: skip
+        """Attention of the ``Nq`` newest tokens' queries over the cached keys under the Focus
+        mask: ``out [B, H, Nq, D]`` in the query's dtype.
+
+        Args:
+            query: ``[B, H, Nq, D]``, the last ``Nq`` cached tokens' queries.
+            key, value: ``[B, H_kv, C, D]``, this layer's ``keys`` and ``values`` (or some of
+                their heads).
+            query_groups: bool ``[B, Nq, K]``, their memberships as queries.
+            window, scale, softcap: as in :func:`~focus_attention.ops.sparse_attention`.
+            backend: ``FocusConfig.attention_backend``. With ``"auto"`` a call of at most
+                :data:`STATIC_DECODE_QUERIES` queries reads the window and the buckets of
+                its groups without reading anything back (the Triton kernel where it runs,
+                its PyTorch form elsewhere); a longer call, or another backend, runs
+                ``sparse_attention`` with that backend on the cached keys (their number
+                read back once).
+        """
+        nq = query.shape[2]
+        if backend == "auto" and nq <= STATIC_DECODE_QUERIES:
+            decode = bucket_decode if triton_reason(query.device) is None else bucket_decode_reference  # fmt: skip
+            lengths = self.cumulative_length.expand(query.shape[0]).contiguous()
+            out, _ = decode(query, key, value, query_groups[:, None], self.buckets,
+                            lengths, window, scale=scale, softcap=softcap,
+                            key_padding_mask=self.real, needs_lse=False)  # fmt: skip
+            return out.transpose(1, 2)
+        groups, padding = self.cached_groups()  # the number of cached keys read back once
+        n = groups.shape[1]
+        return sparse_attention(
+            query, key[:, :, :n], value[:, :, :n], query_groups, groups, window, scale=scale,
+            key_padding_mask=padding, softcap=softcap, backend=backend,
+        )  # fmt: skip
+
+    def cached_groups(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(groups bool [B, N, K], real bool [B, N] or None)`` of the ``N`` cached keys
+        (their number read back to the host).
+
+        Raises:
+            ValueError: keys were cached without their groups (written while Focus was
+                disabled or the layer was in ``FocusConfig.dense_layers``).
+        """
+        n = int(self.cumulative_length)
+        if int(self.grouped) != n:
+            raise ValueError(
+                f"the static KV cache holds {n} keys but the Focus groups of {int(self.grouped)} "
+                "(keys added with Focus disabled or while the layer was in "
+                "FocusConfig.dense_layers?); start from an empty cache"
+            )
+        return self.groups[:, :n], None if self.real is None else self.real[:, :n]
+
+    def reset(self) -> None:
+        super().reset()
+        if self.groups is not None:
+            self.groups.zero_()
+            self.buckets.count.zero_()
+            self.real_count.zero_()
+            self.grouped.zero_()
+            self.real = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "a Focus static cache cannot be cropped (its group buckets keep every key): "
+            "use a dynamic cache for assisted decoding"
+        )
+
+
+def is_static_layer(layer: Any) -> bool:
+    """Whether ``layer`` is a cache layer of transformers' static caches."""
+    return isinstance(layer, StaticLayer)
+
+
+def focus_static_layer(cache: Any, layer_idx: int) -> FocusStaticLayer:
+    """Make layer ``layer_idx`` of a static ``cache`` a :class:`FocusStaticLayer` and return it.
+
+    An empty ``StaticLayer`` is replaced by one of the same ``max_cache_len``; an empty
+    ``StaticSlidingWindowLayer`` (a sliding-window layer of the base model) whose window is
+    shorter than the cache by one of the longest full layer's ``max_cache_len``, so the Focus
+    layer keeps every key.
+
+    Raises:
+        ValueError: the layer already holds keys computed without Focus; a sliding layer in
+            a cache with no full-attention layer to take the length from.
+    """
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, FocusStaticLayer):
+        return layer
+    if layer.is_initialized and int(layer.cumulative_length):
+        raise ValueError(
+            f"KV cache layer {layer_idx} already holds keys computed without Focus (filled with "
+            "Focus disabled, with the layer in FocusConfig.dense_layers, or by another model); "
+            "start from an empty cache"
+        )
+    length = layer.max_cache_len
+    # a sliding layer whose window is shorter than the cache holds only the window's length
+    if isinstance(layer, StaticSlidingWindowLayer) and not getattr(layer, "_is_croppable", False):
+        full = [x.max_cache_len for x in cache.layers if not isinstance(x, StaticSlidingWindowLayer)]  # fmt: skip
+        if not full:
+            raise ValueError(
+                f"KV cache layer {layer_idx} is a sliding-window static layer of "
+                f"{layer.max_cache_len} tokens and the cache has no full layer to take its "
+                "length from: a Focus layer keeps every key (build the StaticCache from a config "
+                "without sliding_window, or use a dynamic cache)"
+            )
+        length = max(full)
+    fresh = FocusStaticLayer(length)
+    cache.layers[layer_idx] = fresh
+    return fresh
