@@ -4,9 +4,11 @@ decoding together (docs/method.md §5, "KV-cache decoding"; docs/deploy.md, "Spe
 
 * ``op``: one query per request against ``N`` cached keys in the model's attention shape
   (query heads, key-value heads, head_dim), dense ``scaled_dot_product_attention`` (GQA, the
-  ``dense_kernel`` asked for) against ``sparse_attention`` with seeded random top-k
-  memberships of ``K`` groups and the window; the share of keys the query sees gives the
-  ideal speed-up ``1 / share``.
+  ``dense_kernel`` asked for) against Focus's decoding op with seeded random top-k
+  memberships of ``K`` groups and the window: the op the model level's cache runs
+  (:func:`focus_op`: with ``kv_cache="static"`` and the ``auto`` backend the group-bucket
+  kernel of the static cache, else ``sparse_attention`` with the backend); the share of
+  keys the query sees gives the ideal speed-up ``1 / share``.
 * ``model``: single-token steps through the whole model over a cache of ``N`` tokens
   (:mod:`focus_attention.bench.decode_model`): Focus top-k against the base model's own
   ``sdpa`` attention on the same cached keys and values, through dynamic caches
@@ -34,12 +36,16 @@ crossover).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..ops import sparse_attention
+from ..ops.sparse.buckets import GroupBuckets
+from ..ops.sparse.triton_decode import bucket_decode, bucket_decode_reference
+from ..ops.sparse.triton_support import triton_reason
 from ..utils.env import cpu_name, environment, library_versions
 from ..utils.plots import save_png
 from .accounting import (
@@ -71,6 +77,8 @@ __all__ = [
     "SHARE_STEPS",
     "DecodeBenchConfig",
     "decode_table",
+    "device_name",
+    "focus_op",
     "plot_decode",
     "run_decode_benchmark",
 ]
@@ -88,6 +96,29 @@ def _dense_call(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dense_k
     """Dense decoding attention of one query per request (SDPA with GQA, ``dense_kernel``)."""
     with dense_sdpa_context(dense_kernel):
         return torch.nn.functional.scaled_dot_product_attention(q, key, value, enable_gqa=True)
+
+
+def focus_op(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_groups: torch.Tensor) -> tuple[Callable[[], Any], str]:  # fmt: skip
+    """The op level's Focus call for queries ``q [B, H, 1, D]`` (the last key's groups) over
+    ``key``/``value [B, H_kv, N, D]`` with memberships ``key_groups [B, N, K]``, and its
+    name: with ``kv_cache="static"`` and the ``auto`` backend what a static cache's layer
+    runs, :func:`~focus_attention.ops.sparse.triton_decode.bucket_decode` over group buckets
+    (its PyTorch form where Triton cannot run); else ``sparse_attention`` with the backend.
+    """
+    backend = config.attention_backend or "auto"
+    query_groups, window = key_groups[:, -1:], config.op_window
+    if config.kv_cache == "static" and backend == "auto":
+        buckets = GroupBuckets.from_groups(key_groups[:, None])
+        lengths = torch.full((key.shape[0],), key.shape[2], dtype=torch.long, device=key.device)
+        triton = triton_reason(q.device) is None
+        decode = bucket_decode if triton else bucket_decode_reference
+        call = functools.partial(decode, q, key, value, query_groups[:, None], buckets, lengths,
+                                 window, needs_lse=False)  # fmt: skip
+        return call, decode.__name__
+    call = functools.partial(sparse_attention, q, key, value, query_groups, key_groups, window,
+                             backend=backend)  # fmt: skip
+    name = sparse_backend_name(backend, config.op_groups, q.device.type, config.dtype, num_queries=1)  # fmt: skip
+    return call, name
 
 
 def _op_rows(config: DecodeBenchConfig, shape: dict[str, int], device: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
@@ -129,13 +160,12 @@ def _op_cell(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, valu
     """Rows of one op cell: dense SDPA and ``sparse_attention`` at each top_k, counted,
     captured where asked and possible, timed in turns."""
     batch, h_kv, n, d = key.shape
-    k, window, backend = config.op_groups, config.op_window, config.attention_backend or "auto"
     calls = {"dense": functools.partial(_dense_call, q, key, value, config.dense_kernel)}
-    groups = {}
+    groups, names = {}, {}
     for top_k in config.top_k:
-        kg = _random_groups(batch, n, k, top_k, gen)
+        kg = _random_groups(batch, n, config.op_groups, top_k, gen)
         groups[top_k] = (kg[:, -1:], kg)
-        calls[f"focus-{top_k}"] = functools.partial(sparse_attention, q, key, value, kg[:, -1:], kg, window, backend=backend)  # fmt: skip
+        calls[f"focus-{top_k}"], names[top_k] = focus_op(config, q, key, value, kg)
     with torch.inference_mode():
         timed, counts, notes = timed_steps(calls, {}, steps=config.steps, warmup=config.warmup,
                                            graphs=config.cuda_graphs,
@@ -151,9 +181,8 @@ def _op_cell(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, valu
             rows.append({**row, **step_bytes(**size, keys_per_layer=[n])})
             continue
         top_k = int(name.split("-")[1])
-        seen, entries, later = _op_reads(*groups[top_k], window)
-        rows.append({**row, "method": "focus", "top_k": top_k, "share": seen / n,
-                     "backend": sparse_backend_name(backend, k, q.device.type, config.dtype, num_queries=1),
+        seen, entries, later = _op_reads(*groups[top_k], config.op_window)
+        rows.append({**row, "method": "focus", "top_k": top_k, "share": seen / n, "backend": names[top_k],
                      **step_bytes(**size, keys_per_layer=[seen], entries_per_layer=[(entries, later)])})  # fmt: skip
     return rows
 

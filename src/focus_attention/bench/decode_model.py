@@ -8,8 +8,9 @@ times: Focus through its prefilled cache, dense (the base model's own ``sdpa`` a
 ``FocusModel.disable_focus``) through caches filled with the same keys and values.
 ``kv_cache="dynamic"`` gives dense transformers' ``DynamicCache`` and the same cache with
 :class:`~focus_attention.hf.BufferedDynamicLayer` layers, and Focus its own dynamic cache;
-``kv_cache="static"`` gives both transformers' ``StaticCache`` (what a CUDA graph captures),
-Focus through its own dynamic cache where it takes no static one (the row says which).
+``kv_cache="static"`` gives both transformers' ``StaticCache`` (what a CUDA graph captures;
+Focus layers keep their groups and group buckets in it,
+:class:`~focus_attention.hf.static_cache.FocusStaticLayer`).
 A cell (a context and a batch size) whose caches would not fit in the memory free is
 skipped, with the reason recorded.
 """
@@ -25,9 +26,11 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from ..hf import BufferedDynamicLayer, FocusConfig, FocusModel, get_focus_model
 from ..hf.compat import cache_kwargs, cache_of
+from ..ops.sparse.buckets import GroupBuckets
 from .accounting import kv_bytes, routed_reads, step_bytes, weights_bytes
 from .graphs import timed_steps
 from .settings import DecodeBenchConfig
@@ -51,8 +54,6 @@ SHARE_STEPS = 4
 DENSE_CACHES = ("dynamic", "buffered")
 #: bytes a cell leaves free beside its caches (activations, logits, allocator slack)
 CELL_MARGIN_BYTES = 2**30
-#: the start of the error Focus layers raise for a cache they cannot use
-FOCUS_NEEDS_DYNAMIC = "Focus layers need a dynamic KV cache"
 
 
 def attention_shape(model: Any) -> dict[str, int]:
@@ -105,20 +106,15 @@ def attach(model: Any, config: DecodeBenchConfig, top_k: int) -> Any:
     return runner.eval()
 
 
-def _focus_prefill(runner: Any, ids: torch.Tensor, n: int, max_len: int | None) -> tuple[Any, str]:  # fmt: skip
-    """``(cache, kind)``: Focus prefilled on ``ids[:1, :n]``: into a ``StaticCache`` of
-    ``max_len`` (kind ``"static"``) where ``max_len`` is given and Focus takes one, else
-    into its own dynamic cache (kind ``"focus"``)."""
+def _focus_prefill(runner: Any, ids: torch.Tensor, n: int, max_len: int | None) -> Any:
+    """Focus's cache prefilled on ``ids[:1, :n]``: a ``StaticCache`` of ``max_len`` where
+    given, else Focus's own dynamic cache."""
     prompt = ids[:1, :n]
-    if max_len is not None:
-        cache = StaticCache(config=runner.base_model.config, max_cache_len=max_len)
-        try:
-            runner(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-            return cache, "static"
-        except ValueError as err:
-            if FOCUS_NEEDS_DYNAMIC not in str(err):
-                raise
-    return cache_of(runner(input_ids=prompt, use_cache=True, logits_to_keep=1)), "focus"
+    if max_len is None:
+        return cache_of(runner(input_ids=prompt, use_cache=True, logits_to_keep=1))
+    cache = StaticCache(config=runner.base_model.config, max_cache_len=max_len)
+    runner(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    return cache
 
 
 def _dense_cache(source: Any, n: int, batch: int, kind: str, base_config: Any, max_len: int) -> Any:  # fmt: skip
@@ -136,21 +132,41 @@ def _dense_cache(source: Any, n: int, batch: int, kind: str, base_config: Any, m
     return cache
 
 
+def _repeat_static_layer(layer: Any, batch: int) -> None:
+    """A static cache layer of one request made one of ``batch`` identical requests: its
+    per-request tensors (those whose first dimension is 1: keys, values, a Focus layer's
+    groups and counts) repeated, its group buckets selected ``batch`` times."""
+    for name, value in list(vars(layer).items()):
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == 1:
+            setattr(layer, name, value.repeat(batch, *[1] * (value.ndim - 1)))
+        elif isinstance(value, GroupBuckets):
+            rows = torch.zeros(batch, dtype=torch.long, device=value.device)
+            setattr(layer, name, value.index_select(rows))
+    if hasattr(layer, "batch_size"):
+        layer.batch_size = batch
+
+
 def _focus_cache(source: Any, batch: int) -> Any:
     """A copy of a prefilled Focus cache of one request, repeated ``batch`` times."""
     cache = copy.deepcopy(source)
-    if batch > 1:
-        cache.batch_repeat_interleave(batch)
+    if batch == 1:
+        return cache
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            _repeat_static_layer(layer, batch)
+        else:
+            layer.batch_repeat_interleave(batch)
     return cache
 
 
 def _cell_bytes(config: DecodeBenchConfig, shape: dict[str, int], batch: int, max_len: int, itemsize: int) -> int:  # fmt: skip
     """Memory a cell's caches take at most: every row's keys and values for ``max_len``
     tokens (an eighth more for a buffered cache's spare rows), Focus's group bookkeeping
-    (at most ``K + 12`` bytes per cached token and layer), plus :data:`CELL_MARGIN_BYTES`."""
+    (memberships, bucket entries and group codes: ``5 K + 16`` bytes per cached token and
+    layer at most), plus :data:`CELL_MARGIN_BYTES`."""
     rows = len(config.top_k) + (1 if config.kv_cache == "static" else len(DENSE_CACHES))
     per_cache = shape["layers"] * kv_bytes(batch, shape["kv_heads"], 1.125 * max_len, shape["head_dim"], itemsize)  # fmt: skip
-    groups = shape["layers"] * batch * max_len * (config.op_groups + 12)
+    groups = shape["layers"] * batch * max_len * (5 * config.op_groups + 16)
     return int(rows * per_cache + len(config.top_k) * groups + CELL_MARGIN_BYTES)
 
 
@@ -190,23 +206,25 @@ def _with_top_k(runner: Any, top_k: int) -> Iterator[None]:
     yield
 
 
-def _row_steppers(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: int, prefilled: dict[int, tuple[Any, str]], max_len: int) -> tuple[dict[str, Stepper], dict[str, str]]:  # fmt: skip
+def _row_steppers(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: int, prefilled: dict[int, Any], max_len: int) -> tuple[dict[str, Stepper], dict[str, str]]:  # fmt: skip
     """The steppers of one cell's rows (``focus-K`` per top_k, a dense one per dense cache)
-    over caches of ``ids.shape[0]`` requests, and each row's cache kind."""
+    over caches of ``ids.shape[0]`` requests, and each row's cache kind (``focus``: Focus's
+    dynamic cache)."""
     batch = ids.shape[0]
     steppers, kinds = {}, {}
-    for top_k, (cache, kind) in prefilled.items():
+    focus_kind = "static" if config.kv_cache == "static" else "focus"
+    for top_k, cache in prefilled.items():
         switch = functools.partial(_with_top_k, runner, top_k)
         steppers[f"focus-{top_k}"] = Stepper(runner, ids, n, _focus_cache(cache, batch), switch)
-        kinds[f"focus-{top_k}"] = kind
-    source = prefilled[config.top_k[0]][0]
+        kinds[f"focus-{top_k}"] = focus_kind
+    source = prefilled[config.top_k[0]]
     for kind in ("static",) if config.kv_cache == "static" else DENSE_CACHES:
         cache = _dense_cache(source, n, batch, kind, runner.base_model.config, max_len)
         steppers[kind], kinds[kind] = Stepper(runner, ids, n, cache, runner.disable_focus), kind
     return steppers, kinds
 
 
-def _cell_rows(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: int, prefilled: dict[int, tuple[Any, str]], max_len: int) -> list[dict[str, Any]]:  # fmt: skip
+def _cell_rows(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: int, prefilled: dict[int, Any], max_len: int) -> list[dict[str, Any]]:  # fmt: skip
     """The rows of one cell: ``ids.shape[0]`` requests of ``n`` cached tokens, every row
     counted, captured where it can be (``config.cuda_graphs``) and timed in turns."""
     shape, batch = attention_shape(runner.base_model), ids.shape[0]
