@@ -21,7 +21,7 @@ import collections
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +43,8 @@ __all__ = [
     "Stepper",
     "attention_shape",
     "model_context_rows",
+    "recorded_reads",
+    "recorded_share",
     "steps_per_row",
 ]
 
@@ -170,25 +172,37 @@ def _cell_bytes(config: DecodeBenchConfig, shape: dict[str, int], batch: int, ma
     return int(rows * per_cache + len(config.top_k) * groups + CELL_MARGIN_BYTES)
 
 
-def _focus_reads(runner: Any, stepper: Stepper, kv_heads: int) -> dict[int, dict[str, float]]:
-    """What one request of a Focus row reads per routed layer (:func:`~.accounting.routed_reads`),
-    from the groups of :data:`SHARE_STEPS` more steps."""
+def recorded_reads(runner: Any, step: Callable[[], Any], kv_heads: int) -> dict[int, dict[str, float]]:  # fmt: skip
+    """What one request of a Focus row reads per routed layer
+    (:func:`~.accounting.routed_reads`), from the groups the layers routed with in
+    :data:`SHARE_STEPS` calls of ``step`` (one decoding step each), a dense head counting
+    every key for its share of the ``kv_heads`` key-value heads."""
     fc = runner.focus_config
     dense_heads = collections.Counter(layer for layer, _ in fc.dense_heads)
     with runner.record_routing() as records:
         for _ in range(SHARE_STEPS):
-            with stepper.step():
-                stepper()
+            step()
     share = {layer: count / kv_heads for layer, count in dense_heads.items()}
     return routed_reads(records, fc.window, share)
 
 
+def recorded_share(runner: Any, reads: dict[int, dict[str, float]]) -> float:
+    """The share of the cached keys a decoded query sees, averaged over the Focus layers
+    (:func:`recorded_reads`; a layer of ``dense_layers`` sees every key)."""
+    dense = [layer for layer in runner.focus_layers if layer in runner.focus_config.dense_layers]
+    shares = [1.0] * len(dense) + [r["share"] for r in reads.values()]
+    return sum(shares) / len(shares)
+
+
 def _focus_row_reads(runner: Any, stepper: Stepper, shape: dict[str, int], batch: int, itemsize: int) -> dict[str, float]:  # fmt: skip
-    """A Focus row's share of keys seen (over the Focus layers, a dense one seeing every
-    key) and the bytes of its step (:func:`~.accounting.step_bytes`)."""
-    reads = _focus_reads(runner, stepper, shape["kv_heads"])
-    dense_layers = [layer for layer in runner.focus_layers if layer in runner.focus_config.dense_layers]  # fmt: skip
-    shares = [1.0] * len(dense_layers) + [r["share"] for r in reads.values()]
+    """A Focus row's share of keys seen (:func:`recorded_share`) and the bytes of its step
+    (:func:`~.accounting.step_bytes`)."""
+
+    def step() -> None:
+        with stepper.step():
+            stepper()
+
+    reads = recorded_reads(runner, step, shape["kv_heads"])
     cached = sum(r["cached"] for r in reads.values()) / len(reads) if reads else stepper.position
     routers = sum(p.numel() * p.element_size() for p in runner.routers.parameters())
     counted = step_bytes(
@@ -197,7 +211,7 @@ def _focus_row_reads(runner: Any, stepper: Stepper, shape: dict[str, int], batch
         keys_per_layer=[reads[i]["keys"] if i in reads else cached for i in range(shape["layers"])],
         entries_per_layer=[(r["entries"], r["later"]) for r in reads.values()],
     )  # fmt: skip
-    return {"share": sum(shares) / len(shares), **counted}
+    return {"share": recorded_share(runner, reads), **counted}
 
 
 @contextlib.contextmanager
