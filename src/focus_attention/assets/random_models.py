@@ -1,7 +1,8 @@
 """Causal LMs with random weights built from a preset shape (:mod:`.presets`) on the device
 they run on: transformers' own ``LlamaConfig`` and ``AutoModelForCausalLM.from_config``
 under ``torch.device(device)``, with transformers' weight initialisation skipped
-(``no_init_weights``) and the weights drawn once, seeded, on that device as LLaMA initialises
+(``no_init_weights``; the tied output projection tied again after it) and the weights drawn
+once, seeded, on that device as LLaMA initialises
 them (matrices ``N(0, initializer_range)``, norm weights 1). An 8B model built this way takes
 seconds on a GPU, where building it on the CPU first would take minutes."""
 
@@ -77,6 +78,7 @@ def build_random_model(
     device = torch.device(device)
     with torch.device(device), no_init_weights():
         built = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    built.tie_weights()  # skipped with the initialisation; the output projection is the embedding
     _draw_weights(built, config.initializer_range, seed, device)
     built.config.name_or_path = model
     return built.eval()

@@ -45,6 +45,7 @@ __all__ = [
     "model_context_rows",
     "recorded_reads",
     "recorded_share",
+    "repeat_cache",
     "steps_per_row",
 ]
 
@@ -148,8 +149,9 @@ def _repeat_static_layer(layer: Any, batch: int) -> None:
         layer.batch_size = batch
 
 
-def _focus_cache(source: Any, batch: int) -> Any:
-    """A copy of a prefilled Focus cache of one request, repeated ``batch`` times."""
+def repeat_cache(source: Any, batch: int) -> Any:
+    """A copy of a prefilled cache of one request (dynamic or static, Focus's layers with
+    their groups), holding ``batch`` identical requests; ``source`` is left as it was."""
     cache = copy.deepcopy(source)
     if batch == 1:
         return cache
@@ -229,7 +231,7 @@ def _row_steppers(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: 
     focus_kind = "static" if config.kv_cache == "static" else "focus"
     for top_k, cache in prefilled.items():
         switch = functools.partial(_with_top_k, runner, top_k)
-        steppers[f"focus-{top_k}"] = Stepper(runner, ids, n, _focus_cache(cache, batch), switch)
+        steppers[f"focus-{top_k}"] = Stepper(runner, ids, n, repeat_cache(cache, batch), switch)
         kinds[f"focus-{top_k}"] = focus_kind
     source = prefilled[config.top_k[0]]
     for kind in ("static",) if config.kv_cache == "static" else DENSE_CACHES:
@@ -282,6 +284,25 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _fitting_batches(config: DecodeBenchConfig, shape: dict[str, int], n: int, max_len: int, model: Any) -> tuple[list[int], list[dict[str, Any]]]:  # fmt: skip
+    """The batch sizes whose cells fit in the memory free on the model's device beside the
+    prefilled caches of one request (:func:`_cell_bytes`, checked before any prefill), and
+    a skipped record for each other."""
+    _release(model.device)
+    free = available_bytes(model.device)
+    itemsize = model.dtype.itemsize
+    fits, skipped = [], []
+    for batch in config.batch_size:
+        need = _cell_bytes(config, shape, batch, max_len, itemsize) + _cell_bytes(config, shape, 1, max_len, itemsize)  # fmt: skip
+        if free is None or need <= free:
+            fits.append(batch)
+            continue
+        skipped.append({"level": "model", "N": n, "batch_size": batch,
+                        "reason": f"its caches need about {need / 2**30:.1f} GiB, "
+                        f"{free / 2**30:.1f} GiB is free on {model.device}"})  # fmt: skip
+    return fits, skipped
+
+
 def model_context_rows(config: DecodeBenchConfig, model: Any, ids: torch.Tensor, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """The rows of one context ``n`` at every batch size (module docstring), and the cells
     skipped for memory.
@@ -297,22 +318,18 @@ def model_context_rows(config: DecodeBenchConfig, model: Any, ids: torch.Tensor,
     """
     shape = attention_shape(model)
     max_len = n + steps_per_row(config) + 8
+    batches, skipped = _fitting_batches(config, shape, n, max_len, model)
+    if not batches:
+        return [], skipped
     runner = attach(model, config, config.top_k[0])
-    rows, skipped, prefilled = [], [], {}
+    rows, prefilled = [], {}
     with torch.inference_mode():
         for top_k in config.top_k:
             runner.set_top_k(top_k)
             static = max_len if config.kv_cache == "static" else None
             prefilled[top_k] = _focus_prefill(runner, ids, n, static)
-        for batch in config.batch_size:
+        for batch in batches:
             _release(ids.device)
-            need = _cell_bytes(config, shape, batch, max_len, model.dtype.itemsize)
-            free = available_bytes(ids.device)
-            if free is not None and need > free:
-                skipped.append({"level": "model", "N": n, "batch_size": batch,
-                                "reason": f"its caches need about {need / 2**30:.1f} GiB, "
-                                f"{free / 2**30:.1f} GiB is free on {ids.device}"})  # fmt: skip
-                continue
             rows += _cell_rows(config, runner, ids[:batch], n, prefilled, max_len)
     prefilled.clear()
     runner.unload()
