@@ -373,3 +373,51 @@ def test_merge_and_plot_result_files(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["bench", "merge", "--results", str(merged)]) != 0
     assert "--json is required" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: the captures themselves
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_captured_static_decoding_step_replays_the_eager_one():
+    """A Focus step over a static cache captured after one warm-up step, replayed with the
+    next token, gives the logits the same two steps give eagerly."""
+    from transformers import StaticCache
+
+    from focus_attention.bench.decode_model import repeat_cache
+    from focus_attention.hf import FocusConfig, get_focus_model
+    from focus_attention.hf.compat import cache_kwargs
+
+    model = build_random_model("random:llama-tiny", device="cuda", dtype="bfloat16")
+    fm = get_focus_model(model, FocusConfig(num_groups=4, top_k=1, window=4, sink_tokens=1)).eval()
+    ids = random_token_ids(512, 2, 34, seed=3).cuda()
+    with torch.inference_mode():
+        cache = StaticCache(config=model.config, max_cache_len=48)
+        fm(input_ids=ids[:, :30], **cache_kwargs(cache), use_cache=True)
+        eager_cache = repeat_cache(cache, 1)
+        tokens, outs = ids[:, 30:31].clone(), []
+
+        def call():
+            outs.append(fm(input_ids=tokens, **cache_kwargs(cache), use_cache=True).logits)
+
+        replay = graphs.graph_step(call, warmup=1)
+        tokens.copy_(ids[:, 31:32])
+        replay()
+        torch.cuda.synchronize()
+        eager = [fm(input_ids=ids[:, i : i + 1], **cache_kwargs(eager_cache), use_cache=True).logits
+                 for i in (30, 31)]  # fmt: skip
+    assert torch.allclose(outs[-1].float(), eager[1].float(), atol=3e-2)
+    assert not torch.allclose(eager[0].float(), eager[1].float(), atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_static_row_is_captured_on_cuda():
+    result = _decode(kv_cache="static", batch_size=(1, 2), device="cuda", dtype="bfloat16",
+                     cuda_graphs=True, levels=("op", "model"), contexts=(256,))  # fmt: skip
+    for row in result["rows"]:
+        assert row["cuda_graph"], (row["level"], row["method"], row["graph_note"])
+    assert result["crossover"][0]["device"] == torch.cuda.get_device_name()
