@@ -4,28 +4,31 @@ or not (``focus bench plot``: made afterwards, on any machine, from the JSON alo
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..utils.io import read_json_file
-from .decode import plot_decode
-from .kernel import plot_kernel
-from .model import plot_model
-from .needle import plot_needle
-from .serve import plot_serve
 
-__all__ = ["PLOTTERS", "merge_results", "plot_result_file", "result_parts"]
+__all__ = ["PLOTTERS", "merge_results", "plot_function", "plot_result_file", "result_parts"]
 
-#: the plot function of each benchmark's result (``plot(result, path)``), by its
-#: ``"benchmark"`` name
-PLOTTERS: dict[str, Callable[[dict[str, Any], Any], None]] = {
-    "kernel": plot_kernel,
-    "model": plot_model,
-    "decode": plot_decode,
-    "needle": plot_needle,
-    "serve": plot_serve,
+#: the plot function of each benchmark's result, ``module:function(result, path)``, by its
+#: ``"benchmark"`` name (imported when a plot is drawn: merging needs neither torch nor
+#: matplotlib)
+PLOTTERS: dict[str, str] = {
+    "kernel": "focus_attention.bench.kernel:plot_kernel",
+    "model": "focus_attention.bench.model:plot_model",
+    "decode": "focus_attention.bench.decode:plot_decode",
+    "needle": "focus_attention.bench.needle:plot_needle",
+    "serve": "focus_attention.bench.serve:plot_serve",
 }
+
+
+def plot_function(spec: str) -> Callable[[dict[str, Any], Any], None]:
+    """The function a :data:`PLOTTERS` entry names."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -69,11 +72,11 @@ def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Pa
     folder = Path(out) if out is not None else path.parent
     written = []
     for index, part in enumerate(parts, 1):
-        plot = PLOTTERS.get(str(part.get("benchmark")))
-        if plot is None:
+        spec = PLOTTERS.get(str(part.get("benchmark")))
+        if spec is None:
             raise ValueError(f"{path}: a {part.get('benchmark')!r} result has no plot; plots "
                              f"exist for {', '.join(PLOTTERS)}")  # fmt: skip
         name = f"{path.stem}.png" if len(parts) == 1 else f"{path.stem}-{index}.png"
-        plot(part, folder / name)
+        plot_function(spec)(part, folder / name)
         written.append(folder / name)
     return written
