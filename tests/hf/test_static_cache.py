@@ -126,7 +126,9 @@ def test_a_decoding_step_reads_nothing_back_and_does_not_depend_on_the_routing(m
         fm(input_ids=ids(1, 20, seed=36), use_cache=False)
     with torch.no_grad(), fm.record_routing() as b:
         fm(input_ids=ids(1, 20, seed=37), use_cache=False)
-    assert any(not torch.equal(x["query_groups"], y["query_groups"]) for x, y in zip(a, b))
+    assert any(
+        not torch.equal(x["query_groups"], y["query_groups"]) for x, y in zip(a, b, strict=True)
+    )
 
 
 def test_static_cache_refusals():

@@ -102,6 +102,18 @@ class LayerHandle:
     def __post_init__(self) -> None:
         self.compiled_key = register_layer(self)
         self.traced_hidden: torch.Tensor | None = None
+        self.head_splits: dict[tuple, HeadSplit | None] = {}
+
+    def head_split(self, num_heads: int, num_kv_heads: int, device: Any) -> HeadSplit | None:
+        """:func:`head_split` of this layer under the current ``dense_heads``, built once per
+        setting, shape and device (its index tensors are then not copied to the device at
+        every call: a decoding step captured in a CUDA graph must not copy from the host)."""
+        dense_heads = self.runtime.focus_config.dense_heads
+        key = (dense_heads, num_heads, num_kv_heads, str(device))
+        if key not in self.head_splits:
+            self.head_splits[key] = head_split(self.layer_idx, dense_heads, num_heads,
+                                               num_kv_heads, device)  # fmt: skip
+        return self.head_splits[key]
 
     def __setstate__(self, state: dict) -> None:
         # an unpickled model in a fresh process needs "focus" registered with transformers;
@@ -840,8 +852,7 @@ def _focus_layer(handle, module, query, key, value, attention_mask, scaling, kwa
     ``FocusConfig.dense_heads`` attend densely beside the routed ones, and with head gates
     attached (:mod:`.head_gates`) every head's output is mixed with its dense output."""
     full = _resolve_call(handle, module, query, key, value, attention_mask, scaling, kwargs)
-    split = head_split(handle.layer_idx, handle.runtime.focus_config.dense_heads,
-                       full.query.shape[1], full.key.shape[1], full.query.device)  # fmt: skip
+    split = handle.head_split(full.query.shape[1], full.key.shape[1], full.query.device)
     if split is not None:
         out, maps = _split_layer(handle, module, full, split, attention_mask, kwargs)
     else:

@@ -181,18 +181,19 @@ def focus_mask_interface(**kwargs: Any) -> FocusMask:
     return FocusMask(kwargs)
 
 
-def masks_for_generate(base_model: Any) -> Callable:
-    """The ``create_masks_for_generate`` a wrapped base model gets (set on the instance, which
-    ``generate`` looks it up on): with a static KV cache, ``generate`` builds the attention
-    masks before each forward through it, which with Focus would hand the model a
-    :class:`FocusMask` where it expects a 2-D padding mask. While Focus is enabled it returns
-    the 2-D ``attention_mask`` as given (the model then builds its masks in its forward, as
-    with a dynamic cache); inside ``disable_focus()`` it runs the base model's own function."""
-    base = getattr(base_model, "create_masks_for_generate", create_masks_for_generate)
+class GenerateMasks:
+    """The ``create_masks_for_generate`` a wrapped base model gets (set on the instance, where
+    ``generate`` looks it up): with a static KV cache, ``generate`` builds the attention masks
+    before each forward through it, which with Focus would hand the model a
+    :class:`FocusMask` where it expects a 2-D padding mask. While Focus is enabled a call
+    returns the 2-D ``attention_mask`` as given (the model then builds its masks in its
+    forward, as with a dynamic cache); inside ``disable_focus()`` it runs the base model's
+    own function. A class rather than a closure, so a wrapped model still pickles."""
 
-    def create(config: Any, inputs_embeds: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    def __init__(self, base_model: Any) -> None:
+        self.base = getattr(base_model, "create_masks_for_generate", create_masks_for_generate)
+
+    def __call__(self, config: Any, inputs_embeds: Any, attention_mask: Any, **kwargs: Any) -> Any:  # fmt: skip
         if config._attn_implementation == ATTN_IMPLEMENTATION and disabled_base_impl(config) is None:  # fmt: skip
             return attention_mask
-        return base(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)  # fmt: skip
-
-    return create
+        return self.base(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)  # fmt: skip

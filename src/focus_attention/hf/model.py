@@ -43,7 +43,7 @@ from .files import (
     to_file_tensors,
     write_adapter,
 )
-from .masks import masks_for_generate
+from .masks import GenerateMasks
 from .paged import FocusContinuousBatching
 from .router import FocusRouter, check_router_values
 from .runtime import (
@@ -264,7 +264,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._handles = self._attach(runtime, modules)
         register_focus_attention()
         model_config._attn_implementation = ATTN_IMPLEMENTATION
-        base_model.create_masks_for_generate = masks_for_generate(base_model)
+        base_model.create_masks_for_generate = GenerateMasks(base_model)
         self._unloaded = False
         self.register_load_state_dict_post_hook(_base_keys_not_expected)
         self.train(base_model.training)
@@ -462,8 +462,9 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         another thread training the model meanwhile keeps its soft routing. KV-cache
         decoding needs ``inference_routing="causal"``;
         with ``"sequence"`` it runs without a cache (``use_cache=True`` raises ``ValueError``).
-        Only the dynamic cache (the default) works: a static, quantized or other
-        ``cache_implementation`` raises ``ValueError``.
+        The dynamic cache (the default) and the static one (``cache_implementation="static"``,
+        whose decoding steps read nothing back to the host) work; an offloaded-static,
+        quantized or other ``cache_implementation`` raises ``ValueError``.
 
         Raises:
             ValueError: the above, ``set_routing("soft")`` (soft routing cannot decode), an

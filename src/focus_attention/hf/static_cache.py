@@ -141,7 +141,7 @@ class FocusStaticLayer(StaticLayer):
         nq = query.shape[2]
         if backend == "auto" and nq <= STATIC_DECODE_QUERIES:
             decode = bucket_decode if triton_reason(query.device) is None else bucket_decode_reference  # fmt: skip
-            lengths = self.cumulative_length.expand(query.shape[0]).contiguous()
+            lengths = self.cumulative_length.expand(query.shape[0])
             out, _ = decode(query, key, value, query_groups[:, None], self.buckets,
                             lengths, window, scale=scale, softcap=softcap,
                             key_padding_mask=self.real, needs_lse=False)  # fmt: skip

@@ -147,6 +147,8 @@ class GroupBuckets:
         check_tensor("key_groups", key_groups, 4)
         check_bool("key_groups", key_groups)
         b, r, nk, k = key_groups.shape
+        if not 1 <= k <= MAX_KERNEL_GROUPS:
+            fail("key_groups", f"K = {k} groups", f"1 <= K <= {MAX_KERNEL_GROUPS}")
         capacity = nk if capacity is None else capacity
         check_int(_OWNER, "capacity", capacity, nk)
         buckets = cls.empty(b, r, k, capacity, key_groups.device)

@@ -33,11 +33,17 @@ from .triton_support import MAX_KERNEL_GROUPS, group_codes, triton_reason
 __all__ = [
     "BLOCK_KEYS",
     "KERNEL_DTYPES",
+    "MAX_BLOCK_HEADS",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
+    "MIN_PROGRAMS_PER_SM",
+    "MIN_SPLIT_KEYS",
+    "DecodeCall",
     "bucket_decode",
     "bucket_decode_reference",
+    "check_decode",
     "default_num_splits",
+    "reference_visibility",
 ]
 
 #: input dtypes of the kernel.
@@ -105,6 +111,7 @@ def check_decode(
         fail("key_lengths", f"a {key_lengths.dtype} tensor of shape "
              f"{tuple(key_lengths.shape)}", f"int32 or int64 [B={b}]")  # fmt: skip
     check_device("key_lengths", key_lengths, query.device, "query")
+    key_lengths = key_lengths.contiguous()  # the kernel reads it by row index (e.g. an expand)
     if key_padding_mask is not None:
         check_tensor("key_padding_mask", key_padding_mask, 2)
         check_bool("key_padding_mask", key_padding_mask)
