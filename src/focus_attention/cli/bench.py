@@ -225,19 +225,29 @@ def register_cli(subparsers: Any) -> None:
     )  # fmt: skip
     _add_benchmark(
         sub, "model", ModelBenchConfig, _model,
-        help="end-to-end prefill of a real model: stock sdpa against Focus top-k",
+        help="end-to-end prefill of a model: stock sdpa against Focus top-k and no attention",
         description="Times a prefill forward (logits for the last token only) of the model "
-        "on the first N tokens of the corpus's test split, with the stock sdpa attention and "
-        "with Focus hard top-k routing, in one run. Needs the prepared assets (focus setup).",
+        "on the first N tokens of the corpus's test split (seeded random ids for a "
+        "random:PRESET model, built with random weights in that shape), with the stock sdpa "
+        "attention, without attention (the floor no attention kernel can go below) and with "
+        "Focus hard top-k routing, in one run on --device in --dtype; reports each row's "
+        "speed-up and the share of the floor's it reaches. Needs the prepared assets (focus "
+        "setup) unless the model is random:PRESET.",
     )  # fmt: skip
     _add_benchmark(
         sub, "decode", DecodeBenchConfig, _decode,
         help="one decoding step with a KV cache: dense against Focus top-k, op and model level",
-        description="Times single-token decoding steps with N cached tokens: at the op level "
-        "(one query, the model's attention shape, random memberships) dense SDPA against "
-        "sparse_attention, and end to end (the model prefilled with Focus on real text, then "
-        "steps through the model with its cache) stock sdpa against Focus top-k. Reports "
-        "ms per step, tokens/s, the share of keys seen, speed-up and the ideal 1/share.",
+        description="Times single-token decoding steps of --batch-size requests with N "
+        "cached tokens each: at the op level (one query per request, the model's attention "
+        "shape, random memberships) dense SDPA against Focus's decoding op, and end to end "
+        "(the model prefilled with Focus, then steps through the model with its cache: dynamic "
+        "caches, or transformers' StaticCache with --kv-cache static) stock sdpa against Focus "
+        "top-k; with --cuda-graphs each row's step is captured in a CUDA graph and timed as "
+        "replays. Reports ms per step, tokens/s, the share of keys seen, speed-up and the "
+        "ideal 1/share, the bytes a step reads, the floor they set at the device's measured "
+        "copy bandwidth and the ideal speed-up they give, and the shortest length from which "
+        "Focus is as fast as dense (the crossover). --model random:PRESET decodes a model of "
+        "that shape with random weights.",
     )  # fmt: skip
     _add_benchmark(
         sub, "needle", NeedleBenchConfig, _needle,
