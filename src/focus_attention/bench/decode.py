@@ -69,7 +69,7 @@ from .inputs import bench_token_ids, load_bench_model, weights_record
 from .kernel import dense_sdpa_context, sparse_backend_name
 from .model import check_model_lengths, routers_record
 from .settings import DECODE_CONTEXTS, DecodeBenchConfig
-from .timing import available_bytes, device_synchronize
+from .timing import available_bytes, device_synchronize, release_cached_memory
 
 __all__ = [
     "DECODE_CONTEXTS",
@@ -133,6 +133,7 @@ def _op_rows(config: DecodeBenchConfig, shape: dict[str, int], device: str) -> t
     for n in config.contexts:
         for batch in config.batch_size:
             need = 3 * kv_bytes(batch, h_kv, n, d, dtype.itemsize) + CELL_MARGIN_BYTES
+            release_cached_memory(device)
             free = available_bytes(device)
             if free is not None and need > free:
                 skipped.append({"level": "op", "N": n, "batch_size": batch,

@@ -34,7 +34,7 @@ from ..ops.sparse.buckets import GroupBuckets
 from .accounting import kv_bytes, routed_reads, step_bytes, weights_bytes
 from .graphs import timed_steps
 from .settings import DecodeBenchConfig
-from .timing import available_bytes, device_synchronize
+from .timing import available_bytes, device_synchronize, release_cached_memory
 
 __all__ = [
     "CELL_MARGIN_BYTES",
@@ -276,19 +276,11 @@ def _cell_rows(config: DecodeBenchConfig, runner: Any, ids: torch.Tensor, n: int
     return rows
 
 
-def _release(device: torch.device) -> None:
-    """Give the memory of freed caches and graphs back to the device, so that the next
-    cell's memory check sees it free."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 def _fitting_batches(config: DecodeBenchConfig, shape: dict[str, int], n: int, max_len: int, model: Any) -> tuple[list[int], list[dict[str, Any]]]:  # fmt: skip
     """The batch sizes whose cells fit in the memory free on the model's device beside the
     prefilled caches of one request (:func:`_cell_bytes`, checked before any prefill), and
     a skipped record for each other."""
-    _release(model.device)
+    release_cached_memory(model.device)
     free = available_bytes(model.device)
     itemsize = model.dtype.itemsize
     fits, skipped = [], []
@@ -329,9 +321,9 @@ def model_context_rows(config: DecodeBenchConfig, model: Any, ids: torch.Tensor,
             static = max_len if config.kv_cache == "static" else None
             prefilled[top_k] = _focus_prefill(runner, ids, n, static)
         for batch in batches:
-            _release(ids.device)
+            release_cached_memory(ids.device)
             rows += _cell_rows(config, runner, ids[:batch], n, prefilled, max_len)
     prefilled.clear()
     runner.unload()
-    _release(ids.device)
+    release_cached_memory(ids.device)
     return rows, skipped

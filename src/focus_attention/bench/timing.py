@@ -18,6 +18,7 @@ __all__ = [
     "interleaved_median_seconds",
     "median_seconds",
     "peak_extra_bytes",
+    "release_cached_memory",
 ]
 
 
@@ -145,3 +146,15 @@ def available_bytes(device: Any) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def release_cached_memory(device: Any) -> None:
+    """Give the memory of freed tensors (and CUDA graphs) that the CUDA caching allocator
+    keeps back to the device, so that :func:`available_bytes` sees it free; nothing on other
+    devices."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
