@@ -158,8 +158,8 @@ def _op_reads(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int)
 
 
 def _op_cell(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gen: torch.Generator) -> list[dict[str, Any]]:  # fmt: skip
-    """Rows of one op cell: dense SDPA and ``sparse_attention`` at each top_k, counted,
-    captured where asked and possible, timed in turns."""
+    """Rows of one op cell: dense SDPA and Focus's decoding op (:func:`focus_op`) at each
+    top_k, counted, captured where asked and possible, timed in turns."""
     batch, h_kv, n, d = key.shape
     calls = {"dense": functools.partial(_dense_call, q, key, value, config.dense_kernel)}
     groups, names = {}, {}
