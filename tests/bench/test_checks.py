@@ -134,7 +134,7 @@ def test_a_model_takes_no_more_tokens_than_it_can(capsys):
 def test_the_model_benchmark_refuses_lengths_before_reading_the_corpus(assets, monkeypatch):
     from focus_attention.bench import model
 
-    monkeypatch.setattr(model, "_input_ids", lambda *a: pytest.fail("read the corpus"))
+    monkeypatch.setattr(model, "bench_token_ids", lambda *a: pytest.fail("read the corpus"))
     config = bench.ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
                                     lengths=(10**13,), warmup_tokens=8, progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="ModelBenchConfig.lengths: received 10000000000000"):

@@ -228,8 +228,8 @@ def test_decode_benchmark_rows_at_both_levels(tmp_path, monkeypatch, kernel_buil
             assert r["share"] < 1  # the window (8) is far below the context
     op = {(r["N"], r["top_k"]): r["share"] for r in rows if r["level"] == "op" and r["top_k"]}
     assert op[(48, 1)] < op[(48, 2)]  # a second group shows more keys
-    assert "| model | 48 | focus top_k=2 | focus |" in decode_table(result)
-    assert "| model | 48 | dense | buffered |" in decode_table(result)
+    assert "| model | 48 | 1 | focus top_k=2 | focus |" in decode_table(result)
+    assert "| model | 48 | 1 | dense | buffered |" in decode_table(result)
     assert result["versions"]["transformers"] and result["versions"]["numpy"]
 
 
@@ -404,7 +404,7 @@ def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
     none): a dense head raises the share above routing alone, below every key."""
     from tiny import focus, ids
 
-    from focus_attention.bench.decode import _recorded_share
+    from focus_attention.bench.decode_model import attention_shape, recorded_reads, recorded_share
     from focus_attention.hf.compat import cache_kwargs, cache_of
 
     def share(fm) -> float:
@@ -417,7 +417,8 @@ def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
                 i = next(pos)
                 fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
 
-            return _recorded_share(fm, step)
+            kv_heads = attention_shape(fm.base_model)["kv_heads"]
+            return recorded_share(fm, recorded_reads(fm, step, kv_heads))
 
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
     routed = share(fm)

@@ -30,6 +30,7 @@ __all__ = [
     "KERNEL_LENGTHS",
     "KernelBenchConfig",
     "balanced_memberships",
+    "dense_sdpa_context",
     "kernel_peak_memory",
     "kernel_table",
     "plot_kernel",
@@ -56,20 +57,26 @@ def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torc
 
 def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships bool
-    ``[1, n, K]``, drawn in fp32 on the CPU, then moved to ``cfg["device"]`` (default cpu)
-    and ``cfg["dtype"]`` (default float32), so every device times the same numbers."""
-    gen = torch.Generator().manual_seed(cfg["seed"] + 7919 * n + top_k)
-    q = torch.randn(1, cfg["num_heads"], n, cfg["head_dim"], generator=gen)
-    k = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
-    v = torch.randn(1, cfg["num_key_value_heads"], n, cfg["head_dim"], generator=gen)
-    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    ``[1, n, K]`` on ``cfg["device"]`` (default cpu) in ``cfg["dtype"]`` (default float32).
+    On the CPU the values are drawn in fp32, then cast, so every dtype times the same
+    numbers; on CUDA they are drawn on the device (a 128K-token input of Llama-3-8B's shape is
+    800M values: seconds there, tens of seconds on the CPU), the same on every CUDA device."""
+    seed = cfg["seed"] + 7919 * n + top_k
+    gen = torch.Generator().manual_seed(seed)
     device, dtype = cfg.get("device", "cpu"), DTYPES[cfg.get("dtype", "float32")]
+    on_cuda = torch.device(device).type == "cuda"
+    draw = torch.Generator(device=device).manual_seed(seed) if on_cuda else gen
+    place = {"device": device, "dtype": dtype} if on_cuda else {}
+    heads = (cfg["num_heads"], cfg["num_key_value_heads"], cfg["num_key_value_heads"])
+    q, k, v = (torch.randn(1, h, n, cfg["head_dim"], generator=draw, **place) for h in heads)
+    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     return q, k, v, groups.to(device)
 
 
-def _dense_context(dense_kernel: str):
-    """The SDPA backend context of ``dense_kernel`` (a null context for ``auto``)."""
+def dense_sdpa_context(dense_kernel: str):
+    """The SDPA backend context of ``dense_kernel``, one of :data:`DENSE_KERNELS` (a null
+    context for ``auto``): SDPA calls inside it run that kernel or raise ``RuntimeError``."""
     import contextlib
 
     if dense_kernel == "auto":
@@ -91,7 +98,7 @@ def kernel_call(
         RuntimeError: a forced ``dense_kernel`` that cannot run these inputs (SDPA's error).
     """
     if method == "dense":
-        with _dense_context(dense_kernel):
+        with dense_sdpa_context(dense_kernel):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True
             )

@@ -4,6 +4,7 @@ against Focus top-k (the README's end-to-end table)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,44 +12,21 @@ import torch
 from ..hf.architectures import text_config_of
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
+from ..utils.plots import save_png
+from .inputs import bench_token_ids, load_bench_model, weights_record
 from .kernel import sparse_backend_name
 from .settings import FRESH_WINDOW, MODEL_LENGTHS, ModelBenchConfig
-from .timing import median_seconds
+from .timing import available_bytes, device_synchronize, median_seconds
 
 __all__ = [
     "MODEL_LENGTHS",
     "ModelBenchConfig",
     "check_model_lengths",
     "model_table",
+    "plot_model",
     "routers_record",
     "run_model_benchmark",
 ]
-
-
-def _input_ids(config: ModelBenchConfig, tokenizer: Any) -> torch.Tensor:
-    """The first tokens of the corpus split, repeated if shorter than the longest N."""
-    from ..assets.corpora import load_corpus
-
-    text = "\n\n".join(load_corpus(config.corpus).texts(config.split))
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    if ids.shape[1] < max(config.lengths):
-        ids = ids.repeat(1, -(-max(config.lengths) // ids.shape[1]))
-    return ids
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
-    host's ``MemAvailable``; None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int | None:
@@ -72,7 +50,7 @@ def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int 
         raise bad(owner, name, longest, f"at most {positions} tokens (the model's learned positions)")  # fmt: skip
     hidden = getattr(cfg, "hidden_size", 0)
     per_token = (2 * hidden + 2 * (getattr(cfg, "intermediate_size", None) or 4 * hidden)) * model.dtype.itemsize  # fmt: skip
-    free = _available_bytes(model.device)
+    free = available_bytes(model.device)
     if free is not None and longest * per_token > free:
         raise bad(owner, name, longest, f"at most about {free // per_token} tokens: a forward of "
                   f"{longest} needs at least {longest * per_token / 2**30:.1f} GiB of activations, "
@@ -106,8 +84,6 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
     """Which routers a benchmark ran: ``{"adapter": None, "fresh": True}`` for freshly
     initialised ones, else the adapter directory, the SHA-256 of its weights file and, for a
     ``focus train`` output, its method and optimizer steps (``train_result.json``)."""
-    from pathlib import Path
-
     from ..hf.files import weights_file_sha256
     from ..utils.io import read_json_file
 
@@ -147,36 +123,44 @@ def _floor_model(model: Any) -> Any:
 
 def _attention_speedups(rows: list[dict[str, Any]]) -> None:
     """Speed-ups against sdpa, whole and (where a floor row exists) of the attention time
-    alone: ``(sdpa - floor) / (row - floor)``."""
+    alone, ``(sdpa - floor) / (row - floor)``, and the share of the floor's speed-up a row
+    reaches, ``speedup_vs_sdpa / floor's speedup_vs_sdpa`` (1: as fast as no attention)."""
     for row in rows:
         same = [r for r in rows if r["N"] == row["N"]]
         ref = next(r for r in same if r["method"] == "sdpa")
         row["speedup_vs_sdpa"] = ref["seconds"] / row["seconds"]
+    for row in rows:
+        same = [r for r in rows if r["N"] == row["N"]]
+        ref = next(r for r in same if r["method"] == "sdpa")
         floor = next((r for r in same if r["method"] == "none"), None)
         if floor is not None and row["method"] != "none":
             spent = row["seconds"] - floor["seconds"]
             row["attention_seconds"] = spent
             row["attention_speedup"] = (ref["seconds"] - floor["seconds"]) / spent if spent > 0 else None  # fmt: skip
+            row["share_of_floor_speedup"] = row["speedup_vs_sdpa"] / floor["speedup_vs_sdpa"]
 
 
 def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any]:
-    """End-to-end prefill of a real model: stock ``sdpa`` attention against Focus top-k.
+    """End-to-end prefill of a real model (or of a ``random:PRESET`` shape with random
+    weights): stock ``sdpa`` attention against Focus top-k.
 
-    Input: the first N tokens of the corpus's test split (real text). Each forward runs
-    under ``torch.inference_mode()`` with ``use_cache=False`` and ``logits_to_keep=1`` (so
-    the vocabulary projection does not dominate). Focus uses ``config.adapter`` if given,
-    else freshly initialised routers (speed depends on the group sizes, not on training).
-    Seconds are the median of ``repeats`` runs after one warm-up forward of
-    ``warmup_tokens`` tokens. With ``config.floor`` a ``none`` row times the model with
-    attention replaced by a copy of the query (the projections, MLPs and norms alone): the
-    time no attention kernel can go below, from which each row's attention time follows.
+    Input: the first N tokens of the corpus's test split (real text), or seeded random ids
+    for a random-weight model. Each forward runs under ``torch.inference_mode()`` with
+    ``use_cache=False`` and ``logits_to_keep=1`` (so the vocabulary projection does not
+    dominate), on ``config.device`` in ``config.dtype`` (timings synchronised on CUDA).
+    Focus uses ``config.adapter`` if given, else freshly initialised routers (speed depends
+    on the group sizes, not on training). Seconds are the median of ``repeats`` runs after
+    one warm-up forward of ``warmup_tokens`` tokens and ``warmup`` untimed forwards at the
+    row's length. With ``config.floor`` a ``none`` row times the model with attention
+    replaced by a copy of the query (the projections, MLPs and norms alone): the time no
+    attention kernel can go below, from which each row's attention time follows.
 
     Returns:
         ``{"benchmark": "model", "config", "versions", "environment", "rows"}``
         (``versions``: :func:`library_versions`): seconds, tokens per second and speedup
         against sdpa per ``(N, method, top_k)``; with a floor also ``attention_seconds``
-        (row minus floor) and ``attention_speedup`` (sdpa's attention seconds over the
-        row's).
+        (row minus floor), ``attention_speedup`` (sdpa's attention seconds over the row's)
+        and ``share_of_floor_speedup`` (the row's speed-up over the floor's).
 
     Raises:
         ValueError: lengths the model cannot take (:func:`check_model_lengths`), before
@@ -184,51 +168,57 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     """
     from tqdm.auto import tqdm
 
-    from ..assets.models import load_model
-
     config = config or ModelBenchConfig()
-    model, tokenizer = load_model(config.model)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_bench_model(config.model, config.dtype, device, config.seed)
     longest = max(*config.lengths, config.warmup_tokens)
     positions = check_model_lengths(model, longest, "ModelBenchConfig", "lengths")
-    ids = _input_ids(config, tokenizer)
-    model.config._attn_implementation = "sdpa"
-
-    def prefill(m, n):
-        with torch.inference_mode():
-            return m(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
-
-    rows = []
+    ids = bench_token_ids(model, tokenizer, config.corpus, config.split, longest, config.seed)
+    ids = ids.to(model.device)
     methods = [("sdpa", None, None)] + ([("none", None, None)] if config.floor else [])
     methods += [("focus", k, w) for w in (config.window or (None,)) for k in config.top_k]
     cells = [(n, m) for n in config.lengths for m in methods]
-    bar = tqdm(cells, desc="model", disable=not config.progress)
-    for n, (method, top_k, window) in bar:
-        bar.set_postfix(N=n, method=method, top_k=top_k, window=window)
-        if method == "focus":
-            runner = _attach(model, config, top_k, window)
-            window = runner.focus_config.window
-        else:
-            runner = _floor_model(model) if method == "none" else model
-        prefill(runner, config.warmup_tokens)
-        seconds, runs = median_seconds(lambda r=runner, n=n: prefill(r, n), config.repeats,
-                                       warmup=0)  # fmt: skip
-        if method == "focus":
-            model = runner.unload()
-        model.config._attn_implementation = "sdpa"
-        rows.append({"N": n, "method": method, "top_k": top_k, "window": window,
-                     "seconds": seconds,
-                     "runs_s": runs, "tokens_per_second": n / seconds})  # fmt: skip
+    rows = []
+    for n, (method, top_k, window) in tqdm(cells, desc="model", disable=not config.progress):
+        model, row = _prefill_row(config, model, ids, n, (method, top_k, window))
+        rows.append(row)
     _attention_speedups(rows)
-    record = _record(config, rows, positions)
+    record = _record(config, rows, positions, device)
     return {"benchmark": "model", "config": record, "versions": library_versions(),
             "environment": environment(), "rows": rows}  # fmt: skip
 
 
-def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int | None) -> dict[str, Any]:  # fmt: skip
-    """The ``config`` record of a result: the settings, the windows the rows ran and the
-    model's ``max_position_embeddings`` (``positions``)."""
+def _prefill_row(config: ModelBenchConfig, model: Any, ids: torch.Tensor, n: int, method: tuple) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """One row: ``method`` (``(name, top_k, window)``) prefilling ``n`` tokens, timed; the
+    model given back as it came (sdpa attention, no Focus)."""
+    name, top_k, window = method
+    if name == "focus":
+        runner = _attach(model, config, top_k, window)
+        window = runner.focus_config.window
+    else:
+        runner = _floor_model(model) if name == "none" else model
+
+    def prefill(length: int) -> Any:
+        with torch.inference_mode():
+            return runner(input_ids=ids[:, :length], use_cache=False, logits_to_keep=1)
+
+    sync = device_synchronize(ids.device)
+    prefill(config.warmup_tokens)
+    seconds, runs = median_seconds(lambda: prefill(n), config.repeats, warmup=config.warmup,
+                                   synchronize=sync)  # fmt: skip
+    if name == "focus":
+        model = runner.unload()
+    model.config._attn_implementation = "sdpa"
+    return model, {"N": n, "method": name, "top_k": top_k, "window": window,
+                   "seconds": seconds, "runs_s": runs, "tokens_per_second": n / seconds}  # fmt: skip
+
+
+def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int | None, device: str) -> dict[str, Any]:  # fmt: skip
+    """The ``config`` record of a result: the settings, the windows the rows ran, the
+    model's ``max_position_embeddings`` (``positions``) and weights, and the device."""
     return {
         "model": config.model,
+        **weights_record(config.model, config.seed),
         "adapter": config.adapter,
         "corpus": config.corpus,
         "lengths": list(config.lengths),
@@ -236,12 +226,17 @@ def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int
         "num_groups": config.num_groups,
         "windows": sorted({r["window"] for r in rows if r["window"] is not None}),
         "repeats": config.repeats,
+        "warmup": config.warmup,
         "floor": config.floor,
         "warmup_tokens": config.warmup_tokens,
         "max_position_embeddings": positions,
-        "dtype": "float32",
+        "dtype": config.dtype,
+        "device": device,
+        "batch_size": 1,
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
-        "sparse_backend": sparse_backend_name("auto"),
+        "sparse_backend": sparse_backend_name(
+            config.attention_backend or "auto", config.num_groups, device, config.dtype
+        ),  # fmt: skip
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
         "sink_tokens": config.sink_tokens,
@@ -256,8 +251,8 @@ def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int
 def model_table(result: dict[str, Any]) -> str:
     """Markdown table of an end-to-end model benchmark result."""
     lines = [
-        "| N | attention | seconds | tokens/s | speedup vs sdpa | attention seconds | attention speedup |",  # fmt: skip
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| N | attention | seconds | tokens/s | speedup vs sdpa | attention seconds | attention speedup | share of the floor's speed-up |",  # fmt: skip
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         name = {"sdpa": "sdpa (stock)", "none": "none (floor)"}.get(r["method"], "")
@@ -276,9 +271,44 @@ def model_table(result: dict[str, Any]) -> str:
             if result["config"].get("inference_routing") == "streaming":
                 name += ", streaming (no groups)"
         spent, gain = r.get("attention_seconds"), r.get("attention_speedup")
+        share = r.get("share_of_floor_speedup")
         lines.append(
             f"| {r['N']} | {name} | {r['seconds']:.2f} | {r['tokens_per_second']:.0f} "
             f"| {r['speedup_vs_sdpa']:.2f}x | {'-' if spent is None else f'{spent:.2f}'} "
-            f"| {'-' if gain is None else f'{gain:.2f}x'} |"
-        )
+            f"| {'-' if gain is None else f'{gain:.2f}x'} | {'-' if share is None else f'{share:.2f}'} |"
+        )  # fmt: skip
     return "\n".join(lines)
+
+
+def plot_model(result: dict[str, Any], path: str | Path) -> None:
+    """PNG plot of a prefill result written to ``path``: the speed-up over stock sdpa
+    against the prompt length, per Focus setting, beside the no-attention floor's (the
+    ideal no attention kernel can pass) and 0.85 of it
+    (:func:`~focus_attention.utils.plots.save_png`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cfg = result["rows"], result["config"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    floor = sorted((r["N"], r["speedup_vs_sdpa"]) for r in rows if r["method"] == "none")
+    if floor:
+        ax.plot(*zip(*floor, strict=True), "k--", label="no attention (floor): ideal")
+        ax.plot(
+            [n for n, _ in floor], [0.85 * s for _, s in floor], "k:", label="0.85 of the floor's"
+        )
+    for key in sorted({(r["top_k"], r["window"]) for r in rows if r["method"] == "focus"}):
+        line = sorted((r["N"], r["speedup_vs_sdpa"]) for r in rows
+                      if r["method"] == "focus" and (r["top_k"], r["window"]) == key)  # fmt: skip
+        ax.plot(*zip(*line, strict=True), "o-", label=f"focus top_k={key[0]}, window={key[1]}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length N (tokens)")
+    ax.set_ylabel("prefill speed-up over stock sdpa")
+    ax.set_title(f"prefill, {cfg['model']} ({cfg.get('weights', 'pretrained')} weights), "
+                 f"{cfg.get('dtype')} on {cfg.get('device')}", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)

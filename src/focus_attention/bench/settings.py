@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..assets.benchmarks import BENCHMARKS
+from ..assets.models import DEFAULT_MODEL
+from ..assets.presets import PRESETS, RANDOM_PREFIX, is_random_model, preset_named
 from ..settings import (
     AdapterOverrides,
     AttentionBackendSetting,
@@ -21,6 +23,7 @@ from ..settings import (
     GenerationLength,
     LengthSettings,
     ModelSettings,
+    OutputSettings,
     PlotFile,
     ResultFile,
     RunSettings,
@@ -36,6 +39,8 @@ from ..utils.checks import bad, check_int, check_number
 
 __all__ = [
     "AttentionShape",
+    "BENCH_MODEL_HELP",
+    "KV_CACHES",
     "SHAPE_FIELDS",
     "DECODE_CONTEXTS",
     "DENSE_KERNELS",
@@ -48,9 +53,13 @@ __all__ = [
     "MODEL_LENGTHS",
     "NEEDLE_DEPTHS",
     "NEEDLE_LENGTHS",
+    "DecodeBatch",
     "DecodeBenchConfig",
+    "DenseKernelSetting",
     "InstructionsBenchConfig",
     "KernelBenchConfig",
+    "MergeResultsConfig",
+    "PlotResultsConfig",
     "ModelBenchConfig",
     "NeedleBenchConfig",
     "RetrievalLayersConfig",
@@ -60,6 +69,7 @@ __all__ = [
     "TasksBenchConfig",
     "adapter_groups",
     "check_grid",
+    "check_bench_model",
     "command_help",
     "parse_batch_size",
 ]
@@ -83,10 +93,20 @@ NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: the haystacks of the needle benchmark
 HAYSTACKS = ("passkey", "book")
+#: the KV caches of the decoding benchmark's model level: transformers' ``DynamicCache``
+#: (and Focus's own dynamic cache), or transformers' ``StaticCache`` (what a CUDA graph
+#: captures)
+KV_CACHES = ("dynamic", "static")
+#: the help of ``--model`` in the benchmarks that also build models with random weights
+BENCH_MODEL_HELP = (
+    "base model: registered name, model directory or hub id, or "
+    f"{RANDOM_PREFIX}PRESET (random weights in a preset's shape, built on the device, no "
+    f"download; token ids drawn at random; presets: {', '.join(PRESETS)})"
+)
 
 #: the fields of several values a benchmark runs in turn (stored without repeats)
 GRID_FIELDS = ("top_k", "window", "lengths", "contexts", "concurrency", "depths", "levels",
-               "haystacks", "tasks")  # fmt: skip
+               "haystacks", "tasks", "batch_size")  # fmt: skip
 
 
 def command_help(**texts: str) -> Callable[[type], type]:
@@ -157,6 +177,47 @@ def check_grid(owner: str, config: Any) -> None:
         values = value if isinstance(value, tuple) else (value,)
         if any(v is not None and not 1 <= v <= groups for v in values):
             raise bad(owner, name, value, f"ints in 1..{groups} ({whose})")
+
+
+def check_bench_model(owner: str, config: Any) -> None:
+    """A ``random:PRESET`` model names a preset and takes fresh routers (a trained adapter
+    belongs to the real model it was trained on).
+
+    Raises:
+        ValueError: an unknown preset (the message lists them), or an adapter with one.
+    """
+    if not is_random_model(config.model):
+        return
+    try:
+        preset_named(config.model)
+    except ValueError:
+        known = ", ".join(RANDOM_PREFIX + name for name in PRESETS)
+        raise bad(owner, "model", config.model, f"a model, or one of the presets {known}") from None  # fmt: skip
+    if getattr(config, "adapter", None) is not None:
+        raise bad(owner, "adapter", config.adapter, f"None with the random-weight model "
+                  f"{config.model} (fresh routers: --num-groups, --window, ...)")  # fmt: skip
+
+
+@dataclass
+class DenseKernelSetting(Settings):
+    """The SDPA kernel of a benchmark's dense attention calls."""
+
+    dense_kernel: str = field(
+        default="auto",
+        metadata={"help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
+                  "efficient or math force one)", "choices": DENSE_KERNELS},
+    )  # fmt: skip
+
+
+@dataclass
+class DecodeBatch(Settings):
+    """The batch sizes of a decoding benchmark."""
+
+    batch_size: tuple[int, ...] = field(
+        default=(1,),
+        metadata={"help": "requests decoding together, each with the same cached tokens "
+                  "(each value run in turn)"},
+    )  # fmt: skip
 
 
 @dataclass
@@ -241,7 +302,7 @@ class AttentionShape(Settings):
     renamed={"backend": "attention_backend"},
     several=("top_k",),
 )  # fmt: skip
-class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape, AttentionBackendSetting):  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape, AttentionBackendSetting, DenseKernelSetting):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
     the values timed, ``window`` is the one local window; ``device`` is cpu or cuda;
@@ -258,11 +319,6 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     gates: bool = field(
         default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
     )
-    dense_kernel: str = field(
-        default="auto",
-        metadata={"help": "the dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
-                  "efficient or math force one)", "choices": DENSE_KERNELS},
-    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.check_shared()
@@ -278,16 +334,22 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
             raise bad(owner, "attention_backend", None, "a backend name ('auto' for any)")
 
 
+@command_help(
+    model=BENCH_MODEL_HELP,
+    device="torch device: cpu or cuda (default: cuda if available, else cpu)",
+)
 @settings_class(
-    defaults={"top_k": (1, 2), "lengths": MODEL_LENGTHS},
+    defaults={"top_k": (1, 2), "lengths": MODEL_LENGTHS, "model": DEFAULT_MODEL, "device": None},
     renamed={"windows": "window"},
     several=("top_k", "window"),
 )
-class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+class ModelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of the end-to-end benchmark (``focus bench model``): prefill of the first
-    ``lengths`` tokens of the corpus split, stock sdpa against Focus at every ``top_k`` and
-    ``window`` (default: the adapter's window, :data:`FRESH_WINDOW` for fresh routers).
-    ``windows`` is the deprecated name of ``window``.
+    ``lengths`` tokens of the corpus split (of seeded random ids for a ``random:PRESET``
+    model), stock sdpa against Focus at every ``top_k`` and ``window`` (default: the
+    adapter's window, :data:`FRESH_WINDOW` for fresh routers), on ``device`` in ``dtype``.
+    ``windows`` is the deprecated name of ``window``; ``seed`` seeds a random model's
+    weights and token ids.
 
     Raises:
         ValueError: on construction, naming the first bad field.
@@ -299,13 +361,22 @@ class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, Ad
                   "kernel can go below)"},
     )  # fmt: skip
     repeats: int = field(default=1, metadata={"help": "timed runs (median)"})
+    warmup: int = field(
+        default=0,
+        metadata={"help": "untimed forwards of each row at its own length before the timed "
+                  "ones (kernels compiled for that length, caches warmed)"},
+    )  # fmt: skip
     warmup_tokens: int = field(default=512, metadata={"help": "tokens of the warm-up forward"})
 
     def __post_init__(self) -> None:
         self.check_shared()
-        check_grid("ModelBenchConfig", self)
-        check_int("ModelBenchConfig", "repeats", self.repeats, 1)
-        check_int("ModelBenchConfig", "warmup_tokens", self.warmup_tokens, 1)
+        owner = "ModelBenchConfig"
+        check_grid(owner, self)
+        self.check_compute(owner)
+        check_bench_model(owner, self)
+        check_int(owner, "repeats", self.repeats, 1)
+        check_int(owner, "warmup", self.warmup, 0)
+        check_int(owner, "warmup_tokens", self.warmup_tokens, 1)
 
 
 @command_help(
@@ -313,12 +384,16 @@ class ModelBenchConfig(ResultFile, RunSettings, LengthSettings, FreshRouters, Ad
     num_key_value_heads="key/value heads H_kv of the op level, H a multiple of it (default: "
     "the model's)",
     head_dim="head_dim D of the op level (default: the model's)",
+    model=BENCH_MODEL_HELP,
+    dense_kernel="the op level's dense SDPA kernel (auto: SDPA's own choice; flash, cudnn, "
+    "efficient or math force one; the model level runs the model's own sdpa attention)",
 )
 @settings_class(
-    defaults={"top_k": (1, 2), "num_heads": None, "num_key_value_heads": None, "head_dim": None},
+    defaults={"top_k": (1, 2), "num_heads": None, "num_key_value_heads": None, "head_dim": None,
+              "model": DEFAULT_MODEL, "dense_kernel": "auto"},
     several=("top_k",),
-)
-class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape):  # fmt: skip
+)  # fmt: skip
+class DecodeBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, DecodeBatch, FreshRouters, AdapterOverrides, TextSettings, ModelSettings, AttentionShape, DenseKernelSetting):  # fmt: skip
     """Settings of the decoding benchmark (``focus bench decode``). ``window`` is one value:
     the local window of the op level and of fresh routers (default :data:`FRESH_WINDOW`),
     and over the adapter's when given; ``seed`` seeds the op level's inputs; ``device``
@@ -326,7 +401,10 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
     tensors and of the model's weights (the routers stay float32). The op level's shape is
     the model's, with ``num_heads``, ``num_key_value_heads`` and ``head_dim`` over it
     (another model's attention, without loading it: the op level alone with all three
-    given loads no model).
+    given loads no model). ``batch_size`` lists the batches run in turn: ``B`` requests
+    with the same cached tokens decoding together. ``kv_cache`` picks the model level's
+    caches (:data:`KV_CACHES`); ``cuda_graphs`` times CUDA-graph replays of each row's step
+    (a CUDA device; at the model level the static cache).
 
     Raises:
         ValueError: on construction, naming the first bad field.
@@ -336,6 +414,20 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
     levels: tuple[str, ...] = field(default=LEVELS, metadata={"help": "op and/or model"})
     steps: int = field(default=16, metadata={"help": "timed decoding steps (median)"})
     warmup: int = field(default=2, metadata={"help": "untimed steps before them"})
+    kv_cache: str = field(
+        default="dynamic",
+        metadata={"help": "the model level's KV caches: dynamic (dense through transformers' "
+                  "DynamicCache and a buffered one, Focus through its own) or static "
+                  "(transformers' StaticCache for dense and Focus: what a CUDA graph captures)",
+                  "choices": KV_CACHES},
+    )  # fmt: skip
+    cuda_graphs: bool = field(
+        default=False,
+        metadata={"help": "capture one decoding step of each row in a CUDA graph (after "
+                  "warm-up steps on a side stream) and time its replays; a row whose step "
+                  "reads back to the host stays eager, with the reason recorded (needs a "
+                  "CUDA device, and --kv-cache static at the model level)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.check_shared()
@@ -353,6 +445,40 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
         if unknown or not self.levels:
             raise bad(owner, "levels", self.levels, f"one or more of {LEVELS}")
         self.check_shape(owner)
+        self.check_batch(owner)
+        check_bench_model(owner, self)
+
+    def check_batch(self, owner: str) -> None:
+        """``batch_size`` (one or more ints >= 1), ``kv_cache`` and ``cuda_graphs`` (a CUDA
+        device; the static cache when the model level runs).
+
+        Raises:
+            ValueError: naming the first bad field.
+        """
+        self.batch_size = tuple(self.batch_size)
+        if not self.batch_size:
+            raise bad(owner, "batch_size", self.batch_size, "one or more ints >= 1")
+        for v in self.batch_size:
+            check_int(owner, "batch_size", v, 1)
+        if self.kv_cache not in KV_CACHES:
+            raise bad(owner, "kv_cache", self.kv_cache, f"one of {KV_CACHES}")
+        if not self.cuda_graphs:
+            return
+        if self.resolved_device.split(":", 1)[0] != "cuda":
+            raise bad(owner, "cuda_graphs", True, f"a CUDA device (the run's device is "
+                      f"{self.resolved_device}: CUDA graphs capture CUDA work only)")  # fmt: skip
+        if "model" in self.levels and self.kv_cache != "static":
+            raise bad(owner, "kv_cache", self.kv_cache, "static with cuda_graphs at the model "
+                      "level (a dynamic cache changes shape every step: no graph replays it)")  # fmt: skip
+
+    @property
+    def resolved_device(self) -> str:
+        """The device the run uses: ``device``, else cuda where torch sees one, else cpu."""
+        if self.device is not None:
+            return str(self.device)
+        import torch  # this module stays torch-free until a device must be resolved
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def needs_model(self) -> bool:
@@ -617,3 +743,51 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
         if (self.adapter is None) == (self.export is None):
             raise bad(owner, "adapter", self.adapter, "an adapter, or an exported directory "
                       "given as export (one of them)")  # fmt: skip
+
+
+@dataclass
+class ResultFiles(Settings):
+    """Result files a command reads."""
+
+    results: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle or "
+                  "serve (or merged by focus bench merge)"},
+    )  # fmt: skip
+
+    def check_results(self, owner: str) -> None:
+        """``results``: one or more paths (stored as a tuple of str).
+
+        Raises:
+            ValueError: none given.
+        """
+        self.results = tuple(str(path) for path in self.results)
+        if not self.results:
+            raise bad(owner, "results", self.results, "one or more JSON result files")
+
+
+@settings_class()
+class MergeResultsConfig(ResultFile, ResultFiles):
+    """Settings of ``focus bench merge``: result files of one benchmark merged, in order,
+    into the JSON file ``json``.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    def __post_init__(self) -> None:
+        self.check_results("MergeResultsConfig")
+
+
+@command_help(out="folder the PNGs are written into (default: beside each result file)")
+@settings_class(defaults={"out": None})
+class PlotResultsConfig(OutputSettings, ResultFiles):
+    """Settings of ``focus bench plot``: one PNG per result held in each file.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        self.check_results("PlotResultsConfig")

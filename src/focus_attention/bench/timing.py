@@ -12,11 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "available_bytes",
     "cuda_peak_extra_bytes",
     "device_synchronize",
     "interleaved_median_seconds",
     "median_seconds",
     "peak_extra_bytes",
+    "release_cached_memory",
 ]
 
 
@@ -126,3 +128,33 @@ def cuda_peak_extra_bytes(fn: Callable[[], Any]) -> int:
     peak = torch.cuda.max_memory_allocated()
     del result
     return max(0, peak - before)
+
+
+def available_bytes(device: Any) -> int | None:
+    """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
+    host's ``MemAvailable``; None where it cannot be read."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def release_cached_memory(device: Any) -> None:
+    """Give the memory of freed tensors (and CUDA graphs) that the CUDA caching allocator
+    keeps back to the device, so that :func:`available_bytes` sees it free; nothing on other
+    devices."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from ..bench.results import PLOTTERS
 from ..utils.io import atomic_write_text, read_json_file
 from .study import Step, Study, fill, recorded_differences
 
@@ -31,9 +32,7 @@ TABLES = {
 #: the result's with ``.png`` (a directory for ``inspect`` and ``sweep``, whose functions
 #: write several files there)
 PLOTS = {
-    "bench kernel": "focus_attention.bench.kernel:plot_kernel",
-    "bench needle": "focus_attention.bench.needle:plot_needle",
-    "bench serve": "focus_attention.bench.serve:plot_serve",
+    **{f"bench {name}": spec for name, spec in PLOTTERS.items()},
     "inspect": "focus_attention.evaluation.group_report:write_group_plots",
     "sweep": "focus_attention.training.sweep:plot_sweep_result",
 }
