@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from focus_attention.ops.sparse import dispatch
+from focus_attention.ops.sparse.triton_support import interpreting
+
 from .helpers import BACKENDS, HALF_DTYPES, TINY_BLOCKS, block_modules
+
+#: query-key pairs (``B x H x Nq x Nk``) of the largest ``triton`` call the shared grids run
+#: under Triton's interpreter (see :func:`interpreted_triton_calls`)
+INTERPRETED_TRITON_WORK = 60_000
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -14,6 +23,8 @@ def backend(request) -> str:
     session scope, so hypothesis tests may use it too)."""
     if request.param == "cpu_fused":
         request.getfixturevalue("fused_kernel")
+    if request.param == "triton":
+        request.getfixturevalue("interpreted_triton_calls")
     return request.param
 
 
@@ -21,7 +32,35 @@ def backend(request) -> str:
 def any_backend(request) -> str:
     """``"auto"`` and each explicit sparse backend."""
     request.getfixturevalue("fused_kernel" if request.param == "cpu_fused" else "kernel_built")
+    if request.param == "triton":
+        request.getfixturevalue("interpreted_triton_calls")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def interpreted_triton_calls():
+    """Under Triton's interpreter (no CUDA device) the shared grids run the ``triton``
+    backend on calls of at most :data:`INTERPRETED_TRITON_WORK` query-key pairs per head
+    (``B x H x Nq x Nk``) and skip longer ones, naming why: the interpreter runs each
+    program in NumPy, a 1,000-token prefill takes tens of seconds. Longer inputs, tile edges
+    and every feature of the kernels are covered by tests/ops/test_triton_decode.py and
+    tests/ops/test_triton_prefill.py, and compiled on a GPU by their ``gpu`` tests."""
+    if not interpreting():
+        yield
+        return
+    registered = dispatch._REGISTRY["triton"]
+
+    def run(inputs):
+        b, h, nq, _ = inputs.query.shape
+        work = b * h * nq * inputs.key.shape[2]
+        if work > INTERPRETED_TRITON_WORK:
+            pytest.skip(f"triton under the interpreter: {work:,} query-key pairs > "
+                        f"{INTERPRETED_TRITON_WORK:,} (longer calls: tests/ops/test_triton_*.py)")  # fmt: skip
+        return registered.run(inputs)
+
+    dispatch._REGISTRY["triton"] = dataclasses.replace(registered, run=run)
+    yield
+    dispatch._REGISTRY["triton"] = registered
 
 
 @pytest.fixture(params=HALF_DTYPES, ids=["bf16", "fp16"])

@@ -48,8 +48,25 @@ def _spy_fused(monkeypatch) -> list[bool]:
 
 
 def test_backends_are_listed_in_autos_order():
-    assert BACKENDS == ("auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
-    assert backend_names()[:7] == ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert BACKENDS == (
+        "auto",
+        "triton",
+        "gather",
+        "masked",
+        "cpu_fused",
+        "cpu_flash",
+        "flex",
+        "math",
+    )
+    assert backend_names()[:7] == (
+        "triton",
+        "gather",
+        "masked",
+        "cpu_fused",
+        "cpu_flash",
+        "flex",
+        "math",
+    )
 
 
 @pytest.mark.parametrize(

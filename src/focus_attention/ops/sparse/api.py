@@ -65,8 +65,9 @@ def sparse_attention(
             - ``"triton"``: this package's Triton kernels, no host synchronisation: for at
               most 8 queries (decoding) group buckets and a split-K kernel reading only the
               window and the query's groups' keys, else a group-sorted prefill kernel
-              (``"auto"`` on CUDA); CUDA, or the CPU under ``TRITON_INTERPRET=1``; float32,
-              bfloat16, float16, K <= 62, ``softcap``, inference only.
+              (``"auto"`` on CUDA; gradients through the prefill kernel's backward); CUDA,
+              or the CPU under ``TRITON_INTERPRET=1``; float32, bfloat16, float16,
+              K <= 62, ``softcap``, differentiable.
 
             - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
               queries: decoding); any device and dtype, ``softcap``, differentiable.

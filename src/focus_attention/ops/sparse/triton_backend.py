@@ -1,20 +1,22 @@
 """The ``triton`` backend: this package's Triton kernels behind
 :func:`~focus_attention.ops.sparse_attention` (docs/method.md §5, "Backends").
 
-- A call of at most :data:`TRITON_DECODE_QUERIES` queries (decoding, speculative tokens) runs
+- A call of at most :data:`TRITON_DECODE_QUERIES` queries (decoding, speculative tokens)
+  without gradients runs
   :func:`~.triton_decode.bucket_decode`: the call's key memberships become group buckets
   (:meth:`~.buckets.GroupBuckets.from_groups`, a fixed-shape scatter), and each query reads
   its window and the bucket entries of its groups, split along the keys. A model with a
   static KV cache keeps the buckets between steps instead (:mod:`focus_attention.hf.static_cache`).
-- A longer call (a prompt, a chunk of one) runs :func:`~.triton_prefill.group_prefill`: the
-  local band in token order and the groups' older keys over a group-sorted layout, merged in
-  the kernel.
+- Any other call (a prompt, a chunk of one, a call that needs gradients) runs
+  :func:`~.triton_prefill.group_prefill`: the local band and the groups' older keys over a
+  layout sorted by group, merged in the kernel; differentiable (a FlashAttention-2 style
+  backward over the same layouts).
 
 Both run without a host synchronisation and compile once per dtype and head size, not per
 length. CUDA with Triton installed (PyTorch's CUDA builds ship it), or CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``, for tests); float32, bfloat16 and float16; at
-most 62 groups; soft-capping. Inference only: calls that need gradients go to a
-differentiable backend. ``"auto"`` chooses it on CUDA, before ``gather``.
+most 62 groups; soft-capping; differentiable. ``"auto"`` chooses it on CUDA, before
+``gather``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def run_triton(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]
     query_groups, key_groups = inputs.query_groups[:, None], inputs.key_groups[:, None]
     kwargs = dict(scale=inputs.scale, softcap=inputs.softcap,
                   key_padding_mask=inputs.key_padding_mask, needs_lse=inputs.needs_lse)  # fmt: skip
-    if q.shape[2] <= TRITON_DECODE_QUERIES:
+    if q.shape[2] <= TRITON_DECODE_QUERIES and not inputs.needs_grad:
         buckets = GroupBuckets.from_groups(key_groups)
         lengths = torch.full((q.shape[0],), key.shape[2], dtype=torch.int32, device=q.device)
         return bucket_decode(q, key, inputs.value, query_groups, buckets, lengths,
@@ -59,6 +61,7 @@ BACKEND = SparseBackend(
     run=run_triton,
     priority=7,
     dtypes=KERNEL_DTYPES,
+    differentiable=True,
     softcap=True,
     max_groups=MAX_KERNEL_GROUPS,
     check=_where,
