@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from stops import ERRORS, run_until_stopped, stop_writes
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -212,6 +213,44 @@ def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
         export_model(fm, out, tok, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no staging left
+
+
+def _export_window(out) -> int:
+    """The window of the export in ``out``, checked to be its adapter's and its weights
+    file's too, and the window the loaded model runs with."""
+    from safetensors import safe_open
+
+    window = json.loads((out / "config.json").read_text())["window"]
+    assert json.loads((out / CONFIG_NAME).read_text())["window"] == window
+    with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
+        assert json.loads(f.metadata()["focus_config"])["window"] == window
+    assert load(out).focus_model.focus_config.window == window
+    return window
+
+
+@pytest.mark.parametrize("error", list(ERRORS))
+def test_a_stop_at_any_write_leaves_the_earlier_export_or_the_new_one(tmp_path, monkeypatch, error):  # fmt: skip
+    """Ctrl-C or a full disk at each write of an export over an earlier one: the folder is
+    the earlier export (window 8) or the new one (window 6), whole, and loads."""
+    import focus_attention.deploy.export as module
+
+    fm, out = exported(tmp_path, window=8)
+
+    def export(window, at=None):
+        fm.focus_config = fm.focus_config.replace(window=window)
+        module.export_model(fm, out, word_tokenizer(WORDS), overwrite=True)
+
+    with monkeypatch.context() as m:
+        seen = stop_writes(m, module, "export_model")
+        export(6)
+    assert seen.count("replace") >= 3
+    for at in range(len(seen)):
+        export(8)
+        with monkeypatch.context() as m:
+            stop_writes(m, module, "export_model", at, ERRORS[error])
+            run_until_stopped(lambda: export(6), ERRORS[error])
+        assert _export_window(out) in (6, 8), f"write {at} ({seen[at]})"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no staging left
 
 
 def test_a_loaded_export_exports_again(tmp_path):

@@ -5,7 +5,6 @@ whose step count, interrupted flag and weights are the finished run's."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -17,14 +16,12 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+from stops import ERRORS, run_until_stopped, stop_writes
 from tiny_assets import tiny_config, use_tiny_assets
 
 from focus_attention.training import CHECKPOINT_DIR, latest_checkpoint, train
 from focus_attention.training import run as run_module
 from focus_attention.training.outputs import trained_parts_differences
-
-#: the write operations of a final save: every rename into place and every flush to disk
-WRITES = ("replace", "fsync")
 
 
 def _ctrl_c_at(stop: int):
@@ -172,49 +169,11 @@ def test_a_second_ctrl_c_in_the_final_save_keeps_the_output_and_resume_finishes(
     assert again.extra.get("already_finished")
 
 
-def _count_writes(monkeypatch, stop_at: int | None, error: BaseException | None) -> list[str]:
-    """Count the write operations (:data:`WRITES`) of ``focus train``'s final save; with
-    ``stop_at``, raise ``error`` at that one (0-based) instead of doing it. Returns the list
-    of operations seen, filled as the save runs."""
-    seen: list[str] = []
-    publishing = []
-    real_publish = run_module._Run.publish
-
-    def publish(self, result):
-        publishing.append(1)
-        try:
-            return real_publish(self, result)
-        finally:
-            publishing.clear()
-
-    def counted(name):
-        real = getattr(os, name)
-
-        def op(*args):
-            if publishing:
-                seen.append(name)
-                if len(seen) - 1 == stop_at:
-                    raise error
-            return real(*args)
-
-        return op
-
-    monkeypatch.setattr(run_module._Run, "publish", publish)
-    for name in WRITES:
-        monkeypatch.setattr(os, name, counted(name))
-    return seen
-
-
 def _stopped_save_then_resume(assets, reference, unsaved, out, monkeypatch, at, error) -> None:
     shutil.copytree(unsaved, out)
     with monkeypatch.context() as m:
-        _count_writes(m, at, error)
-        try:
-            train(tiny_config(assets, out, resume=True))
-        except type(error):
-            pass
-        else:  # only a directory's flush may fail unnoticed (file systems that refuse it)
-            assert isinstance(error, OSError), f"write {at} did not stop the save"
+        stop_writes(m, run_module._Run, "publish", at, error)
+        run_until_stopped(lambda: train(tiny_config(assets, out, resume=True)), error)
     assert _output_step(out) in (3, 6)  # the previous output or the finished one, whole
     train(tiny_config(assets, out, resume=True))
     _is_the_finished_run(out, reference)
@@ -225,7 +184,7 @@ def _write_points(assets, unsaved, tmp_path, monkeypatch) -> int:
     out = tmp_path / "count"
     shutil.copytree(unsaved, out)
     with monkeypatch.context() as m:
-        seen = _count_writes(m, None, None)
+        seen = stop_writes(m, run_module._Run, "publish")
         train(tiny_config(assets, out, resume=True))
     assert seen.count("replace") >= 8 and "fsync" in seen  # the save does write
     return len(seen)
@@ -233,18 +192,17 @@ def _write_points(assets, unsaved, tmp_path, monkeypatch) -> int:
 
 def test_a_stop_at_the_first_middle_and_last_write_of_the_final_save(assets, reference, unsaved, tmp_path, monkeypatch):  # fmt: skip
     points = _write_points(assets, unsaved, tmp_path, monkeypatch)
-    cases = [(0, KeyboardInterrupt()), (points // 2, OSError(errno.ENOSPC, "No space left on device")),
-             (points - 1, KeyboardInterrupt())]  # fmt: skip
+    cases = [(0, ERRORS["ctrl-c"]), (points // 2, ERRORS["disk-full"]), (points - 1, ERRORS["ctrl-c"])]  # fmt: skip
     for i, (at, error) in enumerate(cases):
         _stopped_save_then_resume(assets, reference, unsaved, tmp_path / f"run{i}", monkeypatch, at, error)  # fmt: skip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device")], ids=["ctrl-c", "disk-full"])  # fmt: skip
+@pytest.mark.parametrize("error", list(ERRORS))
 def test_a_stop_at_every_write_of_the_final_save(assets, reference, unsaved, tmp_path, monkeypatch, error):  # fmt: skip
     points = _write_points(assets, unsaved, tmp_path, monkeypatch)
     for at in range(points):
-        _stopped_save_then_resume(assets, reference, unsaved, tmp_path / f"run{at}", monkeypatch, at, error)  # fmt: skip
+        _stopped_save_then_resume(assets, reference, unsaved, tmp_path / f"run{at}", monkeypatch, at, ERRORS[error])  # fmt: skip
 
 
 #: a process that resumes a run and is killed (SIGKILL) at one rename of its final save
