@@ -262,6 +262,14 @@ def test_a_stopped_final_save_leaves_no_output_and_resume_finishes(runs, assets,
     load_pretrained(copy)
 
 
+def test_a_warm_up_as_long_as_the_run_warns_with_the_peak_it_reaches(assets, tmp_path):
+    with pytest.warns(UserWarning, match="focus pretrain: --warmup-steps 4 is not below --steps 2: "
+                      r"the learning rate only warms up, peaking at 0.25 x --lr 0.01 = 0.0025"):  # fmt: skip
+        pretrain(tiny(assets["corpus"], tmp_path / "run", "dense", steps=2, warmup_steps=4))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert max(r["learning_rate"] for r in rows if "learning_rate" in r) == pytest.approx(0.0025)
+
+
 def test_a_run_with_other_settings_is_refused(runs, assets):
     _, out = runs["dense"]
     with pytest.raises(ValueError, match="other settings"):

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -339,6 +340,42 @@ def test_lr_schedule():
     assert lr_factor(6, 10, 2) == pytest.approx(0.5)
     assert lr_factor(10, 10, 2) == pytest.approx(0.0)
     assert lr_factor(0, 5, 0) == 1.0
+
+
+def _warmup_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "--warmup-steps" in str(w.message)]
+
+
+def test_a_warm_up_that_does_not_end_before_the_last_step_warns_with_the_peak(assets, tmp_path):
+    """--warmup-steps at or beyond --steps: the run warns, naming the peak it reaches (the
+    rate the log shows), and trains as asked; a warm-up that ends in time says nothing."""
+    with pytest.warns(UserWarning) as record:
+        train(tiny_config(assets, tmp_path / "long", steps=3, warmup_steps=4, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    (message,) = _warmup_warnings(record)
+    assert message.startswith("focus train: --warmup-steps 4 is not below --steps 3: ")
+    assert "peaking at 0.75 x --lr 0.01 = 0.0075 and never decaying" in message
+    rates = [r["learning_rate"] for r in _log(tmp_path / "long") if "loss" in r]
+    assert max(rates) == pytest.approx(0.0075)
+    with pytest.warns(UserWarning, match="--warmup-steps 3 is not below --steps 3: .*peaking at 1 "):  # fmt: skip
+        train(tiny_config(assets, tmp_path / "equal", steps=3, warmup_steps=3, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train(tiny_config(assets, tmp_path / "short", steps=3, warmup_steps=2, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    assert _warmup_warnings(record) == []
+
+
+def test_each_phase_of_two_phase_training_warns_of_its_own_warm_up():
+    from focus_attention.training.run import _warn_long_warmup
+
+    cfg = TrainConfig(method="two-phase", steps=10, phase1_steps=3, warmup_steps=4)
+    cfg.validate()
+    with pytest.warns(UserWarning) as record:
+        _warn_long_warmup(cfg)
+    (message,) = _warmup_warnings(record)
+    assert "--warmup-steps 4 is not below phase 1 (3 steps)" in message
 
 
 def _order(seed: int, n: int = 10, epochs: int = 2) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..assets.benchmarks import BENCHMARKS
 from ..settings import (
+    NEEDLE_MIN_TOKENS,
     AdapterOverrides,
     AttentionBackendSetting,
     BatchSettings,
@@ -373,7 +374,8 @@ class DecodeBenchConfig(ResultFile, RunSettings, ComputeDtype, DeviceSettings, S
 
 
 def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig) -> None:
-    """The prompt settings shared by the needle configs: ``lengths`` (ints >= 64 tokens),
+    """The prompt settings shared by the needle configs: ``lengths`` (ints >=
+    :data:`~focus_attention.settings.NEEDLE_MIN_TOKENS` tokens),
     ``haystacks`` (some of :data:`HAYSTACKS`), ``depths`` (fractions in [0, 1]) and
     ``trials`` (an int >= 1).
 
@@ -381,7 +383,7 @@ def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig)
         ValueError: the first bad one, named with ``owner``.
     """
     for n in config.lengths:
-        check_int(owner, "lengths", n, 64)
+        check_int(owner, "lengths", n, NEEDLE_MIN_TOKENS)
     config.haystacks, config.depths = tuple(config.haystacks), tuple(config.depths)
     if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
         raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")

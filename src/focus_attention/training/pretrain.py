@@ -39,6 +39,7 @@ from transformers import Trainer, TrainerState
 from ..utils.io import replace_entries, staged_directory, write_json_atomic
 from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
 from .outputs import LOG_NAME, remove_staging_leftovers, truncate_log
+from .schedule import warn_long_warmup
 from .scratch_model import ModelSize
 from .settings import (
     ATTENTIONS,
@@ -414,6 +415,9 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
     """
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    # the Trainer's linear warm-up gives optimizer step s (0-based) s / warmup_steps
+    peak = (config.steps - 1) / max(1, config.warmup_steps)
+    warn_long_warmup("focus pretrain", config.steps, config.warmup_steps, peak, config.lr)
     out = config.out_dir()
     checkpoint = _check_out(config, out)
     args = _training_arguments(config, out, checkpoint is not None)

@@ -58,6 +58,7 @@ from .outputs import (
     truncate_log,
 )
 from .plot import write_plot
+from .schedule import lr_factor, warn_long_warmup
 from .trainer import FocusTrainer, sharding
 
 __all__ = ["TrainResult", "peak_memory_bytes", "train", "unfinished_output"]
@@ -534,6 +535,7 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     t_call = time.monotonic()
     cfg = config
     cfg.validate()
+    _warn_long_warmup(cfg)
     out = cfg.out_dir()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -563,6 +565,18 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
                   file=sys.stderr)  # fmt: skip
         raise KeyboardInterrupt
     return result
+
+
+def _warn_long_warmup(cfg: TrainConfig) -> None:
+    """Warn when the warm-up does not end before the last step of the run, or of a phase of
+    a two-phase run (each phase warms up anew; :func:`~.schedule.warn_long_warmup`)."""
+    if cfg.method != "two-phase":
+        phases = [("", cfg.steps)]
+    else:
+        phases = [("phase 1", cfg.phase1_steps), ("phase 2", cfg.steps - cfg.phase1_steps)]
+    for name, steps in phases:
+        peak = max((lr_factor(s, steps, cfg.warmup_steps) for s in range(steps)), default=0.0)
+        warn_long_warmup("focus train", steps, cfg.warmup_steps, peak, cfg.lr, name)
 
 
 def _announce(run: _Run, corpus: str) -> None:
