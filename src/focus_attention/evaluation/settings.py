@@ -229,6 +229,8 @@ class InspectConfig(OutputSettings, RunSettings, SeedSettings, TopKValues, Block
             raise bad(owner, "max_tokens", self.max_tokens, f"at least seq_len={self.seq_len}")
         if self.layers is not None:
             layers = tuple(self.layers)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-                raise bad(owner, "layers", self.layers, "None or a non-empty list of ints")
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                 for i in layers):  # fmt: skip
+                raise bad(owner, "layers", self.layers,
+                          "None or a non-empty list of layer indices (ints >= 0)")  # fmt: skip
             self.layers = tuple(sorted(set(layers)))
