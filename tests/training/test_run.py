@@ -403,6 +403,41 @@ def test_data_order_is_a_seeded_permutation_per_epoch():
         EpochPermutations(3, 1, step_blocks=4)
 
 
+def _steps_per_epoch(world: int, batch: int, accum: int, blocks: int = 10, epochs: int = 3) -> list[list[list[int]]]:  # fmt: skip
+    """The blocks each optimizer step takes, every rank together, epoch by epoch, with the
+    FocusTrainer's data order for ``world`` processes dealt to the ranks by accelerate
+    (``BatchSamplerShard``, as the Trainer's data loader does)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from focus_attention.training.trainer import FocusTrainer
+
+    args = SimpleNamespace(per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                           world_size=world)  # fmt: skip
+    trainer = SimpleNamespace(args=args, train_dataset=list(range(blocks)),
+                              train_config=SimpleNamespace(seed=3))  # fmt: skip
+    sampler = FocusTrainer._get_train_sampler(trainer)
+    order = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        ranks = [list(BatchSamplerShard(BatchSampler(sampler, batch, False), world, r)) for r in range(world)]  # fmt: skip
+        assert all(len(b) % accum == 0 for b in ranks), "an epoch ends inside a step"
+        steps = len(ranks[0]) // accum
+        order.append([sorted(i for r in ranks for b in r[s * accum : (s + 1) * accum] for i in b)
+                      for s in range(steps)])  # fmt: skip
+    return order
+
+
+@pytest.mark.parametrize("world, batch, accum", [(2, 1, 2), (2, 2, 1), (3, 1, 1), (4, 1, 2)])
+def test_each_epoch_is_cut_to_whole_steps_of_every_process(world, batch, accum):
+    """The epoch cut counts every process: N processes with grad_accum G take, step by step
+    and epoch by epoch, the blocks one process takes with grad_accum N x G, and no epoch ends
+    inside a step (accelerate would otherwise fill the last batches from the epoch's start)."""
+    assert _steps_per_epoch(world, batch, accum) == _steps_per_epoch(1, batch, accum * world)
+
+
 @pytest.mark.parametrize(
     "changes, field",
     [
