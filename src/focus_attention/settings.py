@@ -44,6 +44,7 @@ from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
     "ADAPTER_OVERRIDES",
+    "NEEDLE_MIN_TOKENS",
     "SHARED_CHECKS",
     "AdapterOverrides",
     "AttentionBackendSetting",
@@ -70,6 +71,10 @@ __all__ = [
     "renamed_settings",
     "settings_class",
 ]
+
+#: the shortest pass-key prompt, in tokens (its needle, its question and some haystack): the
+#: least ``lengths`` of the needle benchmarks and ``ranking_length`` of focus calibrate
+NEEDLE_MIN_TOKENS = 64
 
 
 class Settings:

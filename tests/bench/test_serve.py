@@ -130,6 +130,88 @@ def test_continuous_batching_servers_size_their_cache_for_the_cells(exported, tm
         assert extra[:3] == ("--continuous-batching", "--cb-num-blocks", str(blocks))
 
 
+def _served_settings(exported, tmp_path, monkeypatch, **overrides) -> tuple[list[dict], dict]:
+    """The ``config.json`` of every Focus variant ``focus bench serve --export`` would serve
+    with ``overrides``, and the overrides its result records (the servers are not started)."""
+    from focus_attention.assets.corpora import prepare_corpus
+    from focus_attention.bench import serve
+
+    served = []
+
+    def run_cells(variants, *args):
+        served.extend(json.loads((v["directory"] / "config.json").read_text())
+                      for v in variants if v["method"] == "focus")  # fmt: skip
+        return []
+
+    monkeypatch.setattr(serve, "_run_cells", run_cells)
+    monkeypatch.setenv("FOCUS_HOME", str(tmp_path / "home"))
+    corpus = make_corpus_dir(tmp_path / "books", n_docs=3, n_words=600)
+    prepare_corpus(corpus, quiet=True)
+    config = ServeBenchConfig(export=str(exported), corpus=str(corpus), top_k=(1, 2),
+                              lengths=(24,), work_dir=str(tmp_path / "work"), **overrides)  # fmt: skip
+    result = serve.run_serve_benchmark(config, log=lambda line: None)
+    return served, result["config"]["overrides"]
+
+
+def test_every_override_of_an_export_is_served_falsy_ones_too(tmp_path, monkeypatch):
+    """``--export DIR`` with settings that are 0 or empty (``--sink-tokens 0``, no dense
+    layers or heads) against an export whose own are not: every Focus variant serves the
+    given value, and the result records what was served."""
+    tok = word_tokenizer(WORDS + PUNCT)
+    overrides = {"vocab_size": len(tok), "max_position_embeddings": 256}
+    _, fm = focus("llama", window=8, top_k=1, sink_tokens=2, dense_layers=(1,),
+                  dense_heads=((0, 0),), model_overrides=overrides)  # fmt: skip
+    exported = export_model(fm, tmp_path / "export", tok)
+    given = {"sink_tokens": 0, "dense_layers": (), "dense_heads": (), "window": 4}
+    served, recorded = _served_settings(exported, tmp_path, monkeypatch, **given)
+    assert [c["top_k"] for c in served] == [1, 2]
+    for name, value in given.items():
+        for config in served:
+            assert config[name] == (list(value) if isinstance(value, tuple) else value), name
+        assert recorded[name] == value, name
+    served, recorded = _served_settings(exported, tmp_path / "own", monkeypatch)
+    assert [(c["sink_tokens"], c["dense_layers"]) for c in served] == [(2, [1]), (2, [1])]
+
+
+class _Server:
+    url, model = "http://127.0.0.1:1", "tiny"
+
+
+def _stream(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"  # fmt: skip
+
+
+def test_a_stream_that_ends_without_a_finish_reason_is_an_error_not_an_answer(monkeypatch):
+    """A completion streamed without a finish reason (a server that stopped mid-answer)
+    counts as an error: it is not answered, and neither its tokens nor its short latency
+    enter tokens/s and the percentiles; a finished stream is answered."""
+    import asyncio
+
+    import httpx
+
+    from focus_attention.bench import serve
+
+    usage = {"completion_tokens": 3, "prompt_tokens": 5}
+    finished = [{"choices": [{"text": "a", "finish_reason": None}]},
+                {"choices": [{"text": "b", "finish_reason": "length"}], "usage": usage}]  # fmt: skip
+    cut = [{"choices": [{"text": "a", "finish_reason": None}], "usage": usage}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        prompt = json.loads(request.content)["prompt"]
+        return httpx.Response(200, content=_stream(cut if prompt == "cut" else finished))
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))  # fmt: skip
+    config = ServeBenchConfig(export="x", max_new_tokens=3, cell_timeout=30)
+    records, wall = asyncio.run(serve._cell(_Server(), ["ok", "cut", "ok"], config, 3))
+    assert [r["error"] for r in records] == [None, "the stream ended without a finish reason", None]  # fmt: skip
+    row = cell_row(records, wall)
+    assert (row["sent"], row["answered"], row["generated_tokens"]) == (3, 2, 6)
+    assert row["errors"] == {"the stream ended without a finish reason": 1}
+    answered = [r["latency_s"] for r in records if r["error"] is None]
+    assert row["latency_p99_s"] == percentile(answered, 99)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not is_serve_available(), reason="the serve extra: pip install '.[serve]'")
 def test_the_benchmark_answers_every_request_and_writes_json_and_a_plot(exported, tmp_path, monkeypatch):  # fmt: skip

@@ -140,3 +140,16 @@ def test_out_help_says_it_is_required(capsys, command):
     with pytest.raises(SystemExit):
         main(["train", "--help"])  # where the group's default holds, its help keeps it
     assert "folder under runs/" in " ".join(capsys.readouterr().out.split())
+
+
+def test_ranking_length_is_refused_below_the_shortest_pass_key_prompt(tmp_path, monkeypatch, capsys):  # fmt: skip
+    """--ranking-length below the needle prompts' least length is refused on its flag's
+    setting, before any work and before --out exists; the least length itself is taken."""
+    _no_work(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["calibrate", "--adapter", "runs/austen", "--out", str(out), "--head-budget", "0.5"]
+    err = _error(capsys, [*argv, "--ranking-length", "63"])
+    assert err == "focus: error: CalibrateConfig.ranking_length: received 63, expected an int >= 64"  # fmt: skip
+    assert not out.exists()
+    with pytest.raises(Ran):
+        main([*argv, "--ranking-length", "64"])

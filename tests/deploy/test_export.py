@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from stops import ERRORS, run_until_stopped, stop_writes
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -214,6 +215,44 @@ def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no staging left
 
 
+def _export_window(out) -> int:
+    """The window of the export in ``out``, checked to be its adapter's and its weights
+    file's too, and the window the loaded model runs with."""
+    from safetensors import safe_open
+
+    window = json.loads((out / "config.json").read_text())["window"]
+    assert json.loads((out / CONFIG_NAME).read_text())["window"] == window
+    with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
+        assert json.loads(f.metadata()["focus_config"])["window"] == window
+    assert load(out).focus_model.focus_config.window == window
+    return window
+
+
+@pytest.mark.parametrize("error", list(ERRORS))
+def test_a_stop_at_any_write_leaves_the_earlier_export_or_the_new_one(tmp_path, monkeypatch, error):  # fmt: skip
+    """Ctrl-C or a full disk at each write of an export over an earlier one: the folder is
+    the earlier export (window 8) or the new one (window 6), whole, and loads."""
+    import focus_attention.deploy.export as module
+
+    fm, out = exported(tmp_path, window=8)
+
+    def export(window, at=None):
+        fm.focus_config = fm.focus_config.replace(window=window)
+        module.export_model(fm, out, word_tokenizer(WORDS), overwrite=True)
+
+    with monkeypatch.context() as m:
+        seen = stop_writes(m, module, "export_model")
+        export(6)
+    assert seen.count("replace") >= 3
+    for at in range(len(seen)):
+        export(8)
+        with monkeypatch.context() as m:
+            stop_writes(m, module, "export_model", at, ERRORS[error])
+            run_until_stopped(lambda: export(6), ERRORS[error])
+        assert _export_window(out) in (6, 8), f"write {at} ({seen[at]})"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no staging left
+
+
 def test_a_loaded_export_exports_again(tmp_path):
     fm, out = exported(tmp_path)
     model = load(out)
@@ -224,6 +263,76 @@ def test_a_loaded_export_exports_again(tmp_path):
     x = ids(1, 40, seed=5)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=x).logits, fm(input_ids=x).logits)
+
+
+def _weight_names(directory) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def test_save_pretrained_of_a_loaded_export_writes_an_export_that_loads_with_focus(tmp_path, caplog):  # fmt: skip
+    """The loaded model's own save_pretrained writes a complete exported directory: no router
+    tensors among the base weights (no unexpected-keys report on reload), the adapter, the
+    settings it runs with, the custom code; files already there (a tokenizer) stay."""
+    fm, out = exported(tmp_path)
+    model = load(out, window=6)
+    saved = tmp_path / "saved"
+    word_tokenizer(WORDS).save_pretrained(saved)  # the usual pair of calls, either order
+    model.save_pretrained(saved)
+    assert not [k for k in _weight_names(saved) if k.startswith("focus_routers")]
+    assert _weight_names(saved) == _weight_names(out)
+    assert {CONFIG_NAME, WEIGHTS_NAME, REMOTE_CODE_NAME, "tokenizer.json"} <= {p.name for p in saved.iterdir()}  # fmt: skip
+    assert json.loads((saved / "config.json").read_text())["window"] == 6
+    caplog.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reloaded = load(saved)
+    assert "unexpected" not in caplog.text.lower()
+    assert reloaded.focus_model.focus_config.window == 6
+    fm.focus_config = fm.focus_config.replace(window=6)
+    x = ids(1, 40, seed=5)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, fm(input_ids=x).logits)
+    assert not [p for p in saved.iterdir() if p.name.startswith(".")]
+
+
+def test_save_pretrained_of_a_loaded_export_takes_the_trainers_arguments(tmp_path):
+    """What transformers.Trainer passes (the full state dict, routers included) gives the
+    same export; a sharded save replaces the single weights file; push_to_hub is refused
+    with what to do instead."""
+    _, out = exported(tmp_path)
+    model = load(out)
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved, state_dict=model.state_dict(), safe_serialization=True)
+    assert _weight_names(saved) == _weight_names(out)
+    model.save_pretrained(saved, max_shard_size="100KB")
+    names = {p.name for p in saved.iterdir()}
+    assert "model.safetensors.index.json" in names and "model.safetensors" not in names
+    assert load(saved).focus_model is not None
+    with pytest.raises(ValueError, match="push_to_hub"):
+        model.save_pretrained(tmp_path / "hub", push_to_hub=True)
+    assert not (tmp_path / "hub").exists()
+
+
+@pytest.mark.parametrize("error", list(ERRORS))
+def test_save_pretrained_of_a_loaded_export_stopped_at_any_write_keeps_the_earlier_save(tmp_path, monkeypatch, error):  # fmt: skip
+    _, out = exported(tmp_path)
+    model = load(out, window=8)
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    model.focus_model.focus_config = model.focus_model.focus_config.replace(window=6)
+    with monkeypatch.context() as m:
+        seen = stop_writes(m, model, "save_pretrained")
+        model.save_pretrained(tmp_path / "count")
+    assert seen.count("replace") >= 3
+    for at in range(len(seen)):
+        with monkeypatch.context() as m:
+            stop_writes(m, model, "save_pretrained", at, ERRORS[error])
+            run_until_stopped(lambda: model.save_pretrained(saved), ERRORS[error])
+        assert _export_window(saved) in (6, 8), f"write {at} ({seen[at]})"
+        assert not [p for p in saved.iterdir() if p.name.startswith(".")]
 
 
 def test_a_model_that_is_not_a_focus_model_is_refused_before_writing(tmp_path):

@@ -10,7 +10,9 @@ same interpreter; an interrupted training step resumes from its newest checkpoin
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from focus_attention.cli import build_parser, main
 from focus_attention.evaluation.perplexity import markdown_table
 from focus_attention.experiments import StudyConfig, load_study, run_study, step_status
-from focus_attention.experiments.runner import resumed, step_plan
+from focus_attention.experiments.runner import STARTED_NAME, resumed, step_plan
 
 #: the runs use the portable backends (no kernel build), which say so in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:.*fused CPU kernel unavailable:RuntimeWarning")
@@ -459,3 +461,98 @@ def test_an_interrupted_training_step_resumes_from_its_checkpoint(module_assets,
     assert result["start_step"] == 3 and result["steps"] == done["steps"] == 4
     assert result["final_loss"] == pytest.approx(done["final_loss"], rel=1e-6)
     assert _run(study, runs, Counting()) == {"train": "done"}
+
+
+def _ctrl_c_at(stop: int):
+    """A step hook that sends a real SIGINT (as from the terminal) after step ``stop``."""
+
+    def hook(step, entry):
+        if step == stop:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return hook
+
+
+def _train_study(tmp_path: Path, assets: dict, monkeypatch) -> tuple[Path, Path]:
+    monkeypatch.setenv("FOCUS_HOME", str(assets["home"]))
+    monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
+    study = tmp_path / "train"
+    study.mkdir()
+    text = TRAIN_STUDY.format(model=assets["model"], corpus=assets["corpus"])
+    (study / "config.toml").write_text(text)
+    return study, tmp_path / "runs"
+
+
+def test_an_interrupted_training_step_resumes_and_is_never_kept(module_assets, tmp_path, monkeypatch, capsys):  # fmt: skip
+    """Ctrl-C stops the training step after step 2 (focus train writes its interrupted
+    output, the runner records nothing): the rerun and its dry run say it resumes, it
+    continues from its checkpoint with --resume, and its result is the finished run's."""
+    import focus_attention.training as training
+
+    study, runs = _train_study(tmp_path, module_assets, monkeypatch)
+    real = training.train
+    with monkeypatch.context() as m:
+        m.setattr(training, "train", lambda config, **kw: real(config, callback=_ctrl_c_at(2)))
+        with pytest.raises(RuntimeError, match="exited with status 130"):
+            _run(study, runs, Counting())
+    stopped = json.loads((runs / "tiny" / "train_result.json").read_text())
+    assert stopped["extra"]["interrupted"] and stopped["steps"] == 2 and "experiment" not in stopped
+    loaded = load_study(study)
+    status, why = step_plan(loaded, loaded.step("train"), str(runs))
+    assert status == "resume"
+    assert why == ("its result records a training interrupted at step 2 of 4; it continues "
+                   "from its newest checkpoint")  # fmt: skip
+    capsys.readouterr()
+    assert _run(study, runs, Counting(), dry_run=True) == {"train": "resume"}
+    assert f"train (train): would resume: {why}" in capsys.readouterr().err
+    again = Counting()
+    assert _run(study, runs, again) == {"train": "resume"}
+    assert "--resume" in again.argvs[0] and "--overwrite" not in again.argvs[0]
+    result = json.loads((runs / "tiny" / "train_result.json").read_text())
+    assert result["steps"] == 4 and result["start_step"] == 2
+    assert result["extra"]["interrupted"] is False and "experiment" in result
+    assert _run(study, runs, Counting()) == {"train": "done"}
+    assert json.loads((study / "results" / STARTED_NAME).read_text()) == {}
+
+
+def test_a_step_that_failed_after_writing_its_result_runs_again(finished, module_assets, tmp_path, monkeypatch, capsys):  # fmt: skip
+    """A step whose command wrote its result and then failed (or whose runner was killed
+    before it recorded the result) is not kept: it runs again."""
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    (copy / "results" / "eval-16.json").unlink()
+
+    def fails_after_writing(argv):
+        main(argv)
+        return 1
+
+    with pytest.raises(RuntimeError, match="exited with status 1"):
+        _run(copy, runs, fails_after_writing)
+    assert "experiment" not in _result(copy, "16")  # written by focus eval, not recorded
+    loaded = load_study(copy)
+    assert step_plan(loaded, loaded.step("eval-16"), str(runs)) == (
+        "resume",
+        "its last run stopped before its result was recorded; it runs again",
+    )
+    counting = Counting()
+    assert _run(copy, runs, counting) == {"eval-32": "done", "eval-16": "resume", "report": "always"}  # fmt: skip
+    assert len(counting.argvs) == 1 and "experiment" in _result(copy, "16")
+    assert _run(copy, runs, Counting())["eval-16"] == "done"
+
+
+@pytest.mark.parametrize(
+    "unfinished, why",
+    [({"complete": False}, "its result is incomplete (its run stopped before the last cell)"),
+     ({"extra": {"interrupted": True}, "steps": 3, "config": {"steps": 9}},
+      "its result records a training interrupted at step 3 of 9")],
+)  # fmt: skip
+def test_a_result_that_records_an_unfinished_run_is_never_kept_or_done(finished, module_assets, tmp_path, monkeypatch, unfinished, why):  # fmt: skip
+    """Whether the result has no settings record (kept otherwise) or records these settings
+    (done otherwise), an unfinished one runs again."""
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    loaded = load_study(copy)
+    recorded = _result(copy, "32")
+    for data in ({**recorded, **unfinished}, {k: v for k, v in {**recorded, **unfinished}.items() if k != "experiment"}):  # fmt: skip
+        (copy / "results" / "eval-32.json").write_text(json.dumps(data))
+        assert step_plan(loaded, loaded.step("eval-32"), str(runs)) == ("resume", why + "; it runs again")  # fmt: skip

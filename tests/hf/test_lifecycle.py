@@ -476,3 +476,19 @@ def test_calibrate_with_reset_sets_the_bias_from_that_batch_alone():
         assert torch.equal(router.routing_bias, fresh.routers[i].routing_bias)
     fm.calibrate(x)  # without reset it averages in
     assert all(int(r.bias_updates) == 2 for r in fm.routers.values())
+
+
+@pytest.mark.parametrize("name", ["merge_and_unload", "merge_adapter", "unmerge_adapter"])
+def test_peft_merge_methods_name_focus_model_and_what_to_call_instead(name):
+    """A PEFT user's first call: the AttributeError names FocusModel, unload() and focus
+    export instead of the base class; ``hasattr`` stays False (tools that detect PEFT models
+    by it are not misled), and other missing attributes keep the base class's message."""
+    _, fm = focus("llama")
+    with pytest.raises(AttributeError) as err:
+        getattr(fm, name)()
+    message = str(err.value)
+    assert message.startswith(f"FocusModel has no {name}()")
+    assert "unload()" in message and "focus export" in message
+    assert not hasattr(fm, name)
+    with pytest.raises(AttributeError, match="LlamaForCausalLM"):
+        fm.no_such_attribute  # noqa: B018

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from focus_attention.training.methods import (
     phase_at,
 )
 from focus_attention.training.outputs import newest_checkpoint
+from focus_attention.training.run import unfinished_output
 
 METHODS = ("focus", "lora", "attention", "full", "focus+lora", "two-phase")
 #: the tiny runs: 4 steps, validation at 0, 2 and 4, a checkpoint every step
@@ -228,6 +230,37 @@ def test_resume_is_exact(assets, runs, tmp_path, method, crash_at):
         assert torch.equal(want[k], got[k]), k
     assert resumed.trainable_parameters == ref.trainable_parameters
     assert resumed.extra["base_weights_sha256"]["after"] == ref.extra["base_weights_sha256"]["after"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["focus", "full", "lora", "focus+lora", "two-phase"],
+)
+def test_resume_rewrites_trained_parts_that_are_not_the_last_checkpoints(assets, runs, tmp_path, method):  # fmt: skip
+    """A finished run's folder whose result says finished but whose trained parts (the
+    adapter, ``lora/``, ``model/``) are an earlier checkpoint's (a final save killed between
+    two renames): ``--resume`` names every such part and writes the finished output."""
+    ref = runs[method]
+    out = tmp_path / "run"
+    shutil.copytree(ref.out, out)
+    first = out / "checkpoints" / "checkpoint-1"
+    parts = [p.name for p in first.iterdir() if p.name in ("focus_model.safetensors", "lora", "model")]  # fmt: skip
+    for name in parts:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        (shutil.copytree if (first / name).is_dir() else shutil.copy)(first / name, target)
+    cfg = _cfg(assets, out, method, resume=True)
+    why = unfinished_output(cfg, out, newest_checkpoint(out))
+    assert len(why) == 1 and why[0].endswith(f"not those of {newest_checkpoint(out).path.name}")
+    for name in parts:
+        assert name in why[0]
+    resumed = train(cfg)
+    assert not resumed.extra.get("already_finished") and resumed.steps == 4
+    want, got = _saved(ref.out), _saved(out)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert train(cfg).extra["already_finished"]
 
 
 def test_lora_rank_match_picks_the_closest_count(assets, tmp_path):

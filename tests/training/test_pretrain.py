@@ -198,6 +198,78 @@ def test_resume_from_a_checkpoint_continues_exactly(runs, assets, tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
 
 
+def _losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_a_resumed_log_holds_each_step_once(runs, assets, tmp_path):
+    """A run that crashed after step 4 was logged, its last checkpoint step 2's: the resumed
+    run's log is the uninterrupted run's, each step once."""
+    straight, out = runs["dense"]
+    copy = tmp_path / "resumed"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("checkpoint-4", "model",
+                                                             "pretrain_result.json"))  # fmt: skip
+    pretrain(tiny(assets["corpus"], copy, "dense", resume=True))
+    got, want = _losses(copy), _losses(out)
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+
+
+def _stop_the_final_save_at(monkeypatch, at: int) -> None:
+    """Raise KeyboardInterrupt at rename ``at`` (0-based) of :func:`save_final`."""
+    import focus_attention.training.pretrain as module
+
+    real_save, real_replace, seen = module.save_final, os.replace, []
+
+    def replace(a, b):
+        seen.append(1)
+        if len(seen) - 1 == at:
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+
+    def save_final(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", replace)
+            return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(module, "save_final", save_final)
+
+
+@pytest.mark.parametrize("at", [0, 3, 6])
+def test_a_stopped_final_save_leaves_no_output_and_resume_finishes(runs, assets, tmp_path, monkeypatch, at):  # fmt: skip
+    """The final save stopped at a rename: no model, adapter or result is left (the run is
+    not "finished": load_pretrained refuses it), and --resume writes the uninterrupted run's
+    output."""
+    straight, out = runs["focus"]
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("model", "adapter", "pretrain_result.json"))  # fmt: skip
+    with monkeypatch.context() as m:
+        _stop_the_final_save_at(m, at)
+        with pytest.raises(KeyboardInterrupt):
+            pretrain(tiny(assets["corpus"], copy, resume=True))
+    assert not [p.name for p in copy.iterdir() if p.name in ("model", "adapter", "pretrain_result.json")]  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        load_pretrained(copy)
+    resumed = pretrain(tiny(assets["corpus"], copy, resume=True))
+    assert resumed["data"]["batches_fed"] == 0  # the last checkpoint restored, no step past it
+    for got, want in zip(resumed["validation"], straight["validation"], strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    for part, name in (("model", "model.safetensors"), ("adapter", "focus_model.safetensors")):
+        a, b = load_file(str(out / part / name)), load_file(str(copy / part / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    assert not [p for p in copy.iterdir() if p.name.startswith(".final-")]
+    load_pretrained(copy)
+
+
+def test_a_warm_up_as_long_as_the_run_warns_with_the_peak_it_reaches(assets, tmp_path):
+    with pytest.warns(UserWarning, match="focus pretrain: --warmup-steps 4 is not below --steps 2: "
+                      r"the learning rate only warms up, peaking at 0.25 x --lr 0.01 = 0.0025"):  # fmt: skip
+        pretrain(tiny(assets["corpus"], tmp_path / "run", "dense", steps=2, warmup_steps=4))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert max(r["learning_rate"] for r in rows if "learning_rate" in r) == pytest.approx(0.0025)
+
+
 def test_a_run_with_other_settings_is_refused(runs, assets):
     _, out = runs["dense"]
     with pytest.raises(ValueError, match="other settings"):

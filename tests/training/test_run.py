@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -341,6 +342,42 @@ def test_lr_schedule():
     assert lr_factor(0, 5, 0) == 1.0
 
 
+def _warmup_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "--warmup-steps" in str(w.message)]
+
+
+def test_a_warm_up_that_does_not_end_before_the_last_step_warns_with_the_peak(assets, tmp_path):
+    """--warmup-steps at or beyond --steps: the run warns, naming the peak it reaches (the
+    rate the log shows), and trains as asked; a warm-up that ends in time says nothing."""
+    with pytest.warns(UserWarning) as record:
+        train(tiny_config(assets, tmp_path / "long", steps=3, warmup_steps=4, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    (message,) = _warmup_warnings(record)
+    assert message.startswith("focus train: --warmup-steps 4 is not below --steps 3: ")
+    assert "peaking at 0.75 x --lr 0.01 = 0.0075 and never decaying" in message
+    rates = [r["learning_rate"] for r in _log(tmp_path / "long") if "loss" in r]
+    assert max(rates) == pytest.approx(0.0075)
+    with pytest.warns(UserWarning, match="--warmup-steps 3 is not below --steps 3: .*peaking at 1 "):  # fmt: skip
+        train(tiny_config(assets, tmp_path / "equal", steps=3, warmup_steps=3, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train(tiny_config(assets, tmp_path / "short", steps=3, warmup_steps=2, eval_every=-1,
+                          save_every=0))  # fmt: skip
+    assert _warmup_warnings(record) == []
+
+
+def test_each_phase_of_two_phase_training_warns_of_its_own_warm_up():
+    from focus_attention.training.run import _warn_long_warmup
+
+    cfg = TrainConfig(method="two-phase", steps=10, phase1_steps=3, warmup_steps=4)
+    cfg.validate()
+    with pytest.warns(UserWarning) as record:
+        _warn_long_warmup(cfg)
+    (message,) = _warmup_warnings(record)
+    assert "--warmup-steps 4 is not below phase 1 (3 steps)" in message
+
+
 def _order(seed: int, n: int = 10, epochs: int = 2) -> list[int]:
     sampler = EpochPermutations(n, seed)
     out = []
@@ -364,6 +401,41 @@ def test_data_order_is_a_seeded_permutation_per_epoch():
     assert list(cut) == seen[10:18]
     with pytest.raises(ValueError, match="3 training blocks, 4 per optimizer step"):
         EpochPermutations(3, 1, step_blocks=4)
+
+
+def _steps_per_epoch(world: int, batch: int, accum: int, blocks: int = 10, epochs: int = 3) -> list[list[list[int]]]:  # fmt: skip
+    """The blocks each optimizer step takes, every rank together, epoch by epoch, with the
+    FocusTrainer's data order for ``world`` processes dealt to the ranks by accelerate
+    (``BatchSamplerShard``, as the Trainer's data loader does)."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from focus_attention.training.trainer import FocusTrainer
+
+    args = SimpleNamespace(per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                           world_size=world)  # fmt: skip
+    trainer = SimpleNamespace(args=args, train_dataset=list(range(blocks)),
+                              train_config=SimpleNamespace(seed=3))  # fmt: skip
+    sampler = FocusTrainer._get_train_sampler(trainer)
+    order = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        ranks = [list(BatchSamplerShard(BatchSampler(sampler, batch, False), world, r)) for r in range(world)]  # fmt: skip
+        assert all(len(b) % accum == 0 for b in ranks), "an epoch ends inside a step"
+        steps = len(ranks[0]) // accum
+        order.append([sorted(i for r in ranks for b in r[s * accum : (s + 1) * accum] for i in b)
+                      for s in range(steps)])  # fmt: skip
+    return order
+
+
+@pytest.mark.parametrize("world, batch, accum", [(2, 1, 2), (2, 2, 1), (3, 1, 1), (4, 1, 2)])
+def test_each_epoch_is_cut_to_whole_steps_of_every_process(world, batch, accum):
+    """The epoch cut counts every process: N processes with grad_accum G take, step by step
+    and epoch by epoch, the blocks one process takes with grad_accum N x G, and no epoch ends
+    inside a step (accelerate would otherwise fill the last batches from the epoch's start)."""
+    assert _steps_per_epoch(world, batch, accum) == _steps_per_epoch(1, batch, accum * world)
 
 
 @pytest.mark.parametrize(

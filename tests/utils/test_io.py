@@ -76,6 +76,30 @@ def test_staged_directory_replaces_or_keeps_the_destination(tmp_path):
     assert list(staging.iterdir()) == []
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), OSError(28, "No space left on device")])
+@pytest.mark.parametrize("at", [0, 1])
+def test_staged_directory_stopped_at_either_rename_keeps_the_destination(tmp_path, monkeypatch, at, stop):  # fmt: skip
+    """Ctrl-C or a failure at the rename that sets the old directory aside, or at the one
+    that moves the new one in: the old directory is in place, whole."""
+    final, staging = tmp_path / "entry", tmp_path / ".staging"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(1)
+        if len(calls) - 1 == at:
+            raise stop
+        return real(a, b)
+
+    with pytest.raises(type(stop)), staged_directory(final, staging, "e.") as out:
+        (out / "new.txt").write_text("new")
+        monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.undo()
+    assert [p.name for p in final.iterdir()] == ["old.txt"]
+    assert not any(staging.iterdir())
+
+
 def test_staged_directory_that_cannot_be_made_names_the_destination(tmp_path):
     (tmp_path / "a-file").write_text("x")
     final = tmp_path / "a-file" / "out"  # its parent is a file

@@ -15,6 +15,7 @@ from ..assets.benchmarks import BENCHMARKS
 from ..assets.models import DEFAULT_MODEL
 from ..assets.presets import PRESETS, RANDOM_PREFIX, is_random_model, preset_named
 from ..settings import (
+    NEEDLE_MIN_TOKENS,
     AdapterOverrides,
     AttentionBackendSetting,
     BatchSettings,
@@ -499,7 +500,8 @@ class DecodeBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
 
 
 def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig) -> None:
-    """The prompt settings shared by the needle configs: ``lengths`` (ints >= 64 tokens),
+    """The prompt settings shared by the needle configs: ``lengths`` (ints >=
+    :data:`~focus_attention.settings.NEEDLE_MIN_TOKENS` tokens),
     ``haystacks`` (some of :data:`HAYSTACKS`), ``depths`` (fractions in [0, 1]) and
     ``trials`` (an int >= 1).
 
@@ -507,7 +509,7 @@ def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig)
         ValueError: the first bad one, named with ``owner``.
     """
     for n in config.lengths:
-        check_int(owner, "lengths", n, 64)
+        check_int(owner, "lengths", n, NEEDLE_MIN_TOKENS)
     config.haystacks, config.depths = tuple(config.haystacks), tuple(config.depths)
     if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
         raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")

@@ -88,8 +88,9 @@ def register_cli(subparsers: Any) -> None:
         "OUT/sweep.json, sweep.md, ppl_vs_pairs.png and dominance.png. With --study DIR: run "
         "the steps of DIR/config.toml in order (focus sub-commands, scripts, the report), "
         "skipping each step whose result records the same settings and keeping each result "
-        "that has no settings record (--rerun STEP recomputes it). One of --grid and --study "
-        "is required.",
+        "that has no settings record (--rerun STEP recomputes it); a step whose result "
+        "records an unfinished run, or that stopped before its result was recorded, runs "
+        "again (an interrupted training resumes). One of --grid and --study is required.",
     )
     which = p.add_mutually_exclusive_group(required=True)
     add_flags(which, SweepConfig, exclude=_all_but(SweepConfig, "grid"))

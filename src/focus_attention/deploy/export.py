@@ -10,14 +10,14 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..hf.card import base_model_name, export_card, model_records
-from ..hf.files import CARD_NAME, base_model_fingerprint
+from ..hf.files import ATTACHED_ROUTERS, CARD_NAME, base_model_fingerprint
 from ..hf.model import FocusModel
-from ..utils.io import staged_directory
-from .loading import ROUTERS_MODULE
+from ..utils.io import replace_entries, staged_directory
 from .settings import (
     AUTO_MAP,
     BASE_CONFIG_KEY,
@@ -29,7 +29,7 @@ from .settings import (
     ExportConfig,
 )
 
-__all__ = ["export_adapter", "export_model", "plain_modes"]
+__all__ = ["export_adapter", "export_model", "plain_modes", "save_loaded_export"]
 
 #: the keys of the base model's ``config.json`` that describe the saved checkpoint rather
 #: than the model, kept at the top level of the export's ``config.json`` too
@@ -134,24 +134,96 @@ def export_model(
     check_focus_model(model)
     out = Path(out)
     check_out(out, overwrite)
-    base = model.base_model
     records = model_records(model)
     name = base_name or base_model_name(model, records)
     with staged_directory(out, out.parent, f".{out.name}.export-") as stage:
-        base.save_pretrained(stage, state_dict=_base_state(base))
-        model.save_pretrained(stage, model_card=False)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(stage)
-        base_doc = json.loads((stage / "config.json").read_text(encoding="utf-8"))
-        doc = export_document(base_doc, model.focus_config)
-        (stage / "config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), stage / REMOTE_CODE_NAME)
-        fingerprint = base_model_fingerprint(base)
-        card = export_card(model.focus_config.to_dict(), fingerprint, base_name=name,
-                           records=records, location=str(out))  # fmt: skip
-        (stage / CARD_NAME).write_text(card, encoding="utf-8")
-        plain_modes(stage)
+        write_export(model, stage, tokenizer, name=name, records=records, location=str(out))
     return out
+
+
+def write_export(model: FocusModel, directory: Path, tokenizer: Any = None, *, name: str,
+                 records: Any, location: str, state_dict: dict[str, Any] | None = None,
+                 save_kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Fill the empty ``directory`` with the files of an export of ``model``
+    (:func:`export_model`): the base model's ``save_pretrained`` (of its class, with
+    ``state_dict`` when given and ``save_kwargs``; the routers of a loaded export left out),
+    the adapter, the tokenizer when given, ``config.json``, ``modeling_focus.py`` and the
+    model card (naming the base model ``name`` and the directory ``location``, reporting
+    ``records``)."""
+    base = model.base_model
+    type(base).save_pretrained(base, directory, state_dict=_base_state(base, state_dict),
+                               **(save_kwargs or {}))  # fmt: skip
+    model.save_pretrained(directory, model_card=False)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    base_doc = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    doc = export_document(base_doc, model.focus_config)
+    (directory / "config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), directory / REMOTE_CODE_NAME)
+    card = export_card(model.focus_config.to_dict(), base_model_fingerprint(base),
+                       base_name=name, records=records, location=location)  # fmt: skip
+    (directory / CARD_NAME).write_text(card, encoding="utf-8")
+    plain_modes(directory)
+
+
+def save_loaded_export(model: Any, save_directory: str | os.PathLike, *, is_main_process: bool = True,
+                       state_dict: dict[str, Any] | None = None, push_to_hub: bool = False,
+                       **kwargs: Any) -> None:  # fmt: skip
+    """``save_pretrained`` of a model loaded from an exported directory (the base model's
+    class with Focus attached, :func:`~focus_attention.deploy.loading.load_exported`): a
+    complete export of it (:func:`write_export`: the base weights without the routers, the
+    adapter, the inference settings it runs with, the custom code, a model card) that loads
+    with Focus again. The files are staged in ``save_directory`` and moved into place all
+    together, replacing those of the same names (a tokenizer saved there stays; weight
+    files of another sharding are removed).
+
+    Args:
+        model: the loaded model (its ``focus_model`` is the FocusModel).
+        save_directory: the folder (created when missing).
+        is_main_process: False writes nothing (transformers' distributed convention).
+        state_dict: the model's state dict to save (what ``transformers.Trainer`` passes);
+            the routers in it are left out of the base weights.
+        push_to_hub: refused (see Raises).
+        kwargs: passed to the base class's ``save_pretrained`` (``max_shard_size``,
+            ``safe_serialization``...).
+
+    Raises:
+        ValueError: ``push_to_hub=True``: save, then upload the folder
+            (``model.push_to_hub(repo_id)`` uploads such an export).
+        FileExistsError: ``save_directory`` is a file.
+        OSError: a write failed (``save_directory`` is then as it was).
+    """
+    if push_to_hub:
+        raise ValueError(
+            "save_pretrained(push_to_hub=True) of an exported Focus model: save it first, then "
+            "upload the folder (model.push_to_hub(repo_id) uploads the complete export, or hf "
+            "upload REPO FOLDER)"
+        )
+    out = Path(save_directory)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"save_pretrained: {out} is a file; expected a folder")
+    if not is_main_process:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    focus = model.focus_model
+    records = model_records(focus)
+    with tempfile.TemporaryDirectory(prefix=".save-", dir=out) as tmp:
+        write_export(focus, Path(tmp), name=base_model_name(focus, records), records=records,
+                     location=str(out), state_dict=state_dict, save_kwargs=kwargs)  # fmt: skip
+        new = {p.name for p in Path(tmp).iterdir()}
+        replace_entries(tmp, out)
+    _remove_other_weights(out, new)
+
+
+def _remove_other_weights(directory: Path, kept: set[str]) -> None:
+    """Remove the weight files of ``directory`` not in ``kept`` (an earlier save's other
+    sharding, which a loader could take for the new weights)."""
+    for path in directory.iterdir():
+        weights = path.name.startswith(("model", "pytorch_model")) and (
+            ".safetensors" in path.name or ".bin" in path.name
+        )
+        if weights and path.is_file() and path.name not in kept:
+            path.unlink()
 
 
 def plain_modes(directory: Path) -> None:
@@ -168,14 +240,15 @@ def plain_modes(directory: Path) -> None:
             path.chmod(mode)
 
 
-def _base_state(base: Any) -> dict[str, Any] | None:
-    """The state dict to save for ``base``: None (its own) unless it carries the routers of
-    a loaded export (:data:`~focus_attention.deploy.loading.ROUTERS_MODULE`), which are then
-    left out (they go to the adapter file)."""
-    if ROUTERS_MODULE not in dict(base.named_children()):
+def _base_state(base: Any, state_dict: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The state dict to save for ``base`` (``state_dict`` when given, else None: its own)
+    without the routers a loaded export carries (:data:`~focus_attention.hf.files.
+    ATTACHED_ROUTERS`), which go to the adapter file."""
+    if state_dict is None and ATTACHED_ROUTERS not in dict(base.named_children()):
         return None
-    prefix = ROUTERS_MODULE + "."
-    return {k: v for k, v in base.state_dict().items() if not k.startswith(prefix)}
+    prefix = ATTACHED_ROUTERS + "."
+    state = base.state_dict() if state_dict is None else state_dict
+    return {k: v for k, v in state.items() if not k.startswith(prefix)}
 
 
 def export_adapter(config: ExportConfig) -> Path:

@@ -6,6 +6,7 @@ model's own transformers class so that every tool that takes a transformers mode
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch import nn
 from ..hf.config import FocusConfig
 from ..hf.files import ATTACHED_ROUTERS, CONFIG_NAME, WEIGHTS_NAME
 from .config import FocusExportConfig, base_config_of
+from .export import save_loaded_export
 from .settings import EXPORT_FORMAT_VERSION, FORMAT_KEY, SETTING_FIELDS
 
 __all__ = [
@@ -93,9 +95,12 @@ def check_setting_names(path: str, config: Any) -> None:
 def attach_routers(base: nn.Module, focus_model: nn.Module) -> nn.Module:
     """Make the base model of ``focus_model`` carry it: the routers become the submodule
     :data:`ROUTERS_MODULE` of ``base`` (``.to()``, ``.eval()`` and ``.parameters()`` of the
-    base model reach them) and ``base.focus_model`` is ``focus_model``. Returns ``base``."""
+    base model reach them), ``base.focus_model`` is ``focus_model`` and
+    ``base.save_pretrained`` writes a complete export that loads with Focus again
+    (:func:`~focus_attention.deploy.export.save_loaded_export`). Returns ``base``."""
     base.add_module(ROUTERS_MODULE, focus_model.routers)
     base.__dict__[FOCUS_MODEL_ATTR] = focus_model
+    base.__dict__["save_pretrained"] = functools.partial(save_loaded_export, base)
     # generate_batch / continuous batching build the FocusModel's manager (hf/paged.py)
     base.__dict__["init_continuous_batching"] = focus_model.init_continuous_batching
     return base

@@ -10,6 +10,7 @@ import argparse
 from dataclasses import field
 
 from ..settings import (
+    NEEDLE_MIN_TOKENS,
     AdapterOverrides,
     BlockSettings,
     BosSettings,
@@ -162,7 +163,7 @@ class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides
     ranking_length: int = field(
         default=2048,
         metadata={"help": "tokens of the pass-key prompts the heads are ranked on (--head-budget "
-                  "without --head-ranking)"},
+                  f"without --head-ranking; at least {NEEDLE_MIN_TOKENS})"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -173,7 +174,7 @@ class CalibrateConfig(OutputSettings, RunSettings, BosSettings, AdapterOverrides
                 raise bad(owner, name, getattr(self, name), "a directory")
         self.out = str(self.out)
         check_int(owner, "blocks", self.blocks, 0)
-        check_int(owner, "ranking_length", self.ranking_length, 16)
+        check_int(owner, "ranking_length", self.ranking_length, NEEDLE_MIN_TOKENS)
         self._check_head_budget(owner)
 
     def _check_head_budget(self, owner: str) -> None:
@@ -228,6 +229,8 @@ class InspectConfig(OutputSettings, RunSettings, SeedSettings, TopKValues, Block
             raise bad(owner, "max_tokens", self.max_tokens, f"at least seq_len={self.seq_len}")
         if self.layers is not None:
             layers = tuple(self.layers)
-            if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-                raise bad(owner, "layers", self.layers, "None or a non-empty list of ints")
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                 for i in layers):  # fmt: skip
+                raise bad(owner, "layers", self.layers,
+                          "None or a non-empty list of layer indices (ints >= 0)")  # fmt: skip
             self.layers = tuple(sorted(set(layers)))

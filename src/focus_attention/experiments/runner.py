@@ -9,6 +9,10 @@ Each step runs in order, unless its result tells it need not:
   study's runner existed, or a file that is no JSON object), or a record without the runs
   folder its ``{runs}`` settings need; skipped and never overwritten by a plain run:
   ``--rerun STEP`` recomputes it.
+- ``resume``: its result records an unfinished run (:func:`unfinished_result`: a training
+  stopped by Ctrl-C, a benchmark stopped before its last cell), or the runner started the
+  step and it did not finish (a failure or a kill before its result was recorded: the
+  study's ``results/.started.json`` still names it); it runs again, never kept.
 - ``run``: no result yet. ``rerun``: a result recorded with other settings (or another runs
   folder), or a step named by ``--rerun``. ``always``: a ``report`` step (it only reads
   results) or a step without a result file.
@@ -19,9 +23,9 @@ does not exist stops the run before it starts, naming the path. A result the ste
 behind gets the ``"experiment"`` record: the study, the step, its command, settings (as
 written), variables, runs folder and command line, library versions, hardware and the git
 commit (:func:`focus_attention.utils.env.environment`). A step that fails stops the run; the
-steps before it keep their results, so the next run starts at it. A ``train`` step without
-its result whose ``out`` holds a checkpoint was interrupted: it runs with ``--resume``
-instead of ``--overwrite`` and continues from its newest checkpoint.
+steps before it keep their results, so the next run starts at it. A ``train`` step to run or
+resume whose ``out`` holds a checkpoint was interrupted: it runs with ``--resume`` instead of
+``--overwrite`` and continues from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -52,18 +56,25 @@ from .study import (
 
 __all__ = [
     "RECORD_KEY",
+    "STARTED_NAME",
     "StudyConfig",
     "missing_inputs",
     "resumed",
     "run_study",
     "step_plan",
     "step_status",
+    "unfinished_result",
 ]
 
 #: the key of a result file that records the step that wrote it
 RECORD_KEY = "experiment"
 #: step statuses (module docstring): done and kept are skipped, the others run
-STATUSES = ("done", "kept", "run", "rerun", "always")
+STATUSES = ("done", "kept", "resume", "run", "rerun", "always")
+#: statuses of a step that continues where an earlier run left it (a training resumes)
+CONTINUED = ("run", "resume")
+#: the file of a study's ``results/`` naming the steps the runner started and has not
+#: recorded yet: ``{step name: the result file it is to write}``
+STARTED_NAME = ".started.json"
 #: the statuses of a step that is skipped
 SKIPPED = ("done", "kept")
 #: settings that name what a step reads (an adapter, an exported model directory)
@@ -125,6 +136,55 @@ def _read_result(path: Path) -> Any:
         return None
 
 
+def unfinished_result(data: dict[str, Any]) -> str | None:
+    """Why the result ``data`` (a step's JSON object) records an unfinished run: a training's
+    ``extra.interrupted`` (``focus train`` writes its output when Ctrl-C stops it) or
+    ``"complete": false`` (the long benchmarks rewrite their result after every cell);
+    None for a finished one."""
+    extra = data.get("extra")
+    if isinstance(extra, dict) and extra.get("interrupted") is True:
+        config = data.get("config") if isinstance(data.get("config"), dict) else {}
+        return (f"its result records a training interrupted at step {data.get('steps')} of "
+                f"{config.get('steps', '?')}")  # fmt: skip
+    if data.get("complete") is False:
+        return "its result is incomplete (its run stopped before the last cell)"
+    return None
+
+
+def _started_path(study: Study) -> Path:
+    return study.directory / "results" / STARTED_NAME
+
+
+def _started(study: Study) -> dict[str, Any]:
+    """The steps the runner started and has not recorded (:data:`STARTED_NAME`)."""
+    data = _read_result(_started_path(study))
+    return data if isinstance(data, dict) else {}
+
+
+def _mark_started(study: Study, step: Step, result: str | None) -> None:
+    """Name ``step`` (and the result file it is to write) in :data:`STARTED_NAME`; with
+    ``result`` None, remove it from there (the step finished and its result is recorded)."""
+    started = _started(study)
+    if result is None:
+        started.pop(step.name, None)
+    else:
+        started[step.name] = result
+    if started or _started_path(study).is_file():
+        write_json_atomic(_started_path(study), started)
+
+
+def _unfinished(study: Study, step: Step, path: Path, data: Any) -> str | None:
+    """Why ``step``'s result at ``path`` (parsed: ``data``) is not the finished step's
+    output, or None."""
+    why = unfinished_result(data) if isinstance(data, dict) else None
+    if why is None and _started(study).get(step.name) == str(path):
+        why = "its last run stopped before its result was recorded"
+    if why is None:
+        return None
+    return why + ("; it continues from its newest checkpoint" if step.command == ("train",)
+                  else "; it runs again")  # fmt: skip
+
+
 def step_plan(
     study: Study, step: Step, runs: str = "runs", forced: bool = False
 ) -> tuple[str, str]:
@@ -147,6 +207,9 @@ def step_plan(
     if forced:
         return "rerun", f"forced by --rerun (overwrites {path})"
     data = _read_result(path)
+    unfinished = _unfinished(study, step, path, data)
+    if unfinished is not None:
+        return "resume", unfinished
     keep = f"; --rerun {step.name} to recompute it"
     if not isinstance(data, dict):
         return "kept", f"{path} is no JSON object" + keep
@@ -217,16 +280,17 @@ def _run_script(study: Study, step: Step, runs: str) -> list[str]:
 
 
 def resumed(study: Study, step: Step, runs: str = "runs") -> Step:
-    """``step`` as it continues: a ``train`` step without its result whose ``out`` holds a
-    checkpoint (an interrupted training) with ``resume`` instead of ``overwrite``; any other
-    step unchanged."""
+    """``step`` as it continues: a ``train`` step without its result, or whose result records
+    an unfinished run (status ``run`` or ``resume``), whose ``out`` holds a checkpoint (an
+    interrupted training) with ``resume`` instead of ``overwrite``; any other step
+    unchanged."""
     from ..training.outputs import latest_checkpoint
 
     out = step.settings.get("out")
     if (
         step.command != ("train",)
         or not isinstance(out, str)
-        or step_status(study, step, runs) != "run"
+        or step_status(study, step, runs) not in CONTINUED
     ):
         return step
     if latest_checkpoint(fill(out, study.paths(runs))) is None:
@@ -249,17 +313,23 @@ def _run_focus(study: Study, step: Step, config: StudyConfig, main: Callable) ->
 
 
 def _run_step(study: Study, step: Step, config: StudyConfig, main: Callable) -> None:
+    """Run ``step`` and record its result; the step is named in :data:`STARTED_NAME` from
+    its start until its result is recorded."""
     from .report import write_report
 
     if step.command == ("report",):
         write_report(study, step, config.runs)
         return
+    result = None if step.result is None else fill(step.result, study.paths(config.runs))
+    if result is not None:
+        _mark_started(study, step, str(Path(result)))
     if step.command == ("script",):
         argv = _run_script(study, step, config.runs)
     else:
         argv = _run_focus(study, step, config, main)
     if step.result is not None:
         _stamp(study, step, argv, config.runs)
+        _mark_started(study, step, None)
 
 
 def _selected(study: Study, config: StudyConfig) -> list[Step]:

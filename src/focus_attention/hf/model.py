@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..utils.compile import eager_only
 from .architectures import (
     attention_modules,
     get_architecture,
@@ -51,6 +52,7 @@ from .runtime import (
     RUNTIME_ATTR,
     FocusRuntime,
     model_pre_hook,
+    overrides_open,
     runtime_of,
     switched_implementation_error,
 )
@@ -316,7 +318,12 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         except AttributeError:
             if name in ("base_model", "routers", "_runtime") or name.startswith("__"):
                 raise
-            return getattr(self.base_model, name)
+            try:
+                return getattr(self.base_model, name)
+            except AttributeError:
+                if name in PEFT_MERGE_METHODS:
+                    raise AttributeError(_no_merge_message(name)) from None
+                raise
 
     @property
     def focus_config(self) -> FocusConfig:
@@ -438,6 +445,12 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         other keyword goes to the base model as it is. With ``inference_routing="sequence"``
         in top-k mode, ``use_cache`` defaults to False.
 
+        Under ``torch.compile``, a call made while a per-thread switch is open
+        (``disable_focus()``, a routing recorder, ``generate()``'s routing) runs eagerly as
+        a whole behind one graph break: every layer would run eagerly anyway, and the frames
+        between them, compiled once per layer and variant, would reach dynamo's recompile
+        limit.
+
         Raises:
             ValueError: an unloaded model, a switched attention implementation, or a KV
                 cache Focus cannot use.
@@ -453,6 +466,8 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             "use_cache": use_cache,
         }
         kwargs.update({k: v for k, v in named.items() if v is not None})
+        if torch.compiler.is_compiling() and overrides_open():
+            return _forward_eagerly(self, kwargs)
         return self.base_model(**self._cache_defaults(kwargs))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -958,6 +973,29 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._handles = {}
         self._unloaded = True
         return base
+
+
+#: PEFT's methods that fold an adapter into the base weights; a FocusModel has none of them
+#: (``hasattr`` stays False, as tools that detect PEFT models expect)
+PEFT_MERGE_METHODS = ("merge_and_unload", "merge_adapter", "unmerge_adapter")
+
+
+def _no_merge_message(name: str) -> str:
+    """The AttributeError message of a PEFT merge method ``name`` asked of a FocusModel."""
+    return (
+        f"FocusModel has no {name}(): Focus cannot be merged into the base weights (it "
+        "changes which keys each query attends to, not the weights); unload() returns the "
+        "base model without Focus, and focus export (focus_attention.export_model) writes "
+        "the model with Focus as one directory that transformers loads "
+        "(trust_remote_code=True)"
+    )
+
+
+@eager_only
+def _forward_eagerly(model: FocusModel, kwargs: dict[str, Any]) -> Any:
+    """:meth:`FocusModel.forward`'s base-model call, eagerly (a graph break under
+    ``torch.compile``, with nothing below it compiled)."""
+    return model.base_model(**model._cache_defaults(kwargs))
 
 
 def _base_keys_not_expected(model: FocusModel, incompatible_keys: Any) -> None:

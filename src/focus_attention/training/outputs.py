@@ -3,9 +3,10 @@
 
 Layout under the run's ``out``: the final output (the Focus adapter ``focus_config.json`` +
 ``focus_model.safetensors``; ``lora/`` and ``model/`` for the methods that train LoRA or base
-weights, :mod:`focus_attention.evaluation.trained`; ``train_result.json``), written together
-(:func:`~focus_attention.utils.io.replace_entries`); ``train_config.json``; ``log.jsonl``
-(every Trainer log entry, one JSON object per line); ``train.png``; and the
+weights, :mod:`focus_attention.evaluation.trained`; ``train_result.json``,
+``train_config.json`` and ``train.png``), written together
+(:func:`~focus_attention.utils.io.replace_entries`); ``log.jsonl`` (every Trainer log entry,
+one JSON object per line); and the
 ``transformers.Trainer`` checkpoints ``checkpoints/checkpoint-<step>/`` (phase 2 of a
 two-phase run: ``checkpoints/phase-2/checkpoint-<step of the phase>/``), each holding the
 run's trained parts as the final output does, the optimizer, schedule and RNG states,
@@ -22,9 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError, safe_open
+
 from ..evaluation.trained import LORA_DIR, MODEL_DIR
 from ..hf.card import card_replaceable
 from ..hf.files import CARD_NAME
+from ..hf.head_gates import GATES_NAME
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 
@@ -42,6 +47,8 @@ __all__ = [
     "newest_checkpoint",
     "prepare_out",
     "read_log",
+    "remove_staging_leftovers",
+    "trained_parts_differences",
     "truncate_log",
     "write_run_state",
 ]
@@ -66,6 +73,9 @@ RUN_FILES = (LOG_NAME, CONFIG_NAME, WEIGHTS_NAME, RESULT_NAME, PLOT_NAME, CONFIG
 RUN_DIRS = (CHECKPOINT_DIR, LORA_DIR, MODEL_DIR)
 #: the files whose presence marks a directory as holding a run
 RUN_MARKERS = (CHECKPOINT_DIR, LOG_NAME, CONFIG_NAME, RESULT_NAME)
+#: name prefixes of the folders a final save stages in ``out`` (the new entries, and the old
+#: ones set aside by :func:`~focus_attention.utils.io.replace_entries`)
+STAGING_PREFIXES = (".final-", ".old-")
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
@@ -184,3 +194,52 @@ def prepare_out(out: Path, *, resume: bool, overwrite: bool) -> None:
         (out / name).unlink(missing_ok=True)
     if card_replaceable(out):  # the adapter's card, written by this package
         (out / CARD_NAME).unlink(missing_ok=True)
+
+
+def _tensors_differ(mine: Path, theirs: Path) -> bool:
+    """Whether two safetensors files hold other tensor names or values (read one tensor at
+    a time, so that two whole models never sit in memory together); an unreadable or
+    missing file differs."""
+    try:
+        with safe_open(str(mine), framework="pt") as a, safe_open(str(theirs), framework="pt") as b:
+            if set(a.keys()) != set(b.keys()):
+                return True
+            return any(not torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError):
+        return True
+
+
+def _gate_values(path: Path) -> Any:
+    """The trained ``values`` of a head-gates file (None when missing or unreadable)."""
+    data = _read_json(path)
+    return None if data is None else data.get("values")
+
+
+def trained_parts_differences(out: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> list[str]:  # fmt: skip
+    """The trained parts of a checkpoint that the output in ``out`` does not hold: every
+    safetensors file of ``checkpoint`` (the Focus adapter's weights, ``lora/``, ``model/``)
+    must be in ``out`` at the same relative path with the same tensors, and the head gates'
+    values must be equal.
+
+    Returns:
+        the relative paths that are missing or differ (``[]``: the output holds the
+        checkpoint's trained parts).
+    """
+    out, checkpoint = Path(out), Path(checkpoint)
+    differ = []
+    for path in sorted(checkpoint.rglob("*.safetensors")):
+        name = path.relative_to(checkpoint)
+        if _tensors_differ(out / name, path):
+            differ.append(str(name))
+    gates = checkpoint / GATES_NAME
+    if gates.is_file() and _gate_values(out / GATES_NAME) != _gate_values(gates):
+        differ.append(GATES_NAME)
+    return differ
+
+
+def remove_staging_leftovers(out: str | os.PathLike[str]) -> None:
+    """Remove the staging folders of a final save that a killed process left in ``out``
+    (:data:`STAGING_PREFIXES`)."""
+    for path in Path(out).iterdir():
+        if path.is_dir() and path.name.startswith(STAGING_PREFIXES):
+            shutil.rmtree(path, ignore_errors=True)

@@ -29,13 +29,17 @@ import dataclasses
 import hashlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerState
 
+from ..utils.io import replace_entries, staged_directory, write_json_atomic
 from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
+from .outputs import LOG_NAME, remove_staging_leftovers, truncate_log
+from .schedule import warn_long_warmup
 from .scratch_model import ModelSize
 from .settings import (
     ATTENTIONS,
@@ -105,6 +109,13 @@ class PretrainTrainer(Trainer):
         self.batch_digest = digest
         self.focus_model, self.val_blocks = focus, val_blocks
         self.eval_top_k, self.train_top_k = tuple(eval_top_k), int(train_top_k)
+
+    def restore(self, checkpoint: Path) -> None:
+        """Load the model weights and the Trainer state of ``checkpoint`` without training:
+        what ``train(resume_from_checkpoint=...)`` restores, for a checkpoint of the run's
+        last step (from there the Trainer would run one step past ``max_steps``)."""
+        self._load_from_checkpoint(str(checkpoint))
+        self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
 
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:  # fmt: skip
         """The Trainer's training step, after folding ``inputs["input_ids"]`` into the digest."""
@@ -195,7 +206,6 @@ def _tokenizer(config: PretrainConfig, size: ModelSize, corpus: Any, out: Path, 
     """The run's tokenizer: ``out/tokenizer`` when it exists (a resumed run), else
     ``config.tokenizer``, else one trained on the training split; saved to ``out/tokenizer``
     by the main process."""
-    from ..utils.io import staged_directory
     from .scratch_model import load_tokenizer, train_tokenizer
 
     path = out / "tokenizer"
@@ -254,27 +264,28 @@ def build_model(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str]
     return llama, focus, init
 
 
-def save_final(llama: Any, focus: Any, tokenizer: Any, out: Path) -> None:
-    """Write ``out/model`` (the LLaMA model without Focus, ``save_pretrained``, with the
-    tokenizer) and, with Focus, ``out/adapter`` (``FocusModel.save_pretrained``; its base
-    fingerprint is that model's). The routers are detached from the LLaMA model first."""
-    from ..utils.io import staged_directory
-
+def save_final(llama: Any, focus: Any, tokenizer: Any, out: Path, result: dict[str, Any]) -> None:  # fmt: skip
+    """Write the final output into ``out`` all together (staged there, then moved into place
+    by :func:`~focus_attention.utils.io.replace_entries`: an interruption, a failed write or
+    a kill leaves the previous output): ``model/`` (the LLaMA model without Focus,
+    ``save_pretrained``, with the tokenizer), with Focus ``adapter/``
+    (``FocusModel.save_pretrained``; its base fingerprint is that model's) and
+    :data:`PRETRAIN_RESULT_NAME` (``result``). The routers are detached from the LLaMA model
+    first."""
     if focus is not None and getattr(llama, ROUTERS_MODULE, None) is not None:
         delattr(llama, ROUTERS_MODULE)
-    for name in ("model", "adapter"):
-        if name == "adapter" and focus is None:
-            continue
-        with staged_directory(out / name, out / ".staging", f"{name}-") as stage:
-            if name == "adapter":
-                focus.save_pretrained(stage)
-                continue
-            if focus is None:
-                llama.save_pretrained(str(stage))
-            else:
-                with focus.disable_focus():
-                    llama.save_pretrained(str(stage))
-            tokenizer.save_pretrained(str(stage))
+    remove_staging_leftovers(out)
+    with tempfile.TemporaryDirectory(prefix=".final-", dir=out) as tmp:
+        stage = Path(tmp)
+        if focus is None:
+            llama.save_pretrained(str(stage / "model"))
+        else:
+            with focus.disable_focus():
+                llama.save_pretrained(str(stage / "model"))
+            focus.save_pretrained(stage / "adapter")
+        tokenizer.save_pretrained(str(stage / "model"))
+        write_json_atomic(stage / PRETRAIN_RESULT_NAME, result)
+        replace_entries(stage, out)
 
 
 def load_pretrained(out: str | Path) -> tuple[Any, Any]:
@@ -283,15 +294,18 @@ def load_pretrained(out: str | Path) -> tuple[Any, Any]:
     :class:`~focus_attention.hf.FocusModel` in eval mode, top-k routing), float32, CPU.
 
     Raises:
-        FileNotFoundError: ``out/model`` is missing (the run has not finished).
+        FileNotFoundError: ``out/model`` or :data:`PRETRAIN_RESULT_NAME` is missing (the run
+            has not finished: ``focus pretrain --resume`` finishes it).
     """
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from ..hf import FocusModel
 
     out = Path(out)
-    if not (out / "model" / "config.json").is_file():
-        raise FileNotFoundError(f"{out / 'model'}: no saved model (has the run finished?)")
+    for needed in (out / "model" / "config.json", out / PRETRAIN_RESULT_NAME):
+        if not needed.is_file():
+            raise FileNotFoundError(f"{needed}: not found; the run in {out} has not finished "
+                                    "(focus pretrain --resume finishes it)")  # fmt: skip
     model = LlamaForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32)
     model.eval()
     if (out / "adapter").is_dir():
@@ -399,16 +413,21 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
             the Trainer saved its checkpoint (:class:`~.callbacks.SigintCheckpoint`); the
             final model is not written, ``resume`` continues the run.
     """
-    from ..utils.io import write_json_atomic
-
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    # the Trainer's linear warm-up gives optimizer step s (0-based) s / warmup_steps
+    peak = (config.steps - 1) / max(1, config.warmup_steps)
+    warn_long_warmup("focus pretrain", config.steps, config.warmup_steps, peak, config.lr)
     out = config.out_dir()
     checkpoint = _check_out(config, out)
     args = _training_arguments(config, out, checkpoint is not None)
     if args.should_save:
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / PRETRAIN_CONFIG_NAME, config.to_dict())
+        if checkpoint is not None:  # a crashed run logged steps after its checkpoint
+            truncate_log(out / LOG_NAME, _checkpoint_step(checkpoint))
+        else:
+            (out / LOG_NAME).unlink(missing_ok=True)
     tok, train, val, corpus = _data(config, args, out)
     llama, focus, init = build_model(config, len(tok))
     run = {"args": args, "tokenizer": tok, "llama": llama, "focus": focus, "train": train,
@@ -416,18 +435,9 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
            "timer": StepTimer(), "sigint": SigintCheckpoint(), "resumed_from": None}  # fmt: skip
     trainer = _trainer(config, run, out)
     if checkpoint is not None:
-        run["resumed_from"] = int(
-            json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
-        )
+        run["resumed_from"] = _checkpoint_step(checkpoint)
     run["distributed"] = sharding(trainer)
-    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    if run["sigint"].interrupted:
-        if args.should_save:
-            print(f"\nfocus pretrain: interrupted after step {trainer.state.global_step}; "
-                  f"checkpoint saved in {out / 'trainer'}; continue with --resume",
-                  file=sys.stderr)  # fmt: skip
-        raise KeyboardInterrupt
-    run.update(trainer=trainer, runtime=output.metrics.get("train_runtime"))
+    run.update(trainer=trainer, runtime=_train_to_the_end(config, trainer, run, checkpoint))
     if not any(
         e.get("step") == trainer.state.global_step and "eval_ppl" in e
         for e in trainer.state.log_history
@@ -436,9 +446,35 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
     run["digests"] = _rank_digests(llama)
     result = _result(config, run)
     if args.should_save:
-        save_final(llama, focus, tok, out)
-        write_json_atomic(out / PRETRAIN_RESULT_NAME, result)
+        save_final(llama, focus, tok, out, result)
     return result
+
+
+def _train_to_the_end(config: PretrainConfig, trainer: PretrainTrainer, run: dict[str, Any],
+                      checkpoint: Path | None) -> float | None:  # fmt: skip
+    """Train (resumed from ``checkpoint``) to ``config.steps``; a checkpoint of the last step
+    (a run whose final save did not happen) is only restored. Returns the Trainer's
+    ``train_runtime`` (seconds; None when nothing trained).
+
+    Raises:
+        KeyboardInterrupt: after Ctrl-C, once the step in progress is checkpointed.
+    """
+    if checkpoint is not None and run["resumed_from"] >= config.steps:
+        trainer.restore(checkpoint)
+        return None
+    output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    if run["sigint"].interrupted:
+        if run["args"].should_save:
+            print(f"\nfocus pretrain: interrupted after step {trainer.state.global_step}; "
+                  f"checkpoint saved in {config.out_dir() / 'trainer'}; continue with "
+                  "--resume", file=sys.stderr)  # fmt: skip
+        raise KeyboardInterrupt
+    return output.metrics.get("train_runtime")
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step of a Trainer checkpoint (its ``trainer_state.json``)."""
+    return int(json.loads((checkpoint / "trainer_state.json").read_text())["global_step"])
 
 
 def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:
@@ -446,7 +482,7 @@ def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> Pretrain
     training blocks as rows ``{"input_ids", "labels"}``, the batch digest and the
     callbacks (timer, ``log.jsonl``, Ctrl-C checkpointing)."""
     rows = [{"input_ids": b, "labels": b} for b in run["train"]]
-    callbacks = [run["timer"], JsonlLog(out / "log.jsonl"), run["sigint"]]
+    callbacks = [run["timer"], JsonlLog(out / LOG_NAME), run["sigint"]]
     return PretrainTrainer(
         model=run["llama"],
         args=run["args"],

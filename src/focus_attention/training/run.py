@@ -53,12 +53,15 @@ from .outputs import (
     newest_checkpoint,
     prepare_out,
     read_log,
+    remove_staging_leftovers,
+    trained_parts_differences,
     truncate_log,
 )
 from .plot import write_plot
+from .schedule import lr_factor, warn_long_warmup
 from .trainer import FocusTrainer, sharding
 
-__all__ = ["TrainResult", "peak_memory_bytes", "train"]
+__all__ = ["TrainResult", "peak_memory_bytes", "train", "unfinished_output"]
 
 Callback = Callable[[int, dict[str, Any]], None]
 #: methods whose base weights must come out of training unchanged
@@ -245,8 +248,44 @@ def _resume_point(cfg: TrainConfig, out: Path, world_size: int) -> Checkpoint | 
     return ckpt
 
 
+def unfinished_output(cfg: TrainConfig, out: Path, ckpt: Checkpoint) -> list[str]:
+    """Why the output in ``out`` is not the finished run of ``cfg`` whose last checkpoint
+    is ``ckpt`` (a run whose final save was interrupted, failed or killed keeps the output
+    it had before): no readable ``train_result.json``, one that records another step count,
+    an interrupted run or other settings, or trained parts (adapter weights, ``lora/``,
+    ``model/``, head gates) other than the checkpoint's (:func:`~.outputs.
+    trained_parts_differences`).
+
+    Returns:
+        the reasons, one phrase each; ``[]`` when the output is the finished run's.
+    """
+    try:
+        doc = read_json_file(out / RESULT_NAME, "the result of a focus train run")
+    except (OSError, ValueError) as err:
+        return [str(err)]
+    if not isinstance(doc, dict):
+        return [f"{RESULT_NAME} holds no JSON object"]
+    why = []
+    if doc.get("steps") != ckpt.step:
+        why.append(f"{RESULT_NAME} records {doc.get('steps')} steps, the run has {ckpt.step}")
+    extra = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
+    if extra.get("interrupted", True):
+        why.append(f"{RESULT_NAME} records an interrupted run")
+    try:
+        changed = sorted(TrainConfig.from_dict(doc.get("config") or {}).locked_differences(cfg))
+    except (TypeError, ValueError):
+        changed = ["config"]
+    if changed:
+        why.append(f"{RESULT_NAME} records other settings ({', '.join(changed)})")
+    differ = trained_parts_differences(out, ckpt.path)
+    if differ:
+        why.append(f"{', '.join(differ)} not those of {ckpt.path.name}")
+    return why
+
+
 def _finished_result(out: Path, ckpt: Checkpoint, t_call: float) -> TrainResult:
-    """``--resume`` of a finished run: say so and touch nothing."""
+    """``--resume`` of a finished run (:func:`unfinished_output` found nothing missing): say
+    so and touch nothing."""
     doc = read_json_file(out / RESULT_NAME, "the result of a focus train run")
     print(f"focus train: nothing to do: run already finished at step {ckpt.step} ({out}); "
           "its files are left as they are", file=sys.stderr)  # fmt: skip
@@ -397,20 +436,23 @@ class _Run:
                            checkpoint=None, log=self.log_path, extra=extra)  # fmt: skip
 
     def publish(self, result: TrainResult) -> None:
-        """Rank 0: the plot, then the final output (the trained parts,
-        ``train_config.json`` and ``train_result.json``) into ``out`` all together (:func:`~focus_attention.utils.io.replace_entries`), then the
-        plot."""
+        """Rank 0: the final output (the trained parts, ``train_config.json``,
+        ``train_result.json`` and ``train.png``) staged in ``out``, then moved into place
+        all together (:func:`~focus_attention.utils.io.replace_entries`): an interruption,
+        a failed write or a kill leaves the previous output (or, killed between two
+        renames, a mix that :func:`unfinished_output` refuses as finished)."""
         result.checkpoint = _newest_path(self.out)
         png = self.out / PLOT_NAME
         if not self.main:
             result.plot = png if png.is_file() else None
             return
-        result.plot = write_plot(self.log_path, png)
+        remove_staging_leftovers(self.out)
         focus = self.trainee.focus
-        doc = {**result.to_dict(), "config": self.cfg.to_dict(),
-               "focus_config": focus.focus_config.to_dict() if focus is not None else None,
-               "versions": library_versions(), "environment": environment()}  # fmt: skip
         with tempfile.TemporaryDirectory(prefix=".final-", dir=self.out) as tmp:
+            result.plot = png if write_plot(self.log_path, Path(tmp) / PLOT_NAME) else None
+            doc = {**result.to_dict(), "config": self.cfg.to_dict(),
+                   "focus_config": focus.focus_config.to_dict() if focus is not None else None,
+                   "versions": library_versions(), "environment": environment()}  # fmt: skip
             # the records first: the adapter's model card reports them
             write_json_atomic(Path(tmp) / CONFIG_FILE, self.cfg.to_dict())
             write_json_atomic(Path(tmp) / RESULT_NAME, doc)
@@ -446,8 +488,15 @@ def _prepare(cfg: TrainConfig, t_call: float) -> tuple[Any, Checkpoint | None, T
     if not cfg.resume and not cfg.overwrite and args.should_save:
         prepare_out(out, resume=False, overwrite=False)  # refuse early, delete nothing
     ckpt = _resume_point(cfg, out, args.world_size)
-    if ckpt is not None and ckpt.step >= cfg.steps and (out / RESULT_NAME).is_file():
+    if ckpt is None or ckpt.step < cfg.steps:
+        return args, ckpt, None
+    why = unfinished_output(cfg, out, ckpt)
+    if not why:
         return args, ckpt, _finished_result(out, ckpt, t_call)
+    if args.should_save:
+        print(f"focus train: the run trained all {ckpt.step} steps, but the output in {out} is "
+              f"not its final one ({'; '.join(why)}): writing it from {ckpt.path.name}",
+              file=sys.stderr)  # fmt: skip
     return args, ckpt, None
 
 
@@ -486,6 +535,7 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     t_call = time.monotonic()
     cfg = config
     cfg.validate()
+    _warn_long_warmup(cfg)
     out = cfg.out_dir()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -515,6 +565,18 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
                   file=sys.stderr)  # fmt: skip
         raise KeyboardInterrupt
     return result
+
+
+def _warn_long_warmup(cfg: TrainConfig) -> None:
+    """Warn when the warm-up does not end before the last step of the run, or of a phase of
+    a two-phase run (each phase warms up anew; :func:`~.schedule.warn_long_warmup`)."""
+    if cfg.method != "two-phase":
+        phases = [("", cfg.steps)]
+    else:
+        phases = [("phase 1", cfg.phase1_steps), ("phase 2", cfg.steps - cfg.phase1_steps)]
+    for name, steps in phases:
+        peak = max((lr_factor(s, steps, cfg.warmup_steps) for s in range(steps)), default=0.0)
+        warn_long_warmup("focus train", steps, cfg.warmup_steps, peak, cfg.lr, name)
 
 
 def _announce(run: _Run, corpus: str) -> None:

@@ -5,11 +5,12 @@ exactly, and the data order does not depend on the number of processes."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["EpochPermutations", "lr_factor"]
+__all__ = ["EpochPermutations", "lr_factor", "warn_long_warmup"]
 
 
 def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
@@ -20,6 +21,36 @@ def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
     rest = max(1, steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / rest)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warn_long_warmup(command: str, steps: int, warmup_steps: int, peak: float, lr: float,
+                     phase: str = "") -> bool:  # fmt: skip
+    """Warn (``UserWarning``) when a warm-up of ``warmup_steps`` optimizer steps does not end
+    before the last of ``steps``: the whole run (or ``phase``, such as ``"phase 1"``) then
+    warms up, its learning rate peaks at ``peak`` times ``lr`` and never decays.
+
+    Args:
+        command: the command, for the message (``"focus train"``).
+        steps: the optimizer steps of the run or phase.
+        warmup_steps: the warm-up steps (``--warmup-steps``).
+        peak: the largest learning-rate multiplier the schedule reaches in ``steps`` steps.
+        lr: the peak learning rate asked for (``--lr``).
+        phase: which phase, for a run of several (``""``: the run).
+
+    Returns:
+        whether it warned.
+    """
+    if steps <= 0 or warmup_steps < steps:
+        return False
+    what = f"{phase} ({steps} steps)" if phase else f"--steps {steps}"
+    warnings.warn(
+        f"{command}: --warmup-steps {warmup_steps} is not below {what}: the learning rate "
+        f"only warms up, peaking at {peak:.3g} x --lr {lr:g} = {peak * lr:.3g} and never "
+        f"decaying; give fewer warm-up steps (below {steps}) to reach --lr",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 class EpochPermutations(torch.utils.data.Sampler[int]):

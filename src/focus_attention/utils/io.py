@@ -336,7 +336,8 @@ def staged_directory(
     ``staging_root/<prefix><random>`` that is private to this build (the caller may put
     scratch files next to it, in ``out.parent``) and removed on exit. When the block ends
     normally, an existing ``final`` is moved aside and removed, and the filled directory is
-    renamed to ``final``; when it raises, ``final`` is left as it was. ``staging_root`` must
+    renamed to ``final``; when it raises (or either rename fails), ``final`` is left as it
+    was. ``staging_root`` must
     be on the file system of ``final`` (it is created if needed).
 
     Raises:
@@ -355,11 +356,23 @@ def staged_directory(
         out.mkdir()
         yield out
         final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists() or final.is_symlink():  # incomplete, outdated or forced
-            os.replace(final, staging / "old")
-        os.replace(out, final)
+        _swap_in(out, final, staging / "old")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _swap_in(new: Path, final: Path, aside: Path) -> None:
+    """Rename ``new`` to ``final``, an existing ``final`` first renamed to ``aside``; when
+    the second rename fails (or Ctrl-C arrives between the two), ``final`` is put back."""
+    moved = final.exists() or final.is_symlink()  # incomplete, outdated or forced
+    if moved:
+        os.replace(final, aside)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if moved:
+            os.replace(aside, final)
+        raise
 
 
 def replace_entries(staged: str | os.PathLike[str], dest: str | os.PathLike[str]) -> list[Path]:
