@@ -150,6 +150,7 @@ OWN = {
     ("bench", "model"): {
         "--lengths": at_least(1),
         "--repeats": at_least(1),
+        "--warmup": at_least(0),
         "--warmup-tokens": at_least(1),
     },  # fmt: skip
     ("bench", "decode"): {
