@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from ..hf.architectures import kv_heads_of
 from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint, weights_file_sha256
+from ..hf.run_folder import base_weights_report, run_parts, tensor_digests, tuned_model
 from ..ops import pairs_retained
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import (
@@ -61,7 +62,6 @@ from .calibration import calibrate_on, calibration_blocks
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import PositionNLL, bucket_bounds, position_table
 from .settings import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, EvalConfig
-from .trained import base_weights_report, run_parts, tensor_digests, tuned_model
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

@@ -33,16 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..evaluation.trained import (
+from ..hf import FocusModel, get_focus_model
+from ..hf.architectures import attention_modules, get_architecture
+from ..hf.compat import peft_reads_old_names
+from ..hf.run_folder import (
     LORA_DIR,
     MODEL_DIR,
     apply_lora,
     import_peft,
     load_trained_weights,
 )
-from ..hf import FocusModel, get_focus_model
-from ..hf.architectures import attention_modules, get_architecture
-from ..hf.compat import peft_reads_old_names
 from ..utils.io import staged_directory
 from .config import DEFAULT_LORA_RANK, DEFAULT_LORA_TARGETS, FOCUS_METHODS, TrainConfig
 from .objectives import StepLoss, head_gates_step, objective_loss

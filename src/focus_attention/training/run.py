@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..evaluation.trained import base_weights_report, tensor_digests
+from ..hf.run_folder import base_weights_report, tensor_digests
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import read_json_file, replace_entries, write_json_atomic
 from .callbacks import (
@@ -515,7 +515,7 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
 
     Returns:
         a :class:`TrainResult`; the final adapter (and ``lora/`` or ``model/``, see
-        :mod:`focus_attention.evaluation.trained`) is in ``config.out_dir()``.
+        :mod:`focus_attention.hf.run_folder`) is in ``config.out_dir()``.
 
     Raises:
         ValueError: bad configuration, an ``out`` directory holding another run (without
