@@ -74,7 +74,7 @@ def auto_prepend_bos(model: Any) -> bool:
     """Whether blocks fed to ``model`` should start with a BOS token: True for models trained
     with a BOS at every sequence start (the Gemma family, ``config.model_type`` starting with
     ``"gemma"``), whose perplexity is only sane with it; False otherwise (SmolLM2 uses none).
-    Pass the result as ``prepend_bos`` to :func:`focus_attention.assets.corpora.token_blocks`.
+    Pass the result as ``prepend_bos`` to :func:`focus_attention.assets.blocks.token_blocks`.
     """
     return str(getattr(model.config, "model_type", "")).startswith("gemma")
 
