@@ -4,6 +4,7 @@ For every Focus layer the tokens of a held-out text are routed by the adapter's 
 routing (default ``top_k = 1``: each token's first group), read from the model's routing
 recorder (:meth:`FocusModel.record_routing`). A token routed to ``k`` groups counts ``1/k``
 in each, so every layer's counts sum to the number of tokens. Reported per layer:
+
 * the share of tokens per group, and the composition of every group by word category
   (:mod:`.categories`: a lexical categorisation, not a tagger), with the lift of each
   category (its share in the group over its share in the text);

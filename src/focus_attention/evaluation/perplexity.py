@@ -10,6 +10,7 @@ first is a target, so a run scores ``windows * (seq_len - 1)`` tokens. Perplexit
 in float32 from the logits.
 
 Evaluated, on exactly the same windows:
+
 * ``base``: the pretrained model before the adapter is attached;
 * ``tuned``: for runs that trained LoRA or base weights (``focus train --method``, see
   :mod:`.trained`), the tuned model with dense attention (Focus, where the run has it, not

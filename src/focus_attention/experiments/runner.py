@@ -1,6 +1,7 @@
 """Run a study (:mod:`focus_attention.experiments.study`) and resume it where it stopped.
 
 Each step runs in order, unless its result tells it need not:
+
 - ``done``: its result file records, under ``"experiment"``, the same command, settings
   and environment variables as ``config.toml`` now, and the same runs folder where its
   settings use ``{runs}`` (:func:`~.study.recorded_differences`); skipped.

@@ -6,6 +6,7 @@ The engine is ``transformers.Trainer``, so one process, ``torchrun`` and ``accel
 launch`` (DDP with gloo on CPU or NCCL on GPU, FSDP through accelerate's configuration)
 run the same code; only rank 0 writes logs, checkpoints and the final model. What this module
 adds to the Trainer:
+
 * the model (:mod:`.scratch_model`): transformers' ``LlamaForCausalLM`` and, with
   ``attention="focus"``, :func:`~focus_attention.hf.get_focus_model` on it with every base
   weight unfrozen and the routers registered as the submodule :data:`ROUTERS_MODULE` of the
