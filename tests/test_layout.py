@@ -1,7 +1,10 @@
-"""The shape of the package: no import cycles between modules (function-local imports
-included), every module imports on its own in a fresh interpreter, functions short enough to
-read at once, no private names imported across modules, and docstrings and comments that
-speak of the product (sources, not process)."""
+"""The shape of the package: each concern on its own floor (:data:`FLOORS`: no import, be it
+at the top of a file, inside a function, or a ``"module:function"`` registry string, climbs
+a floor), imports at the top of their files (function-local ones only in ``cli/`` and for
+optional dependencies, each with its reason), no import cycles between modules, every module
+imports on its own in a fresh interpreter, functions short enough to read at once, no private
+names imported across modules, and docstrings and comments that speak of the product
+(sources, not process)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,15 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from focus_attention.utils.io import read_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PACKAGE = SRC / "focus_attention"
 #: the longest function (lines, decorators and docstring included) the package accepts
 MAX_FUNCTION_LINES = 80
@@ -162,3 +169,235 @@ def test_docstrings_and_comments_cite_sources_not_process():
         if PROCESS_WORDS.search(line)
     ]
     assert hits == []
+
+
+# ---------------------------------------------------------------------------------------------
+# floors
+# ---------------------------------------------------------------------------------------------
+
+#: the floors of the package, bottom to top: a module imports from its own unit and from the
+#: units of lower floors only, never from another unit of its floor or from above. A unit is
+#: a subpackage, the top-level ``settings`` module, or ``focus_attention`` (the package's own
+#: ``__init__``, its front door); the ``__main__`` entry points stand above every floor.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("utils",),  # plumbing: files, checks, the record of versions and hardware
+    ("ops", "assets"),  # the attention ops; models, corpora and benchmark data on disk
+    ("hf",),  # the adapter for transformers models, its files and the run-folder format
+    ("settings",),  # the settings groups the commands compose
+    ("evaluation",),  # perplexity, groups, calibration, the needle prompts
+    ("deploy",),  # export and serving
+    ("training",),  # the training methods on transformers.Trainer
+    ("bench",),  # the benchmarks
+    ("experiments",),  # studies and ablation grids
+    ("focus_attention",),  # the front door: the package's own names, loaded lazily
+    ("cli",),  # the focus command
+)
+FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
+#: a registry string: ``"focus_attention.module:function"``, imported when it is used
+REGISTRY_STRING = re.compile(r"^(focus_attention(?:\.\w+)+):(\w+)$")
+#: what a function-local import may load besides the extras of pyproject.toml: modules
+#: that are heavy or optional and that few callers need, and why
+OPTIONAL_BEYOND_EXTRAS = {
+    "matplotlib": "heavy, used only to draw plots",
+    "langdetect": "if-verifiable's own dependency (the instruct extra)",
+    "pyarrow": "counts the rows of saved datasets where it is installed; in no extra",
+    "torch.utils.cpp_extension": "the C++ build tools of the optional fused CPU kernel",
+}
+
+
+def _optional_modules() -> dict[str, str]:
+    """``{module: why it is optional}``: the distributions of pyproject's extras (by import
+    name) and :data:`OPTIONAL_BEYOND_EXTRAS`."""
+    extras = read_toml(ROOT / "pyproject.toml", "project file")["project"]["optional-dependencies"]
+    out = dict(OPTIONAL_BEYOND_EXTRAS)
+    for extra, requirements in extras.items():
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+            out.setdefault(name.lower().replace("-", "_"), f"the {extra} extra")
+    return out
+
+
+OPTIONAL = _optional_modules()
+
+
+def _unit(module: str) -> str:
+    """``focus_attention.ops.sparse.api`` -> ``ops``; the package itself -> its own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _entry_point(module: str) -> bool:
+    return module.endswith("__main__")
+
+
+@dataclass(frozen=True)
+class Arrow:
+    """``source`` uses ``target`` (modules of the package) at ``line``, in a ``kind`` of
+    way: ``import``, ``local import`` (inside a function), ``registry string`` or ``lazy
+    export`` (a package's ``exports_of`` table)."""
+
+    source: str
+    target: str
+    line: int
+    kind: str
+
+    def __str__(self) -> str:
+        where = MODULES[self.source].relative_to(SRC)
+        return f"{where}:{self.line}: {self.kind} of {self.target}"
+
+
+def _package_of(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _relative(package: str, level: int, rest: str) -> str:
+    base = package.split(".")
+    base = base[: len(base) - level + 1]
+    return ".".join(base + ([rest] if rest else []))
+
+
+def _import_targets(node: ast.AST, package: str) -> list[str]:
+    """Every module name ``node`` (an import) may load, most specific last."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    target = _relative(package, node.level, node.module or "") if node.level else node.module
+    return [target or ""] + [f"{target}.{a.name}" for a in node.names]
+
+
+def _local_imports(tree: ast.AST) -> list[ast.AST]:
+    """The import statements inside functions (nested ones included), once each."""
+    found: dict[int, ast.AST] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    found[id(node)] = node
+    return list(found.values())
+
+
+def _exported_modules(tree: ast.AST) -> list[ast.Constant]:
+    """The relative module strings of a package's lazy export table (``exports_of``)."""
+    out = []
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "exports_of":
+            out += [c for a in call.args for c in ast.walk(a)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                    and c.value.startswith(".")]  # fmt: skip
+    return out
+
+
+def _arrows(name: str) -> list[Arrow]:
+    """Every use of another module of the package by module ``name``."""
+    tree = ast.parse(MODULES[name].read_text())
+    package, local = _package_of(name), {id(n) for n in _local_imports(tree)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            kind = "local import" if id(node) in local else "import"
+            targets = _import_targets(node, package)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = REGISTRY_STRING.match(node.value)
+            kind, targets = "registry string", [match.group(1)] if match else []
+        else:
+            continue
+        out += [Arrow(name, t, node.lineno, kind) for t in targets if t in MODULES and t != name]
+    for node in _exported_modules(tree):
+        level = len(node.value) - len(node.value.lstrip("."))
+        target = _relative(package, level, node.value.lstrip("."))
+        if target in MODULES:
+            out.append(Arrow(name, target, node.lineno, "lazy export"))
+    return out
+
+
+ARROWS = [a for name in MODULES if not _entry_point(name) for a in _arrows(name)]
+
+
+def test_the_floors_name_every_unit_once():
+    units = [u for floor in FLOORS for u in floor]
+    assert len(units) == len(set(units))
+    assert set(units) == {_unit(m) for m in MODULES}
+
+
+def test_no_import_climbs_a_floor():
+    climbing = [
+        str(a)
+        for a in ARROWS
+        if _unit(a.source) != _unit(a.target) and FLOOR[_unit(a.target)] >= FLOOR[_unit(a.source)]
+    ]
+    assert climbing == []
+
+
+def test_training_imports_nothing_from_bench():
+    assert [str(a) for a in ARROWS if (_unit(a.source), _unit(a.target)) == ("training", "bench")] == []  # fmt: skip
+
+
+def test_bench_is_used_by_the_command_and_the_studies_only():
+    users = {"bench", "cli", "experiments"}
+    assert [str(a) for a in ARROWS if _unit(a.target) == "bench" and _unit(a.source) not in users] == []  # fmt: skip
+
+
+def _top_level_names(name: str) -> set[str]:
+    names = set()
+    for node in ast.parse(MODULES[name].read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_registry_strings_name_functions_of_the_package():
+    missing = []
+    for name in MODULES:
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                match = REGISTRY_STRING.match(node.value)
+                if match and (match.group(1) not in MODULES
+                              or match.group(2) not in _top_level_names(match.group(1))):  # fmt: skip
+                    missing.append(f"{MODULES[name].relative_to(SRC)}:{node.lineno}: {node.value}")
+    assert missing == []
+
+
+def _optional(module: str) -> bool:
+    return any(module == o or module.startswith(o + ".") for o in OPTIONAL)
+
+
+def _loads_optional(name: str) -> bool:
+    """Module ``name`` of the package imports an optional dependency at its top."""
+    tree = ast.parse(MODULES[name].read_text())
+    local, package = {id(n) for n in _local_imports(tree)}, _package_of(name)
+    return any(_optional(t) for n in ast.walk(tree)
+               if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in local
+               for t in _import_targets(n, package))  # fmt: skip
+
+
+def _local_import_offence(name: str, node: ast.AST, lines: list[str]) -> str | None:
+    """Why the function-local import ``node`` of module ``name`` breaks the rule, or None."""
+    targets = _import_targets(node, _package_of(name))
+    ours = [t for t in targets if t in MODULES]
+    if not (any(_optional(t) for t in targets) or (ours and _loads_optional(ours[-1]))):
+        return "not an optional dependency: import it at the top of the file"
+    above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+    if "#" not in lines[node.lineno - 1] and not above.startswith("#"):
+        return "no reason: say why in a comment on or above the line"
+    return None
+
+
+def test_function_local_imports_only_in_the_command_or_of_optional_dependencies():
+    """Imports sit at the top of their files, so that every arrow shows; inside a function
+    only in ``cli/`` (a command imports its work when it runs, so that ``--help`` loads no
+    torch) and for an optional dependency (:data:`OPTIONAL`), with a comment saying why."""
+    offenders = []
+    for name, path in MODULES.items():
+        if _unit(name) == "cli" or _entry_point(name):
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in sorted(_local_imports(ast.parse(text)), key=lambda n: n.lineno):
+            why = _local_import_offence(name, node, lines)
+            if why is not None:
+                offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: {lines[node.lineno - 1].strip()}: {why}")  # fmt: skip
+    assert not offenders, "function-local imports:\n" + "\n".join(offenders)

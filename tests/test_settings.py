@@ -38,9 +38,9 @@ OTHER_UNITS: dict[str, set[str]] = {
 
 
 def _training_classes() -> list[type]:
+    from focus_attention.experiments.settings import SweepConfig
     from focus_attention.training.config import TrainConfig
     from focus_attention.training.pretrain import PretrainConfig
-    from focus_attention.training.sweep import SweepConfig
 
     return [TrainConfig, PretrainConfig, SweepConfig]
 

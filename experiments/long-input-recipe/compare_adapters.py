@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from focus_attention.assets.corpora import load_corpus, token_blocks
+from focus_attention.assets.blocks import token_blocks
+from focus_attention.assets.corpora import load_corpus
 from focus_attention.assets.models import auto_prepend_bos, load_model
 from focus_attention.evaluation.coverage import evenly_spaced_rows, topk_coverage
 from focus_attention.evaluation.perplexity import score_windows

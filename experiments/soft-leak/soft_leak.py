@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from focus_attention.assets.corpora import DEFAULT_CORPUS, load_corpus, token_blocks
+from focus_attention.assets.blocks import token_blocks
+from focus_attention.assets.corpora import DEFAULT_CORPUS, load_corpus
 from focus_attention.assets.models import DEFAULT_MODEL, auto_prepend_bos, load_model
 from focus_attention.hf import FocusConfig, FocusModel, get_focus_model
 from focus_attention.utils.env import environment, library_versions

@@ -8,8 +8,7 @@ imported on first access, so ``import focus_attention`` imports neither torch no
 transformers."""
 
 from .utils.lazy import exports_of, lazy_exports
-
-__version__ = "0.1.0"
+from .utils.versions import PACKAGE_VERSION as __version__
 
 __getattr__, __dir__, _exported = lazy_exports(
     __name__,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
-from .assets.models import DEFAULT_MODEL
+from .assets.model_registry import DEFAULT_MODEL
 from .hf.config import (
     INFERENCE_ROUTINGS,
     SPARSE_BACKENDS,

@@ -354,7 +354,8 @@ def _require(model: str) -> None:
 
 
 def _austen_ppl(model, tok, *, prepend_bos: bool) -> float:
-    from focus_attention.assets.corpora import load_corpus, token_blocks
+    from focus_attention.assets.blocks import token_blocks
+    from focus_attention.assets.corpora import load_corpus
 
     blocks = token_blocks(tok, load_corpus("austen", quiet=True).texts("test"), 512,
                           max_tokens=512 - prepend_bos, prepend_bos=prepend_bos)  # fmt: skip

@@ -1,10 +1,9 @@
-"""``focus bench needle``: prompt assembly, exact scoring, accuracy tables and plots, on the
+"""``focus bench needle``: settings, accuracy tables and plots, on the
 tiny offline assets (the real-model numbers are a benchmark, not a test)."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -12,66 +11,8 @@ from tiny_assets import make_tiny_assets, tiny_config, use_tiny_assets
 
 from focus_attention import cli
 from focus_attention.bench import needle
-from focus_attention.bench.needle import NeedleBenchConfig, answer_of, build_case
-
-
-class _Digits:
-    """A tokenizer stand-in: one token per character (so lengths are easy to check)."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return type("Enc", (), {"input_ids": [ord(c) for c in text]})()
-
-
-@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
-@pytest.mark.parametrize("bos", [None, 1])
-def test_a_prompt_has_the_exact_length_and_the_needle_at_its_depth(depth, bos):
-    tok = _Digits()
-    hay = [ord("x")] * 5000
-    case = build_case(tok, hay, "passkey", 400, depth, 0, random.Random(3), bos_id=bos)
-    ids = case.input_ids[0].tolist()
-    assert case.input_ids.shape == (1, 400)
-    text = "".join(chr(i) for i in ids[(bos is not None) :])
-    needle_text = needle.PROMPTS["passkey"][0].format(n=case.answer)
-    question = needle.PROMPTS["passkey"][1]
-    assert text.endswith(question) and text.count(needle_text) == 1
-    filler = 400 - (bos is not None) - len(needle_text) - len(question)
-    assert case.needle_start == (bos is not None) + round(depth * filler)
-    assert text.index(needle_text) == round(depth * filler)
-    assert len(case.answer) == 5 and case.answer.isdigit()
-
-
-def test_prompts_that_cannot_fit_are_errors():
-    tok = _Digits()
-    with pytest.raises(ValueError, match="no room"):
-        build_case(tok, [1] * 100, "book", 20, 0.5, 0, random.Random(0))
-    with pytest.raises(ValueError, match="haystack has 100 tokens"):
-        build_case(tok, [1] * 100, "book", 400, 0.5, 0, random.Random(0))
-
-
-#: generated texts for the needle ``{n}`` and whether each finds it: only the first whole
-#: number of the text counts, and only when it is the needle exactly
-SCORED = [
-    (" {n}. Remember", True),
-    ("{n}", True),
-    (" The pass key is {n}.", True),
-    (" ({n}), then 12", True),
-    (" {n}...", True),
-    (" {n}0.", False),  # a longer number
-    (" 1{n}", False),
-    (" 12 then {n}", False),  # the answer is 12
-    (" {n}.5", False),  # a decimal
-    (" -{n}", False),  # a negative number
-    (" x{n}", False),  # inside a word
-    (" {n}th", False),
-    (" key-{n}", False),  # inside a hyphenated token
-    (" five seven", False),
-    ("", False),
-]
-
-
-@pytest.mark.parametrize("text, found", SCORED)
-def test_answers_are_scored_exactly(text, found):
-    assert (answer_of(text.format(n="57291")) == "57291") is found
+from focus_attention.bench.needle import NeedleBenchConfig
+from focus_attention.evaluation.needles import answer_of
 
 
 @pytest.mark.parametrize(
@@ -126,17 +67,23 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+#: generated texts for the needle ``{n}``, some finding it and some not (the scoring rule
+#: itself is tested in tests/evaluation/test_needles.py)
+ANSWERS = [" {n}. Remember", " {n}0.", "{n}", " 12 then {n}", " x{n}"]
+
+
 def test_the_stored_correct_flag_and_accuracy_follow_whole_numbers(tiny, monkeypatch):
-    """Each cell's ``correct`` flag, and the accuracy built from the flags, agree with
-    :data:`SCORED` for the needle of that cell's own prompt."""
+    """Each cell's ``correct`` flag, and the accuracy built from the flags, are the verdict
+    of :func:`~focus_attention.evaluation.needles.answer_of` on the needle of that cell's
+    own prompt."""
     assets, adapter = tiny
     use_tiny_assets(assets, monkeypatch)
     given = []
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
-        text, found = SCORED[len(given) % len(SCORED)]
-        given.append(found)
-        return text.format(n=case.answer), 0.01
+        text = ANSWERS[len(given) % len(ANSWERS)].format(n=case.answer)
+        given.append(answer_of(text) == case.answer)
+        return text, 0.01
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
@@ -145,7 +92,7 @@ def test_the_stored_correct_flag_and_accuracy_follow_whole_numbers(tiny, monkeyp
                                top_k=(1, 2), progress=False)  # fmt: skip
     result = needle.run_needle_benchmark(config)
     cells = result["cells"]
-    assert len(cells) == len(SCORED) == len(given)
+    assert len(cells) == len(given) == 15 and any(given) and not all(given)
     assert [c["correct"] for c in cells] == given
     for mode, by_length in result["accuracy"]["passkey"].items():
         for depth, share in by_length["64"].items():

@@ -22,7 +22,7 @@ from focus_attention.cli import train as cli_train
 from focus_attention.cli.flags import command_config, flag_values
 from focus_attention.deploy.settings import ExportConfig
 from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
-from focus_attention.training.sweep import SweepConfig
+from focus_attention.experiments.settings import SweepConfig
 
 #: a float step past a float bound
 HAIR = 1e-3

@@ -207,6 +207,8 @@ def test_the_asset_commands_read_config(tmp_path, monkeypatch, argv, table, expe
         for kind in ("model", "corpus"):
             if hasattr(cli_module(module), f"prepare_{kind}"):
                 monkeypatch.setattr(cli_module(module), f"prepare_{kind}", prepare(kind))
+    # the commands import the model's preparation (torch) when they run
+    monkeypatch.setattr("focus_attention.assets.models.prepare_model", prepare("model"))
     path = tmp_path / "assets.toml"
     path.write_text(table)
     assert main([*argv, "--config", str(path)]) == 0

@@ -59,6 +59,9 @@ def test_help_imports_neither_torch_nor_transformers(argv):
         "import focus_attention.cli.settings",
         "import focus_attention.training.settings",
         "import focus_attention.training.config",
+        "import focus_attention.experiments.settings",
+        "import focus_attention.assets.model_registry, focus_attention.assets.corpora",
+        "import focus_attention.utils.versions",
         "from focus_attention.hf import FocusConfig",
     ],
 )

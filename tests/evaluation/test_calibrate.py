@@ -83,12 +83,11 @@ def test_outputs_that_would_lose_an_adapter_are_refused(assets, adapter, tmp_pat
 def test_paths_that_cannot_be_an_adapter_or_the_output_fail_before_the_model_loads(
     adapter, tmp_path, monkeypatch
 ):
-    import focus_attention.assets.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the paths were checked")
 
-    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    monkeypatch.setattr("focus_attention.evaluation.calibration.load_model", no_loading)
     (tmp_path / "afile").write_text("")
 
     def run(source, out):
@@ -109,15 +108,15 @@ def test_paths_that_cannot_be_an_adapter_or_the_output_fail_before_the_model_loa
 
 @pytest.mark.parametrize(("have", "words"), [(0, "0 blocks"), (1, "1 block"), (2, "2 blocks")])
 def test_too_few_calibration_blocks_are_counted_in_words(monkeypatch, have, words):
-    import focus_attention.assets.corpora as corpora
+    from focus_attention.evaluation import calibration
     from focus_attention.evaluation.calibration import calibration_blocks
 
     class Corpus:
         def texts(self, split):
             return ["text"]
 
-    monkeypatch.setattr(corpora, "load_corpus", lambda *a, **k: Corpus())
-    monkeypatch.setattr(corpora, "token_blocks", lambda *a, **k: torch.zeros(have, 8))
+    monkeypatch.setattr(calibration, "load_corpus", lambda *a, **k: Corpus())
+    monkeypatch.setattr(calibration, "token_blocks", lambda *a, **k: torch.zeros(have, 8))
     with pytest.raises(ValueError, match=f"the validation split of austen has {words} of 8 tokens$"):  # fmt: skip
         calibration_blocks(None, "austen", "validation", 8, 1000, False)
 

@@ -267,7 +267,6 @@ def test_layers_that_run_dense_attention_are_not_inspected(assets, adapter, tmp_
     """A dense layer has no groups: asked for, it is an error that lists the layers that
     can be inspected (before the model loads); by default only the routed layers are
     inspected; an adapter with no routed layer is an error."""
-    import focus_attention.assets.models
     from focus_attention.evaluation.calibration import CalibrateConfig, calibrate_adapter
 
     for dense in ((1,), (0, 1)):
@@ -282,7 +281,7 @@ def test_layers_that_run_dense_attention_are_not_inspected(assets, adapter, tmp_
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the layers were checked")
 
-    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    monkeypatch.setattr("focus_attention.evaluation.groups.load_model", no_loading)
     with pytest.raises(ValueError, match=r"layers \(--layers\) \[1\] run dense attention in "
                        r"this adapter \(dense_layers 1\) and have no groups; layers that can be "
                        r"inspected: 0$"):  # fmt: skip

@@ -199,13 +199,12 @@ def test_query_top_k_override(assets, adapter):
 
 
 def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
-    import focus_attention.assets.models
     from focus_attention.hf import FocusConfig
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    monkeypatch.setattr("focus_attention.evaluation.perplexity.load_model", no_loading)
     (tmp_path / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())
     with pytest.raises(ValueError, match=r"top_k \(--top-k\): received \[9\], expected values "
                        r"in 1..4, the adapter's number of groups K"):  # fmt: skip
@@ -219,13 +218,12 @@ def test_bad_top_k_values_fail_before_the_model_loads(tmp_path, monkeypatch):
 def test_bad_paths_fail_before_the_model_loads(tmp_path, monkeypatch):
     """Output files that cannot be written, an adapter file instead of its folder and a
     sweep's output folder are refused before the model loads, naming what to pass."""
-    import focus_attention.assets.models
     from focus_attention.hf import FocusConfig
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    monkeypatch.setattr("focus_attention.evaluation.perplexity.load_model", no_loading)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "focus_config.json").write_text(FocusConfig(num_groups=4).to_json_string())

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from tiny_assets import tiny_config
 
-from focus_attention.bench.needle import needle_blocks
 from focus_attention.evaluation.calibration import CalibrateConfig, calibrate_adapter
 from focus_attention.hf.files import WEIGHTS_NAME
 from focus_attention.hf.head_gates import GATES_NAME
@@ -39,16 +38,6 @@ def test_bad_gate_settings_are_refused(assets, adapter, tmp_path, changes, match
 def test_a_gate_penalty_needs_the_head_gates_method(assets, tmp_path):
     with pytest.raises(ValueError, match="gate_penalty.*head-gates"):
         tiny_config(assets, tmp_path / "x", gate_penalty=0.1)
-
-
-def test_needle_blocks_are_prompts_of_the_length(assets):
-    from focus_attention.assets.models import load_model
-
-    _, tokenizer = load_model(str(assets["model"]), quiet=True)
-    blocks = needle_blocks(tokenizer, str(assets["corpus"]), "validation", 64, 4, seed=0, bos_id=1)
-    assert blocks.shape == (4, 64) and blocks.dtype == torch.long and (blocks[:, 0] == 1).all()
-    again = needle_blocks(tokenizer, str(assets["corpus"]), "validation", 64, 4, seed=0, bos_id=1)
-    assert torch.equal(blocks, again) and not torch.equal(blocks[0], blocks[1])
 
 
 def test_only_the_gates_train_and_calibrate_reads_them(assets, adapter, tmp_path):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tiny_assets import tiny_config, use_tiny_assets
 
 from focus_attention.evaluation import evaluate, markdown_table
-from focus_attention.evaluation.trained import (
+from focus_attention.hf.run_folder import (
     apply_lora,
     load_trained_weights,
     run_parts,

@@ -25,13 +25,8 @@ from focus_attention.training.pretrain import (
     load_pretrained,
     pretrain,
 )
-from focus_attention.training.scratch_model import (
-    END_OF_TEXT,
-    SIZES,
-    build_llama,
-    load_tokenizer,
-    resolve_size,
-)
+from focus_attention.training.scratch_model import END_OF_TEXT, build_llama, load_tokenizer
+from focus_attention.training.settings import SIZES, resolve_size
 from focus_attention.training.validation import validation_perplexities
 
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")

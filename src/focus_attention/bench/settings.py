@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..assets.benchmarks import BENCHMARKS
-from ..assets.models import DEFAULT_MODEL
+from ..assets.model_registry import DEFAULT_MODEL
 from ..assets.presets import PRESETS, RANDOM_PREFIX, is_random_model, preset_named
+from ..evaluation.settings import HAYSTACKS
 from ..settings import (
     NEEDLE_MIN_TOKENS,
     AdapterOverrides,
@@ -92,8 +93,6 @@ LEVELS = ("op", "model")
 #: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
 NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-#: the haystacks of the needle benchmark
-HAYSTACKS = ("passkey", "book")
 #: the KV caches of the decoding benchmark's model level: transformers' ``DynamicCache``
 #: (and Focus's own dynamic cache), or transformers' ``StaticCache`` (what a CUDA graph
 #: captures)

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..assets.benchmarks import BENCHMARK_SOURCE, BENCHMARKS
-from ..evaluation.trained import run_parts
+from ..hf.run_folder import run_parts
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
 from .settings import TasksBenchConfig
 

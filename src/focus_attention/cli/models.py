@@ -1,5 +1,6 @@
 """``focus models list`` and ``focus models prepare NAME...``: the registered pretrained models
-and their offline cache (:mod:`focus_attention.assets.models`)."""
+(:mod:`focus_attention.assets.model_registry`) and their offline cache
+(:mod:`focus_attention.assets.models`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from typing import Any
 
 from ..assets.cache import dir_size, human_size, verify_entry
-from ..assets.models import DEFAULT_MODEL, list_models, prepare_model
+from ..assets.model_registry import DEFAULT_MODEL, list_models
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
@@ -32,6 +33,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     """Prepare each named model (default :data:`DEFAULT_MODEL`); print its path, size and
     time. With ``--verify``, exit 1 listing the problems when a file's sha256 differs."""
     config = command_config(args, ModelsPrepareConfig, "models.prepare")
+    from ..assets.models import prepare_model  # torch and transformers: loaded to convert
+
     for name in args.names or [DEFAULT_MODEL]:
         t0 = time.monotonic()
         path = prepare_model(name, force=config.force)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..assets.benchmarks import BENCHMARK_DATA
 from ..assets.corpora import DEFAULT_CORPUS
-from ..assets.models import DEFAULT_MODEL
+from ..assets.model_registry import DEFAULT_MODEL
 from ..settings import Settings, settings_class
 
 __all__ = ["ModelsPrepareConfig", "PrepareSettings", "SetupConfig"]

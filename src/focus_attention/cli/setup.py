@@ -11,7 +11,7 @@ from typing import Any
 from ..assets.benchmarks import BENCHMARK_DATA, prepare_benchmarks
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
-from ..assets.models import DEFAULT_MODEL, prepare_model
+from ..assets.model_registry import DEFAULT_MODEL
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
@@ -22,6 +22,8 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     """Prepare ``--model`` (default :data:`DEFAULT_MODEL`), ``--corpus`` (default
     :data:`DEFAULT_CORPUS`) and, with ``--benchmarks``, the benchmark data, printing each as
     it is ready and a summary table at the end."""
+    from ..assets.models import prepare_model  # torch and transformers: loaded to convert
+
     config = command_config(args, SetupConfig, "setup")
     models, corpora = config.model, config.corpus
     print(f"focus setup: cache {focus_home()} (set FOCUS_HOME to change)", flush=True)

@@ -1,5 +1,5 @@
 """``focus sweep``: an ablation grid, each cell trained and evaluated
-(:func:`focus_attention.training.sweep.run_sweep`), or a study of ``experiments/`` run step
+(:func:`focus_attention.experiments.grid.run_sweep`), or a study of ``experiments/`` run step
 by step (``--study DIR``, :func:`focus_attention.experiments.run_study`); one of ``--grid``
 and ``--study`` is required, and the flags of one are refused with the other."""
 
@@ -9,8 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..experiments.runner import StudyConfig
-from ..training.sweep import SweepConfig
+from ..experiments.settings import StudyConfig, SweepConfig
 from .common import run_guarded
 from .flags import add_flags, flag_fields, flag_name, flag_values
 
@@ -51,7 +50,7 @@ def _grid_file(grid: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..training.sweep import run_sweep, sweep_markdown
+    from ..experiments.grid import run_sweep, sweep_markdown
 
     grid = flag_values(args, SweepConfig)
     study = flag_values(args, StudyConfig)

@@ -277,7 +277,7 @@ def export_adapter(config: ExportConfig) -> Path:
 def _check_focus_only(adapter: str) -> None:
     """Refuse a run folder that holds more than a Focus adapter (LoRA in ``lora/``, trained
     base weights in ``model/``): the export would silently leave it out."""
-    from ..evaluation.trained import LORA_DIR, MODEL_DIR, run_parts
+    from ..hf.run_folder import LORA_DIR, MODEL_DIR, run_parts
 
     parts = run_parts(adapter) if Path(adapter).is_dir() else {}
     extra = [f"{LORA_DIR}/ (LoRA)" if n == "lora" else f"{MODEL_DIR}/ (trained base weights)"

@@ -15,10 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
+from ..assets.blocks import token_blocks
+from ..assets.corpora import load_corpus
+from ..assets.models import auto_prepend_bos, load_model
+from ..hf import FocusModel
+from ..hf.architectures import kv_heads_of
 from ..hf.files import CONFIG_NAME, adapter_layout, weights_file_sha256
 from ..utils.env import environment, library_versions
 from ..utils.io import replace_entries, write_json_atomic
+from .head_budget import choose_dense_heads, read_head_ranking
 from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks",
@@ -35,8 +42,6 @@ def calibration_blocks(tokenizer: Any, corpus: str, split: str, seq_len: int, co
     Raises:
         ValueError: the split has fewer than ``count`` such blocks.
     """
-    from ..assets.corpora import load_corpus, token_blocks
-
     texts = load_corpus(corpus, quiet=quiet).texts(split)
     blocks = token_blocks(tokenizer, texts, seq_len, max_tokens=count * seq_len,
                           prepend_bos=prepend_bos)  # fmt: skip
@@ -90,8 +95,6 @@ def head_ranking_for(config: CalibrateConfig, rank_heads: Callable[[CalibrateCon
         ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` raises
             them; ValueError when there is neither a ``head_ranking`` file nor ``rank_heads``.
     """
-    from .head_budget import read_head_ranking
-
     if config.head_ranking is not None:
         ranking = read_head_ranking(config.head_ranking, config.model)
         source = {"file": ranking["file"], "model": ranking["model"]}
@@ -121,9 +124,6 @@ def head_budget_choice(config: CalibrateConfig, fm: Any, ranking: dict[str, Any]
     Raises:
         ValueError: as :func:`~.head_budget.choose_dense_heads` raises it.
     """
-    from ..hf.architectures import kv_heads_of
-    from .head_budget import choose_dense_heads
-
     cfg, kv = fm.focus_config, kv_heads_of(fm.base_model.config)
     chosen = choose_dense_heads(ranking["head_ranking"], config.head_budget, fm.focus_layers,
                                 kv, cfg.dense_layers)  # fmt: skip
@@ -159,11 +159,6 @@ def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateCo
         FileExistsError: ``out`` already holds an adapter and ``overwrite`` is False.
         FileNotFoundError: the source adapter is missing, or is a file.
     """
-    from tqdm.auto import tqdm
-
-    from ..assets.models import auto_prepend_bos, load_model
-    from ..hf import FocusModel
-
     t0 = time.monotonic()
     out = _check_out(config)
     ranking = None if config.head_budget is None else head_ranking_for(config, rank_heads)

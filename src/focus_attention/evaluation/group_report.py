@@ -200,10 +200,10 @@ def write_group_plots(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``composition.png`` (group x category heatmaps of the detailed layers, log2
     lift) and ``shares.png`` (group shares over layers, NMI per layer) into the existing
     directory ``out``, atomically (matplotlib, Agg backend); returns the paths written."""
-    import matplotlib
+    import matplotlib  # heavy, used only to draw: loaded when a plot is written
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     out = Path(out)
     paths = [_plot_shares(plt, result, out / SHARES_PNG)]

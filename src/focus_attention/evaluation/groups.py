@@ -24,7 +24,7 @@ in each, so every layer's counts sum to the number of tokens. Reported per layer
   the group's share; ties by count), and a context snippet for the most typical ones.
 
 Text: the split's documents tokenised and cut into non-overlapping ``seq_len`` windows as in
-``focus eval`` (:func:`focus_attention.assets.corpora.token_blocks`), capped at ``tokens``;
+``focus eval`` (:func:`focus_attention.assets.blocks.token_blocks`), capped at ``tokens``;
 every window is routed on its own. Every token of every window is inspected (sink tokens
 included: they are routed like the others).
 """
@@ -37,11 +37,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
+from ..assets.blocks import token_blocks
+from ..assets.corpora import load_corpus
+from ..assets.models import auto_prepend_bos, load_model
+from ..hf import FocusModel, get_focus_model
+from ..hf.config import FocusConfig
 from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint
 from ..utils.env import environment, library_versions
 from ..utils.io import atomic_write_text, write_json_atomic
 from .categories import CATEGORIES, token_categories, token_texts
+from .group_report import markdown_summary, write_group_plots
 from .settings import InspectConfig
 
 __all__ = [
@@ -321,8 +328,6 @@ def _saved_config(cfg: InspectConfig) -> Any:
             an ``out`` that is not a folder.
         FileNotFoundError: no adapter config in the directory, or a file in its place.
     """
-    from ..hf.config import FocusConfig
-
     if cfg.adapter is None:
         raise ValueError("an adapter directory is required (--adapter DIR)")
     if cfg.out is not None and Path(cfg.out).exists() and not Path(cfg.out).is_dir():
@@ -389,9 +394,6 @@ def check_layers(
 
 def _load(cfg: InspectConfig) -> tuple[Any, Any, torch.Tensor, bool]:
     """``(base model, tokenizer, blocks [n, seq_len], prepend_bos)``."""
-    from ..assets.corpora import load_corpus, token_blocks
-    from ..assets.models import auto_prepend_bos, load_model
-
     quiet = not cfg.progress
     texts = load_corpus(cfg.corpus, quiet=quiet).texts(cfg.split)
     base, tokenizer = load_model(cfg.model, quiet=quiet)
@@ -403,8 +405,6 @@ def _load(cfg: InspectConfig) -> tuple[Any, Any, torch.Tensor, bool]:
 def _route_all(base: Any, saved: Any, cfg: InspectConfig, blocks: torch.Tensor, bar: Any) -> tuple[dict, list[int]]:  # fmt: skip
     """The memberships of every routing inspected: ``{"trained": {layer: [T, K]}, and with
     ``cfg.baseline`` "untrained" and "untrained_calibrated"}``, and the Focus layers."""
-    from ..hf import FocusModel, get_focus_model
-
     runs: dict[str, dict[int, torch.Tensor]] = {}
     if cfg.baseline:
         fresh = get_focus_model(base, saved.replace(routing="auto"))
@@ -511,8 +511,6 @@ def inspect_groups(config: InspectConfig | None = None, /, **settings: Any) -> d
             ``out`` that is a file, too little text.
         FileNotFoundError: the adapter directory holds no Focus adapter, or is a file.
     """
-    from tqdm.auto import tqdm
-
     cfg = dataclasses.replace(config, **settings) if config is not None else InspectConfig(**settings)  # fmt: skip
     t0 = time.monotonic()
     saved = _saved_config(cfg)
@@ -559,8 +557,6 @@ def inspect_groups(config: InspectConfig | None = None, /, **settings: Any) -> d
 def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``inspect.json``, ``inspect.md`` and the plots of ``result`` into the directory
     ``out`` (created), each file atomically; returns the paths written."""
-    from .group_report import markdown_summary, write_group_plots
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / JSON_NAME, result)

@@ -119,9 +119,9 @@ def _registry() -> tuple[dict[str, Any], dict[str, set[str]], Any]:
         RuntimeError: if-verifiable is not installed (the message says how to install it).
     """
     try:
-        import langdetect
-        from if_verifiable.ifeval import instructions_util
-        from if_verifiable.ifeval.instructions_registry import (
+        import langdetect  # optional: the instruct extra (if-verifiable's own dependency)
+        from if_verifiable.ifeval import instructions_util  # optional: the instruct extra
+        from if_verifiable.ifeval.instructions_registry import (  # optional: the instruct extra
             INSTRUCTION_CONFLICTS,
             INSTRUCTION_DICT,
         )
@@ -355,7 +355,7 @@ def score_response(prompt: InstructionPrompt, response: str) -> dict[str, Any]:
         ``strict`` and ``loose``: one bool per instruction of the prompt;
         ``prompt_strict`` / ``prompt_loose``: every instruction followed.
     """
-    from if_verifiable.common import evaluate_instructions
+    from if_verifiable.common import evaluate_instructions  # optional: the instruct extra
 
     registry, _, _ = _registry()
     results, _ = evaluate_instructions(

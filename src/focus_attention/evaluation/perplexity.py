@@ -46,9 +46,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from ..assets.blocks import token_blocks
+from ..assets.corpora import load_corpus
+from ..assets.models import auto_prepend_bos, load_model
+from ..hf import FocusModel
 from ..hf.architectures import kv_heads_of
+from ..hf.config import FocusConfig
 from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint, weights_file_sha256
+from ..hf.run_folder import base_weights_report, run_parts, tensor_digests, tuned_model
 from ..ops import pairs_retained
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import (
@@ -61,7 +68,6 @@ from .calibration import calibrate_on, calibration_blocks
 from .coverage import evenly_spaced_rows, topk_coverage
 from .positions import PositionNLL, bucket_bounds, position_table
 from .settings import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, EvalConfig
-from .trained import base_weights_report, run_parts, tensor_digests, tuned_model
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -293,8 +299,6 @@ def _adapter_top_k_values(cfg: EvalConfig) -> tuple[Any, list[int]]:
             nor LoRA / trained weights in it.
         ValueError: a ``top_k`` outside ``1..K``; Focus settings for a run without Focus.
     """
-    from ..hf.config import FocusConfig
-
     adapter = check_adapter_folder(cfg.adapter)
     parts = run_parts(adapter)
     if not parts["focus"]:
@@ -388,8 +392,6 @@ def _score_adapter(base: Any, cfg: EvalConfig, blocks: torch.Tensor, ks: list[in
     """Attach the adapter (with the overrides, and the routing bias collected from
     ``calib`` when given) and score soft routing and every top-k; returns the Focus
     settings used and the Focus layers."""
-    from ..hf import FocusModel
-
     fm = FocusModel.from_pretrained(base, cfg.adapter)
     fm.focus_config = fm.focus_config.override(**cfg.overrides(without=("top_k",)))
     settings = fm.focus_config.to_dict()  # the adapter's, before top_k changes below
@@ -462,9 +464,6 @@ def _load(cfg: EvalConfig) -> tuple[Any, torch.Tensor, bool, torch.Tensor | None
     Raises:
         ValueError: the validation split has fewer than ``calibrate_blocks`` blocks.
     """
-    from ..assets.corpora import load_corpus, token_blocks
-    from ..assets.models import auto_prepend_bos, load_model
-
     quiet = not cfg.progress
     texts = load_corpus(cfg.corpus, quiet=quiet).texts(cfg.split)
     base, tokenizer = load_model(cfg.model, quiet=quiet)
@@ -498,8 +497,6 @@ def evaluate(config: EvalConfig | None = None, /, **settings: Any) -> EvalResult
         FileNotFoundError: the adapter files are missing, or ``adapter`` is a file.
         RuntimeError: the base weights changed during the evaluation.
     """
-    from tqdm.auto import tqdm
-
     cfg = dataclasses.replace(config, **settings) if config is not None else EvalConfig(**settings)
     t_all = time.monotonic()
     for name in ("json", "markdown"):

@@ -28,6 +28,7 @@ from ..utils.checks import bad, check_int, comma_ints
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_SEQ_LEN",
+    "HAYSTACKS",
     "POSITION_BUCKETS",
     "CalibrateConfig",
     "EvalConfig",
@@ -37,6 +38,9 @@ __all__ = [
 
 #: evaluation window length (tokens)
 DEFAULT_SEQ_LEN = 1024
+#: the haystacks of the needle prompts (:mod:`focus_attention.evaluation.needles`): a short
+#: filler paragraph repeated (the pass-key test), or held-out prose of a corpus
+HAYSTACKS = ("passkey", "book")
 #: default cap on evaluated tokens: four 1024-token windows keep base + soft + top-k 1..8 of
 #: smollm2-135m within a few minutes on a 2-core CPU; ``None`` = the whole split
 DEFAULT_MAX_TOKENS = 4096

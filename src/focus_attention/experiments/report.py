@@ -26,7 +26,7 @@ TABLES = {
     "bench instructions": "focus_attention.bench.instructions:instructions_table",
     "bench serve": "focus_attention.bench.serve:serve_table",
     "inspect": "focus_attention.evaluation.group_report:markdown_summary",
-    "sweep": "focus_attention.training.sweep:sweep_report",
+    "sweep": "focus_attention.experiments.grid:sweep_report",
 }
 #: the plot of each command's JSON result: ``module:function(result, path)``; the path is
 #: the result's with ``.png`` (a directory for ``inspect`` and ``sweep``, whose functions
@@ -34,7 +34,7 @@ TABLES = {
 PLOTS = {
     **{f"bench {name}": spec for name, spec in PLOTTERS.items()},
     "inspect": "focus_attention.evaluation.group_report:write_group_plots",
-    "sweep": "focus_attention.training.sweep:plot_sweep_result",
+    "sweep": "focus_attention.experiments.grid:plot_sweep_result",
 }
 #: commands whose plot function takes the result's directory
 DIRECTORY_PLOTS = ("inspect", "sweep")

@@ -37,12 +37,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..training.outputs import latest_checkpoint
 from ..utils.checks import bad
+from ..utils.env import environment, library_versions
 from ..utils.io import write_json_atomic
+from .report import write_report
+from .settings import StudyConfig
 from .study import (
     Step,
     Study,
@@ -79,54 +82,6 @@ STARTED_NAME = ".started.json"
 SKIPPED = ("done", "kept")
 #: settings that name what a step reads (an adapter, an exported model directory)
 INPUT_SETTINGS = ("adapter", "init_adapter", "export")
-
-
-@dataclass
-class StudyConfig:
-    """Settings of one run of a study; every field is a ``focus sweep`` flag.
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    study: str | None = field(
-        default=None,
-        metadata={"help": "study directory (experiments/<study>): run the steps of its "
-                  "config.toml, skipping those whose results are recorded with the same "
-                  "settings and keeping results without a settings record", "metavar": "DIR"},
-    )  # fmt: skip
-    only: tuple[str, ...] | None = field(
-        default=None, metadata={"help": "run only these steps of the study", "metavar": "STEP"}
-    )
-    rerun: tuple[str, ...] | None = field(
-        default=None,
-        metadata={"help": "run these steps of the study even when their result is there "
-                  "(kept: it has no settings record, or done: recorded with these "
-                  "settings), overwriting it", "metavar": "STEP"},
-    )  # fmt: skip
-    runs: str = field(
-        default="runs",
-        metadata={"help": "directory of the study's trainings and adapters ({runs} in "
-                  "config.toml)"},
-    )  # fmt: skip
-    dry_run: bool = field(
-        default=False,
-        metadata={"help": "check every step of the study and print what would run and "
-                  "why; run nothing"},
-    )  # fmt: skip
-    isolate: bool = field(
-        default=True,
-        metadata={"help": "run each focus step in a subprocess of this interpreter "
-                  "(--no-isolate: in this process, but for steps with variables)"},
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if self.study is not None and not isinstance(self.study, str):
-            raise bad("StudyConfig", "study", self.study, "a directory (str)")
-        if self.only is not None and not self.only:
-            raise bad("StudyConfig", "only", self.only, "one or more step names")
-        if self.rerun is not None and not self.rerun:
-            raise bad("StudyConfig", "rerun", self.rerun, "one or more step names")
 
 
 def _read_result(path: Path) -> Any:
@@ -240,8 +195,6 @@ def missing_inputs(study: Study, step: Step, runs: str = "runs") -> list[tuple[s
 
 
 def _record(study: Study, step: Step, argv: list[str], runs: str) -> dict[str, Any]:
-    from ..utils.env import environment, library_versions
-
     return {"study": study.name, "step": step.name, "command": step.command_text(),
             "settings": step.settings, "variables": step.variables, "runs": runs_folder(runs),
             "argv": argv, "versions": library_versions(), "environment": environment()}  # fmt: skip
@@ -284,8 +237,6 @@ def resumed(study: Study, step: Step, runs: str = "runs") -> Step:
     an unfinished run (status ``run`` or ``resume``), whose ``out`` holds a checkpoint (an
     interrupted training) with ``resume`` instead of ``overwrite``; any other step
     unchanged."""
-    from ..training.outputs import latest_checkpoint
-
     out = step.settings.get("out")
     if (
         step.command != ("train",)
@@ -315,8 +266,6 @@ def _run_focus(study: Study, step: Step, config: StudyConfig, main: Callable) ->
 def _run_step(study: Study, step: Step, config: StudyConfig, main: Callable) -> None:
     """Run ``step`` and record its result; the step is named in :data:`STARTED_NAME` from
     its start until its result is recorded."""
-    from .report import write_report
-
     if step.command == ("report",):
         write_report(study, step, config.runs)
         return

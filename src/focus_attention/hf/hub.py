@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import HfApi, snapshot_download
+
 from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = ["ADAPTER_FILES", "is_repo_id", "push_adapter", "resolve_adapter"]
@@ -55,7 +57,6 @@ def resolve_adapter(
     """
     if not is_repo_id(reference):
         return Path(reference)
-    from huggingface_hub import snapshot_download
 
     try:
         return Path(
@@ -102,7 +103,6 @@ def push_adapter(
         raise ValueError(
             f"push_to_hub: repo_id {repo_id!r} is not a hub repo id; expected 'name' or 'org/name'"
         )
-    from huggingface_hub import HfApi
 
     api = HfApi(token=token, library_name="focus-attention")
     with tempfile.TemporaryDirectory(prefix="focus-push-") as folder:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..ops import (
@@ -290,8 +291,6 @@ class FocusRouter(nn.Module):
         """``local`` of every rank of the data-parallel group, in rank order (``[local]``
         without an initialised group of more than one rank, or with ``sync_statistics``
         off)."""
-        import torch.distributed as dist
-
         if not (self.sync_statistics and dist.is_available() and dist.is_initialized()):
             return [local]
         group = self.data_parallel_group

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 __all__ = [
@@ -92,10 +94,6 @@ class StepProgress(TrainerCallback):
         self.total, self.initial, self.desc, self.bar = total, initial, desc, None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        import sys
-
-        from tqdm.auto import tqdm
-
         if state.is_world_process_zero and self.bar is None:
             self.bar = tqdm(total=self.total, initial=self.initial, desc=self.desc,
                             dynamic_ncols=True, file=sys.stderr)  # fmt: skip
@@ -140,8 +138,6 @@ class StepHook(TrainerCallback):
 def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank of the initialised default process group (the flag
     itself in one process): one ``all_reduce`` of one integer."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"

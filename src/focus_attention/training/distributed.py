@@ -3,6 +3,8 @@ processes: the ranks leave the default process group together."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 
 def end_process_group() -> bool:
     """Destroy the default ``torch.distributed`` process group once every rank reaches this
@@ -17,8 +19,6 @@ def end_process_group() -> bool:
     Returns:
         True when a group was destroyed, False when none was initialised (one process).
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return False
     dist.barrier()

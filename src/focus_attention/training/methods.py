@@ -32,17 +32,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from ..evaluation.trained import (
+from ..hf import FocusModel, get_focus_model
+from ..hf.architectures import attention_modules, get_architecture, kv_heads_of
+from ..hf.compat import peft_reads_old_names
+from ..hf.files import read_safetensors
+from ..hf.head_gates import HeadGates
+from ..hf.run_folder import (
     LORA_DIR,
     MODEL_DIR,
     apply_lora,
     import_peft,
     load_trained_weights,
 )
-from ..hf import FocusModel, get_focus_model
-from ..hf.architectures import attention_modules, get_architecture
-from ..hf.compat import peft_reads_old_names
 from ..utils.io import staged_directory
 from .config import DEFAULT_LORA_RANK, DEFAULT_LORA_TARGETS, FOCUS_METHODS, TrainConfig
 from .objectives import StepLoss, head_gates_step, objective_loss
@@ -189,8 +192,6 @@ class Trainee:
             UnreadableFileError: a damaged LoRA or Focus weights file (a ``ValueError``
                 naming the file).
         """
-        from ..hf.files import read_safetensors
-
         directory = Path(directory)
         if self.trains_base:
             trained = load_trained_weights(self.hf, directory)
@@ -254,8 +255,6 @@ def lora_modules(hf: Any, targets: tuple[str, ...]) -> tuple[list[str], list[str
     Raises:
         ValueError: a target that names no linear layer of the attention modules.
     """
-    from transformers.pytorch_utils import Conv1D
-
     names_of = {id(m): n for n, m in hf.named_modules()}
     full, short, per_rank = [], [], 0
     for att in attention_modules(hf, get_architecture(hf)).values():
@@ -423,9 +422,6 @@ def _with_focus(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any, ph
 def _head_gates(cfg: TrainConfig, hf: Any, ckpt: Path | None, tokenizer: Any) -> Trainee:
     """``head-gates``: the frozen Focus model of ``init_adapter`` (or of checkpoint
     ``ckpt``, its gates loaded too) with a gate per key-value head, every gate 1."""
-    from ..hf.architectures import kv_heads_of
-    from ..hf.head_gates import HeadGates
-
     fm = _focus(hf, cfg, ckpt)
     fm.requires_grad_(False)
     gates = HeadGates(fm.focus_layers, kv_heads_of(hf.config)).attach(fm)

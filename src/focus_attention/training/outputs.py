@@ -3,7 +3,7 @@
 
 Layout under the run's ``out``: the final output (the Focus adapter ``focus_config.json`` +
 ``focus_model.safetensors``; ``lora/`` and ``model/`` for the methods that train LoRA or base
-weights, :mod:`focus_attention.evaluation.trained`; ``train_result.json``,
+weights, :mod:`focus_attention.hf.run_folder`; ``train_result.json``,
 ``train_config.json`` and ``train.png``), written together
 (:func:`~focus_attention.utils.io.replace_entries`); ``log.jsonl`` (every Trainer log entry,
 one JSON object per line); and the
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..evaluation.trained import LORA_DIR, MODEL_DIR
 from ..hf.card import card_replaceable
 from ..hf.files import CARD_NAME
 from ..hf.head_gates import GATES_NAME
 from ..hf.model import CONFIG_NAME, WEIGHTS_NAME
+from ..hf.run_folder import LORA_DIR, MODEL_DIR
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text, write_json_atomic
 
 __all__ = [

@@ -55,10 +55,10 @@ def write_plot(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str
     Returns:
         the path written, or ``None`` when the log has nothing to plot.
     """
-    import matplotlib
+    import matplotlib  # heavy, used only to draw: loaded when a plot is written
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     rows = read_log(Path(log_path))
     train_rows = [r for r in rows if "loss" in r]

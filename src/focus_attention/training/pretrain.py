@@ -34,18 +34,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerState
+import torch.distributed as dist
+from transformers import AutoTokenizer, LlamaForCausalLM, Trainer, TrainerState, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
+from ..assets.blocks import token_blocks
+from ..assets.corpora import load_corpus
+from ..hf import FocusModel, get_focus_model
+from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import replace_entries, staged_directory, write_json_atomic
 from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
 from .outputs import LOG_NAME, remove_staging_leftovers, truncate_log
 from .schedule import warn_long_warmup
-from .scratch_model import ModelSize
+from .scratch_model import build_llama, load_tokenizer, train_tokenizer
 from .settings import (
     ATTENTIONS,
     PRETRAIN_CONFIG_NAME,
     PRETRAIN_RESULT_NAME,
     ROUTERS_MODULE,
+    ModelSize,
     PretrainConfig,
 )
 from .trainer import sharding
@@ -148,8 +155,6 @@ def _check_out(config: PretrainConfig, out: Path) -> Path | None:
     Raises:
         ValueError: ``out`` holds a run with other settings, or a run and no ``resume``.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     saved = out / PRETRAIN_CONFIG_NAME
     trainer_dir = out / "trainer"
     checkpoint = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
@@ -171,8 +176,6 @@ def _training_arguments(config: PretrainConfig, out: Path, resuming: bool) -> An
     """The ``transformers.TrainingArguments`` of a run: AdamW (betas 0.9, 0.95), linear
     warm-up then cosine decay, validation and a checkpoint every ``eval_every`` steps (and a
     validation at step 0), DDP with its defaults."""
-    from transformers import TrainingArguments
-
     return TrainingArguments(
         output_dir=str(out / "trainer"),
         max_steps=config.steps,
@@ -206,8 +209,6 @@ def _tokenizer(config: PretrainConfig, size: ModelSize, corpus: Any, out: Path, 
     """The run's tokenizer: ``out/tokenizer`` when it exists (a resumed run), else
     ``config.tokenizer``, else one trained on the training split; saved to ``out/tokenizer``
     by the main process."""
-    from .scratch_model import load_tokenizer, train_tokenizer
-
     path = out / "tokenizer"
     if (path / "tokenizer_config.json").is_file():
         return load_tokenizer(path)
@@ -225,10 +226,8 @@ def _data(config: PretrainConfig, args: Any, out: Path) -> tuple[Any, torch.Tens
     """``(tokenizer, train blocks, validation blocks, corpus name)``: blocks ``LongTensor
     [n, seq_len]`` from the training split (capped at ``max_train_tokens``) and the
     validation split (capped at ``eval_tokens``), whole documents joined with EOS
-    (:func:`~focus_attention.assets.corpora.token_blocks`). The main process prepares the
+    (:func:`~focus_attention.assets.blocks.token_blocks`). The main process prepares the
     corpus and the tokenizer first, the others then read them."""
-    from ..assets.corpora import load_corpus, token_blocks
-
     main = args.should_save
     with args.main_process_first(desc="corpus and tokenizer"):
         corpus = load_corpus(config.corpus, quiet=not main)
@@ -249,10 +248,6 @@ def build_model(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, str]
     of the LLaMA weights before Focus is attached (:func:`~focus_attention.utils.env.
     weights_sha256`), equal for both attention types of a seed. With Focus every LLaMA weight
     is trainable and the routers are the LLaMA submodule :data:`ROUTERS_MODULE`."""
-    from ..hf import get_focus_model
-    from ..utils.env import weights_sha256
-    from .scratch_model import build_llama
-
     llama = build_llama(config.model_size(), vocab_size, config.seq_len, config.seed)
     init = weights_sha256(llama)
     focus = None
@@ -297,10 +292,6 @@ def load_pretrained(out: str | Path) -> tuple[Any, Any]:
         FileNotFoundError: ``out/model`` or :data:`PRETRAIN_RESULT_NAME` is missing (the run
             has not finished: ``focus pretrain --resume`` finishes it).
     """
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from ..hf import FocusModel
-
     out = Path(out)
     for needed in (out / "model" / "config.json", out / PRETRAIN_RESULT_NAME):
         if not needed.is_file():
@@ -327,10 +318,6 @@ def _validation_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _rank_digests(llama: Any) -> list[str]:
     """SHA-256 of the full model state (weights, routers, routing bias) on every rank."""
-    import torch.distributed as dist
-
-    from ..utils.env import weights_sha256
-
     mine = weights_sha256(llama)
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
@@ -341,8 +328,6 @@ def _rank_digests(llama: Any) -> list[str]:
 
 def _result(config: PretrainConfig, run: dict[str, Any]) -> dict[str, Any]:
     """The ``pretrain_result.json`` document from the pieces of a finished run."""
-    from ..utils.env import environment, library_versions
-
     args, tok, llama, focus = run["args"], run["tokenizer"], run["llama"], run["focus"]
     train, val, timer = run["train"], run["val"], run["timer"]
     size = config.model_size()

@@ -29,8 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PrinterCallback, ProgressCallback, TrainingArguments, set_seed
 
-from ..evaluation.trained import base_weights_report, tensor_digests
+from ..assets.blocks import token_blocks
+from ..assets.corpora import load_corpus
+from ..assets.models import auto_prepend_bos, load_model
+from ..evaluation.needles import needle_blocks
+from ..hf.run_folder import base_weights_report, tensor_digests
 from ..utils.env import environment, library_versions, weights_sha256
 from ..utils.io import read_json_file, replace_entries, write_json_atomic
 from .callbacks import (
@@ -60,6 +65,11 @@ from .outputs import (
 from .plot import write_plot
 from .schedule import lr_factor, warn_long_warmup
 from .trainer import FocusTrainer, sharding
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 __all__ = ["TrainResult", "peak_memory_bytes", "train", "unfinished_output"]
 
@@ -129,9 +139,7 @@ def peak_memory_bytes() -> int:
     in use, else the peak resident set size (``getrusage``; 0 where unavailable)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
-    try:
-        import resource
-    except ImportError:  # not on Windows
+    if resource is None:
         return 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB else
@@ -145,8 +153,6 @@ def training_arguments(cfg: TrainConfig, out: Path, phase: int, steps: int, *,
     the end (``< 0``: never), a checkpoint every ``save_every`` steps and at the end (the
     newest ``keep_checkpoints`` kept), into :func:`~.outputs.checkpoint_root`. The optimizer
     and schedule are :class:`~.trainer.FocusTrainer`'s."""
-    from transformers import TrainingArguments
-
     validate = cfg.eval_every >= 0
     return TrainingArguments(
         output_dir=str(checkpoint_root(out, phase)),
@@ -184,12 +190,9 @@ class _Data:
 def _train_blocks(cfg: TrainConfig, corpus: Any, tokenizer: Any, bos: bool) -> torch.Tensor:
     """The training blocks: the ``train`` split cut into blocks; with ``head-gates`` needle
     prompts of the ``validation`` split instead, one per block of the run."""
-    from ..assets.corpora import token_blocks
-
     if cfg.method != "head-gates":
         return token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
                             max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
-    from ..bench.needle import needle_blocks
 
     count = max(1, cfg.steps) * cfg.batch_size * cfg.grad_accum
     return needle_blocks(tokenizer, cfg.corpus, "validation", cfg.seq_len, count, cfg.seed,
@@ -198,9 +201,6 @@ def _train_blocks(cfg: TrainConfig, corpus: Any, tokenizer: Any, bos: bool) -> t
 
 def _load_data(cfg: TrainConfig, corpus: Any) -> _Data:
     """Load the model, then cut the corpus' ``train`` (and ``validation``) split into blocks."""
-    from ..assets.corpora import token_blocks
-    from ..assets.models import auto_prepend_bos, load_model
-
     model, tokenizer = load_model(cfg.model, quiet=not cfg.progress)
     bos = auto_prepend_bos(model) if cfg.prepend_bos is None else cfg.prepend_bos
     try:
@@ -340,8 +340,6 @@ class _Run:
 
     def trainer(self, phase: int, steps: int, offset: int, resume: bool) -> FocusTrainer:
         """The :class:`FocusTrainer` of one phase, with the run's callbacks."""
-        from transformers import PrinterCallback, ProgressCallback
-
         cfg = self.cfg
         args = training_arguments(cfg, self.out, phase, steps, validate_at_start=offset == 0 and not resume)  # fmt: skip
         rows = [{"input_ids": b} for b in self.data.train_blocks]
@@ -515,7 +513,7 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
 
     Returns:
         a :class:`TrainResult`; the final adapter (and ``lora/`` or ``model/``, see
-        :mod:`focus_attention.evaluation.trained`) is in ``config.out_dir()``.
+        :mod:`focus_attention.hf.run_folder`) is in ``config.out_dir()``.
 
     Raises:
         ValueError: bad configuration, an ``out`` directory holding another run (without
@@ -528,10 +526,6 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
         KeyboardInterrupt: after Ctrl-C, once the step in progress is checkpointed and the
             output written.
     """
-    from transformers import set_seed
-
-    from ..assets.corpora import load_corpus
-
     t_call = time.monotonic()
     cfg = config
     cfg.validate()

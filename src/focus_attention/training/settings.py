@@ -1,5 +1,6 @@
 """Torch-free settings of the training package: :class:`PretrainConfig` (a from-scratch run,
-docs/method.md §6 "From scratch") and its constants, so that ``focus pretrain --help`` and
+docs/method.md §6 "From scratch") and its constants, the model shapes among them
+(:class:`ModelSize`, :data:`SIZES`), so that ``focus pretrain --help`` and
 settings files are read without importing torch or transformers."""
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from ..settings import (
     settings_class,
 )
 from ..utils.checks import bad, check_int, check_known_keys, check_number, comma_ints
-from .scratch_model import SIZES, ModelSize, resolve_size
 
 __all__ = [
     "TrainingSettings",
     "ATTENTIONS",
+    "MIN_VOCAB",
     "PRETRAIN_CONFIG_NAME",
     "PRETRAIN_NUM_GROUPS",
     "PRETRAIN_RESULT_NAME",
     "PRETRAIN_RESUME_FREE_FIELDS",
     "ROUTERS_MODULE",
     "PretrainConfig",
+    "SIZES",
+    "ModelSize",
+    "resolve_size",
 ]
 
 #: attention types of a from-scratch run
@@ -45,6 +49,88 @@ PRETRAIN_RESUME_FREE_FIELDS = ("resume", "out", "threads", "progress")
 #: the Focus settings of a from-scratch run: FocusConfig's, with K = 4 (the paper's
 #: from-scratch setting) instead of its retrofit default 8
 PRETRAIN_NUM_GROUPS = 4
+#: byte-level BPE starts from the 256 byte symbols plus the special token
+MIN_VOCAB = 257
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of a LLaMA-style model (``transformers.LlamaConfig`` fields).
+
+    Attributes:
+        hidden_size: model width ``d_model``.
+        num_layers: decoder layers.
+        num_heads: attention heads; ``hidden_size / num_heads`` is the head width, which must
+            be even (rotary embedding).
+        num_kv_heads: key/value heads (grouped-query attention when fewer than the heads;
+            must divide ``num_heads``).
+        intermediate_size: width of the SwiGLU MLP.
+        vocab_size: tokens of the BPE tokenizer trained for the run (the model takes the
+            trained tokenizer's actual size, which is smaller on a tiny corpus).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        owner = "ModelSize"
+        for f in dataclasses.fields(self):
+            check_int(owner, f.name, getattr(self, f.name), 1)
+        if self.vocab_size < MIN_VOCAB:
+            raise bad(
+                owner, "vocab_size", self.vocab_size, f"an int >= {MIN_VOCAB} (256 bytes + 1)"
+            )
+        if self.hidden_size % self.num_heads:
+            raise bad(
+                owner, "num_heads", self.num_heads, f"a divisor of hidden_size {self.hidden_size}"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise bad(owner, "num_heads", self.num_heads,
+                      "a head width hidden_size / num_heads that is even (rotary embedding)")  # fmt: skip
+        if self.num_heads % self.num_kv_heads:
+            raise bad(
+                owner, "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads {self.num_heads}"
+            )
+
+    def num_parameters(self, vocab_size: int | None = None) -> int:
+        """Parameters of the model (tied input/output embedding), without Focus routers."""
+        v = self.vocab_size if vocab_size is None else vocab_size
+        d, f = self.hidden_size, self.intermediate_size
+        kv = d // self.num_heads * self.num_kv_heads
+        layer = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d  # q, o, k, v, MLP, two RMSNorms
+        return v * d + self.num_layers * layer + d
+
+
+#: named sizes: ``tiny`` for tests (about 0.1M parameters), ``small`` (4.2M with its 4,096
+#: tokens; the size of the README's comparison), ``medium`` (29M, for a GPU)
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(64, 2, 2, 2, 128, 512),
+    "small": ModelSize(256, 4, 4, 4, 688, 4096),
+    "medium": ModelSize(512, 8, 8, 8, 1376, 8192),
+}
+
+
+def resolve_size(name: str, **overrides: int | None) -> ModelSize:
+    """The preset ``name`` of :data:`SIZES` with the non-None ``overrides`` (field names of
+    :class:`ModelSize`) applied, validated.
+
+    Raises:
+        ValueError: an unknown preset or field, or an invalid resulting shape.
+    """
+    if name not in SIZES:
+        raise bad("PretrainConfig", "size", name, f"one of {sorted(SIZES)}")
+    fields = {f.name for f in dataclasses.fields(ModelSize)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"ModelSize: unknown fields {unknown} (fields: {sorted(fields)})")
+    size = dataclasses.replace(SIZES[name], **{k: v for k, v in overrides.items() if v is not None})
+    size.validate()
+    return size
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..ops import dominance
 from .methods import Trainee, phase_schedule, step_loss
@@ -136,8 +137,6 @@ class FocusTrainer(Trainer):
         """Checkpoints and ``save_model``, on the main process: the trainee's parts
         (:meth:`Trainee.save_pretrained`: the Focus adapter, ``lora/``, ``model/``), the
         arguments and the run state."""
-        from transformers.trainer import TRAINING_ARGS_NAME
-
         if not self.args.should_save:  # the Trainer calls this on every process
             return
         out = Path(output_dir or self.args.output_dir)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..evaluation.perplexity import score_windows
+
 __all__ = ["base_perplexity", "perplexity", "validation_perplexities"]
 
 
@@ -35,8 +37,6 @@ def validation_perplexities(
         ``model`` ends in the mode it was in; ``focus`` (the :class:`FocusModel`, or None)
         ends with routing ``"auto"`` and ``top_k = train_top_k``.
     """
-    from ..evaluation.perplexity import score_windows
-
     was_training = model.training
     model.eval()
     out: dict[str, float] = {}
@@ -67,8 +67,6 @@ def base_perplexity(focus: Any, blocks: torch.Tensor) -> float:
     """Perplexity of ``blocks`` ``LongTensor [n, seq_len]`` under the base model of the
     :class:`FocusModel` ``focus`` (Focus disabled, eval mode; scored as in
     :func:`validation_perplexities`); the mode is restored."""
-    from ..evaluation.perplexity import score_windows
-
     was_training = focus.training
     focus.eval()
     try:

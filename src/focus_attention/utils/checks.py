@@ -7,6 +7,7 @@ transformers.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -82,8 +83,6 @@ def comma_ints(text: str) -> tuple[int, ...]:
     Raises:
         argparse.ArgumentTypeError: a part that is not an int.
     """
-    import argparse
-
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError as err:

@@ -1,78 +1,37 @@
 """What a result was measured with: library versions, hardware, the git commit of the code,
-and a hash of a model's weights. Every JSON result of the package records these."""
+and a hash of a model's weights. Every JSON result of the package records these. The
+torch-free part (versions, CPU, commit) lives in :mod:`.versions` and is importable from
+here too."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import os
 import platform
-import re
-import subprocess
-from collections.abc import Iterable
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-#: distributions whose versions every result file records
-RESULT_DISTRIBUTIONS = (
-    "focus-attention",
-    "torch",
-    "transformers",
-    "tokenizers",
-    "safetensors",
-    "numpy",
+import torch
+
+from .versions import (
+    PACKAGE_VERSION,
+    RESULT_DISTRIBUTIONS,
+    cpu_name,
+    git_commit,
+    library_versions,
 )
 
-
-def library_versions(dists: Iterable[str] = RESULT_DISTRIBUTIONS) -> dict[str, str | None]:
-    """The Python version and the installed version of each distribution in ``dists``.
-
-    Returns:
-        ``{"python": "3.11.7", dist: version or None (not installed), ...}``.
-    """
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in dists:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def cpu_name() -> str:
-    """The CPU model name from ``/proc/cpuinfo`` (or what :mod:`platform` knows)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            names = re.findall(r"model name\s*:\s*(.+)", fh.read())
-        if names:
-            cpu = names[0].strip()
-    except OSError:
-        pass
-    return cpu
-
-
-def git_commit() -> str | None:
-    """HEAD of the git checkout this package runs from, with ``+dirty`` when tracked files
-    have uncommitted changes; ``None`` outside a checkout or without git."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+__all__ = [
+    "RESULT_DISTRIBUTIONS",
+    "cpu_name",
+    "environment",
+    "git_commit",
+    "hash_tensor",
+    "library_versions",
+    "state_sha256",
+    "weights_sha256",
+]
 
 
 def environment() -> dict[str, Any]:
@@ -80,12 +39,8 @@ def environment() -> dict[str, Any]:
     model and count, torch intra-op threads, CUDA device (or None), git commit, UTC date,
     and the ``FOCUS_*`` environment variables set (``FOCUS_NO_EXTENSION`` changes the path
     a run takes)."""
-    import torch
-
-    from .. import __version__
-
     return {
-        "focus_attention": __version__,
+        "focus_attention": PACKAGE_VERSION,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -99,18 +54,30 @@ def environment() -> dict[str, Any]:
     }
 
 
+def hash_tensor(digest: Any, tensor: torch.Tensor, label: str) -> None:
+    """Feed ``label`` (UTF-8) and then the raw bytes of ``tensor`` (detached, on the CPU,
+    contiguous, flattened; nothing for an empty tensor) into the ``hashlib`` object
+    ``digest``. The one way the package hashes a weight."""
+    digest.update(label.encode())
+    t = tensor.detach()
+    if t.numel():
+        flat = t.to("cpu").contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy())
+
+
+def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of the tensors of ``state`` (a state dict): each one's name, dtype,
+    shape and raw bytes, in name order (:func:`hash_tensor`)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        hash_tensor(digest, t, f"{name}:{t.dtype}:{tuple(t.shape)}\n")
+    return digest.hexdigest()
+
+
 def weights_sha256(model: Any) -> str:
     """SHA-256 (hex) of every tensor of ``model.state_dict()`` (parameters and persistent
-    buffers): names, dtypes, shapes and raw bytes, in name order. Tied tensors are hashed
-    under each of their names. Reads every weight (about a second per 500 MB)."""
-    import torch
-
-    digest = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        t = state[name].detach()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-        if t.numel():
-            flat = t.to("cpu").contiguous().reshape(-1)
-            digest.update(flat.view(torch.uint8).numpy())
-    return digest.hexdigest()
+    buffers): names, dtypes, shapes and raw bytes, in name order (:func:`state_sha256`).
+    Tied tensors are hashed under each of their names. Reads every weight (about a second
+    per 500 MB)."""
+    return state_sha256(model.state_dict())

@@ -14,11 +14,22 @@ import json
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 #: the settings of the training run that wrote an adapter, saved beside it
 TRAIN_CONFIG_NAME = "train_config.json"
@@ -313,9 +324,7 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     directories) for the duration of the block; a no-op where ``fcntl`` is unavailable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
+    if fcntl is None:  # pragma: no cover - Windows
         yield
         return
     with open(path, "w") as fh:
@@ -438,10 +447,6 @@ def read_toml(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
         FileNotFoundError: no such file.
         ValueError: the file is not valid TOML (the message names the file and ``kind``).
     """
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)

@@ -21,7 +21,7 @@ def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
     Raises:
         OSError: the file cannot be written (the path is left as it was).
     """
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, used only to draw: loaded when a plot is written
 
     path = Path(path)
     try:

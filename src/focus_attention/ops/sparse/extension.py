@@ -24,6 +24,11 @@ import torch
 
 from ...utils.io import file_lock, focus_home
 
+try:  # the ninja wheel (a dependency): its binary may sit outside PATH
+    import ninja  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - ninja from the system instead
+    ninja = None
+
 SOURCE = Path(__file__).with_name("csrc") / "focus_cpu.cpp"
 #: compiler flags: the kernel is built on the machine that runs it, so -march=native is safe
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
@@ -93,12 +98,8 @@ def _ensure_ninja() -> None:
     if shutil.which("ninja"):
         return
     candidates = [Path(sys.executable).parent]
-    try:
-        import ninja  # type: ignore[import-not-found]
-
+    if getattr(ninja, "BIN_DIR", None) is not None:
         candidates.insert(0, Path(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        pass
     for folder in candidates:
         if (folder / "ninja").exists():
             os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -125,6 +126,8 @@ def load() -> ModuleType | None:
         else:
             build = None
             try:
+                # optional: the C++ build tools (torch's builder needs setuptools); any
+                # failure to import or build falls back to the flash kernel
                 from torch.utils import cpp_extension
 
                 _ensure_ninja()

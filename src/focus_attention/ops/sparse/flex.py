@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.attention.flex_attention as flex_module
+from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
@@ -402,8 +403,6 @@ def _flex_function(device: torch.device, *, static: bool = False):
 
 def _compile_failures() -> tuple[type[BaseException], ...]:
     """The errors of a failed compilation (Inductor's lowering errors among them)."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
     return (BackendCompilerFailed,)
 
 

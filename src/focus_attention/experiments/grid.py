@@ -1,9 +1,12 @@
-"""Ablation sweeps (docs/method.md §6 and §9): a grid of training settings, each cell trained and
-evaluated with the same budget and seed, then one table and plots over all cells.
+"""Ablation grids, the runner of ``focus sweep --grid`` (docs/method.md §6 and §9): a grid of
+training settings, each cell trained and evaluated with the same budget and seed, then one
+table and plots over all cells (:mod:`.grid_plot`; the settings are
+:class:`~.settings.SweepConfig`).
 
 A grid file is TOML: the ``[train]`` table (Focus settings in ``[train.focus]``) and the
 ``[eval]`` table of ``focus train --config`` / ``focus eval --config`` give the settings every
-cell shares; ``[grid]`` maps setting names (fields of :class:`~.config.TrainConfig` or
+cell shares; ``[grid]`` maps setting names (fields of
+:class:`~focus_attention.training.config.TrainConfig` or
 :class:`~focus_attention.hf.FocusConfig`) to lists of values, whose cartesian product are the
 cells; ``[[cells]]`` tables add explicit cells (``name`` sets the cell's directory name instead
 of the slug of its settings). Without ``[[evals]]`` every cell is evaluated once with the
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import multiprocessing
 import os
 import re
 import sys
@@ -26,11 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..evaluation.perplexity import evaluate
+from ..evaluation.settings import EvalConfig
 from ..hf.config import FocusConfig
-from ..settings import OutputSettings
-from ..utils.checks import bad, check_int
+from ..training.config import TrainConfig
+from ..training.outputs import LOG_NAME, latest_checkpoint, read_log
+from ..training.run import train
+from ..utils.checks import bad
+from ..utils.env import environment, library_versions
 from ..utils.io import atomic_write_text, read_json_file, read_toml, write_json_atomic
-from .config import TrainConfig
+from .grid_plot import write_pairs_plot, write_sweep_plots
+from .settings import SweepConfig
 
 __all__ = [
     "CELL_FILE",
@@ -68,50 +79,6 @@ GRID_KEYS = tuple(
     )
 )
 FOCUS_KEYS = frozenset(f.name for f in dataclasses.fields(FocusConfig))
-
-
-@dataclass
-class SweepConfig(OutputSettings):
-    """Settings of one sweep; every field is a ``focus sweep`` flag.
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    grid: str | None = field(
-        default=None,
-        metadata={
-            "help": "grid file (TOML: [train], [train.focus], [eval], [grid], [[cells]], "
-            "[[evals]]); one of --grid / --study is required",
-            "metavar": "FILE",
-        },
-    )
-    jobs: int = field(default=1, metadata={"help": "cells run at once, in separate processes"})
-    threads: int | None = field(
-        default=None,
-        metadata={"help": "torch threads in all, split evenly over --jobs (default: the "
-                  "cells' own [train]/[eval] threads, else torch's choice)"},
-    )  # fmt: skip
-    progress: bool = field(
-        default=True,
-        metadata={"help": "messages per cell (with --jobs above 1: a line per finished "
-                  "cell); --no-progress also silences the cells' bars (else the grid file's "
-                  "[train]/[eval] progress decides)"},
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        check_int("SweepConfig", "jobs", self.jobs, 1)
-        check_int("SweepConfig", "threads", self.threads, 1, optional=True)
-
-    def out_dir(self) -> Path:
-        """``out``, or ``runs/sweep-<grid file stem>``."""
-        if self.out is not None:
-            return Path(self.out)
-        return Path("runs") / f"sweep-{Path(str(self.grid)).stem}"
-
-    def cell_threads(self) -> int | None:
-        """Torch threads of each cell: ``threads // jobs`` (at least 1), or None."""
-        return None if self.threads is None else max(1, self.threads // self.jobs)
 
 
 @dataclass
@@ -178,8 +145,6 @@ class SweepPlan:
             ValueError: invalid settings (the message names the file and the evaluation);
                 ``name`` not an evaluation of the cell.
         """
-        from ..evaluation.perplexity import EvalConfig
-
         evals = {e.name: e for e in self.cell_evals(slug)}
         if name not in evals:
             raise ValueError(f"{self.source}: cell {slug} has no evaluation {name!r}; it has "
@@ -355,8 +320,6 @@ EVAL_FREE_FIELDS = ("threads", "progress", "json", "markdown", "adapter")
 
 def _eval_settings(ev_cfg: Any) -> dict[str, Any]:
     """The evaluation settings that decide a cell's results, as JSON values."""
-    import json
-
     d = dataclasses.asdict(ev_cfg)
     return json.loads(json.dumps({k: v for k, v in d.items() if k not in EVAL_FREE_FIELDS}))
 
@@ -364,8 +327,6 @@ def _eval_settings(ev_cfg: Any) -> dict[str, Any]:
 def _train_row(cfg: TrainConfig, train_seconds: float) -> dict:
     """The training part of a cell's row: its directory, Focus settings, dominance at the
     last logged step (``log.jsonl``), training seconds and settings."""
-    from .outputs import LOG_NAME, read_log
-
     cell_dir = cfg.out_dir()
     log = [r for r in read_log(cell_dir / LOG_NAME) if "dominance" in r]
     return {
@@ -435,8 +396,6 @@ def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, evals: dict[str, Any
 def _trained_row(plan: SweepPlan, slug: str, cfg: TrainConfig, progress: bool) -> dict:
     """The cell's row: from its ``cell.json``, else after training it (resumed from its
     newest checkpoint when there is one), written to ``cell.json``."""
-    from .run import train
-
     path = cfg.out_dir() / CELL_FILE
     if path.is_file():  # "dir": where the cell is now
         row = read_json_file(path, "the JSON row of a focus sweep cell")
@@ -460,12 +419,9 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
 
     Raises:
         ValueError: a cell trained, or evaluated under one name, with other settings than
-            the grid's now; what :func:`~.run.train` and
+            the grid's now; what :func:`~focus_attention.training.run.train` and
             :func:`~focus_attention.evaluation.evaluate` raise.
     """
-    from ..evaluation.perplexity import evaluate
-    from .outputs import latest_checkpoint
-
     cell_dir = Path(out) / "cells" / slug
     resume = latest_checkpoint(cell_dir) is not None
     quiet = None if progress else False  # None: the grid file's own progress setting
@@ -511,7 +467,6 @@ def _run_cells(plan: SweepPlan, cfg: SweepConfig) -> list[dict]:
     slugs = list(plan.cells)
     if cfg.jobs == 1:
         return [run_cell(plan, s, out, threads, cfg.progress) for s in slugs]
-    import multiprocessing
 
     # spawn: a forked child would inherit torch's thread pools in an undefined state
     ctx = multiprocessing.get_context("spawn")
@@ -537,9 +492,6 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
         ValueError: ``grid`` not given, or an invalid grid file (:func:`load_plan`).
         FileNotFoundError: no such grid file; what training and evaluation raise.
     """
-    from ..utils.env import environment, library_versions
-    from .sweep_plot import write_sweep_plots
-
     if config.grid is None:
         raise bad("SweepConfig", "grid", None, "a grid file (TOML)")
     plan = load_plan(config.grid)
@@ -663,9 +615,7 @@ def sweep_report(summary: dict[str, Any]) -> str:
 
 def plot_sweep_result(summary: dict[str, Any], out: str | os.PathLike[str]) -> list[Path]:
     """The perplexity-against-pairs plot of a ``sweep.json`` read back, into directory
-    ``out`` (:func:`~.sweep_plot.write_pairs_plot`; the dominance plot needs the cells'
+    ``out`` (:func:`~.grid_plot.write_pairs_plot`; the dominance plot needs the cells'
     training logs and is written by :func:`run_sweep` only); returns the paths."""
-    from .sweep_plot import write_pairs_plot
-
     rows, points = _result_rows(summary)
     return [write_pairs_plot(rows, points, out)]

@@ -1,4 +1,4 @@
-"""The plots of a sweep (:mod:`.sweep`): perplexity against pairs retained per cell, one
+"""The plots of a sweep (:mod:`.grid`): perplexity against pairs retained per cell, one
 panel per evaluation with the Pareto points marked, and the routing dominance of every cell over its training (from each ``log.jsonl``)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..training.outputs import LOG_NAME, read_log
 from ..utils.plots import save_png
-from .outputs import LOG_NAME, read_log
 
 __all__ = ["PAIRS_PLOT", "DOMINANCE_PLOT", "write_pairs_plot", "write_sweep_plots"]
 
@@ -23,7 +23,7 @@ def _label(row: dict[str, Any]) -> str:
 def _plot_pairs(ax: Any, name: str, points: list[dict[str, Any]], labels: dict[str, str]) -> None:
     """Top-k perplexity against the share of causal pairs retained in evaluation ``name``:
     one line per cell (one point per ``top_k``, annotated), the Pareto points
-    (:func:`~.sweep.sweep_points`) ringed and joined, the dense base model as a dashed
+    (:func:`~.grid.sweep_points`) ringed and joined, the dense base model as a dashed
     line."""
     for slug, label in labels.items():
         mine = sorted((p for p in points if p["slug"] == slug), key=lambda p: p["top_k"])
@@ -72,11 +72,11 @@ def write_pairs_plot(
 ) -> Path:
     """Write :data:`PAIRS_PLOT` (perplexity against pairs retained, one panel per
     evaluation) into ``out`` (matplotlib Agg, atomically) from the sweep's cell rows and
-    points alone (:func:`~.sweep.sweep_points`); returns its path."""
-    import matplotlib
+    points alone (:func:`~.grid.sweep_points`); returns its path."""
+    import matplotlib  # heavy, used only to draw: loaded when a plot is written
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     labels = {row["slug"]: _label(row) for row in rows}
     names = [n for n in points if points[n]]
@@ -92,9 +92,9 @@ def write_sweep_plots(
 ) -> list[Path]:
     """Write :data:`PAIRS_PLOT` (:func:`write_pairs_plot`) and :data:`DOMINANCE_PLOT` (from
     each cell's ``log.jsonl``) into ``out`` (matplotlib Agg, atomically) from the sweep's
-    cell rows (:func:`~.sweep.run_cell`) and points (:func:`~.sweep.sweep_points`);
+    cell rows (:func:`~.grid.run_cell`) and points (:func:`~.grid.sweep_points`);
     returns the paths."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, used only to draw: loaded when a plot is written
 
     paths = [write_pairs_plot(rows, points, out)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -1,5 +1,6 @@
-"""What a ``focus train --method`` run writes beside the Focus adapter, and how to load it
-back onto the untouched base model (docs/method.md §6, "Methods").
+"""The run-folder format: what a ``focus train --method`` run writes beside the Focus
+adapter, and how to load it back onto the untouched base model (docs/method.md §6,
+"Methods").
 
 Layout of a run directory (and of each of its checkpoints): the Focus adapter
 (``focus_config.json`` + ``focus_model.safetensors``) where the model has Focus routers;
@@ -16,15 +17,15 @@ changed.
 from __future__ import annotations
 
 import hashlib
-import types
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from ..hf.compat import peft_reads_old_names
-from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
-from ..utils.env import weights_sha256
+from ..utils.env import hash_tensor, state_sha256
+from .compat import peft_reads_old_names
+from .files import CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = [
     "LORA_DIR",
@@ -68,8 +69,6 @@ def load_trained_weights(base: Any, directory: str | Path) -> Any:
     Raises:
         RuntimeError: transformers cannot read ``model/``.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(directory) / MODEL_DIR
     if not (path / "config.json").is_file():
         return base
@@ -90,7 +89,7 @@ def import_peft() -> Any:
         ImportError: peft is not installed (the message says how to install it).
     """
     try:
-        import peft
+        import peft  # optional: the baselines extra, needed by LoRA runs only
     except ImportError as err:
         raise ImportError("LoRA needs peft: pip install -e '.[baselines]' (peft==0.21.2)") from err
     return peft
@@ -145,10 +144,8 @@ def tensor_digests(model: Any) -> dict[str, str]:
     name."""
     out = {}
     for name, t in base_state(model).items():
-        t = t.detach().to("cpu").contiguous()
-        h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h = hashlib.sha256()
+        hash_tensor(h, t, f"{t.dtype}:{tuple(t.shape)}")
         out[name] = h.hexdigest()
     return out
 
@@ -156,13 +153,12 @@ def tensor_digests(model: Any) -> dict[str, str]:
 def base_weights_report(before: dict[str, str], model: Any) -> dict[str, Any]:
     """How the base weights of ``model`` compare with the digests ``before``
     (:func:`tensor_digests` of the untouched base): ``after`` (SHA-256 over every base
-    tensor, as :func:`~focus_attention.utils.env.weights_sha256` computes it on the base
+    tensor, as :func:`~focus_attention.utils.env.weights_sha256` computes it, on the base
     names), ``changed`` (names of the tensors that differ, sorted), ``changed_count``,
     ``tensors`` (how many were compared) and ``lora_tensors`` (LoRA tensors present)."""
     after = tensor_digests(model)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     lora = sum(1 for k in model.state_dict() if ".lora_" in k)
-    state = base_state(model)
-    sha = weights_sha256(types.SimpleNamespace(state_dict=lambda: state))
+    sha = state_sha256(base_state(model))
     return {"after": sha, "changed": changed, "changed_count": len(changed),
             "tensors": len(after), "lora_tensors": lora}  # fmt: skip

@@ -1,4 +1,4 @@
-"""``focus sweep`` (focus_attention.training.sweep): grid expansion and slugs, errors for
+"""``focus sweep --grid`` (focus_attention.experiments.grid): grid expansion and slugs, errors for
 bad grids, a 2-cell sweep end to end on the tiny model, skipping finished cells, resuming
 an unfinished one, and parallel cells giving the results of serial ones."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from focus_attention.training import sweep as sweep_mod
-from focus_attention.training.sweep import (
+from focus_attention.experiments import grid as sweep_mod
+from focus_attention.experiments.grid import (
     SweepConfig,
     cell_slug,
     expand_grid,
@@ -171,8 +171,8 @@ def test_rerun_skips_finished_cells(serial_sweep, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("a finished cell was trained again")
 
-    monkeypatch.setattr("focus_attention.training.run.train", no_training)
-    monkeypatch.setattr("focus_attention.evaluation.perplexity.evaluate", no_training)
+    monkeypatch.setattr("focus_attention.experiments.grid.train", no_training)
+    monkeypatch.setattr("focus_attention.experiments.grid.evaluate", no_training)
     again = run_sweep(cfg)
     assert again["cells"] == summary["cells"]
     assert {p: p.stat().st_mtime_ns for p in cells.rglob("*") if p.is_file()} == mtimes
@@ -185,17 +185,15 @@ def test_unfinished_cell_resumes_its_training(serial_sweep, module_assets, monke
     shutil.rmtree(cell / "checkpoints" / "checkpoint-2")
     for name in ("cell.json", "eval.json"):
         (cell / name).unlink()
-    from focus_attention.training import run as run_module
-
     calls = []
-    real_train = run_module.train
+    real_train = sweep_mod.train
 
     def spy(config, **kwargs):
         result = real_train(config, **kwargs)
         calls.append((config, result))
         return result
 
-    monkeypatch.setattr(run_module, "train", spy)
+    monkeypatch.setattr(sweep_mod, "train", spy)
     monkeypatch.setenv("FOCUS_HOME", str(module_assets["home"]))
     monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")  # as in serial_sweep
     again = run_sweep(cfg)
@@ -422,12 +420,10 @@ def test_a_missing_evaluation_runs_alone(evals_sweep, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("a trained cell was trained again")
 
-    from focus_attention.evaluation import perplexity
-
     calls = []
-    real = perplexity.evaluate
-    monkeypatch.setattr("focus_attention.training.run.train", no_training)
-    monkeypatch.setattr(perplexity, "evaluate", lambda c: calls.append(c) or real(c))
+    real = sweep_mod.evaluate
+    monkeypatch.setattr("focus_attention.experiments.grid.train", no_training)
+    monkeypatch.setattr(sweep_mod, "evaluate", lambda c: calls.append(c) or real(c))
     monkeypatch.setenv("FOCUS_NO_EXTENSION", "1")
     again = run_sweep(cfg)
     assert [(c.seq_len, Path(c.json).name) for c in calls] == [(16, "eval-short.json")]
@@ -460,8 +456,8 @@ def test_cells_of_the_one_evaluation_layout_are_read(serial_sweep, monkeypatch, 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished cell was trained or evaluated again")
 
-    monkeypatch.setattr("focus_attention.training.run.train", no_training)
-    monkeypatch.setattr("focus_attention.evaluation.perplexity.evaluate", no_training)
+    monkeypatch.setattr("focus_attention.experiments.grid.train", no_training)
+    monkeypatch.setattr("focus_attention.experiments.grid.evaluate", no_training)
     again = run_sweep(SweepConfig(grid=cfg.grid, out=str(out), progress=False))
     assert [r["evals"] for r in again["cells"]] == [r["evals"] for r in summary["cells"]]
 

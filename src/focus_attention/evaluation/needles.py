@@ -1,0 +1,151 @@
+"""The needle prompts (docs/method.md §9): a number (the needle) hidden at a chosen depth
+of a long prompt (the haystack) and asked for at its end, and how an answer is read back.
+Two haystacks (:data:`~focus_attention.evaluation.settings.HAYSTACKS`): ``passkey`` (a short
+filler paragraph repeated, the synthetic pass-key test) and ``book`` (held-out prose of a
+corpus, a different stretch per prompt). ``focus bench needle`` answers them
+(:mod:`focus_attention.bench.needle`); ``focus train --method head-gates`` trains on them."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..assets.corpora import load_corpus
+from .settings import HAYSTACKS
+
+__all__ = [
+    "ANSWER_NUMBER",
+    "FILLER",
+    "PROMPTS",
+    "NeedleCase",
+    "answer_of",
+    "build_case",
+    "haystack_tokens",
+    "needle_blocks",
+]
+
+#: the synthetic haystack: one paragraph, repeated
+FILLER = (
+    "The river runs past the old mill. The baker opens his shop at dawn. Children walk "
+    "to school along the lane. Rain falls on the hills and the fields turn green. "
+)
+#: needle and question of each haystack; ``{n}`` is the number
+PROMPTS = {
+    "passkey": (
+        "\nThe pass key is {n}. Remember it. {n} is the pass key.\n",
+        "\nWhat is the pass key? The pass key is",
+    ),
+    "book": (
+        "\nThe magic number mentioned in this book is {n}.\n",
+        "\n\nQuestion: what is the magic number mentioned in this book?\nAnswer: The magic "
+        "number mentioned in this book is",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    """One prompt: ``input_ids`` ``[1, length]`` long, the needle's number ``answer`` and the
+    token indices where the needle starts and ends (excluded)."""
+
+    haystack: str
+    length: int
+    depth: float
+    trial: int
+    input_ids: torch.Tensor
+    answer: str
+    needle_start: int
+    needle_end: int
+
+
+#: a whole number: ASCII digits with an optional sign and decimal part, not part of a longer
+#: word, number or hyphenated token (a full stop or comma after it ends a sentence or clause)
+ANSWER_NUMBER = re.compile(r"(?<![\w.+-])[-+]?[0-9]+(?:\.[0-9]+)?(?!\w)")
+
+
+def answer_of(text: str) -> str | None:
+    """The model's answer: the first whole number in ``text`` (:data:`ANSWER_NUMBER`), or
+    None. A cell is correct when it equals the needle exactly, so ``" 57291."`` finds
+    57291 but ``" 572910."``, ``" 57291.5"``, ``" -57291"``, ``" x57291"`` and
+    ``" 12 then 57291"`` (whose answer is 12) do not."""
+    match = ANSWER_NUMBER.search(text)
+    return None if match is None else match.group(0)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def build_case(
+    tokenizer: Any,
+    haystack_ids: list[int],
+    kind: str,
+    length: int,
+    depth: float,
+    trial: int,
+    rng: random.Random,
+    *,
+    bos_id: int | None = None,
+) -> NeedleCase:
+    """Assemble one prompt of exactly ``length`` tokens: ``[bos] filler[:a] needle
+    filler[a:] question``, where ``filler`` is the stretch of ``haystack_ids`` that fills the
+    length (from a random offset) and ``a = round(depth * len(filler))``; the offset and the
+    5-digit number are drawn from ``rng``.
+
+    Raises:
+        ValueError: ``haystack_ids`` too short, or ``length`` too short for the needle and
+            the question.
+    """
+    number = str(rng.randrange(10_000, 100_000))
+    needle_text, question_text = PROMPTS[kind]
+    needle, question = _ids(tokenizer, needle_text.format(n=number)), _ids(tokenizer, question_text)
+    head = [] if bos_id is None else [bos_id]
+    room = length - len(head) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"needle prompt: length {length} leaves no room for the haystack")
+    if len(haystack_ids) < room:
+        raise ValueError(
+            f"needle prompt: the {kind} haystack has {len(haystack_ids)} tokens, {room} needed"
+        )
+    start = rng.randrange(0, len(haystack_ids) - room + 1)
+    filler = haystack_ids[start : start + room]
+    cut = round(depth * room)
+    ids = head + filler[:cut] + needle + filler[cut:] + question
+    at = len(head) + cut
+    return NeedleCase(
+        kind, length, float(depth), trial, torch.tensor([ids]), number, at, at + len(needle)
+    )
+
+
+def haystack_tokens(tokenizer: Any, kind: str, corpus: str, split: str, length: int) -> list[int]:
+    """Token ids the haystack of ``kind`` is cut from, long enough for prompts of ``length``
+    tokens: the filler paragraph repeated (``passkey``), or the texts of ``split`` of
+    ``corpus`` joined by blank lines (``book``)."""
+    if kind == "passkey":
+        ids = _ids(tokenizer, FILLER)
+        return ids * (length // len(ids) + 2)
+    text = "\n\n".join(load_corpus(corpus, quiet=True).texts(split))
+    return _ids(tokenizer, text)
+
+
+def needle_blocks(tokenizer: Any, corpus: str, split: str, length: int, count: int, seed: int,
+                  bos_id: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``count`` needle prompts of ``length`` tokens as training blocks, long ``[count,
+    length]``: the benchmark's prompts (:func:`build_case`), the haystacks alternating
+    ``passkey`` and ``book`` (``split`` of ``corpus``), each needle at a depth drawn
+    uniformly from [0.05, 0.95]; deterministic in ``seed``.
+
+    Raises:
+        ValueError: as :func:`build_case` (a split too short for ``length``).
+    """
+    rng = random.Random(seed)
+    sources = {kind: haystack_tokens(tokenizer, kind, corpus, split, length) for kind in HAYSTACKS}
+    kinds = list(HAYSTACKS)
+    rows = [build_case(tokenizer, sources[kinds[i % len(kinds)]], kinds[i % len(kinds)], length,
+                       rng.uniform(0.05, 0.95), i, rng, bos_id=bos_id).input_ids[0]
+            for i in range(count)]  # fmt: skip
+    return torch.stack(rows)
