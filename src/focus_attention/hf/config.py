@@ -83,7 +83,9 @@ class InferenceSetting:
     Built from it: the :class:`FocusConfig` field (and the flag of ``focus train``), the
     commands' override flags (:class:`focus_attention.settings.AdapterOverrides`), the
     keys of an exported model's ``config.json`` and ``from_pretrained`` keywords
-    (:mod:`focus_attention.deploy`) and the exported model card's list of them.
+    (:mod:`focus_attention.deploy`) and the exported model card's list of them. A new
+    setting is a row of :data:`INFERENCE_SETTINGS` and a line of :class:`FocusConfig`'s
+    body naming it (where its field goes), with its check in :meth:`FocusConfig.validate`.
 
     Attributes:
         name: the field's name (flag ``--name-with-dashes``, ``config.json`` key, keyword).
