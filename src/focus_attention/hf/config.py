@@ -52,8 +52,7 @@ def check_attention_backend(owner: str, name: str, value: object) -> None:
     if value in SPARSE_BACKENDS:
         return
     if isinstance(value, str) and value:
-        # reason: the registry imports torch, and the settings import without it
-        from ..ops.sparse.dispatch import backend_names
+        from ..ops.sparse.dispatch import backend_names  # torch: the settings import without it
 
         if value in backend_names():
             return
