@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -13,8 +15,16 @@ from focus_attention.bench import settings as bench_settings
 from focus_attention.cli.settings import ModelsPrepareConfig, SetupConfig
 from focus_attention.evaluation import settings as eval_settings
 from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
-from focus_attention.hf.config import FocusConfig
-from focus_attention.settings import AdapterOverrides, TextSettings, settings_class
+from focus_attention.hf.config import INFERENCE_SETTINGS, FocusConfig
+from focus_attention.settings import (
+    ADAPTER_OVERRIDES,
+    SHARED_CHECKS,
+    AdapterOverrides,
+    TextSettings,
+    override_check,
+    override_type,
+    settings_class,
+)
 
 #: the settings classes of the commands outside training
 COMMAND_CLASSES = [
@@ -145,3 +155,59 @@ def test_overrides_are_the_focusconfig_fields_they_override():
     overrides = AdapterOverrides(window=64, top_k=1, dense_layers=(3,)).overrides()
     assert set(overrides) <= {f.name for f in dataclasses.fields(FocusConfig)}
     assert FocusConfig().override(**overrides).window == 64
+
+
+def test_the_override_groups_are_built_from_the_declarations():
+    assert tuple(INFERENCE_SETTINGS) == ADAPTER_OVERRIDES
+    fields = {f.name: f for f in dataclasses.fields(AdapterOverrides)}
+    for name, setting in INFERENCE_SETTINGS.items():
+        field = fields[name]
+        assert field.default is None and field.type == override_type(setting), name
+        assert dict(field.metadata) == setting.flag_metadata(setting.override_help), name
+        assert (name in SHARED_CHECKS) == (override_check(setting) is not None), name
+    assert override_type(INFERENCE_SETTINGS["top_k"]) == "int | tuple[int, ...] | None"
+    assert override_type(INFERENCE_SETTINGS["query_top_k"]) == "int | None"
+    assert override_type(INFERENCE_SETTINGS["dense_layers"]) == "tuple[int, ...] | None"
+
+
+#: a setting added to the declaration before the modules that build on it are imported
+TOY_SETTING = """
+from focus_attention.hf import config
+config.INFERENCE_SETTINGS["toy"] = config.InferenceSetting(
+    name="toy", type="int", default=3, help="a toy", override_help="a toy, over the adapter's",
+    low=2)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing transformers
+def test_a_setting_added_to_the_declaration_reaches_every_consumer():
+    code = (
+        TOY_SETTING
+        + """
+import argparse, dataclasses
+from focus_attention.cli.flags import add_flags, flag_values
+from focus_attention.deploy.config import FocusExportConfig
+from focus_attention.deploy.settings import SETTING_FIELDS, ExportConfig
+from focus_attention.evaluation.settings import EvalConfig
+from focus_attention.hf.card import setting_keywords_line
+from focus_attention.settings import ADAPTER_OVERRIDES
+parser = argparse.ArgumentParser()
+add_flags(parser, EvalConfig)
+assert "a toy, over the adapter's" in parser.format_help()
+assert flag_values(parser.parse_args(["--toy", "5"]), EvalConfig) == {"toy": 5}
+assert EvalConfig(toy=5).overrides()["toy"] == 5
+try:
+    ExportConfig(adapter="a", out="b", toy=1)
+except ValueError as err:
+    assert str(err) == "ExportConfig.toy: received 1, expected None or an int >= 2", err
+else:
+    raise AssertionError("toy=1 accepted")
+assert ADAPTER_OVERRIDES[-1] == SETTING_FIELDS[-1] == "toy"
+field = {f.name: f for f in dataclasses.fields(FocusExportConfig)}["toy"]
+assert (field.type, field.default) == ("int | None", None)
+assert "`toy=`" in setting_keywords_line()
+print("ok")
+"""
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -34,12 +34,7 @@ from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
 from .assets.model_registry import DEFAULT_MODEL
-from .hf.config import (
-    INFERENCE_ROUTINGS,
-    SPARSE_BACKENDS,
-    check_attention_backend,
-    parse_layer_heads,
-)
+from .hf.config import INFERENCE_SETTINGS, InferenceSetting
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
@@ -137,11 +132,16 @@ def _choice(choices: tuple[str, ...], optional: bool) -> Callable[[str, Any, str
     return check
 
 
-def _backend(owner: str, obj: Any, name: str) -> None:
-    """Check of an attention backend field: None, or a backend ``sparse_attention`` takes."""
-    value = getattr(obj, name)
-    if value is not None:
-        check_attention_backend(owner, name, value)
+def _declared(check: Callable[[str, str, Any], None]) -> Callable[[str, Any, str], None]:
+    """Check of a field by an inference setting's own ``check``: None, or a value it takes
+    (an attention backend: one ``sparse_attention`` takes)."""
+
+    def run(owner: str, obj: Any, name: str) -> None:
+        value = getattr(obj, name)
+        if value is not None:
+            check(owner, name, value)
+
+    return run
 
 
 def _one_or_several(low: int) -> Callable[[str, Any, str], None]:
@@ -192,21 +192,39 @@ def _text(optional: bool) -> Callable[[str, Any, str], None]:
     return check
 
 
-#: the check of each shared field (``check(owner, settings, name)``); run by
-#: :meth:`Settings.check_shared` for the fields a class has
+def override_check(setting: InferenceSetting) -> Callable[[str, Any, str], None] | None:
+    """The check of the override field of an inference setting (None passes: the adapter's
+    value): the setting's own ``check``, else one of its ``choices``, else one int (or, for
+    a setting that takes several, one or several) or a list of ints, at least its ``low``.
+    None for a setting with none of these (:class:`~focus_attention.hf.FocusConfig` checks
+    its value when it is applied)."""
+    if setting.check is not None:
+        return _declared(setting.check)
+    if setting.choices is not None:
+        return _choice(setting.choices, optional=True)
+    if setting.low is None:
+        return None
+    if setting.several:
+        return _one_or_several(setting.low)
+    if setting.is_list:
+        return _ints(setting.low, optional=True)
+    return _int_at_least(setting.low, optional=True)
+
+
+#: the check of each shared field (``check(owner, settings, name)``), the override fields'
+#: built from their declarations; run by :meth:`Settings.check_shared` for the fields a
+#: class has, in this order
 SHARED_CHECKS: dict[str, Callable[[str, Any, str], None]] = {
     "model": _text(optional=False),
     "adapter": _text(optional=True),
     "corpus": _text(optional=False),
     "split": _choice(SPLITS, optional=False),
     "seq_len": _int_at_least(2, optional=False),
-    "top_k": _one_or_several(1),
-    "window": _one_or_several(1),
-    "sink_tokens": _int_at_least(0, optional=True),
-    "dense_layers": _ints(0, optional=True),
-    "query_top_k": _int_at_least(1, optional=True),
-    "inference_routing": _choice(INFERENCE_ROUTINGS, optional=True),
-    "attention_backend": _backend,
+    **{
+        name: check
+        for name, setting in INFERENCE_SETTINGS.items()
+        if (check := override_check(setting)) is not None
+    },
     "num_groups": _int_at_least(1, optional=False),
     "seed": _int_at_least(0, optional=False),
     "lengths": _ints(1, optional=False),
@@ -306,74 +324,67 @@ class BlockSettings(Settings):
     seq_len: int = field(default=1024, metadata={"help": "tokens per block, each run on its own"})
 
 
+def override_type(setting: InferenceSetting) -> str:
+    """The annotation of the override field of ``setting``: its FocusConfig type or None
+    (``int | tuple[int, ...] | None`` for a setting that takes several values)."""
+    if setting.several:
+        return f"{setting.type} | tuple[{setting.type}, ...] | None"
+    return setting.type if setting.optional else f"{setting.type} | None"
+
+
+def override_fields(*names: str) -> Callable[[type], type]:
+    """Class decorator (under ``@dataclass``) that declares on a settings group the
+    override field of each inference setting of ``names``
+    (:data:`~focus_attention.hf.config.INFERENCE_SETTINGS`) that its bases do not declare,
+    in the order of ``names``: type :func:`override_type`, default None (the adapter's
+    value), the help text ``override_help`` and the setting's flag choices, parser and
+    metavar."""
+
+    def build(cls: type) -> type:
+        bases = cls.__mro__[1:]
+        inherited = {n for base in bases for n in getattr(base, "__dataclass_fields__", {})}
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        for name in names:
+            if name in inherited or name in own:
+                continue
+            setting = INFERENCE_SETTINGS[name]
+            own[name] = override_type(setting)
+            metadata = setting.flag_metadata(setting.override_help)
+            setattr(cls, name, field(default=None, metadata=metadata))
+        cls.__annotations__ = own
+        return cls
+
+    return build
+
+
 @dataclass
+@override_fields("top_k")
 class TopKValues(Settings):
     """``top_k`` of top-k routing, over the adapter's (one value, or several run in turn
     where the class lists it in ``SEVERAL``)."""
 
-    top_k: int | tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "groups each token keeps at inference (top-k routing), over the "
-                  "adapter's"},
-    )  # fmt: skip
-
 
 @dataclass
+@override_fields("window")
 class WindowValues(Settings):
     """The local window over the adapter's (one value, or several run in turn where the
     class lists it in ``SEVERAL``)."""
 
-    window: int | tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "local window in tokens, the query included, over the adapter's "
-                  "(the routers stay as trained)"},
-    )  # fmt: skip
-
 
 @dataclass
+@override_fields("attention_backend")
 class AttentionBackendSetting(Settings):
     """The backend of Focus's sparse attention, by name (docs/method.md §5, "Backends")."""
 
-    attention_backend: str | None = field(
-        default=None,
-        metadata={"help": "backend of Focus's sparse attention (default: an adapter's own, else "
-                  "auto; masked: every key under the mask, no host synchronisation)",
-                  "choices": SPARSE_BACKENDS},
-    )  # fmt: skip
-
 
 @dataclass
+@override_fields(*INFERENCE_SETTINGS)
 class AdapterOverrides(WindowValues, TopKValues, AttentionBackendSetting):
     """The inference settings of a Focus adapter a command may override (None: the
-    adapter's own; :class:`~focus_attention.hf.FocusConfig` documents each,
-    docs/method.md §3-§4)."""
-
-    sink_tokens: int | None = field(
-        default=None,
-        metadata={"help": "first real tokens that belong to every group, over the adapter's"},
-    )
-    dense_layers: tuple[int, ...] | None = field(
-        default=None,
-        metadata={"help": "Focus layers that run dense attention, over the adapter's (the "
-                  "retrieval layers focus bench retrieval-layers ranks)"},
-    )  # fmt: skip
-    dense_heads: tuple[tuple[int, int], ...] | None = field(
-        default=None,
-        metadata={"help": "(layer, key-value head) pairs that attend densely while the other "
-                  "heads of their layer route, over the adapter's", "type": parse_layer_heads,
-                  "metavar": "L:H,..."},
-    )  # fmt: skip
-    query_top_k: int | None = field(
-        default=None,
-        metadata={"help": "groups each query keeps, over the adapter's (keys keep top_k; "
-                  "default: the adapter's query_top_k, else top_k)"},
-    )  # fmt: skip
-    inference_routing: str | None = field(
-        default=None,
-        metadata={"help": "how top-k groups are chosen, over the adapter's (streaming: "
-                  "none, only the window and the sink tokens)",
-                  "choices": INFERENCE_ROUTINGS},
-    )  # fmt: skip
+    adapter's own): one field per setting of
+    :data:`~focus_attention.hf.config.INFERENCE_SETTINGS`, in its order after those of the
+    groups it composes; :class:`~focus_attention.hf.FocusConfig` documents each
+    (docs/method.md §3-§4)."""
 
     def overrides(self, *, without: tuple[str, ...] = ()) -> dict[str, Any]:
         """The :class:`~focus_attention.hf.FocusConfig` fields these settings override
@@ -383,17 +394,9 @@ class AdapterOverrides(WindowValues, TopKValues, AttentionBackendSetting):
         return {name: getattr(self, name) for name in ADAPTER_OVERRIDES if name not in without}
 
 
-#: the FocusConfig fields :class:`AdapterOverrides` can override
-ADAPTER_OVERRIDES = (
-    "window",
-    "sink_tokens",
-    "dense_layers",
-    "dense_heads",
-    "top_k",
-    "query_top_k",
-    "inference_routing",
-    "attention_backend",
-)
+#: the FocusConfig fields :class:`AdapterOverrides` can override: the inference settings,
+#: in their declaration's order
+ADAPTER_OVERRIDES = tuple(INFERENCE_SETTINGS)
 
 
 @dataclass

@@ -5,8 +5,10 @@ time, written all-or-nothing (docs/deploy.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -19,8 +21,12 @@ from tiny_assets import WORDS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from focus_attention import export_model
+from focus_attention.deploy.config import FocusExportConfig, json_type
+from focus_attention.deploy.loading import TRAINED_FIELDS
 from focus_attention.deploy.settings import AUTO_MAP, REMOTE_CODE_NAME, SETTING_FIELDS
 from focus_attention.hf import FocusModel, FocusSlidingWindowWarning
+from focus_attention.hf.card import setting_keywords_line
+from focus_attention.hf.config import INFERENCE_SETTINGS
 from focus_attention.hf.files import CONFIG_NAME, WEIGHTS_NAME
 
 
@@ -458,3 +464,14 @@ def test_the_config_gives_the_base_models_context_length(tmp_path):
     text = config.get_text_config(decoder=True)
     assert text.max_position_embeddings == fm.base_model.config.max_position_embeddings == 1024
     assert text.vocab_size == fm.base_model.config.vocab_size
+
+
+def test_the_exported_settings_are_the_declared_inference_settings():
+    assert tuple(INFERENCE_SETTINGS) == SETTING_FIELDS
+    fields = {f.name: f for f in dataclasses.fields(FocusExportConfig)}
+    for name, setting in INFERENCE_SETTINGS.items():
+        assert (fields[name].type, fields[name].default) == (json_type(setting), None), name
+        assert re.search(rf"[ `]{name}=", setting_keywords_line()), name
+    assert json_type(INFERENCE_SETTINGS["dense_heads"]) == "list | None"
+    assert json_type(INFERENCE_SETTINGS["query_top_k"]) == "int | None"
+    assert set(TRAINED_FIELDS).isdisjoint(INFERENCE_SETTINGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from focus_attention import FocusConfig as TopLevelFocusConfig
 from focus_attention import get_focus_model as top_level_get_focus_model
 from focus_attention.hf import FocusConfig, get_focus_model
+from focus_attention.hf.config import INFERENCE_SETTINGS, InferenceSetting
 
 
 def test_defaults():
@@ -101,3 +103,33 @@ def test_corrupt_config_file_is_a_value_error_naming_it(tmp_path, content, what)
     with pytest.raises(ValueError, match="focus_config.json: not a valid Focus config") as err:
         FocusConfig.from_json_file(path)
     assert str(path) in str(err.value) and what in str(err.value)
+
+
+def test_each_inference_setting_is_the_focusconfig_field_its_declaration_makes():
+    fields = {f.name: f for f in dataclasses.fields(FocusConfig)}
+    assert list(INFERENCE_SETTINGS) == [
+        "window", "sink_tokens", "dense_layers", "dense_heads", "top_k", "query_top_k",
+        "inference_routing", "attention_backend",
+    ]  # fmt: skip
+    for name, setting in INFERENCE_SETTINGS.items():
+        assert setting.name == name
+        field = fields[name]  # a new setting is named in FocusConfig's body, where it goes
+        assert (field.type, field.default) == (setting.type, setting.default), name
+        assert dict(field.metadata) == setting.flag_metadata(setting.help), name
+        assert getattr(FocusConfig(), name) == setting.default
+
+
+def test_a_declared_setting_checks_its_values_as_declared():
+    with pytest.raises(ValueError, match=r"^X\.window: received 0, expected an int >= 1$"):
+        INFERENCE_SETTINGS["window"].check_value("X", 0)
+    INFERENCE_SETTINGS["query_top_k"].check_value("X", None)  # optional
+    with pytest.raises(ValueError, match=r"X\.inference_routing: received 'x', expected one of"):
+        INFERENCE_SETTINGS["inference_routing"].check_value("X", "x")
+    with pytest.raises(ValueError, match="registered sparse-attention backend"):
+        INFERENCE_SETTINGS["attention_backend"].check_value("X", "nope")
+    with pytest.raises(TypeError, match="list setting"):
+        INFERENCE_SETTINGS["dense_layers"].check_value("X", (1,))
+    toy = InferenceSetting(name="toy", type="int", default=3, help="h", override_help="o", low=2)
+    with pytest.raises(ValueError, match=r"X\.toy: received 1, expected an int >= 2"):
+        toy.check_value("X", 1)
+    assert toy.config_field().default == 3 and toy.flag_metadata("h") == {"help": "h"}

@@ -4,11 +4,32 @@ the layout version. transformers loads it through ``modeling_focus.py`` (``auto_
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
+from ..hf.config import INFERENCE_SETTINGS, InferenceSetting
 from .settings import BASE_CONFIG_KEY, EXPORT_MODEL_TYPE
 
-__all__ = ["FocusExportConfig", "base_config_of"]
+__all__ = ["FocusExportConfig", "base_config_of", "declare_settings", "json_type"]
+
+
+def json_type(setting: InferenceSetting) -> str:
+    """The annotation of an inference setting's ``config.json`` field: its value as JSON
+    holds it (a list for a list setting), or None (the adapter's own)."""
+    value = "list" if setting.is_list else setting.type.removesuffix(" | None")
+    return f"{value} | None"
+
+
+def declare_settings(namespace: dict[str, Any]) -> None:
+    """Declare in a config class body's ``namespace`` one field per inference setting of
+    :data:`~focus_attention.hf.config.INFERENCE_SETTINGS`, in its order: type
+    :func:`json_type`, default None. (transformers makes a config class a dataclass as
+    soon as it is defined, so the fields go into its body.)"""
+    annotations = namespace.setdefault("__annotations__", {})
+    for name, setting in INFERENCE_SETTINGS.items():
+        annotations[name] = json_type(setting)
+        namespace[name] = None
 
 
 class FocusExportConfig(PreTrainedConfig):
@@ -17,10 +38,10 @@ class FocusExportConfig(PreTrainedConfig):
     Attributes:
         base_config: the base model's config as a dict (its ``config.json``).
         focus_export_format: the layout version of the exported directory.
-        window, sink_tokens, dense_layers, dense_heads, top_k, query_top_k,
-        inference_routing, attention_backend: the Focus inference settings the model loads
-            with (None: the adapter's own); a keyword of ``from_pretrained`` with one of
-            these names, or an edit of ``config.json``, changes them
+        window, sink_tokens, dense_layers, ...: one field per inference setting
+            (:data:`~focus_attention.hf.config.INFERENCE_SETTINGS`): the settings the model
+            loads with (None: the adapter's own); a keyword of ``from_pretrained`` with one
+            of these names, or an edit of ``config.json``, changes them
             (:class:`~focus_attention.hf.FocusConfig` documents each).
     """
 
@@ -28,14 +49,7 @@ class FocusExportConfig(PreTrainedConfig):
 
     base_config: dict | None = None
     focus_export_format: int | None = None
-    window: int | None = None
-    sink_tokens: int | None = None
-    dense_layers: list | None = None
-    dense_heads: list | None = None
-    top_k: int | None = None
-    query_top_k: int | None = None
-    inference_routing: str | None = None
-    attention_backend: str | None = None
+    declare_settings(locals())
 
     def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None):
         """The base model's text config (its own class, :func:`base_config_of`): tools that

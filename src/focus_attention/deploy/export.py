@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..assets.models import load_model
 from ..hf.card import base_model_name, export_card, model_records
 from ..hf.files import ATTACHED_ROUTERS, CARD_NAME, base_model_fingerprint
 from ..hf.model import FocusModel
@@ -262,9 +263,6 @@ def export_adapter(config: ExportConfig) -> Path:
         FileExistsError, FileNotFoundError: as :func:`export_model` and
             :meth:`FocusModel.from_pretrained` raise them.
     """
-    from ..assets.models import load_model
-    from ..hf.model import FocusModel
-
     out = Path(config.out)
     check_out(out, config.overwrite, (config.adapter, config.model))
     _check_focus_only(config.adapter)

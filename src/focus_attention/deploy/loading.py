@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import cached_file
 
 from ..hf.config import FocusConfig
 from ..hf.files import ATTACHED_ROUTERS, CONFIG_NAME, WEIGHTS_NAME
+from ..hf.model import FocusModel
 from .config import FocusExportConfig, base_config_of
 from .export import save_loaded_export
 from .settings import EXPORT_FORMAT_VERSION, FORMAT_KEY, SETTING_FIELDS
@@ -109,8 +112,6 @@ def attach_routers(base: nn.Module, focus_model: nn.Module) -> nn.Module:
 def _adapter_directory(path: str, hub: dict[str, Any]) -> Path:
     """The local folder holding the exported directory's adapter files (downloaded into
     the Hugging Face cache when ``path`` is a hub repo id)."""
-    from transformers.utils import cached_file
-
     found = [cached_file(path, name, **hub) for name in (CONFIG_NAME, WEIGHTS_NAME)]
     if any(f is None for f in found):
         raise FileNotFoundError(
@@ -153,11 +154,11 @@ def load_exported(
         pretrained_model_name_or_path: the exported directory, or a hub repo id holding one.
         model_args: passed to the base model's ``from_pretrained``.
         config: its :class:`FocusExportConfig` (read from the directory when None).
-        kwargs: ``window``, ``sink_tokens``, ``dense_layers``, ``top_k``, ``query_top_k``,
-            ``inference_routing``, ``attention_backend`` override the settings of
-            ``config.json``; every other
-            keyword (``dtype``, ``device_map``, ``revision``, ``token``...) goes to the base
-            model's ``from_pretrained``.
+        kwargs: the inference settings (:data:`SETTING_FIELDS
+            <focus_attention.deploy.settings.SETTING_FIELDS>`: ``window``, ``top_k``,
+            ``dense_layers``...) override those of ``config.json``; every other keyword
+            (``dtype``, ``device_map``, ``revision``, ``token``...) goes to the base model's
+            ``from_pretrained``.
 
     Returns:
         the base model's own class (for example ``LlamaForCausalLM``) in eval mode, with
@@ -171,10 +172,6 @@ def load_exported(
             given as a keyword or in the config; a misspelt setting in the config
             (:func:`check_setting_names`); invalid settings (as :class:`~focus_attention.hf.FocusConfig` raises them).
     """
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from ..hf.model import FocusModel
-
     path = os.fspath(pretrained_model_name_or_path)
     hub = {k: kwargs[k] for k in HUB_KEYS if kwargs.get(k) is not None}
     given = {k: kwargs.pop(k) for k in SETTING_FIELDS if k in kwargs}

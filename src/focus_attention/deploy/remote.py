@@ -11,6 +11,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from .config import FocusExportConfig
+from .loading import load_exported
 
 __all__ = ["FocusForCausalLM"]
 
@@ -41,6 +42,4 @@ class FocusForCausalLM(PreTrainedModel):
         """The exported model in ``pretrained_model_name_or_path`` (a directory or a hub
         repo id): :func:`~focus_attention.deploy.loading.load_exported`, which documents the
         arguments, returns and errors."""
-        from .loading import load_exported
-
         return load_exported(pretrained_model_name_or_path, *model_args, **kwargs)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ..settings import ADAPTER_OVERRIDES, AdapterOverrides, ModelSettings, settings_class
+from ..hf.config import INFERENCE_SETTINGS
+from ..settings import AdapterOverrides, ModelSettings, settings_class
 from ..utils.checks import bad
 
 __all__ = [
@@ -43,10 +44,11 @@ BASE_CONFIG_KEY = "base_config"
 FORMAT_KEY = "focus_export_format"
 #: version of the exported directory's layout
 EXPORT_FORMAT_VERSION = 1
-#: the Focus settings ``config.json`` holds at its top level: the inference settings that
-#: can change at load time (``from_pretrained(dir, trust_remote_code=True, top_k=1)`` or an
-#: edit of ``config.json``); the trained shapes stay in ``focus_config.json``
-SETTING_FIELDS = ADAPTER_OVERRIDES
+#: the Focus settings ``config.json`` holds at its top level: the inference settings
+#: (:data:`~focus_attention.hf.config.INFERENCE_SETTINGS`), which can change at load time
+#: (``from_pretrained(dir, trust_remote_code=True, top_k=1)`` or an edit of
+#: ``config.json``); the trained shapes stay in ``focus_config.json``
+SETTING_FIELDS = tuple(INFERENCE_SETTINGS)
 
 
 @settings_class()

@@ -16,7 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import ModelCardData
+
 from ..utils.io import TRAIN_CONFIG_NAME
+from .config import INFERENCE_SETTINGS
 from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, weights_file_sha256
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "read_records",
     "remember_source",
     "routers_digest",
+    "setting_keywords_line",
 ]
 
 #: the line that marks a card as written by this package (rewritten on every save)
@@ -224,8 +228,6 @@ def _eval_lines(records: dict[str, Any]) -> list[str]:
 
 def _metadata(base_name: str | None, tags: list[str]) -> str:
     """The YAML front matter (huggingface_hub's ``ModelCardData``)."""
-    from huggingface_hub import ModelCardData
-
     base = base_name if base_name and HUB_ID.match(base_name) and not Path(base_name).exists() else None  # fmt: skip
     data = ModelCardData(library_name="focus-attention", base_model=base, tags=tags)
     return f"---\n{data.to_yaml()}\n---\n{CARD_MARKER}\n"
@@ -311,6 +313,17 @@ def _base_loading_lines(base_name: str | None) -> list[str]:
             f'base, tokenizer = load_model("{base_name or "BASE_MODEL"}")']  # fmt: skip
 
 
+def setting_keywords_line() -> str:
+    """The exported card's line on the inference settings a load can change: each of
+    :data:`~focus_attention.hf.config.INFERENCE_SETTINGS` as a ``from_pretrained`` keyword
+    and a ``config.json`` key."""
+    others = ", ".join(f"`{name}=`" for name in INFERENCE_SETTINGS if name != "top_k")
+    return (
+        f"`from_pretrained(..., top_k=1)` (or {others}), or an edit of these keys in "
+        "`config.json`, changes the inference settings."
+    )
+
+
 def export_card(
     settings: dict[str, Any],
     fingerprint: dict[str, Any],
@@ -344,9 +357,7 @@ def export_card(
         f'generate = pipeline("text-generation", "{where}", trust_remote_code=True)',
         "```",
         "",
-        "`from_pretrained(..., top_k=1)` (or `window=`, `dense_layers=`, `dense_heads=`, "
-        "`sink_tokens=`, `query_top_k=`, `inference_routing=`, `attention_backend=`), or an "
-        "edit of these keys in `config.json`, changes the inference settings.",
+        setting_keywords_line(),
         "",
         "Serve it over HTTP (an OpenAI-compatible API; `pip install './focus-attention[serve]'`): "
         f"`transformers serve {where} --trust-remote-code`.",

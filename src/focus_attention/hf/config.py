@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ __all__ = [
     "CONFIG_FORMAT_VERSION",
     "GATES",
     "INFERENCE_ROUTINGS",
+    "INFERENCE_SETTINGS",
     "ROUTINGS",
     "SAVED_EXTRA_KEYS",
     "SPARSE_BACKENDS",
     "FocusConfig",
+    "InferenceSetting",
     "check_attention_backend",
     "parse_config_document",
     "read_config_file",
@@ -49,7 +52,7 @@ def check_attention_backend(owner: str, name: str, value: object) -> None:
     if value in SPARSE_BACKENDS:
         return
     if isinstance(value, str) and value:
-        from ..ops.sparse.dispatch import backend_names
+        from ..ops.sparse.dispatch import backend_names  # torch: the settings import without it
 
         if value in backend_names():
             return
@@ -73,6 +76,188 @@ def parse_layer_heads(text: str) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
+class InferenceSetting:
+    """The declaration of one inference-time setting of :class:`FocusConfig`: a setting
+    that can change on a trained adapter, each declared once in :data:`INFERENCE_SETTINGS`.
+    Built from it: the :class:`FocusConfig` field (and the flag of ``focus train``), the
+    commands' override flags (:class:`focus_attention.settings.AdapterOverrides`), the
+    keys of an exported model's ``config.json`` and ``from_pretrained`` keywords
+    (:mod:`focus_attention.deploy`) and the exported model card's list of them. A new
+    setting is a row of :data:`INFERENCE_SETTINGS` and a line of :class:`FocusConfig`'s
+    body naming it (where its field goes), with its check in :meth:`FocusConfig.validate`.
+
+    Attributes:
+        name: the field's name (flag ``--name-with-dashes``, ``config.json`` key, keyword).
+        type: the :class:`FocusConfig` field's annotation, as text (``"int"``,
+            ``"tuple[int, ...]"``; ``"... | None"`` when None is a value).
+        default: the :class:`FocusConfig` field's default.
+        help: the :class:`FocusConfig` field's help text (the flag of ``focus train``).
+        override_help: the help text of a command's override flag (its value replaces the
+            adapter's; unset keeps it).
+        low: the least value of an int setting, or of each int of a list of ints (None:
+            neither).
+        choices: the names the flag offers (None: any); a value outside them is refused
+            unless ``check`` decides.
+        check: ``check(owner, name, value)`` of a value, raising ``ValueError``, instead of
+            the ``choices`` (None: ``low`` and ``choices`` only).
+        parse: parser of the flag's text, one comma-separated value (None: read from
+            ``type``).
+        metavar: how the flag's help names its value (None: argparse's own).
+        several: the override takes one value or several (``int | tuple[int, ...]``, each
+            run in turn where a command's settings class lists it in ``SEVERAL``).
+    """
+
+    name: str
+    type: str
+    default: Any
+    help: str
+    override_help: str
+    low: int | None = None
+    choices: tuple[str, ...] | None = None
+    check: Callable[[str, str, Any], None] | None = None
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    several: bool = False
+
+    def flag_metadata(self, help: str) -> dict[str, Any]:
+        """The ``metadata`` of a settings field with this setting's flag and ``help``
+        (:mod:`focus_attention.cli.flags` reads it)."""
+        extra = {"choices": self.choices, "type": self.parse, "metavar": self.metavar}
+        return {"help": help, **{k: v for k, v in extra.items() if v is not None}}
+
+    def config_field(self) -> Any:
+        """The :class:`FocusConfig` field (a ``dataclasses.field``)."""
+        return field(default=self.default, metadata=self.flag_metadata(self.help))
+
+    @property
+    def is_list(self) -> bool:
+        """Whether a value is a list of values (``type`` is a ``tuple[...]``)."""
+        return self.type.startswith("tuple[")
+
+    @property
+    def optional(self) -> bool:
+        """Whether None is a value of the :class:`FocusConfig` field."""
+        return self.type.endswith("| None")
+
+    def check_value(self, owner: str, value: Any) -> None:
+        """Check a value of a setting that is not a list (:attr:`is_list`; FocusConfig
+        checks those itself): ``check``, else one of ``choices``, else an int at least
+        ``low`` (None passes where the setting is :attr:`optional`).
+
+        Raises:
+            ValueError: ``"<owner>.<name>: received ..., expected ..."``.
+        """
+        if self.is_list:
+            raise TypeError(f"{self.name}: a list setting, checked by its owner")
+        if self.check is not None:
+            self.check(owner, self.name, value)
+        elif self.choices is not None and value not in self.choices:
+            raise bad(owner, self.name, value, f"one of {self.choices}")
+        elif self.low is not None:
+            check_int(owner, self.name, value, self.low, optional=self.optional)
+
+
+#: the inference-time settings of :class:`FocusConfig`, by name, each declared once (the
+#: order of the override flags and of an export's ``config.json``)
+INFERENCE_SETTINGS: dict[str, InferenceSetting] = {
+    s.name: s
+    for s in (
+        InferenceSetting(
+            name="window",
+            type="int",
+            default=128,
+            help="local window in tokens, the query included",
+            override_help="local window in tokens, the query included, over the adapter's "
+            "(the routers stay as trained)",
+            low=1,
+            several=True,
+        ),
+        InferenceSetting(
+            name="sink_tokens",
+            type="int",
+            default=4,
+            help="first real tokens that belong to every group",
+            override_help="first real tokens that belong to every group, over the adapter's",
+            low=0,
+        ),
+        InferenceSetting(
+            name="dense_layers",
+            type="tuple[int, ...]",
+            default=(),
+            help="Focus layers that run dense attention, e.g. the retrieval layers (default: none)",
+            override_help="Focus layers that run dense attention, over the adapter's (the "
+            "retrieval layers focus bench retrieval-layers ranks)",
+            low=0,
+        ),
+        InferenceSetting(
+            name="dense_heads",
+            type="tuple[tuple[int, int], ...]",
+            default=(),
+            help="(layer, key-value head) pairs that attend densely while the other heads "
+            "of their layer route, as LAYER:HEAD,... (default: none)",
+            override_help="(layer, key-value head) pairs that attend densely while the other "
+            "heads of their layer route, over the adapter's",
+            parse=parse_layer_heads,
+            metavar="L:H,...",
+        ),
+        InferenceSetting(
+            name="top_k",
+            type="int",
+            default=2,
+            help="groups each token keeps at inference",
+            override_help="groups each token keeps at inference (top-k routing), over the "
+            "adapter's",
+            low=1,
+            several=True,
+        ),
+        InferenceSetting(
+            name="query_top_k",
+            type="int | None",
+            default=None,
+            help="groups each query keeps at inference, if not top_k (keys keep top_k)",
+            override_help="groups each query keeps, over the adapter's (keys keep top_k; "
+            "default: the adapter's query_top_k, else top_k)",
+            low=1,
+        ),
+        InferenceSetting(
+            name="inference_routing",
+            type="str",
+            default="causal",
+            help="how top-k groups are chosen (streaming: none, only the window and the sink "
+            "tokens)",
+            override_help="how top-k groups are chosen, over the adapter's (streaming: none, "
+            "only the window and the sink tokens)",
+            choices=INFERENCE_ROUTINGS,
+        ),
+        InferenceSetting(
+            name="attention_backend",
+            type="str",
+            default="auto",
+            help="backend of the Focus layers' sparse attention (masked: every key under the "
+            "mask, no host synchronisation; for decoding on a GPU)",
+            override_help="backend of Focus's sparse attention (default: an adapter's own, "
+            "else auto; masked: every key under the mask, no host synchronisation)",
+            choices=SPARSE_BACKENDS,
+            check=check_attention_backend,
+        ),
+    )
+}
+
+
+def _declared_fields(cls: type) -> type:
+    """Class decorator (under ``@dataclass``): each class attribute that is an
+    :class:`InferenceSetting` becomes its field, with the declaration's type, default and
+    flag metadata, where the class body names it (so that the fields keep their order)."""
+    annotations = cls.__dict__["__annotations__"]
+    for name, value in list(vars(cls).items()):
+        if isinstance(value, InferenceSetting):
+            annotations[name] = value.type
+            setattr(cls, name, value.config_field())
+    return cls
+
+
+@dataclass(frozen=True)
+@_declared_fields
 class FocusConfig:
     """Settings of a Focus retrofit (docs/method.md §1-§4 and §8).
 
@@ -170,56 +355,29 @@ class FocusConfig:
 
     num_groups: int = field(default=8, metadata={"help": "K, learned groups per layer"})
     group_dim: int = field(default=16, metadata={"help": "d_g, width of the routing projection"})
-    window: int = field(
-        default=128, metadata={"help": "local window in tokens, the query included"}
-    )
-    top_k: int = field(default=2, metadata={"help": "groups each token keeps at inference"})
-    query_top_k: int | None = field(
-        default=None,
-        metadata={"help": "groups each query keeps at inference, if not top_k (keys keep "
-                  "top_k)"},
-    )  # fmt: skip
+    # an inference setting names its declaration (INFERENCE_SETTINGS), whose type, default
+    # and help the field takes (_declared_fields)
+    window: InferenceSetting = INFERENCE_SETTINGS["window"]
+    top_k: InferenceSetting = INFERENCE_SETTINGS["top_k"]
+    query_top_k: InferenceSetting = INFERENCE_SETTINGS["query_top_k"]
     temperature: float = field(default=0.1, metadata={"help": "tau of the routing scores"})
     sinkhorn_iters: int = field(
         default=10, metadata={"help": "Sinkhorn iterations of soft routing (0: off, softmax)"}
     )
     gate: str = field(default="log", metadata={"help": "soft training gate", "choices": GATES})
     gate_sharpness: float = field(default=10.0, metadata={"help": "lambda of the paper gate"})
-    sink_tokens: int = field(
-        default=4, metadata={"help": "first real tokens that belong to every group"}
-    )
+    sink_tokens: InferenceSetting = INFERENCE_SETTINGS["sink_tokens"]
     routing: str = field(
         default="auto",
         metadata={"help": "soft in train(), top-k in eval(), or forced", "choices": ROUTINGS},
     )
-    inference_routing: str = field(
-        default="causal",
-        metadata={
-            "help": "how top-k groups are chosen (streaming: none, only the window and "
-            "the sink tokens)",
-            "choices": INFERENCE_ROUTINGS,
-        },
-    )
-    attention_backend: str = field(
-        default="auto",
-        metadata={"help": "backend of the Focus layers' sparse attention (masked: every key "
-                  "under the mask, no host synchronisation; for decoding on a GPU)",
-                  "choices": SPARSE_BACKENDS},
-    )  # fmt: skip
+    inference_routing: InferenceSetting = INFERENCE_SETTINGS["inference_routing"]
+    attention_backend: InferenceSetting = INFERENCE_SETTINGS["attention_backend"]
     layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "layers that get Focus (default: every full layer)"}
     )
-    dense_layers: tuple[int, ...] = field(
-        default=(),
-        metadata={"help": "Focus layers that run dense attention, e.g. the retrieval layers "
-                  "(default: none)"},
-    )  # fmt: skip
-    dense_heads: tuple[tuple[int, int], ...] = field(
-        default=(),
-        metadata={"help": "(layer, key-value head) pairs that attend densely while the other "
-                  "heads of their layer route, as LAYER:HEAD,... (default: none)",
-                  "type": parse_layer_heads, "metavar": "L:H,..."},
-    )  # fmt: skip
+    dense_layers: InferenceSetting = INFERENCE_SETTINGS["dense_layers"]
+    dense_heads: InferenceSetting = INFERENCE_SETTINGS["dense_heads"]
     seed: int = field(default=0, metadata={"help": "seed of the router initialisation"})
     bias_momentum: float = field(
         default=0.01, metadata={"help": "momentum of the calibrated causal routing bias"}
@@ -244,11 +402,11 @@ class FocusConfig:
         naming the first bad one."""
         _int("num_groups", self.num_groups, 1)
         _int("group_dim", self.group_dim, 1)
-        _int("window", self.window, 1)
-        _int("top_k", self.top_k, 1)
+        self._check_setting("window")
+        self._check_setting("top_k")
         if self.top_k > self.num_groups:
             raise _bad("top_k", self.top_k, f"an int in 1..num_groups={self.num_groups}")
-        _int("query_top_k", self.query_top_k, 1, optional=True)
+        self._check_setting("query_top_k")
         if self.query_top_k is not None and self.query_top_k > self.num_groups:
             raise _bad(
                 "query_top_k",
@@ -260,13 +418,12 @@ class FocusConfig:
         if self.gate not in GATES:
             raise _bad("gate", self.gate, f"one of {GATES}")
         _positive_float("gate_sharpness", self.gate_sharpness)
-        _int("sink_tokens", self.sink_tokens, 0)
+        self._check_setting("sink_tokens")
         _int("soft_chunk_size", self.soft_chunk_size, 0)
         if self.routing not in ROUTINGS:
             raise _bad("routing", self.routing, f"one of {ROUTINGS}")
-        if self.inference_routing not in INFERENCE_ROUTINGS:
-            raise _bad("inference_routing", self.inference_routing, f"one of {INFERENCE_ROUTINGS}")
-        check_attention_backend("FocusConfig", "attention_backend", self.attention_backend)
+        self._check_setting("inference_routing")
+        self._check_setting("attention_backend")
         if self.layers is not None:
             layers = _layer_indices("layers", self.layers)
             if not layers:
@@ -287,6 +444,11 @@ class FocusConfig:
             or not 0 < self.bias_momentum <= 1
         ):
             raise _bad("bias_momentum", self.bias_momentum, "a number in (0, 1]")
+
+    def _check_setting(self, name: str) -> None:
+        """Check the inference setting ``name`` as its declaration says
+        (:meth:`InferenceSetting.check_value`)."""
+        INFERENCE_SETTINGS[name].check_value("FocusConfig", getattr(self, name))
 
     def _validate_dense_heads(self) -> None:
         """``dense_heads`` as a sorted tuple of distinct ``(layer, kv_head)`` pairs of Focus

@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +13,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..utils.compile import eager_only
+from . import save_and_load
 from .architectures import (
     attention_modules,
     get_architecture,
@@ -27,26 +26,14 @@ from .cache import check_cache
 from .config import ROUTINGS, FocusConfig
 from .files import (
     CONFIG_NAME,
-    ROUTER_TENSORS,
-    STATE_CONFIG_KEY,
     TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
     FocusBaseMismatchWarning,
-    adapter_layout,
     base_model_fingerprint,
-    compare_fingerprints,
-    config_document,
-    document_to_tensor,
-    read_adapter,
-    read_trainer_state,
-    tensor_layers,
-    tensor_to_document,
-    to_file_tensors,
-    write_adapter,
 )
 from .masks import GenerateMasks
 from .paged import FocusContinuousBatching
-from .router import FocusRouter, check_router_values
+from .router import FocusRouter
 from .runtime import (
     ATTN_IMPLEMENTATION,
     RUNTIME_ATTR,
@@ -170,33 +157,6 @@ def _pretrained_parts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, PreTrainedModel) or m is model]
 
 
-# --------------------------------------------------------------------------------------------
-# the adapter
-# --------------------------------------------------------------------------------------------
-
-
-def _router_value(name: str, src: torch.Tensor, dst: torch.Tensor, layer: int) -> torch.Tensor:
-    """``src``, the file tensor ``name``, as router tensor ``dst`` holds it (shape, dtype,
-    device), checked: its shape, a materialised ``dst``, finite values.
-
-    Raises:
-        ValueError: a shape mismatch, ``dst`` on the meta device, NaN or infinities.
-    """
-    if src.numel() != dst.numel() or (dst.ndim and tuple(src.shape) != tuple(dst.shape)):
-        raise ValueError(
-            f"Focus weights: {name} has shape {tuple(src.shape)}, this adapter expects "
-            f"{tuple(dst.shape)}"
-        )
-    if dst.device.type == "meta":
-        raise ValueError(
-            f"the Focus router of layer {layer} is on the meta device: materialise the model "
-            "first (to_empty(device=...)) or load with load_state_dict(..., assign=True)"
-        )
-    value = src.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device)
-    check_router_values(name, value)
-    return value
-
-
 class FocusModel(FocusContinuousBatching, nn.Module):
     """A Hugging Face causal LM with Focus routers on its attention layers (docs/method.md §8).
 
@@ -268,7 +228,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         model_config._attn_implementation = ATTN_IMPLEMENTATION
         base_model.create_masks_for_generate = GenerateMasks(base_model)
         self._unloaded = False
-        self.register_load_state_dict_post_hook(_base_keys_not_expected)
+        self.register_load_state_dict_post_hook(save_and_load.base_keys_not_expected)
         self.train(base_model.training)
 
     def _build_routers(self, config: FocusConfig, layers: list[int], modules: dict) -> dict:
@@ -648,16 +608,9 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         that is not a ``PreTrainedModel``: its checkpoints and ``save_model`` output are Focus
         adapters that :meth:`from_pretrained` loads and ``resume_from_checkpoint`` restores.
         """
-        if args:
-            raise TypeError("FocusModel.state_dict takes keyword arguments only")
-        if destination is None:
-            destination = OrderedDict()
-        self.routers.state_dict(
-            destination=destination, prefix=prefix + "routers.", keep_vars=keep_vars
+        return save_and_load.state_dict(
+            self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars
         )
-        text = config_document(self.focus_config, base_model_fingerprint(self.base_model))
-        destination[prefix + STATE_CONFIG_KEY] = document_to_tensor(text)
-        return destination
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
@@ -666,16 +619,9 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         parent ``nn.Module``) loads its :meth:`state_dict`: the config entry takes effect as
         in :meth:`load_state_dict` (never dropped, also with ``strict=False``) and the base
         model's weights, which the state does not hold, are not reported missing."""
-        key = prefix + STATE_CONFIG_KEY
-        if key in state_dict:
-            config, _ = tensor_to_document(state_dict[key], key)
-            self.focus_config = config.replace(seed=self.focus_config.seed)
-        self.__dict__["_load_prefix"] = prefix
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        save_and_load.load_from_state_dict(
+            self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a :meth:`state_dict` (router tensors and, when present, the config, whose
@@ -689,35 +635,13 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 differs in ``num_groups``, ``group_dim`` or ``layers``; shape mismatches;
                 router values that are NaN or infinite (nothing is loaded then).
         """
-        self._check_live()
-        routers = {k[8:]: v for k, v in state_dict.items() if k.startswith("routers.")}
-        unexpected = [k for k in state_dict if not k.startswith("routers.")]
-        unexpected = [k for k in unexpected if k != STATE_CONFIG_KEY]
-        config = None
-        if STATE_CONFIG_KEY in state_dict:
-            config, _ = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
-            config = config.replace(seed=self.focus_config.seed)
-        expected = set(self.routers.state_dict())
-        missing = sorted("routers." + k for k in expected - set(routers))
-        unexpected += sorted("routers." + k for k in set(routers) - expected)
-        if strict and (missing or unexpected):
-            raise ValueError(
-                f"Error(s) in loading the Focus state dict: missing keys {missing}, unexpected "
-                f"keys {unexpected}"
-            )
-        for key, tensor in routers.items():
-            check_router_values(f"routers.{key}", tensor)
-        if config is not None:
-            self.focus_config = config
-        result = self.routers.load_state_dict(routers, strict=False, assign=assign)
-        return type(result)(missing, unexpected)
+        return save_and_load.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def focus_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the Focus tensors in the adapter file's layout: ``layer.{i}.proj``,
         ``.centroids``, ``.routing_bias``, ``.bias_updates`` (detached, CPU, contiguous)."""
-        return to_file_tensors(self.routers.state_dict(prefix="routers."))
+        return save_and_load.focus_state_dict(self)
 
-    @torch.no_grad()
     def load_focus_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load :meth:`focus_state_dict` output strictly.
 
@@ -725,20 +649,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             ValueError: missing or unexpected keys, a shape mismatch, or NaN or infinite
                 values (names them).
         """
-        expected = {f"layer.{i}.{n}" for i in self.routers for n in ROUTER_TENSORS}
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        if missing or extra:
-            raise ValueError(
-                f"Focus weights do not match this adapter: missing keys {missing}, "
-                f"unexpected keys {extra}"
-            )
-        values = {(i, name): _router_value(f"layer.{i}.{name}", tensors[f"layer.{i}.{name}"],
-                                           getattr(router, name), i)
-                  for i, router in self.routers.items() for name in ROUTER_TENSORS}  # fmt: skip
-        for i, router in self.routers.items():  # every tensor checked: now load them all
-            for name in ROUTER_TENSORS:
-                getattr(router, name).copy_(values[i, name])
-            router.mark_loaded()
+        save_and_load.load_focus_state_dict(self, tensors)
 
     def load_routers(self, directory: str | os.PathLike) -> FocusModel:
         """Load the router weights of a saved adapter (projections, centroids, routing bias
@@ -764,27 +675,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         Warns:
             FocusBaseMismatchWarning: the adapter was saved on a base model with other weights.
         """
-        directory = Path(directory)
-        if adapter_layout(directory) != "adapter":
-            raise FileNotFoundError(
-                f"{directory / CONFIG_NAME} not found: load_routers reads an adapter folder "
-                f"({CONFIG_NAME} and {WEIGHTS_NAME}); load a Trainer output folder with "
-                "FocusModel.from_pretrained"
-            )
-        config, extra, tensors = read_adapter(directory)
-        current = self.focus_config
-        fields = [(n, getattr(config, n), getattr(current, n)) for n in ("num_groups", "group_dim")]
-        fields.append(("layers", tensor_layers(tensors), self.focus_layers))
-        for name, saved, here in fields:
-            if saved != here:
-                raise ValueError(
-                    f"FocusModel.load_routers: the adapter in {directory} has {name}={saved!r}, "
-                    f"this model {here!r}; build the model with the adapter's {name}"
-                )
-        saved_fp = extra.get("base_model_fingerprint") or {}
-        compare_fingerprints(saved_fp, base_model_fingerprint(self.base_model), "FocusModel.load_routers")  # fmt: skip
-        self.load_focus_state_dict(tensors)
-        return self
+        return save_and_load.load_routers(self, directory)
 
     # --- files ---------------------------------------------------------------------------
 
@@ -819,31 +710,9 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             ValueError: ``safe_serialization=False``; a ``state_dict`` without the config.
             OSError: a write failed (the folder's previous adapter is left as it was).
         """
-        self._check_live()
-        if not safe_serialization:
-            raise ValueError(
-                "FocusModel.save_pretrained: safe_serialization=False is not supported; Focus "
-                "adapters are saved as safetensors"
-            )
-        if not is_main_process:
-            return
-        if state_dict is None:
-            state_dict = self.state_dict()
-        if STATE_CONFIG_KEY not in state_dict:
-            raise ValueError(
-                f"FocusModel.save_pretrained: the state_dict has no {STATE_CONFIG_KEY!r} entry "
-                "(pass the output of FocusModel.state_dict())"
-            )
-        config, extra = tensor_to_document(state_dict[STATE_CONFIG_KEY], STATE_CONFIG_KEY)
-        tensors = to_file_tensors(state_dict)
-        fingerprint = extra.get("base_model_fingerprint") or {}
-        text = config_document(config, fingerprint)
-        card = None
-        if model_card:
-            from .card import adapter_card_of
-
-            card = adapter_card_of(self, save_directory, config.to_dict(), fingerprint)
-        write_adapter(Path(save_directory), tensors, text, card)
+        save_and_load.save_pretrained(
+            self, save_directory, state_dict, safe_serialization, is_main_process, model_card
+        )
 
     @classmethod
     def from_pretrained(
@@ -886,35 +755,15 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             FocusBaseMismatchWarning: same structure but different parameter shapes or
                 weights than the base the adapter was saved with.
         """
-        from .hub import resolve_adapter
-
-        directory = resolve_adapter(directory, revision=revision, token=token, cache_dir=cache_dir)
-        adapter = adapter_layout(directory) == "adapter"
-        if adapter:
-            config, extra, tensors = read_adapter(directory)
-        else:
-            config, extra, tensors = read_trainer_state(directory / TRAINER_WEIGHTS_NAME)
-        saved_fp = extra.get("base_model_fingerprint") or {}
-        compare_fingerprints(
-            saved_fp, base_model_fingerprint(base_model), "FocusModel.from_pretrained"
+        return save_and_load.from_pretrained(
+            cls,
+            base_model,
+            directory,
+            is_trainable,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
         )
-        model = cls(base_model, config)
-        try:
-            if adapter:
-                model.load_focus_state_dict(tensors)
-            else:
-                model.load_state_dict(tensors)
-        except Exception:
-            model.unload()
-            raise
-        if not is_trainable:
-            model.requires_grad_(False)
-            model.eval()
-        if adapter:
-            from .card import remember_source
-
-            remember_source(model, directory)
-        return model
 
     def push_to_hub(
         self,
@@ -936,10 +785,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             ValueError: a ``repo_id`` that is not ``name`` or ``org/name``.
             huggingface_hub errors: authentication, network (as ``HfApi`` raises them).
         """
-        self._check_live()
-        from .hub import push_adapter
-
-        return push_adapter(
+        return save_and_load.push_to_hub(
             self,
             repo_id,
             private=private,
@@ -996,14 +842,6 @@ def _forward_eagerly(model: FocusModel, kwargs: dict[str, Any]) -> Any:
     """:meth:`FocusModel.forward`'s base-model call, eagerly (a graph break under
     ``torch.compile``, with nothing below it compiled)."""
     return model.base_model(**model._cache_defaults(kwargs))
-
-
-def _base_keys_not_expected(model: FocusModel, incompatible_keys: Any) -> None:
-    """Load-state-dict post-hook: the base model's weights are not part of a FocusModel's
-    state, so their absence is not a missing key (see ``FocusModel._load_from_state_dict``)."""
-    prefix = model.__dict__.pop("_load_prefix", "") + "base_model."
-    missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not k.startswith(prefix)]
 
 
 def get_focus_model(model: nn.Module, config: FocusConfig | None = None) -> FocusModel:
