@@ -15,20 +15,14 @@ import torch
 
 from focus_attention import cli
 from focus_attention.bench import run_record
-from focus_attention.bench.settings import (
-    DecodeBenchConfig,
-    KernelBenchConfig,
-    MergeResultsConfig,
-    ModelBenchConfig,
-    ServeBenchConfig,
-)
+from focus_attention.bench.registry import BENCHMARKS
+from focus_attention.bench.settings import MergeResultsConfig
 from focus_attention.cli.flags import command_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 #: the settings of each ``focus bench`` command the script runs
-SETTINGS = {"kernel": KernelBenchConfig, "model": ModelBenchConfig, "decode": DecodeBenchConfig,
-            "merge": MergeResultsConfig, "serve": ServeBenchConfig}  # fmt: skip
+SETTINGS = {**{name: row.settings for name, row in BENCHMARKS.items()}, "merge": MergeResultsConfig}
 
 
 def _dry_run(tmp_path: Path, **env: str) -> list[str]:

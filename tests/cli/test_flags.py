@@ -10,6 +10,7 @@ import json
 import pytest
 
 from focus_attention.bench import settings as bench
+from focus_attention.bench.registry import BENCHMARKS
 from focus_attention.cli import build_parser, main
 from focus_attention.cli.flags import flag_fields, flag_values
 from focus_attention.evaluation.settings import CalibrateConfig, EvalConfig, InspectConfig
@@ -25,55 +26,11 @@ COMMANDS = [
         "calibrate_adapter",
     ),  # fmt: skip
     (["inspect"], InspectConfig, "inspect", "focus_attention.evaluation.groups", "inspect_groups"),
-    (
-        ["bench", "kernel"],
-        bench.KernelBenchConfig,
-        "bench.kernel",
-        "focus_attention.bench.kernel",
-        "run_kernel_benchmark",
-    ),  # fmt: skip
-    (
-        ["bench", "model"],
-        bench.ModelBenchConfig,
-        "bench.model",
-        "focus_attention.bench.model",
-        "run_model_benchmark",
-    ),  # fmt: skip
-    (
-        ["bench", "decode"],
-        bench.DecodeBenchConfig,
-        "bench.decode",
-        "focus_attention.bench.decode",
-        "run_decode_benchmark",
-    ),  # fmt: skip
-    (
-        ["bench", "needle"],
-        bench.NeedleBenchConfig,
-        "bench.needle",
-        "focus_attention.bench.needle",
-        "run_needle_benchmark",
-    ),  # fmt: skip
-    (
-        ["bench", "retrieval-layers"],
-        bench.RetrievalLayersConfig,
-        "bench.retrieval-layers",
-        "focus_attention.bench.needle",
-        "rank_retrieval_layers",
-    ),  # fmt: skip
-    (
-        ["bench", "tasks"],
-        bench.TasksBenchConfig,
-        "bench.tasks",
-        "focus_attention.bench.tasks",
-        "run_tasks_benchmark",
-    ),  # fmt: skip
-    (
-        ["bench", "instructions"],
-        bench.InstructionsBenchConfig,
-        "bench.instructions",
-        "focus_attention.bench.instructions",
-        "run_instructions_benchmark",
-    ),  # fmt: skip
+    *(
+        (["bench", name], row.settings, f"bench.{name}", *row.run.split(":"))
+        for name, row in BENCHMARKS.items()
+        if "threads" in row.settings.__dataclass_fields__  # the tests set --threads
+    ),
 ]
 
 

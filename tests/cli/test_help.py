@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from focus_attention.bench.registry import BENCHMARKS
 from focus_attention.cli import build_parser
 from focus_attention.cli.common import COMMANDS
 
@@ -25,7 +26,6 @@ heavy = sorted(m for m in ("torch", "transformers", "lm_eval") if m in sys.modul
 print(("usage: focus" in out.getvalue()), ",".join(heavy), sep="|")
 """
 
-BENCHMARKS = ("kernel", "model", "decode", "needle", "retrieval-layers", "tasks", "instructions")
 HELP_COMMANDS = [
     [],
     *([name] for name, _, _ in COMMANDS if name != "lm-eval"),
@@ -56,6 +56,8 @@ def test_help_imports_neither_torch_nor_transformers(argv):
         "import focus_attention.settings",
         "import focus_attention.evaluation.settings",
         "import focus_attention.bench.settings",
+        "import focus_attention.bench.registry",
+        "import focus_attention.bench.results",
         "import focus_attention.cli.settings",
         "import focus_attention.training.settings",
         "import focus_attention.training.config",

@@ -3,4 +3,5 @@
 (:mod:`.needle`), zero-shot benchmarks through lm-evaluation-harness (:mod:`.tasks`, with
 the lm-eval model and tasks of :mod:`.harness`) and instruction following (:mod:`.instructions`,
 over :mod:`focus_attention.evaluation.instructions`). Every result records its configuration,
-library versions and hardware."""
+library versions and hardware. :mod:`.registry` holds one row per benchmark (settings, run,
+table, plot, help), from which ``focus bench NAME`` and a study's report are built."""

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..ops import sparse_attention
 from ..ops.sparse.buckets import GroupBuckets
@@ -225,8 +226,6 @@ def _finish(rows: list[dict[str, Any]], bytes_per_second: float, kv_cache: str) 
 
 def _model_rows(config: DecodeBenchConfig, model: Any, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """The model level, one context after another (:func:`~.decode_model.model_context_rows`)."""
-    from tqdm.auto import tqdm
-
     total = max(config.contexts) + steps_per_row(config) + 1
     ids = bench_token_ids(model, tokenizer, config.corpus, config.split, total, config.seed,
                           rows=max(config.batch_size)).to(model.device)  # fmt: skip
@@ -379,10 +378,10 @@ def plot_decode(result: dict[str, Any], path: str | Path) -> None:
     speed-up of Focus's step over its reference dense step against the cached tokens, per
     batch size and top_k, beside the ideal its bytes give (dashed)
     (:func:`~focus_attention.utils.plots.save_png`)."""
-    import matplotlib
+    import matplotlib  # heavy: imported only to draw a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     levels = [lv for lv in ("op", "model") if any(r["level"] == lv for r in result["rows"])]
     fig, axes = plt.subplots(1, max(1, len(levels)), figsize=(6.0 * max(1, len(levels)), 4.2), squeeze=False)  # fmt: skip

@@ -49,10 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import lm_eval.evaluator
+import lm_eval.tasks
 import torch
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
+from transformers import AutoConfig, PreTrainedModel
 
 from ..assets.benchmarks import BENCHMARKS, benchmark_files
 from ..assets.models import DEFAULT_MODEL, prepare_model
@@ -175,15 +178,11 @@ def check_model_args(pretrained: Any, kwargs: dict[str, Any]) -> None:
     Raises:
         ValueError: an unknown key; the message names it and lists the accepted ones.
     """
-    from transformers import PreTrainedModel
-
     known = _named_parameters(HFLM.__init__) | _named_parameters(PreTrainedModel.from_pretrained)
     unknown = sorted(set(kwargs) - known - set(LOADING_ARGUMENTS) - set(FOCUS_ARGUMENTS))
     if unknown:
         config = getattr(pretrained, "config", None)
         if config is None and isinstance(pretrained, (str, os.PathLike)):
-            from transformers import AutoConfig
-
             try:
                 config = AutoConfig.from_pretrained(str(pretrained), local_files_only=True)
             except (OSError, ValueError):
@@ -379,8 +378,6 @@ class FocusLM(HFLM):
 
 def lm_eval_tasks_root() -> Path:
     """The installed ``lm_eval/tasks`` directory (where lm-eval's task YAMLs live)."""
-    import lm_eval.tasks
-
     return Path(lm_eval.tasks.__file__).resolve().parent
 
 
@@ -443,8 +440,6 @@ def task_directory(names: Iterable[str] | None = None, *, quiet: bool = False) -
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's command line (``lm_eval ARGS``) with the ``focus`` model registered and,
     unless ``--include_path`` is given, the local tasks on the include path."""
-    from lm_eval.__main__ import cli_evaluate
-
     args = list(sys.argv[1:] if argv is None else argv)
     if args and "--include_path" not in args and not any(a in ("-h", "--help") for a in args):
         args += ["--include_path", str(task_directory())]

@@ -19,6 +19,7 @@ exceeds the window (only those can differ from dense attention).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 import time
@@ -26,7 +27,29 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from ..assets.benchmarks import benchmark_files
+from ..assets.corpora import load_corpus
+from ..assets.models import load_model
+from ..evaluation.instructions import (
+    EXCLUDED_INSTRUCTIONS,
+    INSTRUCTION_TYPES,
+    ChatModel,
+    accuracy,
+    build_prompts,
+    chat_ids,
+    focus_pair,
+    generate_responses,
+    paired_difference,
+    probe_checkers,
+    response_kl,
+    score_response,
+)
 from ..evaluation.positions import context_statistics
+from ..hf import FocusModel
+from ..hf.run_folder import run_parts, tuned_model
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
 from .settings import InstructionsBenchConfig
 
@@ -59,9 +82,7 @@ def question_pool(*, quiet: bool = True) -> list[tuple[str, str]]:
     Raises:
         RuntimeError: the benchmark data could not be prepared.
     """
-    import datasets
-
-    from ..assets.benchmarks import benchmark_files
+    import datasets  # optional: comes with the instruct and bench extras
 
     files = benchmark_files(quiet=quiet)
     out = []
@@ -86,9 +107,6 @@ def passage_pool(texts: list[str], name: str, words: tuple[int, int] = PASSAGE_W
 
 
 def _prompt_set(config: InstructionsBenchConfig) -> list[Any]:
-    from ..assets.corpora import load_corpus
-    from ..evaluation.instructions import build_prompts
-
     texts = load_corpus(config.corpus, quiet=True).texts(config.split)
     passages = passage_pool(texts, f"{config.corpus}/{config.split}")
     prompts = build_prompts(
@@ -121,12 +139,6 @@ def _models(config: InstructionsBenchConfig) -> tuple[Any, Any, list[tuple[Any, 
         FileNotFoundError: the adapter directory holds no Focus adapter, LoRA or model.
         ValueError: ``top_k`` / ``window`` for a run without Focus routers.
     """
-    import torch
-
-    from ..assets.models import load_model
-    from ..evaluation.instructions import ChatModel
-    from ..hf.run_folder import run_parts
-
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base, tokenizer = load_model(config.model, device=device, quiet=True)
     if config.adapter is None:
@@ -146,9 +158,6 @@ def _focus_models(config: InstructionsBenchConfig, model: Any, reference: Any) -
     """``(reference, [(evaluated, settings)])`` of the Focus adapter in ``config.adapter``
     attached to ``model``, one per ``top_k`` x ``window``; ``reference`` None: ``model``
     with Focus disabled."""
-    from ..evaluation.instructions import focus_pair
-    from ..hf import FocusModel
-
     fm = FocusModel.from_pretrained(model, config.adapter).eval()
     cfg = fm.focus_config
     evaluated = []
@@ -163,11 +172,6 @@ def _tuned_models(config: InstructionsBenchConfig, base: Any, focus: bool) -> tu
     """``(reference, [(evaluated, settings)])`` of a run that trained LoRA or base weights:
     the untouched ``base`` (kept apart) against the tuned model, with the run's Focus
     routers where it has them, else dense."""
-    import copy
-
-    from ..evaluation.instructions import ChatModel
-    from ..hf.run_folder import tuned_model
-
     reference = ChatModel("reference", base)
     tuned = tuned_model(copy.deepcopy(base), config.adapter)
     if focus:
@@ -181,15 +185,11 @@ def _tuned_models(config: InstructionsBenchConfig, base: Any, focus: bool) -> tu
 
 
 def _bar(config: InstructionsBenchConfig, total: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, disable=not config.progress, dynamic_ncols=True)
 
 
 def _answer(config: InstructionsBenchConfig, chat: Any, tokenizer: Any, prompts: list, ids: list) -> tuple[list, list]:  # fmt: skip
     """Generations and scores of one model."""
-    from ..evaluation.instructions import generate_responses, score_response
-
     with _bar(config, len(ids), f"generate ({chat.name})") as bar:
         gens = generate_responses(chat, tokenizer, ids, max_new_tokens=config.max_new_tokens,
                                   batch_size=config.batch_size, progress=bar)  # fmt: skip
@@ -217,8 +217,6 @@ def _kl_summary(kls: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _evaluated_entry(config, chat, settings, tokenizer, prompts, ids, ref) -> dict[str, Any]:  # fmt: skip
     """One evaluated model: its answers, scores, paired differences, KL and token shares."""
-    from ..evaluation.instructions import accuracy, paired_difference, response_kl
-
     gens, scores = _answer(config, chat, tokenizer, prompts, ids)
     window, sinks = settings["window"], settings["sink_tokens"]
     entry: dict[str, Any] = {
@@ -263,28 +261,24 @@ def run_instructions_benchmark(config: InstructionsBenchConfig) -> dict[str, Any
             errors of loading the model or the adapter.
         RuntimeError: the benchmark data or corpus could not be prepared.
     """
-    import torch
-
-    from ..evaluation import instructions as ifeval
-
     if config.threads:
         torch.set_num_threads(config.threads)
     start = time.monotonic()
-    probe = ifeval.probe_checkers()
-    broken = {t: probe.get(t, "missing from if-verifiable's registry") for t in ifeval.INSTRUCTION_TYPES if probe.get(t, "") is not None}  # fmt: skip
+    probe = probe_checkers()
+    broken = {t: probe.get(t, "missing from if-verifiable's registry") for t in INSTRUCTION_TYPES if probe.get(t, "") is not None}  # fmt: skip
     if broken:
         raise RuntimeError(f"IFEval checkers that fail here: {broken}")
     tokenizer, reference, evaluated = _models(config)
     prompts = _prompt_set(config)
-    ids = [ifeval.chat_ids(tokenizer, p.text) for p in prompts]
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
     gens, scores = _answer(config, reference, tokenizer, prompts, ids)
     ref = {"chat": reference, "generations": gens, "scores": scores}
     models = [_evaluated_entry(config, chat, s, tokenizer, prompts, ids, ref) for chat, s in evaluated]  # fmt: skip
     return {
         "config": asdict(config),
         "instructions": {
-            "kept": list(ifeval.INSTRUCTION_TYPES),
-            "excluded": ifeval.EXCLUDED_INSTRUCTIONS,
+            "kept": list(INSTRUCTION_TYPES),
+            "excluded": EXCLUDED_INSTRUCTIONS,
             "probe": probe,
         },  # fmt: skip
         "prompts": [
@@ -292,7 +286,7 @@ def run_instructions_benchmark(config: InstructionsBenchConfig) -> dict[str, Any
         ],  # fmt: skip
         "reference": {
             "name": reference.name,
-            "accuracy": ifeval.accuracy(scores),
+            "accuracy": accuracy(scores),
             "generated_tokens": token_shares(_generated_contexts(gens), None),
             "responses": [_response(g, s) for g, s in zip(gens, scores, strict=True)],
         },

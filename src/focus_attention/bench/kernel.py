@@ -3,6 +3,7 @@ gates against eager attention (docs/method.md §5; the README's kernel table).""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -11,6 +12,8 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm.auto import tqdm
 
 from ..ops import (
     SparseRequest,
@@ -77,12 +80,8 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
 def dense_sdpa_context(dense_kernel: str):
     """The SDPA backend context of ``dense_kernel``, one of :data:`DENSE_KERNELS` (a null
     context for ``auto``): SDPA calls inside it run that kernel or raise ``RuntimeError``."""
-    import contextlib
-
     if dense_kernel == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     names = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
              "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}  # fmt: skip
     return sdpa_kernel([getattr(SDPBackend, names[dense_kernel])])
@@ -204,7 +203,8 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
     """Dense causal SDPA against :func:`focus_attention.sparse_attention`, same process.
 
     ``config.attention_backend`` is passed to the op; the backend that ran is recorded in
-    ``config["sparse_backend"]`` of the result.
+    ``config["sparse_backend"]`` of the result; ``config.threads``, when given, sets torch's
+    threads for the process.
 
     Returns:
         ``{"benchmark": "kernel", "config", "versions", "environment", "rows"}`` (and
@@ -214,9 +214,9 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         efficiency ``speedup / ideal`` and the peak extra resident bytes of one call of
         each.
     """
-    from tqdm.auto import tqdm
-
     config = config or KernelBenchConfig()
+    if config.threads:
+        torch.set_num_threads(config.threads)
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
                                            "window", "num_groups", "seed", "device", "dtype",
                                            "dense_kernel")}  # fmt: skip
@@ -357,10 +357,10 @@ def gate_lines(result: dict[str, Any]) -> list[str]:
 def plot_kernel(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """PNG plot of measured and ideal speedup against N, one line pair per top_k, written
     to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
-    import matplotlib
+    import matplotlib  # heavy: imported only to draw a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for top_k in sorted({r["top_k"] for r in result["rows"]}):

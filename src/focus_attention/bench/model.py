@@ -8,10 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers.modeling_utils import AttentionInterface
 
+from ..hf import FocusConfig, FocusModel, get_focus_model
 from ..hf.architectures import text_config_of
+from ..hf.files import weights_file_sha256
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
+from ..utils.io import read_json_file
 from ..utils.plots import save_png
 from .inputs import bench_token_ids, load_bench_model, weights_record
 from .kernel import sparse_backend_name
@@ -65,8 +70,6 @@ def check_model_lengths(model: Any, longest: int, owner: str, name: str) -> int 
 def _attach(model: Any, config: ModelBenchConfig, top_k: int, window: int | None) -> Any:
     """Focus on ``model`` in eval mode: the adapter (with ``window`` unless None), or fresh
     routers (window ``window`` or :data:`FRESH_WINDOW`)."""
-    from ..hf import FocusConfig, FocusModel, get_focus_model
-
     if config.adapter:
         runner = FocusModel.from_pretrained(model, config.adapter).set_top_k(top_k)
         if window is not None:
@@ -84,9 +87,6 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
     """Which routers a benchmark ran: ``{"adapter": None, "fresh": True}`` for freshly
     initialised ones, else the adapter directory, the SHA-256 of its weights file and, for a
     ``focus train`` output, its method and optimizer steps (``train_result.json``)."""
-    from ..hf.files import weights_file_sha256
-    from ..utils.io import read_json_file
-
     if adapter is None:
         return {"adapter": None, "fresh": True}
     path = Path(adapter)
@@ -114,8 +114,6 @@ def _no_attention(module, query, key, value, attention_mask, **kwargs):
 
 def _floor_model(model: Any) -> Any:
     """``model`` switched to :func:`_no_attention` (registered once with transformers)."""
-    from transformers.modeling_utils import AttentionInterface
-
     AttentionInterface.register(FLOOR_IMPLEMENTATION, _no_attention)
     model.config._attn_implementation = FLOOR_IMPLEMENTATION
     return model
@@ -154,6 +152,7 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
     row's length. With ``config.floor`` a ``none`` row times the model with attention
     replaced by a copy of the query (the projections, MLPs and norms alone): the time no
     attention kernel can go below, from which each row's attention time follows.
+    ``config.threads``, when given, sets torch's threads for the process.
 
     Returns:
         ``{"benchmark": "model", "config", "versions", "environment", "rows"}``
@@ -166,9 +165,9 @@ def run_model_benchmark(config: ModelBenchConfig | None = None) -> dict[str, Any
         ValueError: lengths the model cannot take (:func:`check_model_lengths`), before
             the corpus is read; the errors of loading the model, adapter or corpus.
     """
-    from tqdm.auto import tqdm
-
     config = config or ModelBenchConfig()
+    if config.threads:
+        torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_bench_model(config.model, config.dtype, device, config.seed)
     longest = max(*config.lengths, config.warmup_tokens)
@@ -285,10 +284,10 @@ def plot_model(result: dict[str, Any], path: str | Path) -> None:
     against the prompt length, per Focus setting, beside the no-attention floor's (the
     ideal no attention kernel can pass) and 0.85 of it
     (:func:`~focus_attention.utils.plots.save_png`)."""
-    import matplotlib
+    import matplotlib  # heavy: imported only to draw a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     rows, cfg = result["rows"], result["config"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

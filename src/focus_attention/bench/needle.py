@@ -11,6 +11,7 @@ disabled) and by Focus at every ``top_k``, so the modes see the same prompts.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
@@ -20,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..assets.models import auto_prepend_bos, load_model
 from ..evaluation.needles import NeedleCase, answer_of, build_case, haystack_tokens
+from ..evaluation.retrieval import needle_attention_by_head
+from ..hf import FocusModel
 from ..hf.architectures import kv_heads_of
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
@@ -96,7 +100,6 @@ def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -
 def _modes(fm: Any, top_k: tuple[int, ...], dense: bool = True) -> list[tuple[str, Any]]:
     """``(name, enter)`` per mode: ``enter()`` sets the model up and returns a context.
     A Focus mode is named ``top-K``, or ``top-K/qQ`` when its queries keep ``Q`` groups."""
-    import contextlib
 
     def topk(k: int):
         def enter():
@@ -169,9 +172,6 @@ def _load(config: NeedleBenchConfig | RetrievalLayersConfig) -> tuple[Any, Any, 
         ValueError: a length above the model's ``max_position_embeddings``, or the errors of
             loading the model or adapter.
     """
-    from ..assets.models import auto_prepend_bos, load_model
-    from ..hf import FocusModel
-
     if config.threads:
         torch.set_num_threads(config.threads)
     base, tokenizer = load_model(config.model, quiet=not config.progress)
@@ -267,8 +267,6 @@ def _mean(values: list[float]) -> float:
 
 def _head_shares(fm: Any, cases: list[NeedleCase], progress: bool) -> dict[str, dict[int, list]]:
     """``{haystack: {layer: [per-prompt list of the key-value heads' shares]}}``."""
-    from ..evaluation.retrieval import needle_attention_by_head
-
     sums: dict[str, dict[int, list[list[float]]]] = {}
     for i, case in enumerate(cases):
         by_head = needle_attention_by_head(fm, case.input_ids, (case.needle_start, case.needle_end))
@@ -364,10 +362,10 @@ def needle_table(result: dict[str, Any]) -> str:
 def plot_needle(result: dict[str, Any], path: str) -> None:
     """One heatmap per (haystack, mode): lengths (rows) by depths (columns), the share
     retrieved in each cell; written to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
-    import matplotlib
+    import matplotlib  # heavy: imported only to draw a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     acc = result["accuracy"]
     panels = [(hay, mode, grid) for hay, modes in acc.items() for mode, grid in modes.items()]

@@ -4,31 +4,13 @@ or not (``focus bench plot``: made afterwards, on any machine, from the JSON alo
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..utils.io import read_json_file
+from .registry import BENCHMARKS, plotted_benchmarks, resolve
 
-__all__ = ["PLOTTERS", "merge_results", "plot_function", "plot_result_file", "result_parts"]
-
-#: the plot function of each benchmark's result, ``module:function(result, path)``, by its
-#: ``"benchmark"`` name (imported when a plot is drawn: merging needs neither torch nor
-#: matplotlib)
-PLOTTERS: dict[str, str] = {
-    "kernel": "focus_attention.bench.kernel:plot_kernel",
-    "model": "focus_attention.bench.model:plot_model",
-    "decode": "focus_attention.bench.decode:plot_decode",
-    "needle": "focus_attention.bench.needle:plot_needle",
-    "serve": "focus_attention.bench.serve:plot_serve",
-}
-
-
-def plot_function(spec: str) -> Callable[[dict[str, Any], Any], None]:
-    """The function a :data:`PLOTTERS` entry names."""
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
+__all__ = ["merge_results", "plot_result_file", "result_parts"]
 
 
 def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,6 +45,10 @@ def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Pa
     Returns:
         the PNGs written.
 
+    The plot function is the ``plot`` of the benchmark its ``"benchmark"`` names
+    (:data:`~focus_attention.bench.registry.BENCHMARKS`), imported only now: merging needs
+    neither torch nor matplotlib.
+
     Raises:
         ValueError: a file that is not a JSON result, or a benchmark without a plot.
     """
@@ -72,11 +58,11 @@ def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Pa
     folder = Path(out) if out is not None else path.parent
     written = []
     for index, part in enumerate(parts, 1):
-        spec = PLOTTERS.get(str(part.get("benchmark")))
-        if spec is None:
+        benchmark = BENCHMARKS.get(str(part.get("benchmark")))
+        if benchmark is None or benchmark.plot is None:
             raise ValueError(f"{path}: a {part.get('benchmark')!r} result has no plot; plots "
-                             f"exist for {', '.join(PLOTTERS)}")  # fmt: skip
+                             f"exist for {', '.join(plotted_benchmarks())}")  # fmt: skip
         name = f"{path.stem}.png" if len(parts) == 1 else f"{path.stem}-{index}.png"
-        plot_function(spec)(part, folder / name)
+        resolve(benchmark.plot)(part, folder / name)
         written.append(folder / name)
     return written

@@ -15,8 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from ..assets.corpora import load_corpus
+from ..deploy.export import export_adapter
 from ..deploy.serve import ServedModel
-from ..deploy.settings import BASE_CONFIG_KEY, REMOTE_CODE_NAME
+from ..deploy.settings import BASE_CONFIG_KEY, REMOTE_CODE_NAME, ExportConfig
 from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import environment
 from ..utils.plots import save_png
@@ -93,8 +97,6 @@ def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool, w
 def prompts(config: ServeBenchConfig, tokenizer: Any, length: int, count: int) -> list[str]:
     """``count`` prompts of ``length`` tokens: consecutive, distinct stretches of the corpus
     split (repeated when it is shorter than their total), decoded to text."""
-    from ..assets.corpora import load_corpus
-
     text = "\n\n".join(load_corpus(config.corpus, quiet=True).texts(config.split))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     need = length * count
@@ -135,7 +137,7 @@ async def _cell(server: ServedModel, texts: list[str], config: ServeBenchConfig,
                 concurrency: int) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Send ``texts`` as completion requests, ``concurrency`` at a time, within
     ``config.cell_timeout`` seconds. Returns each request's record and the wall seconds."""
-    import httpx
+    import httpx  # optional: the serve extra
 
     gate = asyncio.Semaphore(concurrency)
     url = server.url + "/v1/completions"
@@ -196,9 +198,6 @@ def _export_for(config: ServeBenchConfig, work: Path) -> Path:
     but ``top_k``, which each variant sets)."""
     if config.export:
         return Path(config.export)
-    from ..deploy.export import export_adapter
-    from ..deploy.settings import ExportConfig
-
     overrides = config.overrides(without=("top_k",))
     out = work / "export"
     export_adapter(ExportConfig(model=config.model, adapter=config.adapter, out=str(out),
@@ -362,8 +361,6 @@ def run_serve_benchmark(config: ServeBenchConfig, log: Any = print,
             its cells.
         ValueError, FileNotFoundError: as ``focus export`` raises them.
     """
-    from transformers import AutoTokenizer
-
     work_root = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="focus-serve-"))  # fmt: skip
     work_root.mkdir(parents=True, exist_ok=True)
     record, env = _record(config), environment()
@@ -414,10 +411,10 @@ def serve_table(result: dict[str, Any]) -> str:
 def plot_serve(result: dict[str, Any], path: str) -> None:
     """Tokens per second, TTFT p50 and latency p99 against the prompt length, one line per
     (served model, concurrency); written to ``path`` (:func:`~focus_attention.utils.plots.save_png`)."""
-    import matplotlib
+    import matplotlib  # heavy: imported only to draw a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     panels = (("tokens_per_second", "generated tokens / s"), ("ttft_p50_s", "TTFT p50 (s)"),
               ("latency_p99_s", "latency p99 (s)"))  # fmt: skip

@@ -15,6 +15,7 @@ from ..assets.benchmarks import BENCHMARKS
 from ..assets.model_registry import DEFAULT_MODEL
 from ..assets.presets import PRESETS, RANDOM_PREFIX, is_random_model, preset_named
 from ..evaluation.settings import HAYSTACKS
+from ..hf.config import read_config_file
 from ..settings import (
     NEEDLE_MIN_TOKENS,
     AdapterOverrides,
@@ -142,8 +143,7 @@ def adapter_groups(adapter: str | None) -> int | None:
     """
     if adapter is None:
         return None
-    from ..hf.config import read_config_file
-    from ..hf.files import CONFIG_NAME
+    from ..hf.files import CONFIG_NAME  # hf.files imports torch; this module stays torch-free
 
     path = Path(adapter) / CONFIG_NAME
     return read_config_file(path)[0].num_groups if path.is_file() else None
@@ -246,7 +246,7 @@ class ComputeDtype(Settings):
         if device is not None and kind not in ("cpu", "cuda"):
             raise bad(owner, "device", device, "cpu or cuda")
         if kind == "cuda":
-            import torch
+            import torch  # this module stays torch-free until cuda must be checked
 
             if not torch.cuda.is_available():
                 raise ValueError(f"{owner}.device: cuda was asked for but torch sees no CUDA device")  # fmt: skip

@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from ..assets.benchmarks import BENCHMARK_SOURCE, BENCHMARKS
 from ..hf.run_folder import run_parts
 from ..utils.env import RESULT_DISTRIBUTIONS, environment, library_versions
@@ -37,7 +39,7 @@ def load_harness() -> Any:
         RuntimeError: lm-eval is not installed (the message says how to install it).
     """
     try:
-        from . import harness
+        from . import harness  # optional: needs lm-eval, the bench extra
     except ImportError as err:
         if "lm_eval" not in str(err):
             raise
@@ -64,11 +66,9 @@ def run_tasks_benchmark(config: TasksBenchConfig) -> dict[str, Any]:
         RuntimeError: lm-eval is not installed, or the data could not be prepared.
         ValueError: the errors of loading the model or the adapter.
     """
-    import torch
-
     harness = load_harness()
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    import lm_eval  # optional: the bench extra, found installed by load_harness
+    from lm_eval.tasks import TaskManager  # optional: as lm_eval
 
     if config.threads:
         torch.set_num_threads(config.threads)

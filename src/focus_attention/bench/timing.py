@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = [
     "available_bytes",
     "cuda_peak_extra_bytes",
@@ -30,8 +32,6 @@ def device_synchronize(device: Any) -> Callable[[], Any] | None:
     """The ``synchronize`` argument of the timings for calls on ``device`` (a
     ``torch.device`` or its name): ``torch.cuda.synchronize`` on CUDA, so that the device's
     queued work falls inside each timing; None elsewhere."""
-    import torch
-
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else None
 
 
@@ -118,8 +118,6 @@ def cuda_peak_extra_bytes(fn: Callable[[], Any]) -> int:
     """Peak CUDA memory (bytes) that one call of ``fn`` allocates above the memory allocated
     before it, from the caching allocator's statistics (``torch.cuda.max_memory_allocated``
     after ``reset_peak_memory_stats``): live tensors, not the allocator's reserve."""
-    import torch
-
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -133,8 +131,6 @@ def cuda_peak_extra_bytes(fn: Callable[[], Any]) -> int:
 def available_bytes(device: Any) -> int | None:
     """Memory free for new tensors on ``device``: the CUDA device's free memory, or the
     host's ``MemAvailable``; None where it cannot be read."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -152,8 +148,6 @@ def release_cached_memory(device: Any) -> None:
     """Give the memory of freed tensors (and CUDA graphs) that the CUDA caching allocator
     keeps back to the device, so that :func:`available_bytes` sees it free; nothing on other
     devices."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

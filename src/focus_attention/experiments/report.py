@@ -1,48 +1,58 @@
 """The ``report`` step of a study: its tables (markdown) and plots, rebuilt from the result
 files of its steps alone, with the table and plot functions of the commands that wrote
-them (``focus bench kernel`` -> :func:`focus_attention.bench.kernel.kernel_table`, ...)."""
+them: a benchmark's from its row of :data:`focus_attention.bench.registry.BENCHMARKS`
+(``focus bench kernel`` -> :func:`focus_attention.bench.kernel.kernel_table`, ...), the
+other commands' from :data:`COMMAND_VIEWS`."""
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.results import PLOTTERS
+from ..bench.registry import BENCHMARKS, resolve
 from ..utils.io import atomic_write_text, read_json_file
 from .study import Step, Study, fill, recorded_differences
 
-__all__ = ["PLOTS", "TABLES", "report_markdown", "write_report"]
+__all__ = ["COMMAND_VIEWS", "ResultView", "report_markdown", "result_view", "write_plots", "write_report"]  # fmt: skip
 
-#: the markdown table of each command's JSON result: ``module:function(result) -> str``
-TABLES = {
-    "eval": "focus_attention.evaluation.perplexity:markdown_table",
-    "bench kernel": "focus_attention.bench.kernel:kernel_table",
-    "bench model": "focus_attention.bench.model:model_table",
-    "bench decode": "focus_attention.bench.decode:decode_table",
-    "bench needle": "focus_attention.bench.needle:needle_table",
-    "bench retrieval-layers": "focus_attention.bench.needle:retrieval_layers_table",
-    "bench tasks": "focus_attention.bench.tasks:tasks_table",
-    "bench instructions": "focus_attention.bench.instructions:instructions_table",
-    "bench serve": "focus_attention.bench.serve:serve_table",
-    "inspect": "focus_attention.evaluation.group_report:markdown_summary",
-    "sweep": "focus_attention.experiments.grid:sweep_report",
+
+@dataclass(frozen=True)
+class ResultView:
+    """How the report shows a command's JSON result: ``table``, ``"module:function"`` of
+    ``function(result) -> str`` (markdown); ``plot``, of ``function(result, path)`` (None:
+    no plot), where ``path`` is the result's folder when ``plot_in_folder`` (the function
+    writes several files there), else the result's path with ``.png``."""
+
+    table: str
+    plot: str | None = None
+    plot_in_folder: bool = False
+
+
+#: the commands other than ``focus bench NAME`` whose results the report shows
+COMMAND_VIEWS = {
+    "eval": ResultView("focus_attention.evaluation.perplexity:markdown_table"),
+    "inspect": ResultView(
+        "focus_attention.evaluation.group_report:markdown_summary",
+        "focus_attention.evaluation.group_report:write_group_plots",
+        plot_in_folder=True,
+    ),
+    "sweep": ResultView(
+        "focus_attention.experiments.grid:sweep_report",
+        "focus_attention.experiments.grid:plot_sweep_result",
+        plot_in_folder=True,
+    ),
 }
-#: the plot of each command's JSON result: ``module:function(result, path)``; the path is
-#: the result's with ``.png`` (a directory for ``inspect`` and ``sweep``, whose functions
-#: write several files there)
-PLOTS = {
-    **{f"bench {name}": spec for name, spec in PLOTTERS.items()},
-    "inspect": "focus_attention.evaluation.group_report:write_group_plots",
-    "sweep": "focus_attention.experiments.grid:plot_sweep_result",
-}
-#: commands whose plot function takes the result's directory
-DIRECTORY_PLOTS = ("inspect", "sweep")
 
 
-def _function(spec: str) -> Any:
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
+def result_view(command: tuple[str, ...]) -> ResultView | None:
+    """How the report shows the result of ``focus COMMAND`` (its words): a benchmark's
+    table and plot (:data:`~focus_attention.bench.registry.BENCHMARKS`), else the
+    command's :data:`COMMAND_VIEWS` entry; None for a command the report has no table of."""
+    if len(command) == 2 and command[0] == "bench" and command[1] in BENCHMARKS:
+        benchmark = BENCHMARKS[command[1]]
+        return ResultView(benchmark.table, benchmark.plot)
+    return COMMAND_VIEWS.get(" ".join(command))
 
 
 def _result(study: Study, step: Step, runs: str) -> tuple[Path, dict[str, Any]] | None:
@@ -73,7 +83,7 @@ def _provenance(step: Step, data: dict[str, Any], runs: str) -> str:
 def report_markdown(study: Study, runs: str = "runs") -> str:
     """The study's report: its title and question, then one section per step with a
     result file: where and when it was measured, and the command's table of it (steps
-    whose command has no table in :data:`TABLES`, or without a result, are listed as
+    whose command has no table (:func:`result_view`), or without a result, are listed as
     such)."""
     parts = [f"# {study.title}"]
     if study.question:
@@ -89,23 +99,24 @@ def report_markdown(study: Study, runs: str = "runs") -> str:
             continue
         path, data = found
         body = [head, _provenance(step, data, runs)]
-        table = TABLES.get(step.command_text())
-        body.append(_function(table)(data) if table else f"Result: `{path}` (no table).")
+        view = result_view(step.command)
+        body.append(resolve(view.table)(data) if view else f"Result: `{path}` (no table).")
         parts.append("\n\n".join(body))
     return "\n\n".join(parts) + "\n"
 
 
 def write_plots(study: Study, runs: str = "runs") -> list[Path]:
-    """The plot of each step's result (:data:`PLOTS`), next to it; returns the paths."""
+    """The plot of each step's result (:func:`result_view`), next to it; returns the
+    paths."""
     written = []
     for step in study.steps:
-        plot = PLOTS.get(step.command_text())
-        found = None if plot is None else _result(study, step, runs)
+        view = result_view(step.command)
+        found = None if view is None or view.plot is None else _result(study, step, runs)
         if found is None:
             continue
         path, data = found
-        where = path.parent if step.command_text() in DIRECTORY_PLOTS else path.with_suffix(".png")
-        out = _function(str(plot))(data, where)
+        where = path.parent if view.plot_in_folder else path.with_suffix(".png")
+        out = resolve(view.plot)(data, where)
         written += list(out) if isinstance(out, (list, tuple)) else [where]
     return written
 
