@@ -22,6 +22,8 @@ from .dispatch import (
 
 __all__ = ["Backend", "sparse_attention"]
 
+#: the ``backend=`` names for type checkers: :data:`~focus_attention.ops.names.SPARSE_BACKENDS`
+#: as a ``Literal`` (checked against the registry by tests/ops/test_sparse_backends.py)
 Backend = Literal["auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
