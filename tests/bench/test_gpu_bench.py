@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from tolerances import tolerance
 
 from focus_attention import cli
 from focus_attention.assets.presets import PRESETS, is_random_model, preset_named
@@ -309,7 +310,7 @@ def test_repeat_cache_gives_every_request_the_prefilled_one():
         three = repeat_cache(one, 3)
         batch = fm(input_ids=ids[:, 29:].expand(3, 1), **cache_kwargs(three), use_cache=True).logits  # fmt: skip
         single = fm(input_ids=ids[:, 29:], **cache_kwargs(one), use_cache=True).logits
-    assert torch.allclose(batch, single.expand(3, -1, -1), atol=1e-5)
+    assert torch.allclose(batch, single.expand(3, -1, -1), **tolerance("oracle"))
 
 
 def test_a_cell_that_does_not_fit_is_skipped_with_its_reason(monkeypatch):
@@ -409,8 +410,9 @@ def test_a_captured_static_decoding_step_replays_the_eager_one():
         torch.cuda.synchronize()
         eager = [fm(input_ids=ids[:, i : i + 1], **cache_kwargs(eager_cache), use_cache=True).logits
                  for i in (30, 31)]  # fmt: skip
-    assert torch.allclose(outs[-1].float(), eager[1].float(), atol=3e-2)
-    assert not torch.allclose(eager[0].float(), eager[1].float(), atol=3e-2)
+    bf16_logits = 3e-2  # bfloat16 logits of one step, replayed or eager (two steps differ more)
+    assert torch.allclose(outs[-1].float(), eager[1].float(), atol=bf16_logits)
+    assert not torch.allclose(eager[0].float(), eager[1].float(), atol=bf16_logits)
 
 
 @pytest.mark.gpu

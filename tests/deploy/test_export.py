@@ -18,6 +18,7 @@ import torch
 from stops import ERRORS, run_until_stopped, stop_writes
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
+from tolerances import tolerance
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from focus_attention import export_model
@@ -103,7 +104,7 @@ def test_the_attention_backend_changes_at_load_time_and_keeps_the_logits(tmp_pat
     assert masked.focus_model.focus_config.attention_backend == "masked"
     assert json.loads((out / "config.json").read_text())["attention_backend"] == "auto"
     with torch.no_grad():
-        torch.testing.assert_close(masked(input_ids=x).logits, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(masked(input_ids=x).logits, want, **tolerance("oracle"))
     with pytest.raises(ValueError, match="attention_backend") as err:
         load(out, attention_backend="nope")
     assert str(out) in str(err.value)  # the directory whose settings are wrong

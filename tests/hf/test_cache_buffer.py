@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import focus, ids
+from tolerances import tolerance
 
 from focus_attention.hf import FocusCacheLayer
 from focus_attention.hf.cache import MIN_SPARE_ROWS, SPARE_SHARE, append_rows
@@ -149,10 +150,10 @@ def test_decoding_after_a_crop_and_from_a_copy_equals_the_full_forward(top_k):
         ]
         got = torch.cat(step, dim=1)
         want = fm(torch.cat([x[:, :32], other], 1), use_cache=False).logits[:, 32:]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got, want, **tolerance("oracle"))
         got = fm(x[:, 36:40], **cache_kwargs(branch), use_cache=True).logits
         want = fm(x, use_cache=False).logits[:, 36:]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got, want, **tolerance("oracle"))
 
 
 def test_a_plain_model_decodes_through_buffered_layers_as_through_a_dynamic_cache():
@@ -177,7 +178,7 @@ def test_a_plain_model_decodes_through_buffered_layers_as_through_a_dynamic_cach
         kinds = {type(layer) for layer in cache.layers}
         assert kinds == ({BufferedDynamicLayer} if buffered else {DynamicLayer})
         results.append(torch.cat(logits, dim=1))
-    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[1], results[0], **tolerance("oracle"))
 
 
 def test_cached_key_groups_hold_the_sinks_and_another_sink_count_is_refused():

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from tiny import focus, ids
+from tolerances import tolerance
 from transformers import GenerationMixin, PreTrainedModel
 
 from focus_attention.hf import compat
@@ -37,7 +38,7 @@ def test_decoding_through_the_helpers_is_exact_and_raises_no_deprecation():
         compat.enable_activation_checkpointing(fm, use_reentrant=False)
         assert compat.activation_checkpointing_enabled(fm)
     assert cache.get_seq_length() == 30
-    torch.testing.assert_close(torch.cat(steps, 1), full[:, 20:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 20:], **tolerance("oracle"))
 
 
 @pytest.mark.parametrize(

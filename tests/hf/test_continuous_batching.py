@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
+from tolerances import tolerance
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -23,7 +24,7 @@ from focus_attention import export_model
 from focus_attention.hf import FocusConfig, FocusSlidingWindowWarning, get_focus_model, paged
 from focus_attention.hf.paged import MAX_PADDING_FACTOR, FocusBatchingManager, decoding_batches
 
-TOL = 1e-4
+TOL = tolerance("oracle")["atol"]  # decoding through the paged cache: as through any cache
 NEW = 6
 #: prompt lengths: odd, shorter and longer than the window (8), one longer than a batch
 #: (64 tokens: a chunked prefill), two sharing a 40-token prefix (shared cache blocks)

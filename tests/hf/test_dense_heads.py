@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, focus, ids, left_pad, positions
+from tolerances import DIFFERENT, tolerance
 
 from focus_attention.hf import FocusConfig, FocusModel, get_focus_model
 from focus_attention.hf.architectures import attention_modules, get_architecture
@@ -17,7 +18,6 @@ from focus_attention.hf.attention import head_split
 from focus_attention.hf.compat import cache_kwargs, cache_of
 from focus_attention.hf.config import parse_layer_heads
 
-TOL = 1e-5
 N = 40
 
 
@@ -73,10 +73,12 @@ def test_each_head_attends_as_its_kind(arch, routing):
     real = mask.bool()
     heads = torch.arange(mixed.shape[2])
     is_dense = heads // group == dense_kv
-    torch.testing.assert_close(mixed[real][:, is_dense], dense[real][:, is_dense], atol=TOL, rtol=0)
-    torch.testing.assert_close(mixed[real][:, ~is_dense], routed[real][:, ~is_dense], atol=TOL, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        mixed[real][:, is_dense], dense[real][:, is_dense], **tolerance("oracle")
+    )
+    torch.testing.assert_close(mixed[real][:, ~is_dense], routed[real][:, ~is_dense], **tolerance("oracle"))  # fmt: skip
     # guard: routed and dense heads differ here, so the test can fail
-    assert not torch.allclose(dense[real][:, is_dense], routed[real][:, is_dense], atol=1e-4)
+    assert not torch.allclose(dense[real][:, is_dense], routed[real][:, is_dense], **DIFFERENT)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -87,7 +89,7 @@ def test_every_head_dense_is_a_dense_layer(arch):
     fm.focus_config = cfg.replace(dense_heads=[(last, h) for h in range(kv)])
     every_head = _logits(fm, x)
     fm.focus_config = cfg.replace(dense_layers=[last])
-    torch.testing.assert_close(every_head, _logits(fm, x), atol=TOL, rtol=0)
+    torch.testing.assert_close(every_head, _logits(fm, x), **tolerance("oracle"))
 
 
 def _assert_decoding_equals_whole(fm, x, prefill: int) -> None:
@@ -104,7 +106,7 @@ def _assert_decoding_equals_whole(fm, x, prefill: int) -> None:
             out = fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
             cache = cache_of(out)
             steps.append(out.logits[:, -1])
-    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : n - 1], atol=TOL, rtol=0)  # fmt: skip
+    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : n - 1], **tolerance("oracle"))  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -133,9 +135,9 @@ def test_heads_apart_attend_as_their_kind_in_prefill_and_decoding(arch, override
     fm.focus_config = cfg
     routed = _head_inputs(fm, last, x)
     is_dense = torch.isin(torch.arange(mixed.shape[2]) // group, torch.tensor([0, 2]))
-    torch.testing.assert_close(mixed[:, :, is_dense], dense[:, :, is_dense], atol=TOL, rtol=0)
-    torch.testing.assert_close(mixed[:, :, ~is_dense], routed[:, :, ~is_dense], atol=TOL, rtol=0)  # fmt: skip
-    assert not torch.allclose(dense[:, :, is_dense], routed[:, :, is_dense], atol=1e-4)
+    torch.testing.assert_close(mixed[:, :, is_dense], dense[:, :, is_dense], **tolerance("oracle"))
+    torch.testing.assert_close(mixed[:, :, ~is_dense], routed[:, :, ~is_dense], **tolerance("oracle"))  # fmt: skip
+    assert not torch.allclose(dense[:, :, is_dense], routed[:, :, is_dense], **DIFFERENT)
 
 
 def test_the_head_split_selects_consecutive_heads_by_a_view():
@@ -169,7 +171,7 @@ def test_dense_heads_are_saved_with_the_adapter(tmp_path):
     fm.save_pretrained(tmp_path)
     loaded = FocusModel.from_pretrained(fm.unload(), tmp_path)
     assert loaded.focus_config.dense_heads == pairs
-    torch.testing.assert_close(_logits(loaded, x), want, atol=0, rtol=0)
+    torch.testing.assert_close(_logits(loaded, x), want, **tolerance("bitwise"))
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad, positions
+from tolerances import DIFFERENT, tolerance
 
 from focus_attention.hf import FocusConfig, FocusModel
 from focus_attention.hf.compat import cache_kwargs, cache_of
 
-TOL = 1e-5
 N = 40
 
 
@@ -40,11 +40,11 @@ def test_a_dense_layer_is_the_base_layer(arch, routing):
     for m in (fm, ref):
         if isinstance(m, FocusModel):
             m.set_routing(routing)
-    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), atol=TOL, rtol=0)
+    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), **tolerance("oracle"))
     # guard: with the layer routed again the model changes (the test can fail)
     fm.set_routing("topk")
     fm.focus_config = fm.focus_config.replace(dense_layers=())
-    assert not torch.allclose(_logits(fm, x), before, atol=1e-4)
+    assert not torch.allclose(_logits(fm, x), before, **DIFFERENT)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -54,7 +54,7 @@ def test_a_dense_layer_under_left_padding_and_decoding(arch):
     kw = dict(attention_mask=mask, position_ids=positions(mask))
     real = mask.bool()
     torch.testing.assert_close(
-        _logits(fm, x, **kw)[real], _logits(ref, x, **kw)[real], atol=TOL, rtol=0
+        _logits(fm, x, **kw)[real], _logits(ref, x, **kw)[real], **tolerance("oracle")
     )
     gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -65,7 +65,7 @@ def test_every_layer_dense_is_the_base_model():
     ref, fm = focus("llama")
     fm.focus_config = fm.focus_config.replace(dense_layers=fm.focus_layers)
     x = ids(2, N, seed=8)
-    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), atol=TOL, rtol=0)
+    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), **tolerance("oracle"))
 
 
 def test_switching_a_layer_while_a_cache_holds_keys_says_why():
@@ -104,7 +104,7 @@ def test_dense_layers_are_saved_with_the_adapter(tmp_path):
     again = FocusModel.from_pretrained(build_model("llama"), tmp_path)
     assert again.focus_config.dense_layers == fm.focus_config.dense_layers
     x = ids(1, N, seed=11)
-    torch.testing.assert_close(_logits(again, x), _logits(fm, x), atol=0, rtol=0)
+    torch.testing.assert_close(_logits(again, x), _logits(fm, x), **tolerance("bitwise"))
 
 
 @pytest.mark.parametrize(

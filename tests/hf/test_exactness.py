@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad, positions
+from tolerances import tolerance
 
-TOL = 1e-5
 N = 48
 
 
@@ -32,7 +32,7 @@ def test_topk_equals_base_when_mask_is_dense(arch, cfg):
     base = logits(ref, x)
     out = logits(fm, x)
     assert fm.routing_mode == "topk"
-    torch.testing.assert_close(out, base, atol=TOL, rtol=0)
+    torch.testing.assert_close(out, base, **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -42,7 +42,7 @@ def test_topk_equals_base_under_left_padding(arch):
     kw = dict(attention_mask=mask, position_ids=positions(mask))
     real = mask.bool()
     torch.testing.assert_close(
-        logits(fm, x, **kw)[real], logits(ref, x, **kw)[real], atol=TOL, rtol=0
+        logits(fm, x, **kw)[real], logits(ref, x, **kw)[real], **tolerance("oracle")
     )
 
 
@@ -52,7 +52,7 @@ def test_soft_equals_base_when_window_covers_sequence(arch, gate):
     ref, fm = focus(arch, num_groups=4, top_k=1, window=N, gate=gate)
     fm.set_routing("soft")
     x = ids(2, N, seed=4)
-    torch.testing.assert_close(logits(fm, x), logits(ref, x), atol=TOL, rtol=0)
+    torch.testing.assert_close(logits(fm, x), logits(ref, x), **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

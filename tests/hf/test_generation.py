@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, focus, ids
+from tolerances import tolerance
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -136,7 +137,7 @@ def test_beam_search_reorders_cached_groups():
     assert a.sequences.shape[1] - x.shape[1] > 3 * fm.focus_config.window
     assert torch.equal(a.sequences, b.sequences)
     for u, v in zip(a.scores, b.scores, strict=True):
-        torch.testing.assert_close(u, v, rtol=0, atol=1e-4)
+        torch.testing.assert_close(u, v, **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("op", ["reorder_cache", "batch_select_indices", "repeat", "crop"])
@@ -254,6 +255,6 @@ def test_decoding_steps_route_in_one_fused_call(kernel_built, monkeypatch):
         assert routed == []  # 70 tokens: the matrix products
         for t in range(70, 80):
             step = fm(x[:, t : t + 1], **cache_kwargs(cache_of(out)), use_cache=True)
-            torch.testing.assert_close(step.logits[:, -1], full[:, t], atol=1e-4, rtol=0)
+            torch.testing.assert_close(step.logits[:, -1], full[:, t], **tolerance("oracle"))
             out = step
     assert routed == [1] * (10 * len(fm.focus_layers))

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from tiny import ARCHS, focus, ids
+from tolerances import DIFFERENT, tolerance
 
 from focus_attention.hf.head_gates import GATES_NAME, HeadGates, mix_heads
 
@@ -45,7 +46,7 @@ def test_gates_one_are_the_dense_layers_and_gates_zero_the_focus_layers(arch, ro
     HeadGates.detach(fm)
     assert torch.equal(_logits(fm, x), routed)
     # guard: the dense and the Focus layers differ here, so the test can fail
-    assert not torch.allclose(dense, routed, atol=1e-4)
+    assert not torch.allclose(dense, routed, **DIFFERENT)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -61,7 +62,7 @@ def test_one_open_gate_is_that_head_dense(arch):
     mixed = _logits(fm, x)
     HeadGates.detach(fm)
     fm.focus_config = fm.focus_config.replace(dense_heads=[(last, kv - 1)])
-    torch.testing.assert_close(mixed, _logits(fm, x), atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed, _logits(fm, x), **tolerance("oracle"))
 
 
 def test_mix_heads_weighs_each_key_value_heads_query_heads():

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, focus, ids, left_pad, positions, right_pad
+from tolerances import tolerance
 
-TOL = 1e-5
+TOL = tolerance("oracle")["atol"]
 LENGTHS = (5, 300)
 
 

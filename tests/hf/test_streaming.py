@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import ARCHS, build_model, focus, ids, left_pad, positions
+from tolerances import tolerance
 
 from focus_attention.hf import FocusConfig, FocusModel
 from focus_attention.hf.compat import cache_kwargs, cache_of
 
-TOL = 1e-5
 N = 40
 WINDOW = 8
 SINKS = 3
@@ -52,10 +52,10 @@ def test_equals_the_base_model_under_the_window_and_sink_mask(arch):
     ref, fm = _streaming(arch)
     x = ids(2, N, seed=1)
     oracle = _logits(ref, x, attention_mask=_streaming_mask(torch.ones(2, N, dtype=torch.bool), WINDOW, SINKS))  # fmt: skip
-    torch.testing.assert_close(_logits(fm, x), oracle, atol=TOL, rtol=0)
+    torch.testing.assert_close(_logits(fm, x), oracle, **tolerance("oracle"))
     # top_k and the routers do not enter
     fm.focus_config = fm.focus_config.replace(top_k=3)
-    torch.testing.assert_close(_logits(fm, x), oracle, atol=TOL, rtol=0)
+    torch.testing.assert_close(_logits(fm, x), oracle, **tolerance("oracle"))
     # guard: routed top-1 sees more than the window and the sinks, so the test can fail
     fm.focus_config = fm.focus_config.replace(top_k=1, inference_routing="causal")
     assert (_logits(fm, x) - oracle).abs().max() > 1e-3
@@ -70,7 +70,7 @@ def test_left_padding_keeps_the_first_real_tokens_as_sinks(arch, sinks):
     real = mask.bool()
     oracle = _logits(ref, x, attention_mask=_streaming_mask(real, WINDOW, sinks), position_ids=pos)  # fmt: skip
     out = _logits(fm, x, attention_mask=mask, position_ids=pos)
-    torch.testing.assert_close(out[real], oracle[real], atol=TOL, rtol=0)
+    torch.testing.assert_close(out[real], oracle[real], **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -87,7 +87,7 @@ def test_decoding_with_a_cache_equals_the_whole_sequence(arch):
             out = fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
             steps.append(out.logits[:, -1])
             cache = cache_of(out)
-    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : N - 1], atol=TOL, rtol=0)  # fmt: skip
+    torch.testing.assert_close(torch.stack(steps, 1), whole[:, prefill - 1 : N - 1], **tolerance("oracle"))  # fmt: skip
 
 
 def test_beside_dense_heads_each_head_attends_as_its_kind():
@@ -98,7 +98,7 @@ def test_beside_dense_heads_each_head_attends_as_its_kind():
     kv = fm.base_model.config.num_key_value_heads
     every = tuple((layer, h) for layer in fm.focus_layers for h in range(kv))
     fm.focus_config = fm.focus_config.replace(dense_heads=every)
-    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), atol=TOL, rtol=0)
+    torch.testing.assert_close(_logits(fm, x), _logits(ref, x), **tolerance("oracle"))
     # one dense head changes the model, in prefill and in decoding alike
     fm.focus_config = fm.focus_config.replace(dense_heads=((fm.focus_layers[-1], 0),))
     whole = _logits(fm, x)
@@ -107,7 +107,7 @@ def test_beside_dense_heads_each_head_attends_as_its_kind():
     with torch.no_grad():
         out = fm(input_ids=x[:, :-1], use_cache=True)
         last = fm(input_ids=x[:, -1:], use_cache=True, **cache_kwargs(cache_of(out))).logits
-    torch.testing.assert_close(last[:, -1], whole[:, -1], atol=TOL, rtol=0)
+    torch.testing.assert_close(last[:, -1], whole[:, -1], **tolerance("oracle"))
 
 
 def test_the_setting_is_saved_with_the_adapter(tmp_path):
@@ -116,7 +116,7 @@ def test_the_setting_is_saved_with_the_adapter(tmp_path):
     back = FocusModel.from_pretrained(build_model("llama"), tmp_path)
     assert back.focus_config.inference_routing == "streaming"
     x = ids(1, N, seed=6)
-    torch.testing.assert_close(_logits(back, x), _logits(fm, x), atol=0, rtol=0)
+    torch.testing.assert_close(_logits(back, x), _logits(fm, x), **tolerance("bitwise"))
 
 
 def test_unknown_inference_routing_names_the_choices():
@@ -134,7 +134,7 @@ def test_odd_lengths_equal_the_oracle(n, sinks):
     oracle = _logits(ref, x, attention_mask=_streaming_mask(torch.ones(2, n, dtype=torch.bool), WINDOW, sinks))  # fmt: skip
     out = _logits(fm, x)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, oracle, atol=TOL, rtol=0)
+    torch.testing.assert_close(out, oracle, **tolerance("oracle"))
 
 
 def test_chunked_prefill_then_decoding_equals_the_whole_sequence():
@@ -151,7 +151,7 @@ def test_chunked_prefill_then_decoding_equals_the_whole_sequence():
             out = fm(input_ids=x[:, a:b], use_cache=True, **kw)
             cache = cache_of(out)
             got.append(out.logits)
-    torch.testing.assert_close(torch.cat(got, 1), whole, atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got, 1), whole, **tolerance("oracle"))
 
 
 def test_right_padding_is_invisible():
@@ -162,8 +162,8 @@ def test_right_padding_is_invisible():
     a, b = ids(1, N, seed=10)[0], ids(1, N - 15, seed=11)[0]
     x, mask = right_pad([a, b])
     out = _logits(fm, x, attention_mask=mask)
-    torch.testing.assert_close(out[1, : N - 15], _logits(fm, b[None])[0], atol=TOL, rtol=0)
-    torch.testing.assert_close(out[0], _logits(fm, a[None])[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(out[1, : N - 15], _logits(fm, b[None])[0], **tolerance("oracle"))
+    torch.testing.assert_close(out[0], _logits(fm, a[None])[0], **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

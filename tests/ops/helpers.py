@@ -13,16 +13,21 @@ from dataclasses import dataclass, field, replace
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from tolerances import tolerance
 
-from focus_attention.ops import dense_attention, focus_mask, sparse_attention
+from focus_attention.ops import backend_names, dense_attention, focus_mask, sparse_attention
 
-#: the explicit sparse backends every exactness test runs on.
-BACKENDS = ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "math")
+#: backends the shared exactness grids leave out: ``flex`` runs them in test_flex.py (on CPU
+#: FlexAttention runs eagerly, without gradients, and needs its own block-mask checks)
+OWN_GRIDS = ("flex",)
+#: the explicit sparse backends every exactness test runs on: the registry's, in ``"auto"``'s
+#: order, less :data:`OWN_GRIDS`.
+BACKENDS = tuple(name for name in backend_names() if name not in OWN_GRIDS)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-#: tolerance for fp32 outputs (max abs error against the exact result).
-FP32_ATOL = 1e-5
+#: tolerance for fp32 outputs (max abs error against the exact result; tests/tolerances.py).
+FP32_ATOL = tolerance("oracle")["atol"]
 #: tolerance for an fp32 log-sum-exp.
-FP32_LSE_ATOL = 1e-4
+FP32_LSE_ATOL = tolerance("log")["atol"]
 #: every block constant of the sparse backends shrunk, so that short inputs cross many
 #: query blocks, key chunks, strips and band calls (the production sizes are only crossed
 #: by inputs of thousands of tokens).

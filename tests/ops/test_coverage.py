@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import tolerance
 
 from focus_attention.ops import topk_memberships
 from focus_attention.ops.coverage import distant_attention, hard_coverage, soft_coverage
@@ -76,7 +77,7 @@ def test_distant_attention_matches_oracle(b, h, h_kv, nq, nk, window, padded, si
                             always_visible=sink, chunk_size=chunk)  # fmt: skip
     want = oracle_distant(q, k, window, softcap=softcap, kpm=kpm, sinks=sink)
     assert got.dtype == torch.float32 and got.shape == (b, nq, nk)
-    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got.double(), want, **tolerance("rounding"))
 
 
 def test_distant_attention_rows_select_queries():
@@ -93,7 +94,7 @@ def test_distant_attention_half_inputs_compute_in_fp32(dtype):
     got = distant_attention(q, k, 3)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), oracle_distant(q.float(), k.float(), 3),
-                               atol=2e-6, rtol=0)  # fmt: skip
+                               **tolerance("rounding"))  # fmt: skip
 
 
 def test_rows_beyond_the_window_sum_to_the_distant_share():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import tolerance
 
 from focus_attention.ops import gated_attention, group_scores, group_shares, sinkhorn
 
@@ -193,20 +194,20 @@ def test_always_visible_keys(gate):
     sinks[0, [0, 10]] = True
     out = gated_attention(q, k, v, rows, rows, window, gate=gate, eps=1e-30, always_visible=sinks)
     ref = eq2_reference(q, k, v, rows, rows, window, gate=gate, eps=1e-30, always_visible=sinks)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), ref, **tolerance("oracle"))
     if gate == "log":  # hard limit: window plus the sinks, causally
         mask = brute_mask(rows.bool(), rows.bool(), window)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
         mask = mask | ((j <= i) & sinks[0][None])
         hard, _ = naive_attention(q, k, v, mask)
-        torch.testing.assert_close(out.double(), hard, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.double(), hard, **tolerance("oracle"))
         # query 5 must not see the later sink at position 10
         without = sinks.clone()
         without[0, 10] = False
         o2 = gated_attention(
             q, k, v, rows, rows, window, gate=gate, eps=1e-30, always_visible=without
         )
-        torch.testing.assert_close(o2[:, :, :10], out[:, :, :10], atol=1e-6, rtol=0)
+        torch.testing.assert_close(o2[:, :, :10], out[:, :, :10], **tolerance("rounding"))
     # a padded sink is invisible
     kpm = torch.ones(1, n, dtype=torch.bool)
     kpm[0, 0] = False
@@ -214,7 +215,7 @@ def test_always_visible_keys(gate):
         q, k, v, rows, rows, window, gate=gate, always_visible=sinks, key_padding_mask=kpm
     )
     r3 = eq2_reference(q, k, v, rows, rows, window, gate=gate, always_visible=sinks, kpm=kpm)
-    torch.testing.assert_close(o3.double(), r3, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o3.double(), r3, **tolerance("oracle"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -266,7 +267,7 @@ def test_gradients_match_float64_reference(gate):
     want = grads(lambda *a: eq2_reference(*a, 2, kpm=kpm, **kw), torch.float64)
     for name, a, b in zip(["q", "k", "v", "gq", "gk"], got, want, strict=True):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4, msg=f"d{name}")
+        torch.testing.assert_close(a.double(), b, **tolerance("gradient"), msg=f"d{name}")
 
 
 @pytest.mark.parametrize("gate", ["paper", "log"])
@@ -328,7 +329,7 @@ def test_a_training_step_with_empty_or_identical_groups_stays_finite(kind, gate)
     assert (shares - 1 / 16).abs().max() <= 1e-2
     if kind in ("identical", "zero"):  # identical rows: the uniform distribution exactly
         want = torch.full_like(probs, 1 / 16).masked_fill(~pad[..., None], 0.0)
-        torch.testing.assert_close(probs, want, atol=1e-6, rtol=0)  # padding rows are zero
+        torch.testing.assert_close(probs, want, **tolerance("rounding"))  # padding rows are zero
 
 
 @pytest.mark.parametrize("gate", ["log", "paper"])
@@ -358,9 +359,9 @@ def test_chunked_rows_equal_the_whole_call_with_gradients(gate, chunk, nq, nk, p
 
     want, want_grads = run(None)
     got, got_grads = run(chunk)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tolerance("reordered"))
     for a, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, w, **tolerance("gradient"))
 
 
 def test_chunk_size_must_be_positive():

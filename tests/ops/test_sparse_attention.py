@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import tolerance
 
 from focus_attention.ops import dense_attention, focus_mask, sparse_attention
 from focus_attention.ops.sparse import cpu_fused
@@ -150,7 +151,7 @@ def test_auto_backend_matches_explicit_backends(fused_kernel):
     case = make_case(nk=200, nq=50, batch=2, heads=4, kv_heads=2, top_k=2, padding="left")
     auto = case.sparse("auto")
     for backend in BACKENDS:
-        torch.testing.assert_close(auto, case.sparse(backend), atol=1e-5, rtol=0)
+        torch.testing.assert_close(auto, case.sparse(backend), **tolerance("oracle"))
     assert_matches_oracle(case, auto)
 
 
@@ -165,7 +166,7 @@ def test_scale_argument_is_used(backend):
     # the default scale is D ** -0.5, so an explicit D ** -0.5 must give the same result
     dflt = case.sparse(backend)
     explicit = case.sparse(backend, scale=case.q.shape[-1] ** -0.5)
-    torch.testing.assert_close(dflt, explicit, atol=1e-6, rtol=0)
+    torch.testing.assert_close(dflt, explicit, **tolerance("rounding"))
 
 
 def test_softcap_math_backend_equals_oracle(kernel_built):
@@ -189,8 +190,8 @@ def test_oracle_helpers_agree_with_package_oracle():
     pkg, pkg_lse = dense_attention(case.q.double(), case.k.double(), case.v.double(), mask)
     mine, mine_lse = naive_attention(case.q, case.k, case.v, mask)
     # dense_attention takes its softmax in fp32 even for float64 inputs: fp32-level agreement
-    torch.testing.assert_close(pkg, mine, atol=1e-6, rtol=0)
-    torch.testing.assert_close(pkg_lse.double(), mine_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pkg, mine, **tolerance("rounding"))
+    torch.testing.assert_close(pkg_lse.double(), mine_lse, **tolerance("oracle"))
 
 
 def test_dense_attention_float64_is_float64_accurate():
@@ -398,7 +399,7 @@ def test_keys_and_values_as_prefix_views_of_a_cache_buffer(mode, dtype, backend)
     assert not k.is_contiguous()
     out = sparse_attention(case.q, k, v, case.qg, case.kg, case.window,
                            key_padding_mask=case.kpm, backend=backend)  # fmt: skip
-    torch.testing.assert_close(out, case.sparse(backend), rtol=0, atol=0)
+    torch.testing.assert_close(out, case.sparse(backend), **tolerance("bitwise"))
     if dtype == torch.float32:
         assert_matches_oracle(case, out)
 
@@ -505,7 +506,7 @@ def test_a_huge_window_means_every_causal_pair_is_local(backend):
             key_padding_mask=case.kpm,
             backend=backend,
         )
-        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        torch.testing.assert_close(out, ref, **tolerance("bitwise"))
     mask = focus_mask(case.qg, case.kg, 2**80, case.kpm)
     assert torch.equal(mask, focus_mask(case.qg, case.kg, 50, case.kpm))
 

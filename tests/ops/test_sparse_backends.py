@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from focus_attention.ops import (
     resolve_backend,
     sparse_attention,
 )
-from focus_attention.ops.sparse import cpu_fused, dispatch
+from focus_attention.ops.names import SPARSE_BACKENDS
+from focus_attention.ops.sparse import Backend, cpu_fused, dispatch
 
 from .helpers import assert_matches_oracle, make_case
 
@@ -48,25 +50,19 @@ def _spy_fused(monkeypatch) -> list[bool]:
 
 
 def test_backends_are_listed_in_autos_order():
-    assert BACKENDS == (
-        "auto",
-        "triton",
-        "gather",
-        "masked",
-        "cpu_fused",
-        "cpu_flash",
-        "flex",
-        "math",
-    )
-    assert backend_names()[:7] == (
-        "triton",
-        "gather",
-        "masked",
-        "cpu_fused",
-        "cpu_flash",
-        "flex",
-        "math",
-    )
+    """The built-in backends in the order "auto" tries them (docs/method.md §5): stated
+    here once; every other list of names is the registry's (see the next test)."""
+    intended = ("triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+    assert backend_names() == intended
+
+
+def test_every_list_of_backend_names_is_the_registry():
+    """The torch-free names (settings, command-line choices), the ``Backend`` type and the
+    package's ``BACKENDS`` are ``"auto"`` then the registry's names, in its order."""
+    names = ("auto", *backend_names())
+    assert names == SPARSE_BACKENDS
+    assert typing.get_args(Backend) == names
+    assert names == BACKENDS
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import tolerance
 
 from focus_attention.ops.sparse import triton_decode, triton_decode_kernels
 from focus_attention.ops.sparse.buckets import GroupBuckets
@@ -232,6 +233,9 @@ def test_reference_half(params, half_dtype):
     setup.check(*setup.run(bucket_decode_reference))
 
 
+#: a split count's result against one split's: each split's partial result is rounded once
+#: more before the merge, so twice the rounding tolerance
+MERGED_SPLITS = 2
 SPLIT_CASES = [
     pytest.param(dict(capacity=160, lengths=(150, 23), window=16, groups=8, top_k=2), splits,
                  id=f"long-{splits}")
@@ -251,8 +255,8 @@ def test_split_counts(params, splits, small_blocks):
     out, lse = setup.run()
     setup.check(out, lse)
     one, one_lse = setup.run(num_splits=1)
-    torch.testing.assert_close(out, one, atol=2e-6, rtol=0)
-    torch.testing.assert_close(lse, one_lse, atol=2e-6, rtol=0)
+    torch.testing.assert_close(out, one, **tolerance("rounding", scale=MERGED_SPLITS))
+    torch.testing.assert_close(lse, one_lse, **tolerance("rounding", scale=MERGED_SPLITS))
 
 
 def test_production_block_size():
@@ -587,8 +591,8 @@ def test_cuda_graph_replays_a_decoding_step(splits):
         _load(static, _step_inputs(other))
         graph.replay()
         expected = _step(_step_inputs(other), other)
-        torch.testing.assert_close(result[0], expected[0], atol=0, rtol=0)
-        torch.testing.assert_close(result[1], expected[1], atol=0, rtol=0)
+        torch.testing.assert_close(result[0], expected[0], **tolerance("bitwise"))
+        torch.testing.assert_close(result[1], expected[1], **tolerance("bitwise"))
         other.check(result[0].cpu(), result[1].cpu())
 
 

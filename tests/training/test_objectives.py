@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from tiny import focus, ids
 from tiny_assets import tiny_config
+from tolerances import tolerance
 
 from focus_attention.ops.coverage import distant_attention
 from focus_attention.training import TrainConfig, train
@@ -30,7 +31,7 @@ def test_record_dense_attention_is_the_base_model_and_records_every_focus_layer(
         want = fm(input_ids=x, use_cache=False).logits
     with torch.no_grad(), fm.record_dense_attention() as records:
         got = fm(input_ids=x, use_cache=False).logits
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **tolerance("bitwise"))
     assert [r["layer"] for r in records] == fm.focus_layers
     cfg = fm.base_model.config
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads

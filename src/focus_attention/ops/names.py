@@ -9,5 +9,7 @@ GATES = ("paper", "log")
 
 #: ``backend=`` values of :func:`~focus_attention.ops.sparse_attention`'s built-in backends,
 #: ``"auto"`` first, then ``"auto"``'s order (docs/method.md §5, "Backends"); a backend
-#: registered later is valid too
-SPARSE_BACKENDS = ("auto", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")
+#: registered later is valid too. The registry (:func:`~focus_attention.ops.backend_names`)
+#: is the source: written out here to stay importable without torch, and checked against
+#: the registry by tests/ops/test_sparse_backends.py
+SPARSE_BACKENDS = ("auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math")

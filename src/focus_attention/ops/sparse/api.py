@@ -22,6 +22,8 @@ from .dispatch import (
 
 __all__ = ["Backend", "sparse_attention"]
 
+#: the ``backend=`` names for type checkers: :data:`~focus_attention.ops.names.SPARSE_BACKENDS`
+#: as a ``Literal`` (checked against the registry by tests/ops/test_sparse_backends.py)
 Backend = Literal["auto", "triton", "gather", "masked", "cpu_fused", "cpu_flash", "flex", "math"]
 
 
@@ -52,60 +54,52 @@ def sparse_attention(
         query: ``[B, H, Nq, D]`` floating point (the CPU kernels take float32, bfloat16
             and float16). key, value: ``[B, H_kv, Nk, D]``, ``H % H_kv == 0`` (GQA/MQA).
         query_groups: bool ``[B, Nq, K]`` group memberships (any number per token).
-        key_groups: bool ``[B, Nk, K]``.
-        window: local window in tokens, an int ``>= 1`` (counts the query itself).
+        key_groups: bool ``[B, Nk, K]``. window: local window in tokens, an int ``>= 1``
+            (counts the query itself).
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
-        backend: ``"auto"`` (the first that can run the call, in the order ``triton``,
-            ``gather``, ``cpu_fused``, ``cpu_flash``, ``flex``, ``math``) or a registered
-            backend (:func:`backend_names`); inputs that require grad need a differentiable
-            one:
-
-            - ``"triton"``: this package's Triton kernels, no host synchronisation: for at
-              most 8 queries (decoding) group buckets and a split-K kernel reading only the
-              window and the query's groups' keys, else a group-sorted prefill kernel
-              (``"auto"`` on CUDA; gradients through the prefill kernel's backward); CUDA,
-              or the CPU under ``TRITON_INTERPRET=1``; float32, bfloat16, float16,
-              K <= 62, ``softcap``, differentiable.
-
+        backend: ``"auto"`` (the first that can run the call, in :func:`backend_names`'s
+            order) or a registered backend (a differentiable one for inputs needing grad):
+            - ``"triton"``: this package's Triton kernels, no host synchronisation: group
+              buckets and a split-K kernel reading only the window's and the query's groups'
+              keys for at most 8 queries (decoding), else a group-sorted prefill kernel with
+              its backward (``"auto"`` on CUDA); CUDA, or the CPU under
+              ``TRITON_INTERPRET=1``; float32, bfloat16, float16, K <= 62, ``softcap``.
             - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
               queries: decoding); any device and dtype, ``softcap``, differentiable.
-            - ``"masked"``: every key under the call's Focus mask, built on the device, so
-              no host synchronisation (for decoding where launches cost more than reading
-              keys; never chosen by ``"auto"``); any device and dtype, ``softcap``,
-              inference only; blocks of 256 queries, each one SDPA call in the inputs'
-              dtype when neither ``return_lse`` nor ``softcap`` is given.
+            - ``"masked"``: every key under the call's Focus mask, built on the device: no
+              host synchronisation (decoding where launches cost more than reading keys;
+              never chosen by ``"auto"``); any device and dtype, ``softcap``, inference
+              only; blocks of 256 queries, one SDPA call each in the inputs' dtype when
+              neither ``return_lse`` nor ``softcap`` is given.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
-              bfloat16, float16 (computed in float32), K <= 64, no softcap, inference only.
-            - ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; as above, any K.
+              bfloat16, float16 (in float32), K <= 64, no softcap, inference only;
+              ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; the same, any K.
             - ``"flex"``: PyTorch's FlexAttention, applies ``softcap``; compiled and
               differentiable on CUDA; eager and inference only on CPU (not for ``"auto"``).
             - ``"math"``: blocked PyTorch code; differentiable, any device and dtype, ``softcap``.
         return_lse: also return the log-sum-exp of the visible logits.
 
     Returns:
-        ``out [B, H, Nq, D]`` in the query's dtype, and with ``return_lse`` also
-        ``lse [B, H, Nq]`` (natural log; float32, float64 for float64 inputs; ``-inf``
-        for a query with no visible key). Both are transposed views of token-major
-        ``[B, Nq, H, D]`` / ``[B, Nq, H]`` buffers, so ``out.transpose(1, 2)``, the layout
-        transformers expects, is contiguous. A zero-size ``B``, ``H``, ``Nq`` or ``Nk`` gives
-        an empty result of that shape on every backend (gradients included).
-        Inside ``torch.autocast`` the op computes in its inputs' dtype (autocast does not apply).
+        ``out [B, H, Nq, D]`` in the query's dtype, with ``return_lse`` also ``lse [B, H,
+        Nq]`` (natural log; float32, float64 for float64 inputs; ``-inf`` for a query with
+        no visible key): transposed views of token-major ``[B, Nq, H, D]`` / ``[B, Nq, H]``
+        buffers (``out.transpose(1, 2)``, transformers' layout, is contiguous). A zero-size
+        ``B``, ``H``, ``Nq`` or ``Nk`` gives an empty result of that shape on every backend
+        (gradients included). Inside ``torch.autocast`` the op computes in its inputs' dtype.
         Under ``torch.compile`` a call without gradients is one opaque custom operator
-        (``torch.ops.focus_attention.sparse_attention``) that runs eagerly, so a compiled
-        caller gets exactly the eager result; a call that needs gradients runs eagerly
-        behind a graph break.
+        (``torch.ops.focus_attention.sparse_attention``) run eagerly: a compiled caller
+        gets the eager result exactly; one that needs gradients runs behind a graph break.
 
     Raises:
         ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
             non-boolean group masks, ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale``
-            or ``softcap`` not a finite number > 0, tensors on different devices, ``D < 1``,
-            an unknown backend, a backend that cannot run the call (the message names it
-            and gives the reason: inputs that require grad, a device, dtype or softcap it
-            does not take, more groups than it takes, a kernel that could not be built),
-            or ``"auto"`` when no backend can (every backend's reason): the last three
-            are ``BackendUnavailable``, a ``ValueError``.
+            or ``softcap`` not a finite number > 0, tensors on different devices, ``D < 1``;
+            ``BackendUnavailable`` (a ``ValueError``): an unknown backend, one that cannot
+            run the call (named, with its reason: gradients, a device, dtype, softcap or
+            number of groups it does not take, a kernel not built), or ``"auto"`` when no
+            backend can (every backend's reason).
     """
     given = (query, key, value, query_groups, key_groups, window, scale, key_padding_mask, softcap)
     window, scale, softcap = _checked(*given)
