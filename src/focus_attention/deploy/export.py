@@ -18,6 +18,7 @@ from ..assets.models import load_model
 from ..hf.card import base_model_name, export_card, model_records
 from ..hf.files import ATTACHED_ROUTERS, CARD_NAME, base_model_fingerprint
 from ..hf.model import FocusModel
+from ..hf.run_folder import LORA_DIR, MODEL_DIR, run_parts
 from ..utils.io import replace_entries, staged_directory
 from .settings import (
     AUTO_MAP,
@@ -275,8 +276,6 @@ def export_adapter(config: ExportConfig) -> Path:
 def _check_focus_only(adapter: str) -> None:
     """Refuse a run folder that holds more than a Focus adapter (LoRA in ``lora/``, trained
     base weights in ``model/``): the export would silently leave it out."""
-    from ..hf.run_folder import LORA_DIR, MODEL_DIR, run_parts
-
     parts = run_parts(adapter) if Path(adapter).is_dir() else {}
     extra = [f"{LORA_DIR}/ (LoRA)" if n == "lora" else f"{MODEL_DIR}/ (trained base weights)"
              for n in ("lora", "model") if parts.get(n)]  # fmt: skip
