@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
+
+from test_layout import MODULES, PACKAGE
 
 from focus_attention.ops.sparse import dispatch
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-PACKAGE = SRC / "focus_attention"
 #: the longest main path of the Focus layer (hf/attention.py, lines)
 MAX_MAIN_PATH_LINES = 200
 #: the one module that runs a backend, and the one decoding-sized bound it declares
@@ -42,17 +40,6 @@ LAYER_MODULES = (
 )
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
-MODULES = _modules()
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 

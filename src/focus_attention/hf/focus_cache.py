@@ -15,8 +15,10 @@ and asks the cache to attend: the layer never asks which cache it has. Four clas
 
 Every key's groups are those of its ``top_k`` memberships, and every group for one of the
 first ``sink_tokens`` real tokens of its row (docs/method.md §3); a padding key is in none.
-The three caches also follow transformers' cache operations (beam reordering, cropping,
-batch repetition and selection, reset): each keeps its groups in step with its keys.
+The dynamic and the static cache also follow transformers' cache operations (beam
+reordering, cropping, batch repetition and selection, reset): each keeps its groups in step
+with its keys; the paged cache copies a forked request's groups with its blocks
+(:func:`~focus_attention.hf.paged.copy_groups_with_blocks`).
 """
 
 from __future__ import annotations
