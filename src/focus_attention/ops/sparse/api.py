@@ -73,14 +73,15 @@ def sparse_attention(
             order) or a registered backend (a differentiable one for inputs needing grad):
             - ``"triton"``: this package's Triton kernels, no host synchronisation: group
               buckets and a split-K kernel reading only the window's and the query's groups'
-              keys for at most 8 queries (decoding), else a group-sorted prefill kernel with
-              its backward (``"auto"`` on CUDA); CUDA, or the CPU under
-              ``TRITON_INTERPRET=1``; float32, bfloat16, float16, K <= 62, ``softcap``.
-            - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
-              queries: decoding); any device and dtype, ``softcap``, differentiable.
+              keys for decoding-sized calls (:data:`~.dispatch.MAX_DECODE_QUERIES`), else a
+              group-sorted prefill kernel with its backward (``"auto"`` on CUDA); CUDA, or the
+              CPU under ``TRITON_INTERPRET=1``; float32, bfloat16, float16, K <= 62, ``softcap``.
+            - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for
+              decoding-sized calls); any device and dtype, ``softcap``, differentiable.
             - ``"masked"``: every key under the call's Focus mask, built on the device: no
               host synchronisation (decoding where launches cost more than reading keys;
-              never chosen by ``"auto"``); any device and dtype, ``softcap``, inference
+              chosen by ``"auto"`` only to decode over group buckets, in
+              :func:`decode_attention`); any device and dtype, ``softcap``, inference
               only; blocks of 256 queries, one SDPA call each in the inputs' dtype when
               neither ``return_lse`` nor ``softcap`` is given.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
@@ -141,8 +142,7 @@ def _run(backend: str, args: tuple, softcap: float | None, return_lse: bool) -> 
 def _plain_eager(query: torch.Tensor) -> bool:
     """Whether the call runs eagerly on a plain tensor (not traced by ``torch.compile`` or
     ``torch.export``, not a fake, meta or subclass tensor): the custom operator, there only
-    for tracers, is then skipped (its dispatch costs about 20 us, a tenth of a decoding
-    step's call)."""
+    for tracers, is then skipped (its dispatch would only add overhead to a decoding step)."""
     return (
         type(query) is torch.Tensor
         and query.device.type != "meta"
