@@ -80,10 +80,9 @@ def sparse_attention(
               decoding-sized calls); any device and dtype, ``softcap``, differentiable.
             - ``"masked"``: every key under the call's Focus mask, built on the device: no
               host synchronisation (decoding where launches cost more than reading keys;
-              chosen by ``"auto"`` only to decode over group buckets, in
-              :func:`decode_attention`); any device and dtype, ``softcap``, inference
-              only; blocks of 256 queries, one SDPA call each in the inputs' dtype when
-              neither ``return_lse`` nor ``softcap`` is given.
+              ``"auto"`` only in :func:`decode_attention`); any device and dtype, ``softcap``,
+              inference only; blocks of 256 queries, one SDPA call each in the inputs' dtype
+              when neither ``return_lse`` nor ``softcap`` is given.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (in float32), K <= 64, no softcap, inference only;
               ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; the same, any K.
