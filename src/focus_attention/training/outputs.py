@@ -279,8 +279,9 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
     """Check, before a resume loads it, every file of the checkpoint ``ckpt`` the Trainer
     and the run read back: the optimizer and schedule states (:data:`CHECKPOINT_STATES`)
     and each process's random-generator state are there and whole zip archives (the format
-    of ``torch.save``), every other ``torch.save`` file (``*.pt``, ``*.pth``, ``*.bin``)
-    whole, every safetensors file readable, every JSON file a JSON object.
+    of ``torch.save``), the Trainer state has its step, every other ``torch.save`` file
+    (``*.pt``, ``*.pth``, ``*.bin``) whole, every safetensors file readable, every JSON file
+    a JSON object.
 
     Raises:
         FileNotFoundError: a missing optimizer, schedule or random-generator state (the
@@ -297,7 +298,8 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
                                     "before, or start again with --overwrite)")  # fmt: skip
         check_zip_file(path / name, expected)
     read_json_record(path / TRAINER_STATE_NAME, TRAINER_STATE_EXPECTED, TRAINER_STATE_SHAPE)
-    read_json_record(path / RUN_STATE_NAME, RUN_STATE_EXPECTED, RUN_STATE_SHAPE)
+    if (path / RUN_STATE_NAME).exists():  # focus train's (focus pretrain's have none)
+        read_json_record(path / RUN_STATE_NAME, RUN_STATE_EXPECTED, RUN_STATE_SHAPE)
     part = f"a file of the focus train checkpoint {path.name}"
     for file in sorted(p for p in path.rglob("*") if p.name not in needed):
         if file.suffix in (".pt", ".pth", ".bin"):
