@@ -587,3 +587,60 @@ top_k = [1]
     assert [list(r["evals"]) for r in again["cells"]] == [["a"], ["a"]]
     assert list(again["points"]) == ["a"]
     assert "### Evaluation `b`" not in (cfg.out_dir() / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda row: row.pop("train_config"), "no key 'train_config'"),
+    (lambda row: row["evals"]["eval"].pop("eval_config"), "evals.eval: no key 'eval_config'"),
+    (lambda row: row.update(evals=[]), "evals is a JSON array, not a JSON object"),
+])  # fmt: skip
+def test_a_cell_file_without_what_the_sweep_reads_is_named(serial_sweep, tmp_path, capsys, damage, why):  # fmt: skip
+    from focus_attention.cli import main
+
+    cfg, _ = serial_sweep
+    out = tmp_path / "out"
+    shutil.copytree(cfg.out_dir(), out)
+    path = out / "cells" / "sinkhorn_iters-0" / "cell.json"
+    row = json.loads(path.read_text())
+    damage(row)
+    path.write_text(json.dumps(row))
+    capsys.readouterr()
+    assert main(["sweep", "--grid", cfg.grid, "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"focus: error: {path}: {why}; expected the JSON row of a focus sweep cell")  # fmt: skip
+
+
+HOLD = """
+import sys, time
+from focus_attention.utils.io import exclusive_lock
+with exclusive_lock(sys.argv[1], "focus sweep --grid g --out " + sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_second_sweep_into_a_folder_in_use_refuses_naming_the_first(serial_sweep, tmp_path, monkeypatch):  # fmt: skip
+    import os
+    import subprocess
+    import sys
+
+    from focus_attention.utils.io import FolderInUseError
+
+    cfg, _ = serial_sweep
+    out = tmp_path / "out"
+    shutil.copytree(cfg.out_dir(), out)
+    (out / "sweep.json").unlink()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(out / ".focus-sweep.lock"), str(out)],
+                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(FolderInUseError, match=rf"^{out} is in use by process {first.pid} on .*focus sweep --grid g"):  # fmt: skip
+            run_sweep(SweepConfig(grid=cfg.grid, out=str(out), progress=False))
+        assert not (out / "sweep.json").exists()
+    finally:
+        first.kill()
+        first.wait()
+    monkeypatch.setattr(sweep_mod, "train", lambda *a, **k: pytest.fail("a finished cell trained"))
+    run_sweep(SweepConfig(grid=cfg.grid, out=str(out), progress=False))
+    assert (out / "sweep.json").is_file() and not (out / ".focus-sweep.lock").exists()

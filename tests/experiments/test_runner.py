@@ -556,3 +556,96 @@ def test_a_result_that_records_an_unfinished_run_is_never_kept_or_done(finished,
     for data in ({**recorded, **unfinished}, {k: v for k, v in {**recorded, **unfinished}.items() if k != "experiment"}):  # fmt: skip
         (copy / "results" / "eval-32.json").write_text(json.dumps(data))
         assert step_plan(loaded, loaded.step("eval-32"), str(runs)) == ("resume", why + "; it runs again")  # fmt: skip
+
+
+@pytest.mark.parametrize("result, status, why", [
+    ({"steps": 13, "config": {"steps": 30}, "trainable_parameters": 576, "train_seconds": 1.0,
+      "extra": {}}, "resume",
+     "its result is not a finished training (train_result.json records 13 steps, the run has 4; "
+     "train_result.json: extra: no key 'interrupted' (an older release's result, or a damaged one)"),
+    ({"steps": 4, "config": {"steps": 4}, "trainable_parameters": 576, "train_seconds": 1.0,
+      "extra": {}}, "resume", "its result is not a finished training (train_result.json: extra: no key 'interrupted'"),  # fmt: skip
+    ({"steps": 4, "config": {"steps": 4}, "trainable_parameters": 576, "train_seconds": 1.0,
+      "extra": {"interrupted": False}}, "kept", "result has no settings record"),
+])  # fmt: skip
+def test_an_older_releases_training_result_is_resumed_not_kept(tmp_path, monkeypatch, module_assets, result, status, why):  # fmt: skip
+    """A train step's result without a settings record is kept only when it says it
+    finished every step of the step's settings; an older release's (no interrupted flag,
+    13 of 30 steps) resumes, with --resume where its folder holds a checkpoint."""
+    study, runs = _train_study(tmp_path, module_assets, monkeypatch)
+    out = runs / "tiny"
+    checkpoint = out / "checkpoints" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (checkpoint / "focus_run.json").write_text(json.dumps({"world_size": 1}))
+    (out / "train_result.json").write_text(json.dumps(result))
+    loaded = load_study(study)
+    step = loaded.step("train")
+    got = step_plan(loaded, step, str(runs))
+    assert got[0] == status and got[1].startswith(why), got
+    assert ("resume" in resumed(loaded, step, str(runs)).settings) == (status == "resume")
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"ppl": {', "not valid JSON"),
+    ("", "empty file"),
+])  # fmt: skip
+def test_a_damaged_result_runs_again_naming_the_file(finished, module_assets, tmp_path, monkeypatch, text, why):  # fmt: skip
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    path = copy / "results" / "eval-32.json"
+    path.write_text(text)
+    loaded = load_study(copy)
+    status, reason = step_plan(loaded, loaded.step("eval-32"), str(runs))
+    assert status == "rerun"
+    assert reason.startswith(f"{path}: {why}") and reason.endswith(
+        "expected the JSON result of step 'eval-32': it runs again"
+    )
+
+
+HOLD = """
+import sys, time
+from focus_attention.utils.io import exclusive_lock
+with exclusive_lock(sys.argv[1], "focus sweep --study " + sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(300)
+"""
+
+
+def _held(lock: Path, what: str):
+    """A process that holds ``lock`` until killed."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock), what], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_of_a_study_in_progress_refuses_naming_the_first(finished, module_assets, tmp_path, monkeypatch, capsys):  # fmt: skip
+    from focus_attention.utils.io import FolderInUseError
+
+    study, runs, _, _ = finished
+    copy = _copy_of(study, tmp_path, module_assets, monkeypatch)
+    (copy / "results" / "eval-16.json").unlink()
+    first = _held(copy / "results" / ".focus-sweep.lock", str(copy))
+    try:
+        with pytest.raises(FolderInUseError) as err:
+            _run(copy, runs, Counting())
+        assert str(err.value).startswith(f"{copy / 'results'} is in use by process {first.pid} on ")  # fmt: skip
+        assert f"(focus sweep --study {copy}, since " in str(err.value)
+        assert not (copy / "results" / "eval-16.json").exists()
+        capsys.readouterr()
+        argv = ["sweep", "--study", str(copy), "--runs", str(runs), "--no-isolate"]
+        assert main(argv) == 1
+        assert capsys.readouterr().err.startswith(f"focus: error: {copy / 'results'} is in use")
+        assert (
+            _run(copy, runs, Counting(), dry_run=True)["eval-16"] == "run"
+        )  # a dry run reads only
+    finally:
+        first.kill()
+        first.wait()
+    assert _run(copy, runs, Counting())["eval-16"] == "run"
+    assert not (copy / "results" / ".focus-sweep.lock").exists()

@@ -194,6 +194,36 @@ def test_resume_from_a_checkpoint_continues_exactly(runs, assets, tmp_path):
         torch.testing.assert_close(b[k], a[k], **tolerance("rounding"), msg=k)
 
 
+def test_a_resume_checks_its_data_and_its_checkpoint_and_holds_its_folder(runs, assets, tmp_path):  # fmt: skip
+    """The run records the digest of its training blocks; a resume whose blocks differ, or
+    whose checkpoint has a damaged optimizer state, is refused naming the file; a folder
+    another run holds is refused naming it."""
+    from focus_attention.utils.io import FolderInUseError, UnreadableFileError, exclusive_lock
+
+    straight, out = runs["dense"]
+    data = json.loads((out / "pretrain_data.json").read_text())
+    assert data["train_blocks_sha256"] == straight["data"]["train_blocks_sha256"]
+    copy = tmp_path / "resumed"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("checkpoint-4", "model",
+                                                             "pretrain_result.json"))  # fmt: skip
+    config = tiny(assets["corpus"], copy, "dense", resume=True)
+    (copy / "pretrain_data.json").write_text(json.dumps({**data, "train_blocks_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=rf"^--resume: the training data differ .*records token blocks of SHA-256 0{{64}}, the corpus now gives {data['train_blocks_sha256']}"):  # fmt: skip
+        pretrain(config)
+    (copy / "pretrain_data.json").write_text(json.dumps(data))
+    state = copy / "trainer" / "checkpoint-2" / "optimizer.pt"
+    whole = state.read_bytes()
+    state.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UnreadableFileError, match=rf"^{state}: truncated or not a torch.save file"):
+        pretrain(config)
+    state.write_bytes(whole)
+    in_use = rf"^{copy} is in use by process {os.getpid()}"
+    held = exclusive_lock(copy / ".focus-train.lock", "focus pretrain --out elsewhere")
+    with held, pytest.raises(FolderInUseError, match=in_use):
+        pretrain(config)
+    assert pretrain(config)["data"]["resumed_from_step"] == 2
+
+
 def _losses(out: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]

@@ -15,13 +15,20 @@ from safetensors.torch import save_file
 
 from focus_attention.utils.checks import check_int, check_number
 from focus_attention.utils.io import (
+    NUMBER,
+    FolderInUseError,
     UnreadableFileError,
     atomic_write,
     atomic_write_files,
+    check_zip_file,
+    exclusive_lock,
     file_lock,
     read_file_bytes,
     read_json_file,
+    read_json_record,
+    read_jsonl,
     replace_entries,
+    shape_mismatch,
     staged_directory,
     write_json_atomic,
 )
@@ -317,3 +324,130 @@ def test_check_output_file_refuses_what_cannot_be_written(tmp_path):
         check_output_file(tmp_path / "afile" / "p.png", "--plot")
     with pytest.raises(ValueError, match=r"--json: .*no file can be created in '/proc'"):
         check_output_file("/proc/x.json", "--json")
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes of the files read back, and the lock of a folder a run writes
+# ---------------------------------------------------------------------------------------------
+
+RESULT = {"config": {"window": 64}, "rows": [{"N": 128, "speedup": 1.5}, {"N": 256, "speedup": 2}]}
+SHAPE = {"config": {"window": int, "dtype?": str}, "rows": [{"N": int, "speedup": NUMBER}]}
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda d: d.pop("rows"), "no key 'rows'"),
+    (lambda d: d["rows"][1].pop("N"), "rows[1]: no key 'N'"),
+    (lambda d: d["rows"][0].update(N="128"), "rows[0].N is a string, not an integer"),
+    (lambda d: d["rows"][0].update(N=True), "rows[0].N is true or false, not an integer"),
+    (lambda d: d["rows"][0].update(speedup=None), "rows[0].speedup is null, not an integer or a number"),  # noqa: E501
+    (lambda d: d.update(rows={"N": 1}), "rows is a JSON object, not a JSON array"),
+    (lambda d: d["config"].update(dtype=16), "config.dtype is an integer, not a string"),
+    (lambda d: d.update(config=[]), "config is a JSON array, not a JSON object"),
+])  # fmt: skip
+def test_a_shape_mismatch_says_where_and_what(change, why):
+    data = json.loads(json.dumps(RESULT))
+    assert shape_mismatch(data, SHAPE) is None
+    change(data)
+    assert shape_mismatch(data, SHAPE) == why
+
+
+def test_shapes_of_any_key_and_any_value():
+    shape = {"*": {"*": NUMBER}, "meta?": object}
+    assert shape_mismatch({"a": {"x": 1}, "b": {}, "meta": None}, shape) is None
+    assert shape_mismatch({"a": {"x": "1"}}, shape) == "a.x is a string, not an integer or a number"  # fmt: skip
+    assert shape_mismatch([1], shape) == "the document is a JSON array, not a JSON object"
+
+
+def test_a_record_of_another_shape_is_named_with_what_was_expected(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps([RESULT]))
+    with pytest.raises(UnreadableFileError) as err:
+        read_json_record(path, "a kernel result", SHAPE)
+    assert str(err.value) == f"{path}: the document is a JSON array, not a JSON object; expected a kernel result"  # fmt: skip
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(UnreadableFileError, match=r"r\.json: no key 'config'; expected a kernel"):
+        read_json_record(path, "a kernel result", SHAPE)
+
+
+def test_a_jsonl_file_drops_only_a_last_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"step": 1}\n\n{"step": 2}\n{"step": 3, "lo')
+    assert read_jsonl(path, "a log") == [{"step": 1}, {"step": 2}]
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n{"step": \xc3')  # cut inside a character
+    assert read_jsonl(path, "a log") == [{"step": 1}, {"step": 2}]
+    for damaged, line in ((b'{"step": 1}\n{"st\n{"step": 3}\n', 2), (b'[1]\n{"step": 2}\n', 1),
+                          (b'{"step": 1}\n\xff\xfe\n', 2)):  # fmt: skip
+        path.write_bytes(damaged)
+        with pytest.raises(UnreadableFileError, match=rf"log\.jsonl: line {line} is .*; expected a log"):  # fmt: skip
+            read_jsonl(path, "a log")
+
+
+def test_a_torch_file_is_checked_whole_without_loading_it(tmp_path):
+    path = tmp_path / "optimizer.pt"
+    torch.save({"state": {0: {"exp_avg": torch.arange(4096.0)}}}, path)
+    check_zip_file(path, "an optimizer state")
+    whole = path.read_bytes()
+    at = whole.index(torch.arange(4096.0).numpy().tobytes()[:64]) + 100  # inside the tensor's bytes
+    path.write_bytes(whole[:at] + bytes([whole[at] ^ 0xFF]) + whole[at + 1 :])
+    with pytest.raises(UnreadableFileError, match=r"optimizer\.pt: its member .* is damaged \(CRC mismatch\); expected an optimizer state"):  # fmt: skip
+        check_zip_file(path, "an optimizer state")
+    for damaged, why in ((whole[: len(whole) // 2], "truncated or not a torch.save file"),
+                         (b"", "empty file"), (b'{"a": 1}', "truncated or not a torch.save file")):  # fmt: skip
+        path.write_bytes(damaged)
+        with pytest.raises(UnreadableFileError, match=rf"optimizer\.pt: {re.escape(why)}"):
+            check_zip_file(path, "an optimizer state")
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UnreadableFileError, match=r"optimizer\.pt: a directory"):
+        check_zip_file(path, "an optimizer state")
+    with pytest.raises(FileNotFoundError, match=r"missing\.pt not found; expected an optimizer"):
+        check_zip_file(tmp_path / "missing.pt", "an optimizer state")
+
+
+HOLD = """
+import sys, time
+from focus_attention.utils.io import exclusive_lock
+with exclusive_lock(sys.argv[1], "focus train --out elsewhere"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
+    lock = tmp_path / "new" / "run" / ".focus-train.lock"
+    with exclusive_lock(lock, "focus train --out run"):
+        assert json.loads(lock.read_text())["owner"] == "focus train --out run"
+        with pytest.raises(FolderInUseError) as err, exclusive_lock(lock, "focus sweep"):
+            pass
+        message = str(err.value)
+        assert message.startswith(f"{lock.parent} is in use by process {os.getpid()} on ")
+        assert "(focus train --out run, since " in message and "focus sweep would write" in message  # fmt: skip
+        assert lock.is_file()  # the refusal leaves the holder's file alone
+    assert not (tmp_path / "new").exists()  # removed with the folders made for it
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("x")
+    with exclusive_lock(tmp_path / "kept" / ".lock", "a"):
+        pass
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]
+
+
+def test_a_lock_held_by_another_process_refuses_and_one_left_by_a_killed_process_is_taken(tmp_path):  # fmt: skip
+    import subprocess
+    import sys
+
+    lock = tmp_path / "run" / ".focus-train.lock"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = rf"in use by process {holder.pid} on .*focus train --out elsewhere"
+        with pytest.raises(FolderInUseError, match=refused), exclusive_lock(lock, "focus train"):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock.is_file()  # a killed holder leaves its file, unlocked
+    with exclusive_lock(lock, "focus train --out run"):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()

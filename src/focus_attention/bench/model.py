@@ -16,7 +16,7 @@ from ..hf.architectures import text_config_of
 from ..hf.files import weights_file_sha256
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
-from ..utils.io import read_json_file
+from ..utils.io import read_json_record
 from ..utils.plots import save_png
 from .inputs import bench_token_ids, load_bench_model, weights_record
 from .kernel import sparse_backend_name
@@ -96,7 +96,8 @@ def routers_record(adapter: str | None) -> dict[str, Any]:
         record["weights_sha256"] = digest
     result = path / "train_result.json"
     if result.is_file():
-        trained = read_json_file(result, "the JSON record of a focus train run")
+        trained = read_json_record(result, "the JSON record of a focus train run",
+                                   {"steps?": int, "config?": dict})  # fmt: skip
         record["steps"] = trained.get("steps")
         record["method"] = trained.get("config", {}).get("method", "focus")
     return record

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..utils.io import NUMBER
 from .settings import (
     DecodeBenchConfig,
     InstructionsBenchConfig,
@@ -53,6 +54,11 @@ class Benchmark:
 
     ``required``: the settings that must be given (as flags or in ``--config``); ``help``
     and ``description``: the sub-command's one-line help and its ``--help`` text.
+
+    ``shape``: what ``table`` and ``plot`` read of a result
+    (:func:`~focus_attention.utils.io.shape_mismatch`); ``focus bench plot`` and a study's
+    report check a result file against it before they draw it, and name the file when it
+    differs.
     """
 
     name: str
@@ -65,6 +71,7 @@ class Benchmark:
     notes: str | None = None
     checkpoint: bool = False
     required: tuple[str, ...] = ()
+    shape: Any = dict
 
     def __post_init__(self) -> None:
         for part in ("run", "table", "plot", "notes"):
@@ -91,6 +98,41 @@ def plotted_benchmarks() -> list[str]:
     return [name for name, benchmark in BENCHMARKS.items() if benchmark.plot is not None]
 
 
+_OPTIONAL_INT = (int, type(None))
+_OPTIONAL_NUMBER = (int, float, type(None))
+KERNEL_SHAPE = {
+    "config": {"num_groups": int, "window": int, "num_heads": int, "num_key_value_heads": int,
+               "head_dim": int},
+    "rows": [{"N": int, "top_k": int, "dense_s": NUMBER, "sparse_s": NUMBER, "speedup": NUMBER,
+              "density": NUMBER, "ideal_speedup": NUMBER, "efficiency": NUMBER,
+              "dense_peak_bytes": _OPTIONAL_INT, "sparse_peak_bytes": _OPTIONAL_INT}],
+}  # fmt: skip
+MODEL_SHAPE = {
+    "config": {"model": str},
+    "rows": [{"N": int, "method": str, "seconds": NUMBER, "tokens_per_second": NUMBER,
+              "speedup_vs_sdpa": NUMBER, "top_k?": _OPTIONAL_INT, "window?": _OPTIONAL_INT}],
+}  # fmt: skip
+DECODE_SHAPE = {
+    "config": dict,
+    "rows": [{"level": str, "N": int, "method": str, "seconds": NUMBER,
+              "tokens_per_second": NUMBER, "share": NUMBER, "speedup_vs_dense": NUMBER,
+              "ideal_speedup": NUMBER, "efficiency": NUMBER, "top_k?": _OPTIONAL_INT}],
+}  # fmt: skip
+#: ``accuracy[haystack][mode][length][depth]``: the share of needles retrieved
+NEEDLE_SHAPE = {"accuracy": {"*": {"*": {"*": {"*": NUMBER}}}}}
+RETRIEVAL_LAYERS_SHAPE = {"by_haystack": {"*": dict}, "by_layer": dict, "ranking": list,
+                          "dense_layers": list}  # fmt: skip
+TASKS_SHAPE = {"model": {"focus": object}, "tasks": {"*": {"metrics": dict, "tokens": (dict, type(None))}}}  # fmt: skip
+INSTRUCTIONS_SHAPE = {"prompts": list, "reference": {"accuracy": dict},
+                      "models": [{"generated_tokens": dict}]}  # fmt: skip
+SERVE_SHAPE = {
+    "config": {"model": str},
+    "rows": [{"method": str, "concurrency": int, "prompt_tokens": int, "answered": int,
+              "sent": int, "tokens_per_second": _OPTIONAL_NUMBER, "ttft_p50_s": _OPTIONAL_NUMBER,
+              "ttft_p99_s": _OPTIONAL_NUMBER, "latency_p50_s": _OPTIONAL_NUMBER,
+              "latency_p99_s": _OPTIONAL_NUMBER, "top_k?": _OPTIONAL_INT}],
+}  # fmt: skip
+
 #: every benchmark by name, in the order ``focus bench --help`` lists them
 BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
     Benchmark(
@@ -100,6 +142,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         table="focus_attention.bench.kernel:kernel_table",
         plot="focus_attention.bench.kernel:plot_kernel",
         notes="focus_attention.bench.kernel:gate_lines",
+        shape=KERNEL_SHAPE,
         help="sparse_attention against dense causal SDPA (SmolLM2-135M attention shape)",
         description="Times dense torch SDPA (is_causal) against focus sparse_attention in "
         "one process, fp32, B=1, and reports speedup, density, ideal speedup (1/density), "
@@ -111,6 +154,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         run="focus_attention.bench.model:run_model_benchmark",
         table="focus_attention.bench.model:model_table",
         plot="focus_attention.bench.model:plot_model",
+        shape=MODEL_SHAPE,
         help="end-to-end prefill of a model: stock sdpa against Focus top-k and no attention",
         description="Times a prefill forward (logits for the last token only) of the model "
         "on the first N tokens of the corpus's test split (seeded random ids for a "
@@ -126,6 +170,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         run="focus_attention.bench.decode:run_decode_benchmark",
         table="focus_attention.bench.decode:decode_table",
         plot="focus_attention.bench.decode:plot_decode",
+        shape=DECODE_SHAPE,
         help="one decoding step with a KV cache: dense against Focus top-k, op and model level",
         description="Times single-token decoding steps of --batch-size requests with N "
         "cached tokens each: at the op level (one query per request, the model's attention "
@@ -145,6 +190,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         run="focus_attention.bench.needle:run_needle_benchmark",
         table="focus_attention.bench.needle:needle_table",
         plot="focus_attention.bench.needle:plot_needle",
+        shape=NEEDLE_SHAPE,
         checkpoint=True,
         help="retrieval of a number hidden in a long prompt: dense against Focus top-k",
         description="Hides a 5-digit number at each depth of prompts of each length (a "
@@ -157,6 +203,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         settings=RetrievalLayersConfig,
         run="focus_attention.bench.needle:rank_retrieval_layers",
         table="focus_attention.bench.needle:retrieval_layers_table",
+        shape=RETRIEVAL_LAYERS_SHAPE,
         help="rank the layers that retrieve from far back (candidates for --dense-layers)",
         description="Builds needle prompts as focus bench needle does, from the validation "
         "split by default, and ranks the Focus layers by the share of attention the dense "
@@ -169,6 +216,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         settings=TasksBenchConfig,
         run="focus_attention.bench.tasks:run_tasks_benchmark",
         table="focus_attention.bench.tasks:tasks_table",
+        shape=TASKS_SHAPE,
         help="zero-shot benchmarks through lm-evaluation-harness: dense or a Focus adapter",
         description="Scores HellaSwag, ARC-Easy, ARC-Challenge, PIQA, WinoGrande and LAMBADA "
         "(OpenAI) zero-shot with lm-eval's own task definitions on the local benchmark data "
@@ -182,6 +230,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         settings=InstructionsBenchConfig,
         run="focus_attention.bench.instructions:run_instructions_benchmark",
         table="focus_attention.bench.instructions:instructions_table",
+        shape=INSTRUCTIONS_SHAPE,
         help="instruction following (IFEval-style) and KL drift: untouched model or Focus",
         description="Answers a fixed, seeded set of chat prompts (ARC questions and held-out "
         "book passages, each with one or two IFEval instructions) greedily with the untouched "
@@ -196,6 +245,7 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         run="focus_attention.bench.serve:run_serve_benchmark",
         table="focus_attention.bench.serve:serve_table",
         plot="focus_attention.bench.serve:plot_serve",
+        shape=SERVE_SHAPE,
         checkpoint=True,
         help="a Focus model served by transformers serve under load, against dense served alike",
         description="Exports --model with --adapter (or takes an exported directory, --export), "

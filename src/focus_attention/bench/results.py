@@ -1,16 +1,74 @@
 """Result files of the benchmarks: several results of one benchmark merged into one JSON file
 (``focus bench merge``: a GPU run writes few files), and the plots of any result file, merged
-or not (``focus bench plot``: made afterwards, on any machine, from the JSON alone)."""
+or not (``focus bench plot``: made afterwards, on any machine, from the JSON alone).
+
+A result file is read back by :func:`read_result`, which checks its shape (a JSON object
+naming its benchmark, with what that benchmark's table and plot read:
+:attr:`~focus_attention.bench.registry.Benchmark.shape`; a merged file, one or more such
+parts) and names the file and what was expected when it differs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import read_json_file
+from ..utils.io import UnreadableFileError, read_json_record, shape_mismatch, unreadable
 from .registry import BENCHMARKS, plotted_benchmarks, resolve
 
-__all__ = ["merge_results", "plot_result_file", "result_parts"]
+__all__ = ["RESULT_EXPECTED", "merge_results", "plot_result_file", "read_result", "result_parts"]
+
+#: what a result file holds, for the messages
+RESULT_EXPECTED = (
+    'a JSON result of focus bench (an object naming its "benchmark"), or a merged file of '
+    'focus bench merge (its "parts")'
+)
+#: what a result's table or plot function may raise on a result whose shape the benchmark's
+#: declaration does not cover: reported as a file it cannot read
+READ_ERRORS = (KeyError, IndexError, TypeError, AttributeError, ValueError, StopIteration)
+
+
+def _check_part(path: Path, part: Any, where: str) -> None:
+    """One result of a file: an object naming a known benchmark, of its shape."""
+    name = part.get("benchmark") if isinstance(part, dict) else None
+    if not isinstance(part, dict) or not isinstance(name, str):
+        why = shape_mismatch(part, {"benchmark": str}, where)
+        raise unreadable(path, str(why), RESULT_EXPECTED)
+    if name not in BENCHMARKS:
+        raise unreadable(path, f"{where or 'it'} names the benchmark {name!r}", f"one of "
+                         f"{', '.join(BENCHMARKS)}")  # fmt: skip
+    why = shape_mismatch(part, BENCHMARKS[name].shape, where)
+    if why is not None:
+        raise unreadable(path, why, f"a {name!r} result of focus bench {name}")
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    """The benchmark result file ``path``, checked: a JSON object naming a benchmark of
+    :data:`~focus_attention.bench.registry.BENCHMARKS`, of its ``shape``; or a merged file
+    (``"merged": true``) holding one or more such ``parts`` of one benchmark.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, truncated, not JSON, a directory, or of another shape
+            (a JSON array, no ``"benchmark"``, a result without the keys its table and plot
+            read, a merged file without parts); the message names the file and what was
+            expected.
+    """
+    path = Path(path)
+    result = read_json_record(path, RESULT_EXPECTED)
+    if not result.get("merged"):
+        _check_part(path, result, "")
+        return result
+    parts = result.get("parts")
+    if not isinstance(parts, list) or not parts:
+        what = "no parts" if parts in (None, []) else f"parts that are {type(parts).__name__}"
+        raise unreadable(path, f"a merged result with {what}", "a merged file of focus bench "
+                         "merge with one or more parts")  # fmt: skip
+    for i, part in enumerate(parts):
+        _check_part(path, part, f"parts[{i}]")
+    names = sorted({part["benchmark"] for part in parts})
+    if len(names) > 1:
+        raise unreadable(path, f"parts of several benchmarks {names}", "one benchmark's")
+    return result
 
 
 def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -37,6 +95,21 @@ def result_parts(result: dict[str, Any]) -> list[dict[str, Any]]:
     return list(result["parts"]) if result.get("merged") else [result]
 
 
+def draw(path: Path, function: str, *args: Any) -> Any:
+    """``function(*args)`` (a benchmark's table or plot, ``"module:function"``) on a result
+    read from ``path``.
+
+    Raises:
+        UnreadableFileError: the function could not read the result (a shape its
+            benchmark's declaration does not cover); the message names ``path``.
+    """
+    try:
+        return resolve(function)(*args)
+    except READ_ERRORS as err:
+        raise UnreadableFileError(f"{path}: a result {function} cannot read "
+                                  f"({type(err).__name__}: {err}); expected {RESULT_EXPECTED}") from err  # fmt: skip
+
+
 def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Path]:
     """Plot the result file ``path``: one PNG per result it holds, named after the file
     (``NAME.png``, or ``NAME-1.png``, ``NAME-2.png``... for a merged file), beside it or in
@@ -50,19 +123,20 @@ def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Pa
     neither torch nor matplotlib.
 
     Raises:
-        ValueError: a file that is not a JSON result, or a benchmark without a plot.
+        FileNotFoundError: no such file.
+        UnreadableFileError: a file that is not a result (:func:`read_result`).
+        ValueError: a benchmark without a plot.
     """
     path = Path(path)
-    result = read_json_file(path, "a benchmark's JSON result")
-    parts = result_parts(result)
+    parts = result_parts(read_result(path))
     folder = Path(out) if out is not None else path.parent
     written = []
     for index, part in enumerate(parts, 1):
-        benchmark = BENCHMARKS.get(str(part.get("benchmark")))
-        if benchmark is None or benchmark.plot is None:
+        benchmark = BENCHMARKS[part["benchmark"]]
+        if benchmark.plot is None:
             raise ValueError(f"{path}: a {part.get('benchmark')!r} result has no plot; plots "
                              f"exist for {', '.join(plotted_benchmarks())}")  # fmt: skip
         name = f"{path.stem}.png" if len(parts) == 1 else f"{path.stem}-{index}.png"
-        resolve(benchmark.plot)(part, folder / name)
+        draw(path, benchmark.plot, part, folder / name)
         written.append(folder / name)
     return written

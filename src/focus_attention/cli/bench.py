@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.registry import BENCHMARKS, Benchmark, resolve
-from ..bench.results import merge_results, plot_result_file
+from ..bench.results import merge_results, plot_result_file, read_result
 from ..bench.settings import MergeResultsConfig, PlotResultsConfig
-from ..utils.io import check_output_file, read_json_file, write_json_atomic
+from ..utils.io import check_output_file, write_json_atomic
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
 
@@ -103,7 +103,7 @@ PLOT_REQUIRED = ("results",)
 def _merge(args: argparse.Namespace) -> int:
     config = _config(args, MergeResultsConfig, MERGE_REQUIRED)
     _outputs(config)
-    merged = merge_results([read_json_file(path, "a benchmark's JSON result") for path in config.results])  # fmt: skip
+    merged = merge_results([read_result(path) for path in config.results])
     _write(merged, config)
     return 0
 

@@ -15,6 +15,10 @@ of the slug of its settings). Without ``[[evals]]`` every cell is evaluated once
 :class:`~focus_attention.evaluation.EvalConfig` fields that override ``[eval]``
 (``eval-<name>.json``). Cell ``<slug>`` trains into ``OUT/cells/<slug>/`` and is evaluated
 there; ``cell.json`` holds its row (written after training, completed after each evaluation).
+A sweep holds the lock ``OUT/.focus-sweep.lock`` while it runs (a second sweep into the same
+folder refuses, naming the first), and each cell's training the lock of its folder; a
+``cell.json`` or evaluation result read back is checked for its shape
+(:data:`CELL_SHAPE`, :data:`EVAL_RESULT_SHAPE`) and named when it is damaged.
 """
 
 from __future__ import annotations
@@ -39,7 +43,15 @@ from ..training.outputs import LOG_NAME, latest_checkpoint, read_log
 from ..training.run import train
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
-from ..utils.io import atomic_write_text, read_json_file, read_toml, write_json_atomic
+from ..utils.io import (
+    NUMBER,
+    atomic_write_text,
+    check_shape,
+    exclusive_lock,
+    read_json_record,
+    read_toml,
+    write_json_atomic,
+)
 from .grid_plot import write_pairs_plot, write_sweep_plots
 from .settings import SweepConfig
 
@@ -53,6 +65,8 @@ __all__ = [
     "sweep_points",
     "load_plan",
     "plot_sweep_result",
+    "read_cell",
+    "read_eval_result",
     "run_sweep",
     "sweep_markdown",
     "sweep_report",
@@ -60,6 +74,15 @@ __all__ = [
 
 #: the row of a cell: written when its training ends, completed after each evaluation
 CELL_FILE = "cell.json"
+#: the lock a sweep holds on its output folder while it runs
+LOCK_NAME = ".focus-sweep.lock"
+#: what the sweep reads of an evaluation's result (``focus eval``'s JSON)
+EVAL_RESULT_SHAPE = {"ppl": {"base": NUMBER, "focus_topk?": {"*": NUMBER}},
+                     "pairs_retained": {"*": NUMBER}, "dominance": dict, "tokens": NUMBER}  # fmt: skip
+#: what the sweep reads of a cell's row (:func:`run_cell`), after :func:`_upgrade_row`
+CELL_SHAPE = {"dir": str, "train_config": dict, "train_seconds?": NUMBER,
+              "evals": {"*": {"eval_config": dict, "ppl": dict, "pairs_retained": dict}}}  # fmt: skip
+CELL_EXPECTED = "the JSON row of a focus sweep cell (written by focus sweep --grid)"
 #: the evaluation result of a cell (``focus eval``'s JSON) when the grid has no ``[[evals]]``
 EVAL_FILE = "eval.json"
 #: the name of the one evaluation of a grid without ``[[evals]]``
@@ -346,7 +369,7 @@ def _train_row(cfg: TrainConfig, train_seconds: float) -> dict:
 def _eval_row(ev_cfg: Any) -> dict:
     """One evaluation of a cell's row, from its JSON file: perplexities (``base`` is the
     dense model), pairs retained and dominance per top_k, scored tokens, window length."""
-    ev = read_json_file(ev_cfg.json, "the JSON results of focus eval")
+    ev = read_eval_result(ev_cfg.json)
     return {
         "ppl": ev["ppl"],
         "pairs_retained": ev["pairs_retained"],
@@ -355,6 +378,17 @@ def _eval_row(ev_cfg: Any) -> dict:
         "seq_len": ev_cfg.seq_len,
         "eval_config": _eval_settings(ev_cfg),
     }
+
+
+def read_eval_result(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The result of ``focus eval`` at ``path``, checked for what a sweep reads of it
+    (:data:`EVAL_RESULT_SHAPE`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: a damaged file or one of another shape (naming it).
+    """
+    return read_json_record(path, "the JSON results of focus eval", EVAL_RESULT_SHAPE)
 
 
 def _upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -369,8 +403,16 @@ def _upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "evals": {DEFAULT_EVAL: one}}
 
 
-def _json_file(path: Path) -> Any:
-    return read_json_file(path, "a JSON file of a focus sweep")
+def read_cell(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The row of the ``cell.json`` at ``path``, in the layout of :func:`run_cell`.
+
+    Raises:
+        UnreadableFileError: a damaged file, or one without :data:`CELL_SHAPE` (the
+            message names it).
+    """
+    row = _upgrade_row(read_json_record(path, CELL_EXPECTED))
+    check_shape(path, row, CELL_SHAPE, CELL_EXPECTED)
+    return row
 
 
 def _check_unchanged(row: dict[str, Any], cfg: TrainConfig, evals: dict[str, Any]) -> None:
@@ -398,8 +440,7 @@ def _trained_row(plan: SweepPlan, slug: str, cfg: TrainConfig, progress: bool) -
     newest checkpoint when there is one), written to ``cell.json``."""
     path = cfg.out_dir() / CELL_FILE
     if path.is_file():  # "dir": where the cell is now
-        row = read_json_file(path, "the JSON row of a focus sweep cell")
-        return {**_upgrade_row(row), "dir": str(cfg.out_dir())}
+        return {**read_cell(path), "dir": str(cfg.out_dir())}
     if progress:
         print(f"focus sweep: cell {slug}: {'resuming' if cfg.resume else 'training'}",
               file=sys.stderr)  # fmt: skip
@@ -430,7 +471,7 @@ def run_cell(plan: SweepPlan, slug: str, out: str, threads: int | None, progress
     evals = {e.name: plan.eval_config(slug, cell_dir, e.name, threads=threads, progress=quiet)
              for e in plan.cell_evals(slug)}  # fmt: skip
     if (cell_dir / CELL_FILE).is_file():
-        _check_unchanged(_upgrade_row(_json_file(cell_dir / CELL_FILE)), cfg, evals)
+        _check_unchanged(read_cell(cell_dir / CELL_FILE), cfg, evals)
     row = _trained_row(plan, slug, cfg, progress)
     for name, ev_cfg in evals.items():
         if name in row["evals"]:
@@ -491,12 +532,20 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     Raises:
         ValueError: ``grid`` not given, or an invalid grid file (:func:`load_plan`).
         FileNotFoundError: no such grid file; what training and evaluation raise.
+        UnreadableFileError: a damaged ``cell.json`` or evaluation result (naming it).
+        FolderInUseError: another sweep is writing the output folder (a ``RuntimeError``
+            naming it).
     """
     if config.grid is None:
         raise bad("SweepConfig", "grid", None, "a grid file (TOML)")
     plan = load_plan(config.grid)
     out = config.out_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(out / LOCK_NAME, f"focus sweep --grid {config.grid} --out {out}"):
+        return _sweep(plan, config, out)
+
+
+def _sweep(plan: SweepPlan, config: SweepConfig, out: Path) -> dict[str, Any]:
+    """:func:`run_sweep` once its folder is held."""
     rows = _run_cells(plan, config)
     points = sweep_points(rows)
     summary = {

@@ -2,7 +2,8 @@
 files of its steps alone, with the table and plot functions of the commands that wrote
 them: a benchmark's from its row of :data:`focus_attention.bench.registry.BENCHMARKS`
 (``focus bench kernel`` -> :func:`focus_attention.bench.kernel.kernel_table`, ...), the
-other commands' from :data:`COMMAND_VIEWS`."""
+other commands' from :data:`COMMAND_VIEWS`. A result file is checked for the shape its table
+and plot read (:attr:`ResultView.shape`) and named when it differs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.registry import BENCHMARKS, resolve
-from ..utils.io import atomic_write_text, read_json_file
+from ..bench.registry import BENCHMARKS
+from ..bench.results import draw
+from ..utils.io import NUMBER, atomic_write_text, read_json_record
 from .study import Step, Study, fill, recorded_differences
 
 __all__ = ["COMMAND_VIEWS", "ResultView", "report_markdown", "result_view", "write_plots", "write_report"]  # fmt: skip
@@ -22,16 +24,22 @@ class ResultView:
     """How the report shows a command's JSON result: ``table``, ``"module:function"`` of
     ``function(result) -> str`` (markdown); ``plot``, of ``function(result, path)`` (None:
     no plot), where ``path`` is the result's folder when ``plot_in_folder`` (the function
-    writes several files there), else the result's path with ``.png``."""
+    writes several files there), else the result's path with ``.png``; ``shape``, what
+    they read of a result (:func:`~focus_attention.utils.io.shape_mismatch`), checked when
+    the file is read."""
 
     table: str
     plot: str | None = None
     plot_in_folder: bool = False
+    shape: Any = dict
 
 
 #: the commands other than ``focus bench NAME`` whose results the report shows
 COMMAND_VIEWS = {
-    "eval": ResultView("focus_attention.evaluation.perplexity:markdown_table"),
+    "eval": ResultView(
+        "focus_attention.evaluation.perplexity:markdown_table",
+        shape={"ppl": {"base": NUMBER}, "pairs_retained": dict, "dominance": dict},
+    ),
     "inspect": ResultView(
         "focus_attention.evaluation.group_report:markdown_summary",
         "focus_attention.evaluation.group_report:write_group_plots",
@@ -41,6 +49,7 @@ COMMAND_VIEWS = {
         "focus_attention.experiments.grid:sweep_report",
         "focus_attention.experiments.grid:plot_sweep_result",
         plot_in_folder=True,
+        shape={"cells": [dict]},
     ),
 }
 
@@ -51,7 +60,7 @@ def result_view(command: tuple[str, ...]) -> ResultView | None:
     command's :data:`COMMAND_VIEWS` entry; None for a command the report has no table of."""
     if len(command) == 2 and command[0] == "bench" and command[1] in BENCHMARKS:
         benchmark = BENCHMARKS[command[1]]
-        return ResultView(benchmark.table, benchmark.plot)
+        return ResultView(benchmark.table, benchmark.plot, shape=benchmark.shape)
     return COMMAND_VIEWS.get(" ".join(command))
 
 
@@ -59,9 +68,11 @@ def _result(study: Study, step: Step, runs: str) -> tuple[Path, dict[str, Any]] 
     if step.result is None:
         return None
     path = Path(fill(step.result, study.paths(runs)))
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         return None
-    return path, read_json_file(path, f"the JSON result of step {step.name!r}")
+    view = result_view(step.command)
+    expected = f"the JSON result of step {step.name!r} (focus {step.command_text()})"
+    return path, read_json_record(path, expected, dict if view is None else view.shape)
 
 
 def _provenance(step: Step, data: dict[str, Any], runs: str) -> str:
@@ -100,7 +111,7 @@ def report_markdown(study: Study, runs: str = "runs") -> str:
         path, data = found
         body = [head, _provenance(step, data, runs)]
         view = result_view(step.command)
-        body.append(resolve(view.table)(data) if view else f"Result: `{path}` (no table).")
+        body.append(draw(path, view.table, data) if view else f"Result: `{path}` (no table).")
         parts.append("\n\n".join(body))
     return "\n\n".join(parts) + "\n"
 
@@ -116,7 +127,7 @@ def write_plots(study: Study, runs: str = "runs") -> list[Path]:
             continue
         path, data = found
         where = path.parent if view.plot_in_folder else path.with_suffix(".png")
-        out = resolve(view.plot)(data, where)
+        out = draw(path, view.plot, data, where)
         written += list(out) if isinstance(out, (list, tuple)) else [where]
     return written
 

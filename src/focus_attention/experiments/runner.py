@@ -10,12 +10,19 @@ Each step runs in order, unless its result tells it need not:
   folder its ``{runs}`` settings need; skipped and never overwritten by a plain run:
   ``--rerun STEP`` recomputes it.
 - ``resume``: its result records an unfinished run (:func:`unfinished_result`: a training
-  stopped by Ctrl-C, a benchmark stopped before its last cell), or the runner started the
-  step and it did not finish (a failure or a kill before its result was recorded: the
-  study's ``results/.started.json`` still names it); it runs again, never kept.
+  stopped by Ctrl-C, a benchmark stopped before its last cell; for a ``train`` step, any
+  result that does not say it finished all its steps,
+  :func:`~focus_attention.training.outputs.train_result_unfinished`, such as an older
+  release's without its ``interrupted`` flag), or the runner started the step and it did
+  not finish (a failure or a kill before its result was recorded: the study's
+  ``results/.started.json`` still names it); it runs again, never kept.
 - ``run``: no result yet. ``rerun``: a result recorded with other settings (or another runs
-  folder), or a step named by ``--rerun``. ``always``: a ``report`` step (it only reads
+  folder), a result file that cannot be read (empty, truncated, not JSON: the reason names
+  it), or a step named by ``--rerun``. ``always``: a ``report`` step (it only reads
   results) or a step without a result file.
+
+A run (not a dry run) holds the study's lock (``results/.focus-sweep.lock``) while it runs:
+a second run of the same study at the same time refuses at once, naming the first.
 
 A step that runs gets its own process when it has variables (also under ``--no-isolate``);
 one whose ``adapter``, ``init_adapter`` or ``export`` setting names a ``{runs}`` path that
@@ -32,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -40,10 +46,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..training.outputs import latest_checkpoint
+from ..training.outputs import latest_checkpoint, train_result_unfinished
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
-from ..utils.io import write_json_atomic
+from ..utils.io import (
+    UnreadableFileError,
+    exclusive_lock,
+    read_json_file,
+    read_json_record,
+    write_json_atomic,
+)
 from .report import write_report
 from .settings import StudyConfig
 from .study import (
@@ -82,13 +94,21 @@ STARTED_NAME = ".started.json"
 SKIPPED = ("done", "kept")
 #: settings that name what a step reads (an adapter, an exported model directory)
 INPUT_SETTINGS = ("adapter", "init_adapter", "export")
+#: the lock file of a study's ``results/`` that a run holds
+LOCK_NAME = ".focus-sweep.lock"
+STARTED_EXPECTED = ("the steps a focus sweep started and has not recorded (a JSON object of "
+                    "step names to result files); delete it only when no run of the study is "
+                    "in progress")  # fmt: skip
 
 
-def _read_result(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _read_result(path: Path, step: Step) -> Any:
+    """The parsed result file of ``step``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, truncated, not JSON, a directory or unreadable.
+    """
+    return read_json_file(path, f"the JSON result of step {step.name!r}")
 
 
 def unfinished_result(data: dict[str, Any]) -> str | None:
@@ -111,9 +131,16 @@ def _started_path(study: Study) -> Path:
 
 
 def _started(study: Study) -> dict[str, Any]:
-    """The steps the runner started and has not recorded (:data:`STARTED_NAME`)."""
-    data = _read_result(_started_path(study))
-    return data if isinstance(data, dict) else {}
+    """The steps the runner started and has not recorded (:data:`STARTED_NAME`; ``{}``
+    when there is none).
+
+    Raises:
+        UnreadableFileError: a damaged file, or one that is no JSON object of strings.
+    """
+    path = _started_path(study)
+    if not path.is_file() and not path.is_dir():
+        return {}
+    return read_json_record(path, STARTED_EXPECTED, {"*": str})
 
 
 def _mark_started(study: Study, step: Step, result: str | None) -> None:
@@ -128,10 +155,19 @@ def _mark_started(study: Study, step: Step, result: str | None) -> None:
         write_json_atomic(_started_path(study), started)
 
 
+def _planned_steps(step: Step) -> int | None:
+    """The step count a ``train`` step's settings give (None: not among them)."""
+    steps = step.settings.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
 def _unfinished(study: Study, step: Step, path: Path, data: Any) -> str | None:
     """Why ``step``'s result at ``path`` (parsed: ``data``) is not the finished step's
     output, or None."""
     why = unfinished_result(data) if isinstance(data, dict) else None
+    if why is None and step.command == ("train",):
+        reasons = train_result_unfinished(data, _planned_steps(step))
+        why = f"its result is not a finished training ({'; '.join(reasons)})" if reasons else None
     if why is None and _started(study).get(step.name) == str(path):
         why = "its last run stopped before its result was recorded"
     if why is None:
@@ -157,11 +193,14 @@ def step_plan(
         return "always", ("rebuilt from the results on every run" if step.command == ("report",)
                           else "it records no result file, so it runs every time")  # fmt: skip
     path = Path(fill(step.result, study.paths(runs)))
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         return "run", f"no result yet ({path})" + ("; named by --rerun" if forced else "")
     if forced:
         return "rerun", f"forced by --rerun (overwrites {path})"
-    data = _read_result(path)
+    try:
+        data = _read_result(path, step)
+    except (OSError, UnreadableFileError) as err:
+        return "rerun", f"{err}: it runs again"
     unfinished = _unfinished(study, step, path, data)
     if unfinished is not None:
         return "resume", unfinished
@@ -213,7 +252,12 @@ def _stamp(study: Study, step: Step, argv: list[str], runs: str) -> None:
         RuntimeError: the step wrote no result file, or not a JSON object.
     """
     path = Path(fill(str(step.result), study.paths(runs)))
-    data = _read_result(path) if path.is_file() else None
+    try:
+        data = _read_result(path, step)
+    except (OSError, UnreadableFileError) as err:
+        raise RuntimeError(
+            f"{study.name}: step {step.name} finished without writing its result: {err}"
+        ) from err
     if not isinstance(data, dict):
         raise RuntimeError(f"{study.name}: step {step.name} finished without writing a JSON "
                            f"object to {path}")  # fmt: skip
@@ -351,6 +395,9 @@ def run_study(
         FileNotFoundError: no such study directory or no config.toml in it (naming
             ``--study``); a step to run whose ``{runs}`` input is missing (the steps before
             it keep their results).
+        UnreadableFileError: a damaged ``results/.started.json`` (naming it).
+        FolderInUseError: another run of the study holds its lock (a ``RuntimeError``
+            naming that process).
         RuntimeError: a step that failed or wrote no result (the steps before it keep
             theirs).
     """
@@ -362,6 +409,16 @@ def run_study(
         raise FileNotFoundError(f"--study {err}") from None
     check_study(study, parser)
     steps = _selected(study, config)
+    if config.dry_run:
+        return _run_steps(study, steps, config, main)
+    owner = f"focus sweep --study {study.directory}"
+    with exclusive_lock(study.directory / "results" / LOCK_NAME, owner):
+        return _run_steps(study, steps, config, main)
+
+
+def _run_steps(study: Study, steps: list[Step], config: StudyConfig, main: Callable[[list[str]], int]) -> dict[str, str]:  # fmt: skip
+    """Plan ``steps``, then run those that need it (or, with ``config.dry_run``, say what
+    would run): :func:`run_study` once the study is checked (and held)."""
     forced = set(config.rerun or ())
     plan = {s.name: step_plan(study, s, config.runs, s.name in forced) for s in steps}
     for i, step in enumerate(steps):

@@ -25,9 +25,9 @@ adds to the Trainer:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -42,9 +42,25 @@ from ..assets.blocks import token_blocks
 from ..assets.corpora import load_corpus
 from ..hf import FocusModel, get_focus_model
 from ..utils.env import environment, library_versions, weights_sha256
-from ..utils.io import replace_entries, staged_directory, write_json_atomic
+from ..utils.io import (
+    UnreadableFileError,
+    exclusive_lock,
+    read_json_record,
+    replace_entries,
+    staged_directory,
+    write_json_atomic,
+)
 from .callbacks import JsonlLog, SigintCheckpoint, StepTimer
-from .outputs import LOG_NAME, remove_staging_leftovers, truncate_log
+from .outputs import (
+    LOCK_NAME,
+    LOG_NAME,
+    TRAINER_STATE_EXPECTED,
+    TRAINER_STATE_SHAPE,
+    Checkpoint,
+    check_checkpoint,
+    remove_staging_leftovers,
+    truncate_log,
+)
 from .schedule import warn_long_warmup
 from .scratch_model import build_llama, load_tokenizer, train_tokenizer
 from .settings import (
@@ -67,6 +83,9 @@ __all__ = [
     "pretrain",
     "sharding",
 ]
+
+#: the file of a run's folder recording the SHA-256 of the training blocks it started on
+DATA_NAME = "pretrain_data.json"
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -154,12 +173,18 @@ def _check_out(config: PretrainConfig, out: Path) -> Path | None:
 
     Raises:
         ValueError: ``out`` holds a run with other settings, or a run and no ``resume``.
+        UnreadableFileError: a damaged ``pretrain_config.json`` (naming it).
     """
     saved = out / PRETRAIN_CONFIG_NAME
     trainer_dir = out / "trainer"
     checkpoint = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
-    if saved.is_file():
-        previous = PretrainConfig.from_dict(json.loads(saved.read_text()))
+    if saved.exists():
+        expected = "the settings of a focus pretrain run (a JSON object)"
+        document = read_json_record(saved, expected)
+        try:
+            previous = PretrainConfig.from_dict(document)
+        except (TypeError, ValueError) as err:
+            raise UnreadableFileError(f"{saved}: {err}; expected {expected}") from err
         differences = config.locked_differences(previous)
         if differences:
             raise ValueError(
@@ -392,7 +417,11 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: an output directory holding another run's settings, or a run and no
-            ``resume``; a corpus too small for one block.
+            ``resume``; a resume whose training blocks differ from those the run started on
+            (:data:`DATA_NAME`); a corpus too small for one block.
+        UnreadableFileError: a damaged file of the run read back (its settings, a file of
+            the checkpoint resumed from), naming it.
+        FolderInUseError: another run is writing the output folder (a ``RuntimeError``).
         FileNotFoundError: ``tokenizer`` is not a directory.
         KeyboardInterrupt: after Ctrl-C, once every rank finished the step in progress and
             the Trainer saved its checkpoint (:class:`~.callbacks.SigintCheckpoint`); the
@@ -404,8 +433,18 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
     peak = (config.steps - 1) / max(1, config.warmup_steps)
     warn_long_warmup("focus pretrain", config.steps, config.warmup_steps, peak, config.lr)
     out = config.out_dir()
+    main = _training_arguments(config, out, False).should_save  # rank 0 writes for all
+    with exclusive_lock(out / LOCK_NAME, f"focus pretrain --out {out}") if main else contextlib.nullcontext():  # fmt: skip
+        return _pretrain(config, out)
+
+
+def _pretrain(config: PretrainConfig, out: Path) -> dict[str, Any]:
+    """:func:`pretrain` once its folder is held."""
     checkpoint = _check_out(config, out)
     args = _training_arguments(config, out, checkpoint is not None)
+    if checkpoint is not None:
+        step = _checkpoint_step(checkpoint)
+        check_checkpoint(Checkpoint(checkpoint, step, 1, step, args.world_size))
     if args.should_save:
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / PRETRAIN_CONFIG_NAME, config.to_dict())
@@ -414,6 +453,8 @@ def pretrain(config: PretrainConfig) -> dict[str, Any]:
         else:
             (out / LOG_NAME).unlink(missing_ok=True)
     tok, train, val, corpus = _data(config, args, out)
+    if args.should_save:
+        _check_same_data(out, train, checkpoint is not None)
     llama, focus, init = build_model(config, len(tok))
     run = {"args": args, "tokenizer": tok, "llama": llama, "focus": focus, "train": train,
            "val": val, "corpus": corpus, "init": init, "digest": BatchDigest(),
@@ -458,8 +499,37 @@ def _train_to_the_end(config: PretrainConfig, trainer: PretrainTrainer, run: dic
 
 
 def _checkpoint_step(checkpoint: Path) -> int:
-    """The optimizer step of a Trainer checkpoint (its ``trainer_state.json``)."""
-    return int(json.loads((checkpoint / "trainer_state.json").read_text())["global_step"])
+    """The optimizer step of a Trainer checkpoint (its ``trainer_state.json``).
+
+    Raises:
+        UnreadableFileError: a damaged file, or one without ``global_step`` (naming it).
+    """
+    state = read_json_record(checkpoint / "trainer_state.json", TRAINER_STATE_EXPECTED, TRAINER_STATE_SHAPE)  # fmt: skip
+    return state["global_step"]
+
+
+def _check_same_data(out: Path, train: torch.Tensor, resumed: bool) -> None:
+    """Record the SHA-256 of the training blocks in :data:`DATA_NAME` when the run starts;
+    on a resume, check the blocks have it (a run of an older release, without the file,
+    records it now).
+
+    Raises:
+        ValueError: the blocks differ from those the run started on (the corpus text or
+            the tokenizer changed); the message names both digests.
+        UnreadableFileError: a damaged :data:`DATA_NAME`.
+    """
+    path, now = out / DATA_NAME, tensor_sha256(train)
+    if resumed and path.exists():
+        then = read_json_record(path, "the data fingerprint of a focus pretrain run",
+                                {"train_blocks_sha256": str})["train_blocks_sha256"]  # fmt: skip
+        if then != now:
+            raise ValueError(
+                f"--resume: the training data differ from those the run in {out} started on: "
+                f"{path.name} records token blocks of SHA-256 {then}, the corpus now gives "
+                f"{now} (its text changed); restore it, or start again in another --out"
+            )
+        return
+    write_json_atomic(path, {"train_blocks_sha256": now, "train_blocks": int(train.shape[0])})
 
 
 def _trainer(config: PretrainConfig, run: dict[str, Any], out: Path) -> PretrainTrainer:

@@ -19,6 +19,7 @@ finishes the step in progress, checkpoints it, writes the output and re-raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -37,7 +38,13 @@ from ..assets.models import auto_prepend_bos, load_model
 from ..evaluation.needles import needle_blocks
 from ..hf.run_folder import base_weights_report, tensor_digests
 from ..utils.env import environment, library_versions, weights_sha256
-from ..utils.io import read_json_file, replace_entries, write_json_atomic
+from ..utils.io import (
+    UnreadableFileError,
+    exclusive_lock,
+    read_json_record,
+    replace_entries,
+    write_json_atomic,
+)
 from .callbacks import (
     CurrentIntervals,
     JsonlLog,
@@ -50,15 +57,21 @@ from .config import RESUME_FREE_FIELDS, RESUME_LOCKED_WHY, TrainConfig
 from .methods import Trainee, build_trainee, start_phase2
 from .outputs import (
     CONFIG_FILE,
+    LOCK_NAME,
     LOG_NAME,
     PLOT_NAME,
+    RESULT_EXPECTED,
     RESULT_NAME,
     Checkpoint,
+    check_checkpoint,
     checkpoint_root,
+    data_fingerprint,
     newest_checkpoint,
     prepare_out,
     read_log,
+    read_train_result,
     remove_staging_leftovers,
+    train_result_unfinished,
     trained_parts_differences,
     truncate_log,
 )
@@ -107,7 +120,8 @@ class TrainResult:
             ``changed_count``, ``lora_tensors``), ``method``
             (:meth:`~.methods.Trainee.describe`), ``distributed`` (``world_size``,
             ``requested``, ``sharded``), for two-phase ``phase1_base_weights`` (``equal``,
-            ``changed_count`` at the end of phase 1); ``already_finished`` for a
+            ``changed_count`` at the end of phase 1), ``data`` (the fingerprint of the
+            training data, :func:`~.outputs.data_fingerprint`); ``already_finished`` for a
             ``--resume`` of a finished run.
     """
 
@@ -178,13 +192,18 @@ def training_arguments(cfg: TrainConfig, out: Path, phase: int, steps: int, *,
 
 @dataclass
 class _Data:
-    """The model, tokenizer and token blocks of a run."""
+    """The model, tokenizer and token blocks of a run, and the fingerprint of the training
+    blocks (:func:`~.outputs.data_fingerprint`)."""
 
     model: Any
     tokenizer: Any
     train_blocks: torch.Tensor
     val_blocks: torch.Tensor | None
     prepend_bos: bool
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.fingerprint = data_fingerprint(self.train_blocks)
 
 
 def _train_blocks(cfg: TrainConfig, corpus: Any, tokenizer: Any, bos: bool) -> torch.Tensor:
@@ -224,14 +243,14 @@ def _resume_point(cfg: TrainConfig, out: Path, world_size: int) -> Checkpoint | 
         FileNotFoundError: ``resume`` without a checkpoint.
         ValueError: the run's settings differ in a field that changes the result, or the
             checkpoint was written by another number of processes.
+        UnreadableFileError: a damaged ``train_config.json`` (naming it).
     """
     if not cfg.resume:
         return None
     ckpt = newest_checkpoint(out)
     if ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {checkpoint_root(out)}")
-    saved = read_json_file(out / CONFIG_FILE, "the settings of a focus train run")
-    diff = TrainConfig.from_dict(saved).locked_differences(cfg)
+    diff = saved_config(out).locked_differences(cfg)
     if diff:
         why = "".join(f"; {RESUME_LOCKED_WHY[k]}" for k in diff if k in RESUME_LOCKED_WHY)
         free = ", ".join(f"--{name.replace('_', '-')}" for name in RESUME_FREE_FIELDS
@@ -248,32 +267,42 @@ def _resume_point(cfg: TrainConfig, out: Path, world_size: int) -> Checkpoint | 
     return ckpt
 
 
+def saved_config(out: Path) -> TrainConfig:
+    """The settings of the run in ``out`` (its ``train_config.json``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: a file that is damaged or holds no valid settings (the
+            message names it and what is wrong).
+    """
+    path, expected = out / CONFIG_FILE, "the settings of a focus train run (a JSON object)"
+    saved = read_json_record(path, expected)
+    try:
+        return TrainConfig.from_dict(saved)
+    except (TypeError, ValueError) as err:
+        raise UnreadableFileError(f"{path}: {err}; expected {expected}") from err
+
+
 def unfinished_output(cfg: TrainConfig, out: Path, ckpt: Checkpoint) -> list[str]:
     """Why the output in ``out`` is not the finished run of ``cfg`` whose last checkpoint
     is ``ckpt`` (a run whose final save was interrupted, failed or killed keeps the output
     it had before): no readable ``train_result.json``, one that records another step count,
-    an interrupted run or other settings, or trained parts (adapter weights, ``lora/``,
-    ``model/``, head gates) other than the checkpoint's (:func:`~.outputs.
-    trained_parts_differences`).
+    an interrupted run, no interrupted flag (an older release's result), other settings
+    (:func:`~.outputs.train_result_unfinished`), or trained parts (adapter weights,
+    ``lora/``, ``model/``, head gates) other than the checkpoint's
+    (:func:`~.outputs.trained_parts_differences`).
 
     Returns:
         the reasons, one phrase each; ``[]`` when the output is the finished run's.
     """
     try:
-        doc = read_json_file(out / RESULT_NAME, "the result of a focus train run")
+        doc = read_json_record(out / RESULT_NAME, RESULT_EXPECTED)
     except (OSError, ValueError) as err:
         return [str(err)]
-    if not isinstance(doc, dict):
-        return [f"{RESULT_NAME} holds no JSON object"]
-    why = []
-    if doc.get("steps") != ckpt.step:
-        why.append(f"{RESULT_NAME} records {doc.get('steps')} steps, the run has {ckpt.step}")
-    extra = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
-    if extra.get("interrupted", True):
-        why.append(f"{RESULT_NAME} records an interrupted run")
+    why = train_result_unfinished(doc, ckpt.step)
     try:
         changed = sorted(TrainConfig.from_dict(doc.get("config") or {}).locked_differences(cfg))
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         changed = ["config"]
     if changed:
         why.append(f"{RESULT_NAME} records other settings ({', '.join(changed)})")
@@ -286,7 +315,7 @@ def unfinished_output(cfg: TrainConfig, out: Path, ckpt: Checkpoint) -> list[str
 def _finished_result(out: Path, ckpt: Checkpoint, t_call: float) -> TrainResult:
     """``--resume`` of a finished run (:func:`unfinished_output` found nothing missing): say
     so and touch nothing."""
-    doc = read_json_file(out / RESULT_NAME, "the result of a focus train run")
+    doc = read_train_result(out / RESULT_NAME)
     print(f"focus train: nothing to do: run already finished at step {ckpt.step} ({out}); "
           "its files are left as they are", file=sys.stderr)  # fmt: skip
     png = out / PLOT_NAME
@@ -353,7 +382,8 @@ class _Run:
         val = self.data.val_blocks
         trainer = FocusTrainer(args=args, train_dataset=rows, eval_dataset=rows[:1] if val is not None else None,
                                trainee=self.trainee, config=cfg, val_blocks=val,
-                               step_offset=offset, callbacks=callbacks)  # fmt: skip
+                               step_offset=offset, data=self.data.fingerprint,
+                               callbacks=callbacks)  # fmt: skip
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
         return trainer
@@ -423,7 +453,8 @@ class _Run:
                  "seconds_per_step": self.timer.seconds / max(1, steps),
                  "train_blocks": int(self.data.train_blocks.shape[0]),
                  "prepend_bos": self.data.prepend_bos, "base_weights_sha256": self.weights_record(),
-                 "method": self.trainee.describe(), "distributed": self.distributed}  # fmt: skip
+                 "method": self.trainee.describe(), "distributed": self.distributed,
+                 "data": self.data.fingerprint}  # fmt: skip
         if self.phase1 is not None:
             extra["phase1_base_weights"] = {"equal": self.phase1["changed_count"] == 0,
                                             "changed_count": self.phase1["changed_count"]}  # fmt: skip
@@ -476,26 +507,55 @@ def _check_frozen(cfg: TrainConfig, weights: dict[str, Any]) -> None:
     )
 
 
-def _prepare(cfg: TrainConfig, t_call: float) -> tuple[Any, Checkpoint | None, TrainResult | None]:
-    """Check the resume point: ``(arguments, checkpoint, finished result)``; the last is not
-    None when a resumed run has nothing left to do. The output directory is checked (and,
-    with ``overwrite``, cleared) once the corpus and the model have loaded
-    (:func:`_claim_out`)."""
+def _prepare(cfg: TrainConfig, args: Any, t_call: float) -> tuple[Checkpoint | None, TrainResult | None]:  # fmt: skip
+    """Check the resume point: ``(checkpoint, finished result)``; the last is not None when
+    a resumed run has nothing left to do. The checkpoint resumed from is checked whole
+    (:func:`~.outputs.check_checkpoint`). The output directory is checked (and, with
+    ``overwrite``, cleared) once the corpus and the model have loaded."""
     out = cfg.out_dir()
-    args = training_arguments(cfg, out, 1, max(1, cfg.steps), validate_at_start=False)
     if not cfg.resume and not cfg.overwrite and args.should_save:
         prepare_out(out, resume=False, overwrite=False)  # refuse early, delete nothing
     ckpt = _resume_point(cfg, out, args.world_size)
-    if ckpt is None or ckpt.step < cfg.steps:
-        return args, ckpt, None
-    why = unfinished_output(cfg, out, ckpt)
-    if not why:
-        return args, ckpt, _finished_result(out, ckpt, t_call)
-    if args.should_save:
-        print(f"focus train: the run trained all {ckpt.step} steps, but the output in {out} is "
-              f"not its final one ({'; '.join(why)}): writing it from {ckpt.path.name}",
-              file=sys.stderr)  # fmt: skip
-    return args, ckpt, None
+    if ckpt is None:
+        return None, None
+    if ckpt.step >= cfg.steps:
+        why = unfinished_output(cfg, out, ckpt)
+        if not why:
+            return ckpt, _finished_result(out, ckpt, t_call)
+        if args.should_save:
+            print(f"focus train: the run trained all {ckpt.step} steps, but the output in {out} "
+                  f"is not its final one ({'; '.join(why)}): writing it from {ckpt.path.name}",
+                  file=sys.stderr)  # fmt: skip
+    check_checkpoint(ckpt)
+    return ckpt, None
+
+
+def _check_same_data(cfg: TrainConfig, ckpt: Checkpoint | None, data: _Data, main: bool) -> None:
+    """A resume trains on the data the run trained on: the fingerprint of the training
+    blocks now must be the one ``ckpt`` records (a checkpoint of an older release records
+    none: said on stderr).
+
+    Raises:
+        ValueError: another fingerprint (the corpus text, the tokenizer or the blocks
+            changed since the run started); the message names both.
+    """
+    if ckpt is None:
+        return
+    if not isinstance(ckpt.data, dict):
+        if main:
+            print(f"focus train: {ckpt.path} records no fingerprint of its training data (an "
+                  "older release's checkpoint): the data cannot be checked against the run's",
+                  file=sys.stderr)  # fmt: skip
+        return
+    then, now = ckpt.data, data.fingerprint
+    if then.get("train_blocks") != now["train_blocks"]:
+        raise ValueError(
+            f"--resume: the training data differ from those the run in {cfg.out_dir()} trained "
+            f"on: {ckpt.path.name} records {then.get('blocks')} token blocks of SHA-256 "
+            f"{then.get('train_blocks')}, the corpus {cfg.corpus!r} now gives {now['blocks']} "
+            f"blocks of SHA-256 {now['train_blocks']} (its text or the model's tokenizer "
+            "changed); restore them, or start the run again with --overwrite"
+        )
 
 
 def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResult:
@@ -519,8 +579,13 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
         ValueError: bad configuration, an ``out`` directory holding another run (without
             ``resume``/``overwrite``), a ``resume`` whose settings differ from the run's
             (other than :data:`~.config.RESUME_FREE_FIELDS`) or with another number of
-            processes, too little text.
-        FileNotFoundError: ``resume`` without a checkpoint.
+            processes or whose training data differ from the checkpoint's fingerprint, too
+            little text.
+        FileNotFoundError: ``resume`` without a checkpoint, or from a checkpoint without its
+            optimizer, schedule or random-generator state.
+        UnreadableFileError: a damaged file of the run read back (``train_config.json``,
+            ``log.jsonl``, a file of the checkpoint); a ``ValueError`` naming the file.
+        FolderInUseError: another run is writing ``out`` (a ``RuntimeError`` naming it).
         RuntimeError: parameters that are trainable or frozen against the method, a
             non-finite loss, base weights that changed in a method that keeps them frozen.
         KeyboardInterrupt: after Ctrl-C, once the step in progress is checkpointed and the
@@ -533,13 +598,24 @@ def train(config: TrainConfig, *, callback: Callback | None = None) -> TrainResu
     out = cfg.out_dir()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    args, ckpt, finished = _prepare(cfg, t_call)
+    args = training_arguments(cfg, out, 1, max(1, cfg.steps), validate_at_start=False)
+    # one run writes a folder at a time (rank 0 writes for all processes)
+    lock = exclusive_lock(out / LOCK_NAME, f"focus train --out {out}") if args.should_save else contextlib.nullcontext()  # fmt: skip
+    with lock:
+        return _train(cfg, args, t_call, callback)
+
+
+def _train(cfg: TrainConfig, args: Any, t_call: float, callback: Callback | None) -> TrainResult:
+    """:func:`train` once its folder is held: the run from its resume point to its output."""
+    out = cfg.out_dir()
+    ckpt, finished = _prepare(cfg, args, t_call)
     if finished is not None:
         return finished
     with args.main_process_first(local=False):  # rank 0 prepares the caches, the others read
         corpus = load_corpus(cfg.corpus, quiet=not cfg.progress)  # fails before the model
         set_seed(cfg.seed)
         data = _load_data(cfg, corpus)
+        _check_same_data(cfg, ckpt, data, args.should_save)
         if args.should_save:  # what --overwrite deletes goes only once the inputs are good
             prepare_out(out, resume=cfg.resume, overwrite=cfg.overwrite)
             out.mkdir(parents=True, exist_ok=True)

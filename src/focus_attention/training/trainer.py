@@ -108,7 +108,8 @@ class FocusTrainer(Trainer):
       its output: the Focus adapter, ``lora/`` (peft) and ``model/`` (transformers), which
       ``resume_from_checkpoint`` loads back in place, and the run state
       (:func:`~.outputs.write_run_state`: world size, phase, ``step_offset``, the steps of
-      the phases before this Trainer's).
+      the phases before this Trainer's, and ``data``, the fingerprint of the training data,
+      :func:`~.outputs.data_fingerprint`).
 
     Raises:
         ValueError: the coverage objective with more than one process (its gradient reaches
@@ -120,7 +121,7 @@ class FocusTrainer(Trainer):
 
     def __init__(self, *args: Any, trainee: Trainee, config: Any,
                  val_blocks: torch.Tensor | None = None, step_offset: int = 0,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 data: dict[str, Any] | None = None, **kwargs: Any) -> None:  # fmt: skip
         kwargs.setdefault("model", trainee.model)
         super().__init__(*args, **kwargs)
         if config.objective == "coverage" and trainee.focus is not None and self.args.world_size > 1:  # fmt: skip
@@ -129,7 +130,7 @@ class FocusTrainer(Trainer):
                 f"{self.args.world_size}); use 'lm', 'distill' or 'mix' under torchrun"
             )
         self.trainee, self.train_config, self.val_blocks = trainee, config, val_blocks
-        self.step_offset = step_offset
+        self.step_offset, self.data_fingerprint = step_offset, data
         self.step_metrics: list[dict[str, float]] = []
         self._micro = (-1, 0)  # (optimizer step, micro-batches of it run so far)
 
@@ -144,7 +145,7 @@ class FocusTrainer(Trainer):
         self.trainee.save_pretrained(out)
         torch.save(self.args, out / TRAINING_ARGS_NAME)
         write_run_state(out, world_size=self.args.world_size, phase=self.trainee.phase,
-                        step_offset=self.step_offset)  # fmt: skip
+                        step_offset=self.step_offset, data=self.data_fingerprint)  # fmt: skip
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """The data order: :class:`~.schedule.EpochPermutations` of the training rows,

@@ -10,13 +10,17 @@ is left as it was.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import shutil
+import socket
 import stat
 import sys
 import tempfile
 import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -229,6 +233,173 @@ def read_json_file(path: str | os.PathLike[str], expected: str) -> Any:
         ) from err
 
 
+#: a JSON number in a shape (:func:`shape_mismatch`): an int or a float, never a bool
+NUMBER = (int, float)
+#: what each JSON value is called in a message
+_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"),
+          (list, "a JSON array"), (dict, "a JSON object"), (type(None), "null"))  # fmt: skip
+
+
+def _kind(value: Any) -> str:
+    return next((name for t, name in _KINDS if isinstance(value, t)), type(value).__name__)
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    if object in types:
+        return True
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def _names(types: tuple[type, ...]) -> str:
+    names = [name for t, name in _KINDS if t in types]
+    return " or ".join(dict.fromkeys(names)) or "/".join(t.__name__ for t in types)
+
+
+def shape_mismatch(value: Any, shape: Any, where: str = "") -> str | None:
+    """Where the parsed JSON ``value`` does not have ``shape``, as a phrase (``"rows[2]: no
+    key 'N'"``, ``"config.window is a string, not an integer or a number"``); None when it
+    has it.
+
+    A shape is one of:
+
+    - a type or tuple of types: the value's (``bool`` is no ``int`` here, ``float`` takes
+      an ``int``, ``type(None)`` allows ``null``, ``object`` anything; :data:`NUMBER` is
+      any number);
+    - a dict: a JSON object holding at least these keys, each value of its own shape; a
+      key written with a trailing ``?`` may be missing (its shape is checked when present);
+      the key ``"*"`` gives the shape of every other value of the object, whatever its
+      key;
+    - a one-item list: a JSON array whose items all have that item's shape.
+
+    Args:
+        value: the parsed JSON.
+        shape: its expected shape.
+        where: the path of ``value`` in its document, for the phrase (``""``: the whole
+            document).
+    """
+    at = where or "the document"
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{at} is {_kind(value)}, not a JSON object"
+        if "*" in shape:
+            named = {key.removesuffix("?") for key in shape}
+            for name, item in value.items():
+                if name in named:
+                    continue
+                found = shape_mismatch(item, shape["*"], f"{where}.{name}" if where else name)
+                if found is not None:
+                    return found
+        for key, inner in shape.items():
+            if key == "*":
+                continue
+            name = key.removesuffix("?")
+            if name not in value:
+                if key.endswith("?"):
+                    continue
+                return f"{where}: no key {name!r}" if where else f"no key {name!r}"
+            found = shape_mismatch(value[name], inner, f"{where}.{name}" if where else name)
+            if found is not None:
+                return found
+        return None
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return f"{at} is {_kind(value)}, not a JSON array"
+        for i, item in enumerate(value):
+            found = shape_mismatch(item, shape[0], f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    types = shape if isinstance(shape, tuple) else (shape,)
+    return None if _is(value, types) else f"{at} is {_kind(value)}, not {_names(types)}"
+
+
+def check_shape(path: str | os.PathLike[str], value: Any, shape: Any, expected: str) -> None:
+    """Check that ``value``, read from the file ``path``, has ``shape``
+    (:func:`shape_mismatch`).
+
+    Raises:
+        UnreadableFileError: it has not; the message names ``path``, where the document
+            differs and ``expected``.
+    """
+    why = shape_mismatch(value, shape)
+    if why is not None:
+        raise unreadable(path, why, expected)
+
+
+def read_json_record(path: str | os.PathLike[str], expected: str, shape: Any = dict) -> Any:
+    """The parsed content of the JSON file ``path``, checked to have ``shape``
+    (:func:`shape_mismatch`; by default any JSON object).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: empty, not UTF-8, not valid JSON, a directory, unreadable, or
+            without the shape (a JSON array for an object, a missing key, a value of another
+            type); the message names the file, what is wrong and ``expected``.
+    """
+    data = read_json_file(path, expected)
+    check_shape(path, data, shape, expected)
+    return data
+
+
+def read_jsonl(path: str | os.PathLike[str], expected: str) -> list[dict[str, Any]]:
+    """The JSON objects of the JSON-lines file ``path``, one per line (blank lines
+    skipped). A last line without its newline that is not a JSON object, the line a kill
+    cut while it was written, is dropped.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: a directory, unreadable, or a line (other than such a last
+            one) that is not a JSON object in UTF-8; the message names the file, the line
+            and ``expected``.
+    """
+    lines = read_file_bytes(path, expected).split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError as err:  # not UTF-8, or not JSON
+            row, why = None, f"line {number} is not valid JSON ({err})"
+        else:
+            why = f"line {number} is {_kind(row)}, not a JSON object"
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number < len(lines):  # a whole line: damage, not a cut end
+            raise unreadable(path, why, expected)
+    return rows
+
+
+def check_zip_file(path: str | os.PathLike[str], expected: str) -> None:
+    """Check that the file ``path`` is a whole zip archive (the format of ``torch.save``):
+    its directory readable and every member's data matching its CRC (the file is read
+    once, without unpickling anything).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnreadableFileError: a directory, unreadable, empty, truncated or damaged; the
+            message names the file and ``expected``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise unreadable(path, "a directory", expected)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{path} not found; expected {expected}") from err
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError) as err:
+        why = "empty file" if path.is_file() and path.stat().st_size == 0 else (
+            f"truncated or not a torch.save file ({err})")  # fmt: skip
+        raise unreadable(path, why, expected) from err
+    if damaged is not None:
+        raise unreadable(path, f"its member {damaged} is damaged (CRC mismatch)", expected)
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Create or replace the text file ``path`` (UTF-8) atomically (:func:`atomic_write`)."""
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
@@ -333,6 +504,102 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class FolderInUseError(RuntimeError):
+    """A folder that another process is writing (a second run of the same training,
+    study or sweep): the message names the folder, the process that holds it and what it
+    runs. A ``RuntimeError``, so the ``focus`` commands report it on one line (exit status
+    1)."""
+
+
+def _lock_holder(fd: int) -> str:
+    """The holder a lock file records (:func:`exclusive_lock`), as a phrase."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        return (f"process {holder['pid']} on {holder['host']} ({holder['owner']}, since "
+                f"{holder['since']})")  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):  # written at this very moment
+        return "another process"
+
+
+def _created_folders(folder: Path) -> list[Path]:
+    """The folders ``folder.mkdir(parents=True)`` would create, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _acquire(path: Path, owner: str) -> int:
+    """A descriptor of the lock file ``path``, locked (:func:`exclusive_lock`)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise FolderInUseError(
+                f"{os.fspath(path.parent)} is in use by {holder}: {owner} would write the same "
+                f"files; wait for that run to end (or stop it), or write elsewhere"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:  # its holder removed it as we opened it
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # a file its last holder removed: lock the new one
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike[str], owner: str) -> Iterator[None]:
+    """Hold the lock file ``path`` while the block runs, or refuse at once when another
+    process (or another run in this one) holds it: so that two runs never write the same
+    folder together.
+
+    The file (its missing parent folders created) records the holder: ``owner`` (what it
+    runs, such as ``"focus train --out runs/austen"``), its process id, host and start
+    time, which a refusal names. It is removed when the block ends, and so are the folders
+    created for it if they are left empty; a killed holder leaves it behind, unlocked (the
+    operating system drops the lock with the process), and the next run takes it over.
+    Where ``fcntl`` is unavailable (Windows) nothing is locked.
+
+    Raises:
+        FolderInUseError: another holder; the message names the folder and the holder.
+    """
+    path = Path(path)
+    created = _created_folders(path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fd = _acquire(path, owner)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        record = {"owner": owner, "pid": os.getpid(), "host": socket.gethostname(), "since": since}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while it is still held: no one else holds this file
+        os.close(fd)
+        _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, or already gone
+            return
 
 
 @contextlib.contextmanager
