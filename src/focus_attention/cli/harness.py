@@ -53,6 +53,6 @@ def register_cli(subparsers: Any) -> None:
         add_help=False,
         help=summary("lm-eval"),
         description="lm_eval ARGS with --model focus available (model_args: pretrained, "
-        "adapter, top_k, window and HFLM's) and the local zero-shot tasks on the include path.",
+        "adapter, top_k, window, device and HFLM's) and the local zero-shot tasks on the include path.",
     )
     p.set_defaults(func=run_guarded(_cmd_lm_eval), passthrough=True, arguments=[])
