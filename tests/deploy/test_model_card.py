@@ -130,6 +130,30 @@ def test_the_digest_is_the_routers_and_settings_not_the_files_bytes(tmp_path):
     assert adapter_digest(tmp_path) is None
 
 
+def test_an_older_record_without_the_digest_travels_into_an_export(tmp_path):
+    """A record of an earlier release (the weights file's SHA-256 only) is the adapter's in
+    its folder and in a byte copy; an export, whose weights file has other bytes, carries it
+    with the adapter's digest, so that the export saved again still reports it."""
+    from transformers import AutoModelForCausalLM
+
+    run, row = _run_with_a_late_record(tmp_path)
+    record = json.loads((run / "eval-4096.json").read_text())
+    record["config"].pop("adapter_sha256")
+    (run / "eval-4096.json").write_text(json.dumps(record))
+    refresh_card(run)
+    assert row in card_of(run)
+    from tiny import build_model
+
+    from focus_attention.hf import FocusModel
+
+    export_model(FocusModel.from_pretrained(build_model("llama"), run), tmp_path / "export")
+    carried = json.loads((tmp_path / "export" / "eval-4096.json").read_text())
+    assert carried["config"]["adapter_sha256"] == adapter_digest(run) == adapter_digest(tmp_path / "export")  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True)
+    model.save_pretrained(tmp_path / "again")
+    assert row in card_of(tmp_path / "again")
+
+
 def test_a_copied_adapter_keeps_its_records_whatever_path_it_was_evaluated_under(tmp_path):
     """The records are the adapter's by its weights' digest: a copy of the folder elsewhere
     (evaluated as runs/austen-4k, now under another name) reports them in its card, when

@@ -132,7 +132,9 @@ def read_records(directory: str | os.PathLike) -> dict[str, Any]:
     its ``*.json`` files that are records of the adapter there now (:func:`is_record_of`:
     by its digest), sorted by file name. A record is the adapter's whatever path it was
     evaluated under: it travels with a copy of the folder, while an evaluation of an
-    earlier adapter in the same folder is not reported. Unreadable files are skipped."""
+    earlier adapter in the same folder is not reported. An older record, matched by the
+    weights file's SHA-256 alone, is returned with the adapter's digest (so that it stays the
+    adapter's in a copy an export writes). Unreadable files are skipped."""
     directory = Path(directory)
     out: dict[str, Any] = {"train_config": None, "train_result": None, "evals": []}
     for key, name in (("train_config", TRAIN_CONFIG_NAME), ("train_result", TRAIN_RESULT_NAME)):
@@ -145,6 +147,8 @@ def read_records(directory: str | os.PathLike) -> dict[str, Any]:
     for path in paths:
         doc = _json(path)
         if is_record_of(doc, digest, weights):
+            if doc["config"].get("adapter_sha256") is None:  # an older record: now known
+                doc = {**doc, "config": {**doc["config"], "adapter_sha256": digest}}
             out["evals"].append((path.name, doc))
     return out
 
