@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -131,7 +132,7 @@ def _environments(tmp_path: Path) -> list[tuple[dict[str, str], Path]]:
                                  if p != venv_bin)  # fmt: skip
     other_ninja = tmp_path / "other-ninja"
     other_ninja.mkdir()
-    real = extension.shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
+    real = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
     if Path(real).exists():
         (other_ninja / "ninja").symlink_to(real)
     base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
