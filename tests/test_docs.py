@@ -316,3 +316,24 @@ def test_flags_named_in_the_guides_exist(focus_parser):
         if span.group(2).startswith("--") and span.group(2).split()[0] not in flags
     ]
     assert not unknown, "flags no focus command documents:\n" + "\n".join(unknown)
+
+
+def test_the_training_guide_lists_every_method():
+    from focus_attention.training.config import METHODS
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    table = text[text.index("| method | what trains |") :].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `([\w+-]+)`", table, re.MULTILINE)
+    assert listed == list(METHODS)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_pages_list_every_extra(page):
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    text = " ".join((ROOT / page).read_text().split())
+    listed = text[text.index("xtras") :].split(". ", 1)[0]  # the sentence that lists them
+    assert set(extras) <= set(re.findall(r"`(\w+)`", listed)), listed

@@ -184,9 +184,8 @@ def test_a_setting_added_to_the_declaration_reaches_every_consumer():
     code = (
         TOY_SETTING
         + """
-import argparse, dataclasses
+import argparse
 from focus_attention.cli.flags import add_flags, flag_values
-from focus_attention.deploy.config import FocusExportConfig
 from focus_attention.deploy.settings import SETTING_FIELDS, ExportConfig
 from focus_attention.evaluation.settings import EvalConfig
 from focus_attention.hf.card import setting_keywords_line
@@ -203,9 +202,30 @@ except ValueError as err:
 else:
     raise AssertionError("toy=1 accepted")
 assert ADAPTER_OVERRIDES[-1] == SETTING_FIELDS[-1] == "toy"
-field = {f.name: f for f in dataclasses.fields(FocusExportConfig)}["toy"]
-assert (field.type, field.default) == ("int | None", None)
 assert "`toy=`" in setting_keywords_line()
+# the model card's settings table
+from focus_attention.hf.card import adapter_card, card_settings
+assert card_settings()[-1] == "toy"
+assert "| toy | `4` |" in adapter_card({"toy": 4, "layers": []}, {})
+# the export's config.json and the keywords of its from_pretrained
+from focus_attention.deploy.export import export_document
+from focus_attention.deploy.loading import setting_keywords
+from focus_attention.deploy.settings import SETTINGS_KEY, exported_settings
+class Stub:
+    def to_dict(self):
+        return {name: 1 for name in SETTING_FIELDS}
+doc = export_document({"model_type": "llama"}, Stub())
+assert exported_settings(doc)["toy"] == 1 and "toy" not in doc
+keywords = {"toy": 5, "dtype": "float32"}
+assert setting_keywords("export", keywords) == {"toy": 5} and keywords == {"dtype": "float32"}
+try:
+    setting_keywords("export", {"toys": 5})
+except ValueError as err:
+    assert "'toys', which is no Focus setting: did you mean 'toy'?" in str(err), err
+else:
+    raise AssertionError("toys=5 accepted")
+# what a focus eval record says it overrode
+assert EvalConfig(toy=5).overrides(without=("top_k",))["toy"] == 5
 print("ok")
 """
     )

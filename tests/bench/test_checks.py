@@ -53,7 +53,7 @@ def test_the_decode_cli_refuses_top_k_above_k_before_loading(tmp_path, capsys):
     rc = cli.main(["bench", "decode", "--adapter", adapter, "--contexts", "128", "--levels",
                    "op", "--top-k", "9", "--steps", "1", "--warmup", "0"])  # fmt: skip
     assert rc == 1
-    assert "DecodeBenchConfig.top_k: received (9,), expected ints in 1..8" in capsys.readouterr().err  # fmt: skip
+    assert "focus: error: --top-k: received (9,), expected ints in 1..8" in capsys.readouterr().err  # fmt: skip
 
 
 def test_repeated_grid_values_run_once():

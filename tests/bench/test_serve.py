@@ -17,6 +17,7 @@ from transformers.utils.import_utils import is_serve_available
 from focus_attention import export_model
 from focus_attention.bench.serve import cell_row, percentile, served_variants
 from focus_attention.bench.settings import ServeBenchConfig
+from focus_attention.deploy.settings import exported_settings
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,10 @@ def test_the_variants_serve_focus_at_each_top_k_and_the_dense_base(exported, tmp
     variants = served_variants(exported, (1, 2), True, tmp_path)
     assert [(v["method"], v["top_k"]) for v in variants] == [("focus", 1), ("focus", 2), ("dense", None)]  # fmt: skip
     assert variants[0]["directory"] == exported  # its own top_k: the export itself
-    assert AutoConfig.from_pretrained(variants[1]["directory"], trust_remote_code=True).top_k == 2
+    assert (
+        AutoConfig.from_pretrained(variants[1]["directory"], trust_remote_code=True).focus["top_k"]
+        == 2
+    )
     focus_model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
     dense = AutoModelForCausalLM.from_pretrained(variants[2]["directory"])  # no custom code
     assert type(dense) is LlamaForCausalLM and not hasattr(dense, "focus_model")
@@ -78,14 +82,14 @@ def test_the_variants_serve_focus_at_each_top_k_and_the_dense_base(exported, tmp
 def test_the_settings_reach_an_export_served_as_it_is(exported, tmp_path):
     """``--export DIR`` with an inference setting (``--attention-backend masked``): every
     Focus variant's ``config.json`` carries it, the one at the export's own top_k too."""
-    own = json.loads((exported / "config.json").read_text())["top_k"]
+    own = exported_settings(json.loads((exported / "config.json").read_text()))["top_k"]
     variants = served_variants(exported, (own, 2), False, tmp_path,
                                {"attention_backend": "masked", "dense_heads": ((0, 0),)})  # fmt: skip
     assert all(v["directory"] != exported for v in variants)
     for v in variants:
-        config = AutoConfig.from_pretrained(v["directory"], trust_remote_code=True)
-        assert (config.attention_backend, config.top_k) == ("masked", v["top_k"])
-        assert config.dense_heads == [[0, 0]]
+        config = AutoConfig.from_pretrained(v["directory"], trust_remote_code=True).focus
+        assert (config["attention_backend"], config["top_k"]) == ("masked", v["top_k"])
+        assert config["dense_heads"] == [[0, 0]]
     # a top_k given twice (or None beside the export's own) is one variant, and a work
     # directory of an earlier run is reused
     again = served_variants(exported, (None, own, 2, 2), True, tmp_path, {"attention_backend": "masked"})  # fmt: skip
@@ -131,7 +135,7 @@ def test_continuous_batching_servers_size_their_cache_for_the_cells(exported, tm
 
 
 def _served_settings(exported, tmp_path, monkeypatch, **overrides) -> tuple[list[dict], dict]:
-    """The ``config.json`` of every Focus variant ``focus bench serve --export`` would serve
+    """The settings in the ``config.json`` of every Focus variant ``focus bench serve --export`` would serve
     with ``overrides``, and the overrides its result records (the servers are not started)."""
     from focus_attention.assets.corpora import prepare_corpus
     from focus_attention.bench import serve
@@ -139,7 +143,7 @@ def _served_settings(exported, tmp_path, monkeypatch, **overrides) -> tuple[list
     served = []
 
     def run_cells(variants, *args):
-        served.extend(json.loads((v["directory"] / "config.json").read_text())
+        served.extend(exported_settings(json.loads((v["directory"] / "config.json").read_text()))
                       for v in variants if v["method"] == "focus")  # fmt: skip
         return []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -348,7 +349,7 @@ def test_focus_lm_eval_runs_lm_evals_cli(bench_home, tiny, tmp_path, monkeypatch
     model_dir, adapter = tiny
     monkeypatch.setattr("sys.argv", ["focus"])
     rc = cli.main(["lm-eval", "--model", "focus", "--model_args",
-                   f"pretrained={model_dir},adapter={adapter},window=6", "--tasks", "piqa",
+                   f"pretrained={model_dir},adapter={adapter},window=6,device=cpu", "--tasks", "piqa",
                    "--limit", "2", "--batch_size", "2", "--output_path", str(tmp_path / "o")])  # fmt: skip
     assert rc == 0
     written = list((tmp_path / "o").rglob("results_*.json"))
@@ -364,6 +365,56 @@ def test_focus_model_refuses_unknown_model_args_before_loading(tiny, monkeypatch
     # what HFLM or transformers' loading takes, and the fields of the model's config
     harness.check_model_args(str(model_dir), dict(dtype="float32", revision="main",
                              attn_implementation="sdpa", device_map=None, use_cache=True))  # fmt: skip
+
+
+#: what lm-eval's command line passes with every model besides --model_args (its defaults)
+LM_EVAL_RUN = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+#: a value of each documented --model_args key, and how the loaded model shows it
+MODEL_ARG_CASES = {
+    "pretrained": (None, lambda lm: lm.focus_config is not None),
+    "adapter": (None, lambda lm: lm.focus_config.window == FOCUS["window"]),
+    "top_k": ("2", lambda lm: lm.focus_config.top_k == 2),
+    "window": ("6", lambda lm: lm.focus_config.window == 6),
+    "device": ("cpu", lambda lm: str(lm.device) == "cpu"),
+    "batch_size": ("3", lambda lm: lm.batch_size == 3),
+    "max_length": ("48", lambda lm: lm.max_length == 48),
+    "dtype": ("float64", lambda lm: lm.model.base_model.dtype == torch.float64),
+    "revision": ("main", lambda lm: lm.revision == "main"),
+}
+
+
+def test_the_help_names_the_documented_model_args():
+    from focus_attention.cli.harness import PREAMBLE
+
+    assert set(MODEL_ARG_CASES) == set(harness.DOCUMENTED_MODEL_ARGS)
+    for key in harness.DOCUMENTED_MODEL_ARGS:
+        assert re.search(rf"\b{key}\b", PREAMBLE), key
+
+
+@pytest.mark.parametrize("key", harness.DOCUMENTED_MODEL_ARGS)
+def test_every_documented_model_arg_works_as_lm_evals_command_line_passes_it(tiny, key):
+    """``--model_args ...,KEY=VALUE`` as lm-eval's command line builds the model: with its
+    own ``--device`` and ``--batch_size`` defaults passed too, which a key of the same name
+    in --model_args wins over (instead of "got multiple values")."""
+    model_dir, adapter = tiny
+    value, check = MODEL_ARG_CASES[key]
+    args = {"pretrained": str(model_dir), "adapter": str(adapter)}
+    if value is not None:
+        args[key] = value
+    text = ",".join(f"{k}={v}" for k, v in args.items())
+    lm = get_model(harness.MODEL_NAME).create_from_arg_string(text, dict(LM_EVAL_RUN))
+    assert check(lm), key
+    as_dict = lm_eval.utils.simple_parse_args_string(text)  # the values typed, as from Python
+    assert check(get_model(harness.MODEL_NAME).create_from_arg_obj(as_dict, dict(LM_EVAL_RUN)))
+
+
+def test_a_run_argument_given_two_ways_with_two_values_is_refused(tiny):
+    model_dir, adapter = tiny
+    text = f"pretrained={model_dir},adapter={adapter},device=cpu"
+    with pytest.raises(ValueError, match=r"device given twice, 'cpu' in --model_args and 'meta' by --device"):  # fmt: skip
+        FocusLM.create_from_arg_string(text, {**LM_EVAL_RUN, "device": "meta"})
+    lm = FocusLM.create_from_arg_string(text, {**LM_EVAL_RUN, "device": "cpu"})  # the same: taken
+    assert str(lm.device) == "cpu"
 
 
 def test_focus_lm_eval_without_arguments_shows_the_help_and_fails(capsys):

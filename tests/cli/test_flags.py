@@ -176,3 +176,18 @@ def cli_module(name: str):
     import importlib
 
     return importlib.import_module(f"focus_attention.cli.{name}")
+
+
+def test_errors_name_the_flag_as_typed_and_a_config_key_as_written(tmp_path, capsys):
+    """A bad value on the command line is named by its flag (and the flag its bound depends
+    on); the same value from the --config table keeps the table's key."""
+    assert main(["inspect", "--adapter", "a", "--out", "o", "--seq-len", "64", "--max-tokens", "32"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err == "focus: error: --max-tokens: received 32, expected at least --seq-len=64"
+    config = tmp_path / "settings.toml"
+    config.write_text("[inspect]\nmax_tokens = 32\nseq_len = 64\n")
+    assert main(["inspect", "--adapter", "a", "--out", "o", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert f"{config}: InspectConfig.max_tokens: received 32, expected at least seq_len=64" in err
+    assert main(["inspect", "--adapter", "a", "--out", "o", "--config", str(config), "--max-tokens", "48"]) == 1  # fmt: skip
+    assert "--max-tokens: received 48, expected at least seq_len=64" in capsys.readouterr().err

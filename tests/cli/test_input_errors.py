@@ -149,7 +149,7 @@ def test_ranking_length_is_refused_below_the_shortest_pass_key_prompt(tmp_path, 
     out = tmp_path / "out"
     argv = ["calibrate", "--adapter", "runs/austen", "--out", str(out), "--head-budget", "0.5"]
     err = _error(capsys, [*argv, "--ranking-length", "63"])
-    assert err == "focus: error: CalibrateConfig.ranking_length: received 63, expected an int >= 64"  # fmt: skip
+    assert err == "focus: error: --ranking-length: received 63, expected an int >= 64"  # fmt: skip
     assert not out.exists()
     with pytest.raises(Ran):
         main([*argv, "--ranking-length", "64"])

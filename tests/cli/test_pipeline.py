@@ -80,6 +80,31 @@ def test_pipeline_cli_train_load_eval(assets, tmp_path, capsys):
     assert ev["config"]["train_config"]["steps"] == 4
 
 
+def test_an_evaluated_adapter_reports_its_scores_in_its_card_and_in_copies(assets, adapter, tmp_path, capsys):  # fmt: skip
+    """``focus eval --json`` into the adapter's folder: its card reports the record; a copy
+    of the folder elsewhere (the record names the first path) reports it, and so does
+    ``focus export`` of the copy, whose folder carries the record on."""
+    import shutil
+
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(adapter, run)
+    record = run / "eval-64.json"
+    argv = ["eval", "--model", str(assets["model"]), "--adapter", str(run), "--corpus",
+            str(assets["corpus"]), "--split", "test", "--json", str(record), "--max-tokens",
+            "128", "--seq-len", "64", "--threads", "1", "--no-progress"]  # fmt: skip
+    assert _cli(argv) == 0
+    assert f"model card {run / 'README.md'} now reports it" in capsys.readouterr().out
+    ppl = json.loads(record.read_text())["ppl"]["focus_topk"]["2"]
+    row = f"| Focus top-2 | {ppl:,.3f} |"
+    assert row in (run / "README.md").read_text()
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(run, copy)
+    assert row in (copy / "README.md").read_text()
+    out = tmp_path / "export"
+    assert _cli(["export", "--model", str(assets["model"]), "--adapter", str(copy), "--out", str(out)]) == 0  # fmt: skip
+    assert row in (out / "README.md").read_text() and (out / record.name).is_file()
+
+
 def test_cli_errors_are_clear(assets, tmp_path, capsys):
     # a missing adapter and an occupied output directory give one-line errors, exit 1
     assert _cli(["eval", "--model", str(assets["model"]), "--adapter", str(tmp_path)]) == 1

@@ -5,7 +5,6 @@ time, written all-or-nothing (docs/deploy.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -19,12 +18,18 @@ from stops import ERRORS, run_until_stopped, stop_writes
 from tiny import ARCHS, focus, ids, word_tokenizer
 from tiny_assets import WORDS
 from tolerances import tolerance
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from focus_attention import export_model
-from focus_attention.deploy.config import FocusExportConfig, json_type
 from focus_attention.deploy.loading import TRAINED_FIELDS
-from focus_attention.deploy.settings import AUTO_MAP, REMOTE_CODE_NAME, SETTING_FIELDS
+from focus_attention.deploy.settings import (
+    AUTO_MAP,
+    BASE_NAME_KEY,
+    REMOTE_CODE_NAME,
+    SETTING_FIELDS,
+    SETTINGS_KEY,
+    exported_settings,
+)
 from focus_attention.hf import FocusModel, FocusSlidingWindowWarning
 from focus_attention.hf.card import setting_keywords_line
 from focus_attention.hf.config import INFERENCE_SETTINGS
@@ -78,12 +83,12 @@ def test_settings_change_at_load_time_by_keyword_or_config_edit(tmp_path):
     config = by_keyword.focus_model.focus_config
     assert (config.top_k, config.window, config.dense_layers) == (2, 16, (1,))
     doc = json.loads((out / "config.json").read_text())
-    assert {k: doc[k] for k in SETTING_FIELDS}["top_k"] == 1
-    doc.update(top_k=2, window=16, dense_layers=[1])
+    assert doc[SETTINGS_KEY]["top_k"] == 1
+    doc[SETTINGS_KEY].update(top_k=2, window=16, dense_layers=[1])
     (out / "config.json").write_text(json.dumps(doc))
     by_edit = load(out)
     edited = AutoConfig.from_pretrained(out, trust_remote_code=True)
-    edited.top_k = 1
+    edited.focus["top_k"] = 1
     in_memory = load(out, config=edited)
     with torch.no_grad():
         assert torch.equal(by_keyword(input_ids=x).logits, want)
@@ -102,7 +107,9 @@ def test_the_attention_backend_changes_at_load_time_and_keeps_the_logits(tmp_pat
         want = fm(input_ids=x).logits
     masked = load(out, attention_backend="masked")
     assert masked.focus_model.focus_config.attention_backend == "masked"
-    assert json.loads((out / "config.json").read_text())["attention_backend"] == "auto"
+    assert (
+        json.loads((out / "config.json").read_text())[SETTINGS_KEY]["attention_backend"] == "auto"
+    )
     with torch.no_grad():
         torch.testing.assert_close(masked(input_ids=x).logits, want, **tolerance("oracle"))
     with pytest.raises(ValueError, match="attention_backend") as err:
@@ -195,7 +202,7 @@ def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
         export_model(fm, out)
     fm.focus_config = fm.focus_config.replace(top_k=2)
     export_model(fm, out, overwrite=True)
-    assert json.loads((out / "config.json").read_text())["top_k"] == 2
+    assert json.loads((out / "config.json").read_text())[SETTINGS_KEY]["top_k"] == 2
     assert "tokenizer.json" not in {p.name for p in out.iterdir()}  # replaced as a whole
     assert before["config.json"] != (out / "config.json").read_bytes()
     (tmp_path / "file").write_text("x")
@@ -227,7 +234,7 @@ def _export_window(out) -> int:
     file's too, and the window the loaded model runs with."""
     from safetensors import safe_open
 
-    window = json.loads((out / "config.json").read_text())["window"]
+    window = json.loads((out / "config.json").read_text())[SETTINGS_KEY]["window"]
     assert json.loads((out / CONFIG_NAME).read_text())["window"] == window
     with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
         assert json.loads(f.metadata()["focus_config"])["window"] == window
@@ -272,6 +279,23 @@ def test_a_loaded_export_exports_again(tmp_path):
         assert torch.equal(reloaded(input_ids=x).logits, fm(input_ids=x).logits)
 
 
+def test_a_saved_again_export_names_the_original_base_model(tmp_path):
+    """The export records its base model's name; a model loaded from it (whose base model
+    comes from the export's folder) and saved, or exported, again names the original."""
+    _, fm = focus("llama")
+    out = tmp_path / "export"
+    export_model(fm, out, base_name="org/tiny-base")
+    assert json.loads((out / "config.json").read_text())[BASE_NAME_KEY] == "org/tiny-base"
+    model = load(out)
+    model.save_pretrained(tmp_path / "saved")
+    export_model(model.focus_model, tmp_path / "again")
+    for again in (tmp_path / "saved", tmp_path / "again"):
+        card = (again / "README.md").read_text()
+        assert "# org/tiny-base with Focus sparse attention" in card, again
+        assert "base_model: org/tiny-base" in card and str(out) not in card
+        assert json.loads((again / "config.json").read_text())[BASE_NAME_KEY] == "org/tiny-base"
+
+
 def _weight_names(directory) -> set[str]:
     from safetensors import safe_open
 
@@ -291,7 +315,7 @@ def test_save_pretrained_of_a_loaded_export_writes_an_export_that_loads_with_foc
     assert not [k for k in _weight_names(saved) if k.startswith("focus_routers")]
     assert _weight_names(saved) == _weight_names(out)
     assert {CONFIG_NAME, WEIGHTS_NAME, REMOTE_CODE_NAME, "tokenizer.json"} <= {p.name for p in saved.iterdir()}  # fmt: skip
-    assert json.loads((saved / "config.json").read_text())["window"] == 6
+    assert json.loads((saved / "config.json").read_text())[SETTINGS_KEY]["window"] == 6
     caplog.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -421,15 +445,18 @@ def test_the_settings_import_without_torch():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("how", ["keyword", "config.json", "config object"])
+@pytest.mark.parametrize("how", ["keyword", "config.json", "config.json table", "config object"])
 def test_a_trained_shape_is_refused_at_load_time_naming_it(tmp_path, how):
     _, out = exported(tmp_path, "llama", num_groups=4)
     kwargs = {}
+    doc = json.loads((out / "config.json").read_text())
     if how == "keyword":
         kwargs["num_groups"] = 2
     elif how == "config.json":
-        doc = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**doc, "num_groups": 2}))
+    elif how == "config.json table":
+        doc[SETTINGS_KEY]["num_groups"] = 2
+        (out / "config.json").write_text(json.dumps(doc))
     else:
         config = AutoConfig.from_pretrained(out, trust_remote_code=True)
         config.num_groups = 2
@@ -438,15 +465,94 @@ def test_a_trained_shape_is_refused_at_load_time_naming_it(tmp_path, how):
         load(out, **kwargs)
 
 
-@pytest.mark.parametrize(("key", "meant"), [("windw", "window"), ("top-k", "top_k"), ("num_group", "num_groups"), ("dense_layer", "dense_layers")])  # fmt: skip
-def test_a_misspelt_setting_in_the_config_is_refused_naming_it(tmp_path, key, meant):
+@pytest.mark.parametrize("where", ["top level", "settings table", "keyword"])
+@pytest.mark.parametrize(("key", "meant"), [("windw", "window"), ("top-k", "top_k"), ("topk", "top_k"), ("num_group", "num_groups"), ("dense_layer", "dense_layers")])  # fmt: skip
+def test_a_misspelt_setting_is_refused_naming_it(tmp_path, key, meant, where):
+    """In ``config.json`` (either place) or as a ``from_pretrained`` keyword, a name close
+    to a setting's gets "did you mean", not a silent default or the base model's
+    ``TypeError``; other keys load."""
     _, out = exported(tmp_path)
     doc = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**doc, key: 64}))
+    kwargs = {}
+    if where == "top level":
+        (out / "config.json").write_text(json.dumps({**doc, key: 64}))
+    elif where == "settings table":
+        (out / "config.json").write_text(json.dumps({**doc, SETTINGS_KEY: {**doc[SETTINGS_KEY], key: 64}}))  # fmt: skip
+    else:
+        kwargs[key] = 64
     with pytest.raises(ValueError, match=f"'{key}', which is no Focus setting: did you mean '{meant}'"):  # fmt: skip
-        load(out)
+        load(out, **kwargs)
     (out / "config.json").write_text(json.dumps({**doc, "comment": "kept"}))  # other keys load
-    assert load(out).focus_model.focus_config.window == doc["window"]
+    loaded = load(out, dtype=torch.float32)  # and from_pretrained's own keywords
+    assert loaded.focus_model.focus_config.window == doc[SETTINGS_KEY]["window"]
+
+
+def test_an_unknown_key_of_the_settings_table_is_refused(tmp_path):
+    _, out = exported(tmp_path)
+    doc = json.loads((out / "config.json").read_text())
+    doc[SETTINGS_KEY]["comment"] = "not a setting"
+    (out / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"focus\.comment: no such Focus setting; the settings are window"):  # fmt: skip
+        load(out)
+
+
+def test_a_setting_at_the_top_level_of_a_new_export_is_refused_naming_its_table(tmp_path):
+    _, out = exported(tmp_path)
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    config.window = 16  # where the first layout kept it
+    with pytest.raises(ValueError, match=r"'window' at its top level.*config\.focus\['window'\]"):
+        load(out, config=config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_no_reader_of_the_models_config_finds_focus_settings(tmp_path, arch):
+    """A tool that builds its sampling defaults from the config (``GenerationConfig.
+    from_model_config``) gets the base model's, not Focus's ``top_k``: no setting is a
+    top-level key of ``config.json``."""
+    fm, out = exported(tmp_path, arch, top_k=1)
+    doc = json.loads((out / "config.json").read_text())
+    assert set(SETTING_FIELDS).isdisjoint(doc) and doc[SETTINGS_KEY]["top_k"] == 1
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert set(SETTING_FIELDS).isdisjoint(vars(config))
+    base = GenerationConfig.from_model_config(fm.base_model.config).to_dict()
+    from_export = GenerationConfig.from_model_config(config).to_dict()
+    assert {k: from_export[k] for k in base if k != "transformers_version"} == {
+        k: v for k, v in base.items() if k != "transformers_version"}  # fmt: skip
+    assert from_export["top_k"] == base["top_k"] != 1
+    generated = load(out).generation_config
+    assert generated.top_k == fm.base_model.generation_config.top_k
+
+
+def _first_layout(out) -> dict:
+    """The export's ``config.json`` rewritten as the first layout wrote it: the settings at
+    the top level, layout 1, no base model name."""
+    doc = json.loads((out / "config.json").read_text())
+    settings = doc.pop(SETTINGS_KEY)
+    doc.pop(BASE_NAME_KEY, None)
+    old = {k: v for k, v in doc.items() if k != "base_config"}
+    old.update(settings, focus_export_format=1, base_config=doc["base_config"])
+    (out / "config.json").write_text(json.dumps(old, indent=2))
+    return old
+
+
+def test_an_export_of_the_first_layout_still_loads_with_its_settings(tmp_path):
+    fm, out = exported(tmp_path, "llama", num_groups=4, top_k=1, window=8)
+    old = _first_layout(out)
+    old.update(top_k=2, window=16)  # over the adapter's: read from config.json
+    (out / "config.json").write_text(json.dumps(old))
+    assert exported_settings(old)["top_k"] == 2
+    x = ids(1, 48, seed=6)
+    fm.focus_config = fm.focus_config.replace(top_k=2, window=16)
+    with torch.no_grad():
+        want = fm(input_ids=x).logits
+    model = load(out)
+    assert (model.focus_model.focus_config.top_k, model.focus_model.focus_config.window) == (2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, want)
+    by_keyword = load(out, top_k=1, window=8).focus_model.focus_config
+    assert (by_keyword.top_k, by_keyword.window) == (1, 8)
+    with pytest.raises(ValueError, match="did you mean 'top_k'"):
+        load(out, topk=1)
 
 
 def test_the_exported_files_get_the_umask_mode(tmp_path):
@@ -467,12 +573,11 @@ def test_the_config_gives_the_base_models_context_length(tmp_path):
     assert text.vocab_size == fm.base_model.config.vocab_size
 
 
-def test_the_exported_settings_are_the_declared_inference_settings():
+def test_the_exported_settings_are_the_declared_inference_settings(tmp_path):
     assert tuple(INFERENCE_SETTINGS) == SETTING_FIELDS
-    fields = {f.name: f for f in dataclasses.fields(FocusExportConfig)}
-    for name, setting in INFERENCE_SETTINGS.items():
-        assert (fields[name].type, fields[name].default) == (json_type(setting), None), name
+    _, out = exported(tmp_path)
+    assert tuple(json.loads((out / "config.json").read_text())[SETTINGS_KEY]) == SETTING_FIELDS
+    for name in INFERENCE_SETTINGS:
         assert re.search(rf"[ `]{name}=", setting_keywords_line()), name
-    assert json_type(INFERENCE_SETTINGS["dense_heads"]) == "list | None"
-    assert json_type(INFERENCE_SETTINGS["query_top_k"]) == "int | None"
+    assert f"the `{SETTINGS_KEY}` table of `config.json`" in (out / "README.md").read_text()
     assert set(TRAINED_FIELDS).isdisjoint(INFERENCE_SETTINGS)

@@ -72,6 +72,45 @@ def test_a_repo_the_cache_lacks_is_reported(tmp_path, hub_cache):
         FocusModel.from_pretrained(build_model("llama"), "org/focus-tiny", revision="v2")
 
 
+def test_an_offline_typo_of_a_local_folder_says_so_without_the_hub_clients_error(tmp_path, hub_cache, monkeypatch):  # fmt: skip
+    (tmp_path / "runs" / "austen-4k").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        FocusModel.from_pretrained(build_model("llama"), "runs/austen4k")
+    message = str(err.value)
+    assert message == (
+        "Focus adapter 'runs/austen4k': no such local folder (did you mean 'runs/austen-4k'?); "
+        "as a Hugging Face hub repo id: HF_HUB_OFFLINE is set, so the hub is not asked, and its "
+        "cache holds no such repo"
+    )
+
+
+def test_no_network_is_said_in_words_not_the_clients_dns_error(tmp_path, monkeypatch):
+    """Online without a network: the hub client's chain of errors (a DNS failure under a
+    cache miss) becomes one plain reason."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from focus_attention.hf import hub
+
+    def no_network(*args, **kwargs):
+        try:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        except ConnectionError as dns:
+            raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known") from dns  # fmt: skip
+
+    monkeypatch.setattr(hub, "snapshot_download", no_network)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        hub.resolve_adapter("runs/austen4k")
+    message = str(err.value)
+    assert message.endswith("the hub cannot be reached (no network?) and its cache holds no such repo")  # fmt: skip
+    assert (
+        "Errno" not in message and "ConnectError" not in message and "did you mean" not in message
+    )
+
+
 def test_a_local_folder_wins_over_a_repo_id(tmp_path, hub_cache, monkeypatch):
     _, fm = focus("llama")
     fm.save_pretrained(tmp_path / "org" / "name")

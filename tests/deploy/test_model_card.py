@@ -8,13 +8,15 @@ from __future__ import annotations
 import errno
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
 from tiny import focus
 
 from focus_attention import export_model
-from focus_attention.hf.card import CARD_MARKER
+from focus_attention.hf.card import CARD_MARKER, adapter_digest, refresh_card
+from focus_attention.hf.config import INFERENCE_SETTINGS
 from focus_attention.hf.files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, weights_file_sha256
 
 TRAIN_CONFIG = {"model": "org/tiny-base", "corpus": "austen", "method": "focus", "steps": 80,
@@ -24,9 +26,10 @@ TRAIN_RESULT = {"steps": 80, "final_loss": 3.51234,
 
 
 def eval_record(adapter: str, base: float = 34.926, top1: float = 37.009, *,
-                weights: str | None = None) -> dict:  # fmt: skip
+                weights: str | None = None, digest: str | None = None) -> dict:  # fmt: skip
     """A ``focus eval`` document (the keys a card reads) of the adapter whose weights file
-    has the SHA-256 ``weights``."""
+    has the SHA-256 ``weights`` and whose ``adapter_digest`` is ``digest`` (None: a record
+    of an earlier release, without it)."""
     return {
         "ppl": {"base": base, "focus_soft": 36.142, "focus_topk": {"1": top1, "2": 35.77}},
         "pairs_retained": {"1": 0.37, "2": 0.632},
@@ -37,6 +40,7 @@ def eval_record(adapter: str, base: float = 34.926, top1: float = 37.009, *,
             "split": "test",
             "seq_len": 1024,
             "adapter_weights_sha256": weights,
+            "adapter_sha256": digest,
         },  # fmt: skip
     }
 
@@ -52,6 +56,9 @@ def test_a_save_writes_a_card_with_the_settings(tmp_path):
     assert card.startswith("---\n") and "library_name: focus-attention" in card
     assert CARD_MARKER in card
     assert "| window | `8` |" in card and "| top_k | `1` |" in card
+    for name in INFERENCE_SETTINGS:  # every inference setting, as declared
+        assert f"| {name} | `" in card, name
+    assert "| dense_heads | `[]` |" in card and "| attention_backend | `auto` |" in card
     assert "llama, 2 layers, hidden size 64" in card
     assert "No training record" in card and "No `focus eval` record" in card
     assert "base_model:" not in card  # a local, unnamed base is not hub metadata
@@ -67,7 +74,7 @@ def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
     fm.save_pretrained(run)
     weights = weights_file_sha256(run)
     (run / "eval.json").write_text(json.dumps(eval_record("runs/austen", weights=weights)))
-    (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen-4k", 1.0, 2.0, weights=weights)))  # fmt: skip
+    (run / "eval-4096.json").write_text(json.dumps(eval_record("runs/austen", 1.0, 2.0, weights="1" * 64)))  # fmt: skip
     (run / "eval-old.json").write_text(json.dumps(eval_record("runs/austen", 9.0, weights="0" * 64)))  # fmt: skip
     fm.save_pretrained(run)  # the card reads the records of the weights in the folder
     card = card_of(run)
@@ -76,8 +83,102 @@ def test_the_card_reports_the_records_beside_the_adapter(tmp_path):
     assert "final training loss: 3.5123" in card and "val_ppl_topk at step 80: 36.142" in card
     assert "| `eval.json` | austen (test) | 1024 | 4092 | Focus top-1 | 37.009 | 0.370 |" in card
     assert "| base (dense) | 34.926 |" in card
-    assert "eval-4096.json" not in card  # another adapter's evaluation
+    assert "eval-4096.json" not in card  # another adapter's evaluation (other weights)
     assert "eval-old.json" not in card  # an earlier adapter's in this folder
+
+
+def _run_with_a_late_record(tmp_path) -> tuple[pathlib.Path, str]:
+    """An adapter folder saved (its card written), then evaluated (a record beside it that
+    names the path it was evaluated under, after the card)."""
+    run = tmp_path / "runs" / "austen-4k"
+    run.mkdir(parents=True)
+    (run / "train_config.json").write_text(json.dumps(TRAIN_CONFIG))
+    _, fm = focus("llama")
+    fm.save_pretrained(run)
+    assert "No `focus eval` record" in card_of(run)
+    record = eval_record("runs/austen-4k", 29.484, 29.534, weights=weights_file_sha256(run),
+                         digest=adapter_digest(run))  # fmt: skip
+    (run / "eval-4096.json").write_text(json.dumps(record))
+    return run, "| Focus top-1 | 29.534 |"
+
+
+def test_a_record_written_after_the_card_reaches_it_when_refreshed(tmp_path):
+    run, row = _run_with_a_late_record(tmp_path)
+    assert refresh_card(run)
+    card = card_of(run)
+    assert row in card and "Focus adapter for org/tiny-base" in card
+    assert "| window |" in card and "No `focus eval` record" not in card
+    (run / CARD_NAME).write_text("# my own notes\n")  # someone's own card is kept
+    assert not refresh_card(run) and card_of(run) == "# my own notes\n"
+    assert not refresh_card(tmp_path)  # no adapter there
+
+
+def test_the_digest_is_the_routers_and_settings_not_the_files_bytes(tmp_path):
+    from tiny import build_model
+
+    from focus_attention.hf import FocusModel
+
+    _, fm = focus("llama")
+    fm.save_pretrained(tmp_path / "a")
+    loaded = FocusModel.from_pretrained(build_model("llama"), tmp_path / "a")
+    for i in range(4):  # the weights file's bytes vary from save to save (its metadata's order)
+        loaded.save_pretrained(tmp_path / f"b{i}")
+        assert adapter_digest(tmp_path / f"b{i}") == adapter_digest(tmp_path / "a")
+    loaded.focus_config = loaded.focus_config.replace(window=4)
+    loaded.save_pretrained(tmp_path / "other-settings")
+    assert adapter_digest(tmp_path / "other-settings") != adapter_digest(tmp_path / "a")
+    assert adapter_digest(tmp_path) is None
+
+
+def test_an_older_record_without_the_digest_travels_into_an_export(tmp_path):
+    """A record of an earlier release (the weights file's SHA-256 only) is the adapter's in
+    its folder and in a byte copy; an export, whose weights file has other bytes, carries it
+    with the adapter's digest, so that the export saved again still reports it."""
+    from transformers import AutoModelForCausalLM
+
+    run, row = _run_with_a_late_record(tmp_path)
+    record = json.loads((run / "eval-4096.json").read_text())
+    record["config"].pop("adapter_sha256")
+    (run / "eval-4096.json").write_text(json.dumps(record))
+    refresh_card(run)
+    assert row in card_of(run)
+    from tiny import build_model
+
+    from focus_attention.hf import FocusModel
+
+    export_model(FocusModel.from_pretrained(build_model("llama"), run), tmp_path / "export")
+    carried = json.loads((tmp_path / "export" / "eval-4096.json").read_text())
+    assert carried["config"]["adapter_sha256"] == adapter_digest(run) == adapter_digest(tmp_path / "export")  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True)
+    model.save_pretrained(tmp_path / "again")
+    assert row in card_of(tmp_path / "again")
+
+
+def test_a_copied_adapter_keeps_its_records_whatever_path_it_was_evaluated_under(tmp_path):
+    """The records are the adapter's by its weights' digest: a copy of the folder elsewhere
+    (evaluated as runs/austen-4k, now under another name) reports them in its card, when
+    saved again and when exported; the export carries them on, so a model loaded from it
+    and saved again reports them too."""
+    from tiny import build_model
+    from transformers import AutoModelForCausalLM
+
+    from focus_attention.hf import FocusModel
+
+    run, row = _run_with_a_late_record(tmp_path)
+    refresh_card(run)
+    copy = tmp_path / "elsewhere" / "my-adapter"
+    shutil.copytree(run, copy)
+    assert row in card_of(copy)
+    loaded = FocusModel.from_pretrained(build_model("llama"), copy)
+    loaded.save_pretrained(tmp_path / "saved")
+    assert row in card_of(tmp_path / "saved")
+    export_model(loaded, tmp_path / "export")
+    assert row in card_of(tmp_path / "export")
+    assert (tmp_path / "export" / "eval-4096.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True)
+    model.save_pretrained(tmp_path / "export-again")
+    card = card_of(tmp_path / "export-again")
+    assert row in card and "# org/tiny-base with Focus sparse attention" in card
 
 
 def test_a_loaded_adapter_carries_its_records_while_its_routers_are_unchanged(tmp_path):

@@ -304,3 +304,50 @@ def test_load_state_dict_refuses_router_values_that_are_not_finite(value):
         fm.load_state_dict(state)
     after = fm.focus_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+# --------------------------------------------------------------------------------------------
+# PEFT's habits
+# --------------------------------------------------------------------------------------------
+
+
+def test_disable_adapter_is_a_context_of_the_base_models_output():
+    """PEFT's ``with model.disable_adapter():``: exactly the base model inside, Focus after."""
+    reference, fm = focus("llama", window=4, top_k=1)
+    x = ids(1, 40, seed=3)
+    with torch.no_grad():
+        dense, focused = reference(input_ids=x).logits, fm(input_ids=x).logits
+        with fm.disable_adapter():
+            assert torch.equal(fm(input_ids=x).logits, dense)
+        assert torch.equal(fm(input_ids=x).logits, focused)
+    assert not torch.equal(focused, dense)
+
+
+def test_get_base_model_is_the_wrapped_transformers_model():
+    base = build_model("llama")
+    fm = get_focus_model(base)
+    assert fm.get_base_model() is base is fm.base_model
+    assert fm.get_base_model().config._attn_implementation == "focus"  # Focus runs in it
+
+
+@pytest.mark.parametrize(
+    ("name", "instead"),
+    [
+        ("peft_config", "model.focus_config"),
+        ("peft_type", "model.focus_config"),
+        ("active_adapter", "disable_focus()"),
+        ("disable_adapter_layers", "disable_focus()"),
+        ("enable_adapter_layers", "disable_focus()"),
+    ],
+)
+def test_peft_attributes_without_an_equivalent_name_focus_model_and_what_to_use(name, instead):
+    """One AttributeError naming FocusModel and what to use, not the base class's; and
+    ``hasattr`` stays False, so tools that detect PEFT models (``hasattr(model,
+    "peft_config")``) are not misled."""
+    _, fm = focus("llama")
+    with pytest.raises(AttributeError) as err:
+        getattr(fm, name)
+    message = str(err.value)
+    assert message.startswith(f"FocusModel has no {name} (PEFT's): ") and instead in message
+    assert "LlamaForCausalLM" not in message
+    assert not hasattr(fm, name)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from focus_attention.ops import fused_kernel_available
 from focus_attention.ops.sparse import extension
-from focus_attention.utils.io import file_lock
 
 from .helpers import assert_matches_oracle, make_case
 
@@ -60,23 +63,6 @@ def test_threads_give_identical_results(top_k, fused_kernel):
 
 
 @pytest.mark.slow
-def test_a_stale_build_lock_does_not_hang(fused_kernel):
-    """An interrupted build leaves torch's "lock" file behind; loading must not wait on it."""
-    build = extension.build_directory()
-    lock = build / "lock"
-    with file_lock(build / ".focus-build.lock"):  # never while another process builds
-        lock.write_text("")
-    code = "from focus_attention.ops import fused_kernel_available as f; print(f())"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
-        )
-    finally:
-        lock.unlink(missing_ok=True)
-    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
-
-
-@pytest.mark.slow
 def test_a_failed_build_says_why_and_where_from_the_callers_line(tmp_path):
     """A build that fails (here: no compiler) warns once, from the user's line, with the
     first error and the path of the full log; the op still answers through cpu_flash."""
@@ -102,3 +88,169 @@ print(caught[0].message)
     assert "build-error.log" in message
     logs = list(tmp_path.glob("extensions/*/build-error.log"))
     assert logs and "nonexistent" in logs[0].read_text()
+
+
+# --- the build's key: every environment of one install loads one library -----------------
+
+#: a CPython extension without torch's headers, which compiles in a second: what the build
+#: machinery does with it, it does with the kernel
+TOY_SOURCE = textwrap.dedent("""
+    #include <Python.h>
+    #define TOY_STR2(x) #x
+    #define TOY_STR(x) TOY_STR2(x)
+    #define TOY_CAT2(a, b) a##b
+    #define TOY_CAT(a, b) TOY_CAT2(a, b)
+    static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+    static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};
+    static PyModuleDef toy = {PyModuleDef_HEAD_INIT, TOY_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+    PyMODINIT_FUNC TOY_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&toy); }
+""")
+
+#: a process that loads the toy extension (the source's path is its argument) and prints
+#: the library's path and its answer
+LOAD_TOY = """
+import sys
+from pathlib import Path
+from focus_attention.ops.sparse import extension
+module = extension.load_library(Path(sys.argv[1]), "toy", cflags=["-O0"], ldflags=[])
+print(module.__name__, module.answer())
+"""
+
+#: prints the key of the real kernel's build folder
+KEY = "from focus_attention.ops.sparse import extension; print(extension.build_directory().name)"
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _environments(tmp_path: Path) -> list[tuple[dict[str, str], Path]]:
+    """Two environments of one install, as a user alternates them: the virtual environment
+    activated (its bin first on PATH, ``VIRTUAL_ENV`` set) in one folder, and not activated
+    in another folder with another ``ninja`` first on PATH (one that only builds: it is a
+    copy of the real one)."""
+    venv_bin = str(Path(sys.executable).parent)
+    plain_path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                 if p != venv_bin)  # fmt: skip
+    other_ninja = tmp_path / "other-ninja"
+    other_ninja.mkdir()
+    real = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")
+    if Path(real).exists():
+        (other_ninja / "ninja").symlink_to(real)
+    base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    base.update(FOCUS_HOME=str(tmp_path / "home"), PYTHONPATH=SRC)
+    cwd_a, cwd_b = tmp_path / "a", tmp_path / "b"
+    cwd_a.mkdir(), cwd_b.mkdir()
+    activated = {**base, "PATH": f"{venv_bin}{os.pathsep}{plain_path}",
+                 "VIRTUAL_ENV": str(Path(sys.executable).parent.parent)}  # fmt: skip
+    plain = {**base, "PATH": f"{other_ninja}{os.pathsep}{plain_path}"}
+    return [(activated, cwd_a), (plain, cwd_b)]
+
+
+def _run(code: str, env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_the_kernels_build_key_is_the_same_in_every_environment(tmp_path):
+    keys = {_run(KEY, env, cwd).stdout.strip() for env, cwd in _environments(tmp_path)}
+    assert len(keys) == 1 and "" not in keys, keys
+
+
+def test_the_build_key_changes_with_each_ingredient(tmp_path, monkeypatch):
+    source = tmp_path / "toy.cpp"
+    source.write_text(TOY_SOURCE)
+    key = extension.build_directory(source, ["-O0"], []).name
+    source.write_text(TOY_SOURCE + "// another text\n")
+    assert extension.build_directory(source, ["-O0"], []).name != key
+    source.write_text(TOY_SOURCE)
+    assert extension.build_directory(source, ["-O1"], []).name != key
+    assert extension.build_directory(source, ["-O0"], ["-lm"]).name != key
+    monkeypatch.setattr(extension.torch, "__version__", "0.0.0")
+    assert extension.build_directory(source, ["-O0"], []).name != key
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert extension.build_directory(source, ["-O0"], []).name != key
+    monkeypatch.undo()
+    copy = tmp_path / "clone" / "toy.cpp"  # another clone of the same source
+    copy.parent.mkdir()
+    copy.write_text(TOY_SOURCE)
+    assert extension.build_directory(copy, ["-O0"], []).name == key
+
+
+def _build_lines(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stderr.splitlines() if "building the C++ extension" in line]
+
+
+def test_two_environments_alternating_build_once(tmp_path):
+    """The first process builds (saying so, with its reason); the other environment and the
+    first again load that library, which is never rewritten."""
+    source = tmp_path / "toy.cpp"
+    source.write_text(TOY_SOURCE)
+    (env_a, cwd_a), (env_b, cwd_b) = _environments(tmp_path)
+    first = _run(LOAD_TOY, env_a, cwd_a, str(source))
+    built = _build_lines(first)
+    assert len(built) == 1 and "no library of it was built here yet" in built[0], first.stderr
+    assert first.stdout.split()[1] == "42"
+    [library] = (tmp_path / "home" / "extensions").glob("*/toy_*.so")
+    stamp = library.stat()
+    for env, cwd in ((env_b, cwd_b), (env_a, cwd_a), (env_b, cwd_b)):
+        done = _run(LOAD_TOY, env, cwd, str(source))
+        assert _build_lines(done) == [] and done.stdout == first.stdout, done.stderr
+    after = library.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (stamp.st_ino, stamp.st_mtime_ns)
+    manifest = json.loads((library.parent / extension.MANIFEST_NAME).read_text())
+    assert manifest == extension.build_ingredients(source, ["-O0"], [])
+    assert [p.name for p in library.parent.iterdir() if p.name.startswith(".build-")] == []
+
+
+@pytest.mark.slow
+def test_processes_starting_together_build_once(tmp_path):
+    source = tmp_path / "toy.cpp"
+    source.write_text(TOY_SOURCE)
+    envs = _environments(tmp_path)
+    running = [subprocess.Popen([sys.executable, "-c", LOAD_TOY, str(source)], env=env, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for env, cwd in envs * 2]  # fmt: skip
+    outputs = [p.communicate(timeout=600) for p in running]
+    assert all(p.returncode == 0 for p in running), outputs
+    builds = [err for _, err in outputs if "building the C++ extension" in err]
+    assert len(builds) == 1, outputs
+    assert len({out for out, _ in outputs}) == 1
+
+
+@pytest.mark.slow
+def test_a_changed_ingredient_builds_again_and_names_it(tmp_path):
+    source = tmp_path / "toy.cpp"
+    source.write_text(TOY_SOURCE)
+    (env, cwd), _ = _environments(tmp_path)
+    assert len(_build_lines(_run(LOAD_TOY, env, cwd, str(source)))) == 1
+    source.write_text(TOY_SOURCE + "// a new version\n")
+    built = _build_lines(_run(LOAD_TOY, env, cwd, str(source)))
+    assert len(built) == 1 and "built with another source_sha256" in built[0]
+
+
+@pytest.mark.slow
+def test_a_failed_build_leaves_no_library_and_the_next_run_says_why_it_builds(tmp_path):
+    source = tmp_path / "toy.cpp"
+    source.write_text(TOY_SOURCE + "this is not C++;\n")
+    (env, cwd), _ = _environments(tmp_path)
+    done = _run(LOAD_TOY, env, cwd, str(source))
+    assert done.returncode != 0 and "ExtensionBuildError" in done.stderr
+    assert "build-error.log" in done.stderr
+    folder = next((tmp_path / "home" / "extensions").iterdir())
+    assert not list(folder.glob("*.so")) and not list(folder.glob(".build-*"))
+    again = _run(LOAD_TOY, env, cwd, str(source))
+    assert "the last build failed" in again.stderr
+
+
+@pytest.mark.slow
+def test_the_kernel_loads_in_two_environments_with_at_most_one_build(tmp_path, kernel_built):
+    """The real kernel, in this install's cache (built once per install, as users get it):
+    the two environments load one library; neither rebuilds it."""
+    if not kernel_built:
+        pytest.skip(f"the cpu_fused kernel is unavailable: {extension.unavailable_reason()}")
+    code = "from focus_attention.ops.sparse import extension; assert extension.load() is not None"
+    for env, cwd in _environments(tmp_path):
+        env = {**env, "FOCUS_HOME": str(extension.focus_home())}
+        done = _run(code, env, cwd)
+        assert _build_lines(done) == [], done.stderr

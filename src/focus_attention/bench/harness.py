@@ -39,6 +39,7 @@ gives the share of scored tokens beyond the window.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -50,9 +51,11 @@ from typing import Any
 
 import lm_eval.evaluator
 import lm_eval.tasks
+import lm_eval.utils
 import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
+from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoConfig, PreTrainedModel
@@ -65,6 +68,7 @@ from ..hf.run_folder import run_parts, tuned_model
 from ..utils.io import atomic_write_text, focus_home
 
 __all__ = [
+    "DOCUMENTED_MODEL_ARGS",
     "LM_EVAL_TASK_FILES",
     "LOADING_ARGUMENTS",
     "MODEL_NAME",
@@ -73,6 +77,7 @@ __all__ = [
     "git_hash",
     "lm_eval_tasks_root",
     "main",
+    "merge_run_arguments",
     "scored_context_lengths",
     "task_directory",
     "token_statistics",
@@ -150,6 +155,12 @@ def token_statistics(
 
 #: the arguments of ``FocusLM`` itself
 FOCUS_ARGUMENTS = ("pretrained", "adapter", "top_k", "window", "device")
+#: the ``--model_args`` keys ``focus lm-eval --help`` names (each one tested): FocusLM's own
+#: and the most used of HFLM's and transformers' loading arguments
+DOCUMENTED_MODEL_ARGS = (*FOCUS_ARGUMENTS, "batch_size", "max_length", "dtype", "revision")
+#: what lm-eval's command line passes besides ``--model_args`` (``--device``,
+#: ``--batch_size``, ``--max_batch_size``), always, its own defaults included
+RUN_ARGUMENTS = ("device", "batch_size", "max_batch_size")
 #: what transformers' ``from_pretrained`` takes beyond its named parameters (HFLM passes
 #: its unknown arguments on to it); the fields of the model's config are accepted too
 LOADING_ARGUMENTS = (
@@ -195,6 +206,37 @@ def check_model_args(pretrained: Any, kwargs: dict[str, Any]) -> None:
             f"lm-eval HFLM's {hflm}, transformers from_pretrained's (such as dtype, revision, "
             "attn_implementation, device_map) or a field of the model's config"
         )
+
+
+def _run_defaults() -> dict[str, Any]:
+    """The defaults of lm-eval's command line for :data:`RUN_ARGUMENTS` (it passes them
+    when they are not given)."""
+    return {f.name: f.default for f in dataclasses.fields(EvaluatorConfig) if f.name in RUN_ARGUMENTS}  # fmt: skip
+
+
+def merge_run_arguments(model_args: dict[str, Any], additional: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """``model_args`` (the ``--model_args`` keys) with lm-eval's ``additional`` run
+    arguments (``device``, ``batch_size``, ``max_batch_size``; None ones dropped) for the
+    keys they do not give: a key of both is the ``--model_args`` one, which lm-eval's
+    default would otherwise contradict (``device=cpu`` against its ``cuda:0``).
+
+    Raises:
+        ValueError: a key given both ways with different values, the command line's not
+            lm-eval's default (the message names ``--model_args KEY`` and ``--KEY``).
+    """
+    defaults = _run_defaults()
+    merged = dict(model_args)
+    for key, value in (additional or {}).items():
+        if value is None:
+            continue
+        if key not in merged:
+            merged[key] = value
+        elif str(merged[key]) != str(value) and (key not in defaults or value != defaults[key]):
+            raise ValueError(
+                f"focus model: {key} given twice, {merged[key]!r} in --model_args and "
+                f"{value!r} by --{key}; give it once"
+            )
+    return merged
 
 
 def git_hash() -> str | None:
@@ -280,6 +322,20 @@ class FocusLM(HFLM):
         FileNotFoundError: ``adapter`` holds neither a Focus adapter nor LoRA or trained
             weights.
     """
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> FocusLM:  # fmt: skip
+        """lm-eval's constructor from ``--model_args`` (``"key=value,..."``) and the
+        command line's own ``--device``, ``--batch_size`` and ``--max_batch_size``
+        (``additional_config``): a key in both is taken from ``--model_args``
+        (:func:`merge_run_arguments`), where lm-eval's own would pass it twice."""
+        args = lm_eval.utils.simple_parse_args_string(arg_string)
+        return cls(**merge_run_arguments(args, additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> FocusLM:  # fmt: skip
+        """:meth:`create_from_arg_string` for ``--model_args`` given as a dict."""
+        return cls(**merge_run_arguments(dict(arg_dict), additional_config))
 
     def __init__(
         self,

@@ -20,7 +20,13 @@ from transformers import AutoTokenizer
 from ..assets.corpora import load_corpus
 from ..deploy.export import export_adapter
 from ..deploy.serve import ServedModel
-from ..deploy.settings import BASE_CONFIG_KEY, REMOTE_CODE_NAME, ExportConfig
+from ..deploy.settings import (
+    BASE_CONFIG_KEY,
+    REMOTE_CODE_NAME,
+    ExportConfig,
+    exported_settings,
+    with_settings,
+)
 from ..hf.files import CONFIG_NAME, WEIGHTS_NAME
 from ..utils.env import environment
 from ..utils.plots import save_png
@@ -72,19 +78,20 @@ def served_variants(export: Path, top_ks: tuple[int | None, ...], dense: bool, w
     same weights, ``config.json`` the base model's own).
     Returns ``[{"method": "focus" | "dense", "top_k", "directory"}]``."""
     doc = json.loads((export / "config.json").read_text(encoding="utf-8"))
-    changed = {**doc, **json.loads(json.dumps(settings or {}))}  # tuples as JSON lists
+    changed = with_settings(doc, settings or {})
     variants = []
     for k in top_ks:
-        served = changed if k is None else {**changed, "top_k": k}
-        if any(v["top_k"] == served.get("top_k") for v in variants):
+        served = changed if k is None else with_settings(changed, {"top_k": k})
+        top_k = exported_settings(served).get("top_k")
+        if any(v["top_k"] == top_k for v in variants):
             continue  # each top_k once (None is the export's own)
         if served == doc:
-            variants.append({"method": "focus", "top_k": doc.get("top_k"), "directory": export})
+            variants.append({"method": "focus", "top_k": top_k, "directory": export})
             continue
-        out = work / f"focus-top{served.get('top_k')}"
+        out = work / f"focus-top{top_k}"
         _linked_copy(export, out, ("config.json",))
         (out / "config.json").write_text(json.dumps(served, indent=2), encoding="utf-8")
-        variants.append({"method": "focus", "top_k": served.get("top_k"), "directory": out})
+        variants.append({"method": "focus", "top_k": top_k, "directory": out})
     if dense:
         out = work / "dense"
         _linked_copy(export, out, FOCUS_ONLY)

@@ -8,6 +8,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from .flags import in_flag_words
+
 Command = Callable[[argparse.Namespace], int]
 
 #: the sub-commands in the order ``focus --help`` lists them: name, the module whose
@@ -58,13 +60,14 @@ REPORTED_ERRORS = (ValueError, RuntimeError, OSError)
 
 def run_guarded(func: Command) -> Command:
     """Wrap a command: an error of :data:`REPORTED_ERRORS` becomes ``focus: error: <message>``
-    on stderr and exit status 1; anything else propagates with its traceback."""
+    on stderr (in the words of the command line: :func:`~focus_attention.cli.flags.
+    in_flag_words`) and exit status 1; anything else propagates with its traceback."""
 
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return int(func(args) or 0)
         except REPORTED_ERRORS as err:
-            print(f"focus: error: {err}", file=sys.stderr)
+            print(f"focus: error: {in_flag_words(str(err), args)}", file=sys.stderr)
             return 1
 
     wrapper.__name__ = getattr(func, "__name__", "command")

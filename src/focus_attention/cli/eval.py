@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..evaluation.settings import EvalConfig
@@ -14,6 +15,7 @@ from .flags import add_config_flag, add_flags, command_config
 
 def _run(args: argparse.Namespace) -> int:
     from ..evaluation import evaluate, markdown_table
+    from ..hf.card import CARD_NAME, refresh_card
 
     config = command_config(args, EvalConfig, "eval")
     for name in ("json", "markdown"):
@@ -29,7 +31,17 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"\nbase weights SHA-256 unchanged: {weights['after']}")
     print(f"{result.seconds['total']:.0f} s" + (f"; JSON: {config.json}" if config.json else ""))
+    if _beside_the_adapter(config) and refresh_card(config.adapter):
+        print(f"model card {Path(config.adapter) / CARD_NAME} now reports it")
     return 0
+
+
+def _beside_the_adapter(config: EvalConfig) -> bool:
+    """Whether the result JSON was written into the folder of the adapter it evaluates (a
+    record of that adapter, which its model card reports)."""
+    if not config.json or not config.adapter or not Path(config.adapter).is_dir():
+        return False
+    return Path(config.json).resolve().parent == Path(config.adapter).resolve()
 
 
 def register_cli(subparsers: Any) -> None:

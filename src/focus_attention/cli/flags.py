@@ -89,6 +89,7 @@ def add_flags(
     """
     hints = typing.get_type_hints(cls)
     required = set(required)
+    note_flags(parser, [f.name for f in flag_fields(cls, exclude)], owners=(cls.__name__,))
     for field in flag_fields(cls, exclude):
         meta = field.metadata
         default = _default(field)
@@ -118,6 +119,49 @@ def add_flags(
         parser.add_argument(flag_name(field.name), **kwargs)
         for old in _old_names(cls, field.name):
             _add_deprecated(parser, old, field.name, kwargs)
+
+
+def note_flags(parser: Any, names: Iterable[str], owners: Iterable[str] = ()) -> None:
+    """Record on ``parser`` (a command's parser or one of its argument groups) that the
+    fields ``names`` are its flags and that the settings classes ``owners`` check them, so
+    that :func:`in_flag_words` can name them in its error messages (the parsed arguments
+    carry both, as defaults: ``flag_fields`` and ``flag_owners``)."""
+    for dest, new in (("flag_fields", names), ("flag_owners", owners)):
+        known = parser.get_default(dest) or ()
+        parser.set_defaults(**{dest: tuple(dict.fromkeys((*known, *new)))})
+
+
+#: a settings check's message: ``<Class>.<field>: ...`` (``focus_attention.utils.checks.bad``)
+_OWNER_FIELD = re.compile(r"([A-Z]\w*)\.([A-Za-z_]\w*): ")
+
+
+def in_flag_words(message: str, args: argparse.Namespace) -> str:
+    """``message`` (of an error a command raised) in the words of its command line: a
+    leading ``<Class>.<field>: `` of a field that is one of the command's flags becomes
+    the flag as typed (``--top-k: ``), and, when that class checks the command's flags, the
+    other flags the message names as settings (``num_groups=4``, ``seq_len (64)``,
+    ``hidden_size``) become theirs too (``--num-groups=4``). A setting read from the
+    ``--config`` file (not given as a flag) keeps its name, a key of that file. Other
+    messages are returned as they are."""
+    flags = set(getattr(args, "flag_fields", ()) or ())
+    config = getattr(args, "config", None)
+    prefix = f"{config}: " if config and message.startswith(f"{config}: ") else ""
+    match = _OWNER_FIELD.match(message, len(prefix))
+    if match is None or match.group(2) not in flags:
+        return message
+
+    def typed(name: str) -> bool:  # a flag whose value came from the command line
+        return name in flags and (not config or hasattr(args, name))
+
+    owner, field = match.groups()
+    if not typed(field):
+        return message
+    rest = message[match.end() :]
+    if owner in (getattr(args, "flag_owners", ()) or ()):
+        for name in sorted(filter(typed, flags), key=len, reverse=True):
+            after = r"\b" if "_" in name else r"(?==|\s\(-?\d)"  # a bare word: as a setting
+            rest = re.sub(rf"(?<![-\w])(?<![A-Za-z]\.){name}{after}", flag_name(name), rest)
+    return f"{flag_name(field)}: {rest}"
 
 
 #: a group's note on its default at the end of a help text, dropped for a required flag

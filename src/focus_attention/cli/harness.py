@@ -17,8 +17,9 @@ PREAMBLE = "\n".join([
     "  --model focus   a model with a Focus adapter; --model_args pretrained=MODEL (a registered",
     "                  name such as smollm2-135m, a model directory or a hub id), adapter=DIR",
     "                  (a Focus adapter or a focus train run), top_k=N and window=N (over the",
-    "                  adapter's), device, and HFLM's and transformers' loading arguments",
-    "                  (batch_size, max_length, dtype, revision, ...)",
+    "                  adapter's), device (cpu, cuda...), and HFLM's and transformers' loading",
+    "                  arguments (batch_size, max_length, dtype, revision, ...); device and",
+    "                  batch_size given here win over lm-eval's --device and --batch_size",
     "  local tasks     on the include path, reading the prepared data:",
     f"                  {', '.join(BENCHMARKS)}",
     "example:",
@@ -52,6 +53,6 @@ def register_cli(subparsers: Any) -> None:
         add_help=False,
         help=summary("lm-eval"),
         description="lm_eval ARGS with --model focus available (model_args: pretrained, "
-        "adapter, top_k, window and HFLM's) and the local zero-shot tasks on the include path.",
+        "adapter, top_k, window, device and HFLM's) and the local zero-shot tasks on the include path.",
     )
     p.set_defaults(func=run_guarded(_cmd_lm_eval), passthrough=True, arguments=[])

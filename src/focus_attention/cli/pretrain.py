@@ -10,7 +10,7 @@ from typing import Any
 from ..hf.config import FocusConfig
 from ..training.settings import PRETRAIN_NUM_GROUPS, PretrainConfig
 from .common import run_guarded
-from .flags import add_config_flag, add_flags, flag_values, read_config_table
+from .flags import add_config_flag, add_flags, flag_values, note_flags, read_config_table
 
 #: FocusConfig fields that are not flags: training routes softly, every layer gets Focus,
 #: and ``--seed`` seeds the routers too
@@ -73,4 +73,6 @@ def register_cli(subparsers: Any) -> None:
     add_flags(group, FocusConfig, exclude=(*FOCUS_FIELDS_NOT_FLAGS, "num_groups"))
     group.add_argument("--num-groups", dest="num_groups", type=int, default=argparse.SUPPRESS,
                        help=f"K, learned groups per layer (default {PRETRAIN_NUM_GROUPS})")  # fmt: skip
+    # the size flags are checked as the fields of the model's ModelSize
+    note_flags(p, ["num_groups"], owners=("ModelSize",))
     p.set_defaults(func=run_guarded(_run))

@@ -1,35 +1,15 @@
 """The config of an exported Focus model (``config.json`` of a directory written by
-``focus export``; docs/deploy.md): the base model's config, the Focus inference settings and
-the layout version. transformers loads it through ``modeling_focus.py`` (``auto_map``)."""
+``focus export``; docs/deploy.md): the base model's config, the Focus inference settings in
+their own table, the base model's name and the layout version. transformers loads it
+through ``modeling_focus.py`` (``auto_map``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
-from ..hf.config import INFERENCE_SETTINGS, InferenceSetting
 from .settings import BASE_CONFIG_KEY, EXPORT_MODEL_TYPE
 
-__all__ = ["FocusExportConfig", "base_config_of", "declare_settings", "json_type"]
-
-
-def json_type(setting: InferenceSetting) -> str:
-    """The annotation of an inference setting's ``config.json`` field: its value as JSON
-    holds it (a list for a list setting), or None (the adapter's own)."""
-    value = "list" if setting.is_list else setting.type.removesuffix(" | None")
-    return f"{value} | None"
-
-
-def declare_settings(namespace: dict[str, Any]) -> None:
-    """Declare in a config class body's ``namespace`` one field per inference setting of
-    :data:`~focus_attention.hf.config.INFERENCE_SETTINGS`, in its order: type
-    :func:`json_type`, default None. (transformers makes a config class a dataclass as
-    soon as it is defined, so the fields go into its body.)"""
-    annotations = namespace.setdefault("__annotations__", {})
-    for name, setting in INFERENCE_SETTINGS.items():
-        annotations[name] = json_type(setting)
-        namespace[name] = None
+__all__ = ["FocusExportConfig", "base_config_of"]
 
 
 class FocusExportConfig(PreTrainedConfig):
@@ -38,18 +18,23 @@ class FocusExportConfig(PreTrainedConfig):
     Attributes:
         base_config: the base model's config as a dict (its ``config.json``).
         focus_export_format: the layout version of the exported directory.
-        window, sink_tokens, dense_layers, ...: one field per inference setting
-            (:data:`~focus_attention.hf.config.INFERENCE_SETTINGS`): the settings the model
-            loads with (None: the adapter's own); a keyword of ``from_pretrained`` with one
-            of these names, or an edit of ``config.json``, changes them
-            (:class:`~focus_attention.hf.FocusConfig` documents each).
+        focus: the Focus inference settings the model loads with, by name (those of
+            :data:`~focus_attention.hf.config.INFERENCE_SETTINGS`; a missing one is the
+            adapter's own). A ``from_pretrained`` keyword of a setting's name
+            (``top_k=1``), or an edit of this table, changes them
+            (:class:`~focus_attention.hf.FocusConfig` documents each). They are not
+            top-level keys, which readers of a model config take for their own
+            (``GenerationConfig.from_model_config`` reads ``top_k`` as sampling's).
+            Exports of layout 1 hold them at the top level instead.
+        focus_base_model: the base model's name, as the model card names it.
     """
 
     model_type = EXPORT_MODEL_TYPE
 
     base_config: dict | None = None
     focus_export_format: int | None = None
-    declare_settings(locals())
+    focus: dict | None = None
+    focus_base_model: str | None = None
 
     def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None):
         """The base model's text config (its own class, :func:`base_config_of`): tools that

@@ -15,23 +15,32 @@ from pathlib import Path
 from typing import Any
 
 from ..assets.models import load_model
-from ..hf.card import base_model_name, export_card, model_records
-from ..hf.files import ATTACHED_ROUTERS, CARD_NAME, base_model_fingerprint
+from ..hf.card import (
+    TRAIN_RESULT_NAME,
+    adapter_digest,
+    base_model_name,
+    export_card,
+    is_record_of,
+    model_records,
+)
+from ..hf.files import ATTACHED_ROUTERS, CARD_NAME, base_model_fingerprint, weights_file_sha256
 from ..hf.model import FocusModel
 from ..hf.run_folder import LORA_DIR, MODEL_DIR, run_parts
-from ..utils.io import replace_entries, staged_directory
+from ..utils.io import TRAIN_CONFIG_NAME, replace_entries, staged_directory
 from .settings import (
     AUTO_MAP,
     BASE_CONFIG_KEY,
+    BASE_NAME_KEY,
     EXPORT_FORMAT_VERSION,
     EXPORT_MODEL_TYPE,
     FORMAT_KEY,
     REMOTE_CODE_NAME,
     SETTING_FIELDS,
+    SETTINGS_KEY,
     ExportConfig,
 )
 
-__all__ = ["export_adapter", "export_model", "plain_modes", "save_loaded_export"]
+__all__ = ["export_adapter", "export_model", "plain_modes", "save_loaded_export", "write_records"]
 
 #: the keys of the base model's ``config.json`` that describe the saved checkpoint rather
 #: than the model, kept at the top level of the export's ``config.json`` too
@@ -77,23 +86,40 @@ def check_focus_model(model: Any) -> None:
     )
 
 
-def export_document(base_document: dict[str, Any], focus_config: Any) -> dict[str, Any]:
+def export_document(base_document: dict[str, Any], focus_config: Any, base_name: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The export's ``config.json``: model type :data:`EXPORT_MODEL_TYPE`, the ``auto_map``,
-    the base model's config (``base_document``, its ``config.json``) and the inference
-    settings of ``focus_config`` (:data:`SETTING_FIELDS`). It names no ``architectures``:
-    tools that find the class there look it up among transformers' own (``transformers
-    serve`` does), while without it they go through ``AutoModelForCausalLM`` and the
-    ``auto_map``."""
+    the layout version, the inference settings of ``focus_config`` (:data:`SETTING_FIELDS`)
+    in the table :data:`SETTINGS_KEY`, the base model's name ``base_name`` (when known)
+    and the base model's config (``base_document``, its ``config.json``). It names no
+    ``architectures``: tools that find the class there look it up among transformers' own
+    (``transformers serve`` does), while without it they go through
+    ``AutoModelForCausalLM`` and the ``auto_map``."""
     settings = focus_config.to_dict()
-    doc = {
+    return {
         "model_type": EXPORT_MODEL_TYPE,
         "auto_map": dict(AUTO_MAP),
         FORMAT_KEY: EXPORT_FORMAT_VERSION,
-        **{name: settings[name] for name in SETTING_FIELDS},
+        SETTINGS_KEY: {name: settings[name] for name in SETTING_FIELDS},
+        **({BASE_NAME_KEY: base_name} if base_name else {}),
         **{key: base_document[key] for key in SHARED_KEYS if key in base_document},
         BASE_CONFIG_KEY: base_document,
     }
-    return doc
+
+
+def write_records(directory: Path, records: dict[str, Any]) -> None:
+    """Write into ``directory`` (an export being built) the records of its adapter, so that
+    they travel with it: the training record and result, and the ``focus eval`` documents
+    of the adapter written there (:func:`~focus_attention.hf.card.is_record_of`: by its
+    digest; an evaluation of other settings is not its), each under its own file name,
+    none over a file already there."""
+    digest, weights = adapter_digest(directory), weights_file_sha256(directory)
+    files = [(TRAIN_CONFIG_NAME, records.get("train_config")),
+             (TRAIN_RESULT_NAME, records.get("train_result"))]  # fmt: skip
+    files += [(name, doc) for name, doc in records.get("evals") or []
+              if is_record_of(doc, digest, weights)]  # fmt: skip
+    for name, doc in files:
+        if doc is not None and not (directory / name).exists():
+            (directory / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
 def export_model(
@@ -107,7 +133,8 @@ def export_model(
     """Write ``model`` (a :class:`~focus_attention.hf.FocusModel`) as a model directory
     any transformers tool loads with Focus active (docs/deploy.md): the base model's
     weights and generation config (its ``save_pretrained``), the Focus adapter
-    (``focus_config.json``, ``focus_model.safetensors``), the tokenizer, ``config.json``
+    (``focus_config.json``, ``focus_model.safetensors``) with its training and evaluation
+    records (:func:`write_records`), the tokenizer, ``config.json``
     (:func:`export_document`), ``modeling_focus.py`` and a model card (``README.md``).
 
     Load it with ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)``
@@ -149,21 +176,23 @@ def write_export(model: FocusModel, directory: Path, tokenizer: Any = None, *, n
     """Fill the empty ``directory`` with the files of an export of ``model``
     (:func:`export_model`): the base model's ``save_pretrained`` (of its class, with
     ``state_dict`` when given and ``save_kwargs``; the routers of a loaded export left out),
-    the adapter, the tokenizer when given, ``config.json``, ``modeling_focus.py`` and the
-    model card (naming the base model ``name`` and the directory ``location``, reporting
-    ``records``)."""
+    the adapter and its records (:func:`write_records`), the tokenizer when given,
+    ``config.json``, ``modeling_focus.py`` and the model card (naming the base model
+    ``name`` and the directory ``location``, reporting ``records``)."""
     base = model.base_model
     type(base).save_pretrained(base, directory, state_dict=_base_state(base, state_dict),
                                **(save_kwargs or {}))  # fmt: skip
     model.save_pretrained(directory, model_card=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    write_records(directory, records)
     base_doc = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    doc = export_document(base_doc, model.focus_config)
+    doc = export_document(base_doc, model.focus_config, name)
     (directory / "config.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(Path(__file__).with_name(REMOTE_CODE_NAME), directory / REMOTE_CODE_NAME)
     card = export_card(model.focus_config.to_dict(), base_model_fingerprint(base),
-                       base_name=name, records=records, location=location)  # fmt: skip
+                       base_name=name, records=records, location=location,
+                       settings_table=SETTINGS_KEY)  # fmt: skip
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     plain_modes(directory)
 

@@ -53,6 +53,7 @@ from ..assets.corpora import load_corpus
 from ..assets.models import auto_prepend_bos, load_model
 from ..hf import FocusModel
 from ..hf.architectures import kv_heads_of
+from ..hf.card import adapter_digest
 from ..hf.config import FocusConfig
 from ..hf.files import CONFIG_NAME, check_adapter_folder, sweep_hint, weights_file_sha256
 from ..hf.run_folder import base_weights_report, run_parts, tensor_digests, tuned_model
@@ -331,10 +332,7 @@ def _refuse_focus_settings(cfg: EvalConfig, adapter: Path) -> None:
     Raises:
         ValueError: one was given (the message names every one).
     """
-    asked = {"top_k": cfg.top_k, "inference_routing": cfg.inference_routing,
-             "window": cfg.window, "sink_tokens": cfg.sink_tokens,
-             "dense_layers": cfg.dense_layers, "query_top_k": cfg.query_top_k,
-             "calibrate_blocks": cfg.calibrate_blocks or None,
+    asked = {**cfg.overrides(), "calibrate_blocks": cfg.calibrate_blocks or None,
              "coverage_queries": cfg.coverage_queries or None}  # fmt: skip
     given = sorted("--" + k.replace("_", "-") for k, v in asked.items() if v is not None)
     if given:
@@ -432,6 +430,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "model": str(cfg.model),
         "adapter": str(cfg.adapter),
         "adapter_weights_sha256": weights_file_sha256(cfg.adapter) if cfg.adapter else None,
+        "adapter_sha256": adapter_digest(cfg.adapter) if cfg.adapter else None,
         "corpus": str(cfg.corpus),
         "split": cfg.split,
         "seq_len": cfg.seq_len,
@@ -439,13 +438,7 @@ def _config_record(cfg: EvalConfig, bos: bool, ks: list[int], focus: dict, layer
         "prepend_bos": bos,
         "top_k_values": ks,
         "trained_top_k": focus["top_k"] if focus else None,
-        "overrides": {
-            "inference_routing": cfg.inference_routing,
-            "sink_tokens": cfg.sink_tokens,
-            "window": cfg.window,
-            "dense_layers": cfg.dense_layers,
-            "query_top_k": cfg.query_top_k,
-        },  # fmt: skip
+        "overrides": cfg.overrides(without=("top_k",)),  # top_k: top_k_values
         "calibrate_blocks": cfg.calibrate_blocks,
         "soft": cfg.soft,
         "window_scheme": WINDOW_SCHEME,

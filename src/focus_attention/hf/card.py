@@ -18,20 +18,25 @@ from typing import Any
 
 from huggingface_hub import ModelCardData
 
-from ..utils.io import TRAIN_CONFIG_NAME
-from .config import INFERENCE_SETTINGS
-from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, weights_file_sha256
+from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text
+from .config import INFERENCE_SETTINGS, read_config_file
+from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_adapter, weights_file_sha256
 
 __all__ = [
     "CARD_MARKER",
+    "adapter_digest",
+    "is_record_of",
     "CARD_NAME",
     "adapter_card",
     "adapter_card_of",
     "base_model_name",
+    "card_settings",
     "card_replaceable",
     "export_card",
     "model_records",
     "read_records",
+    "refresh_card",
+    "remember_base_name",
     "remember_source",
     "routers_digest",
     "setting_keywords_line",
@@ -48,9 +53,18 @@ MANIFEST_NAME = "focus-manifest.json"
 TRAIN_RESULT_NAME = "train_result.json"
 #: a hub repo id (``org/name``), the only form the card's ``base_model`` metadata takes
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-#: the Focus settings the card's table lists, in order
-CARD_SETTINGS = ("num_groups", "group_dim", "top_k", "query_top_k", "window", "sink_tokens",
-                 "dense_layers", "inference_routing")  # fmt: skip
+#: attribute (in a FocusModel's ``__dict__``) holding the name of its base model as a record
+#: it was loaded from gives it (an exported model's ``config.json``): :func:`remember_base_name`
+BASE_NAME_ATTR = "_focus_base_model_name"
+#: the trained shapes the card's settings table lists before the inference settings
+TRAINED_SETTINGS = ("num_groups", "group_dim")
+
+
+def card_settings() -> tuple[str, ...]:
+    """The Focus settings the card's table lists, in order: the trained shapes
+    (:data:`TRAINED_SETTINGS`), then every inference setting
+    (:data:`~focus_attention.hf.config.INFERENCE_SETTINGS`, in its order)."""
+    return (*TRAINED_SETTINGS, *INFERENCE_SETTINGS)
 
 
 def card_replaceable(directory: str | os.PathLike) -> bool:
@@ -76,6 +90,21 @@ def routers_digest(tensors: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def adapter_digest(directory: str | os.PathLike) -> str | None:
+    """SHA-256 (hex) of what the adapter in ``directory`` is: its router tensors
+    (:func:`routers_digest`) and its settings (``focus_config.json`` without the base
+    model's fingerprint); None where the folder holds no readable adapter. Not the digest
+    of its files' bytes: a save writes the same adapter with other bytes (the order of the
+    weights file's metadata varies), and a record of it must stay its record."""
+    try:
+        config, _, tensors = read_adapter(Path(directory))
+    except (OSError, ValueError):
+        return None
+    digest = hashlib.sha256(routers_digest(tensors).encode())
+    digest.update(json.dumps(config.to_dict(), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
 def _json(path: Path) -> Any:
     """The JSON document of ``path``, or None when it is missing or not readable JSON."""
     try:
@@ -84,42 +113,42 @@ def _json(path: Path) -> Any:
         return None
 
 
-def _names_directory(reference: Any, directory: Path) -> bool:
-    """Whether the path text ``reference`` (as a record wrote it, perhaps relative to
-    another working directory) names ``directory``: the same resolved path, or the same
-    trailing path components."""
-    if not isinstance(reference, str) or not reference:
+def is_record_of(doc: Any, digest: str | None, weights: str | None) -> bool:
+    """Whether ``doc`` is a ``focus eval`` record of the adapter whose
+    :func:`adapter_digest` is ``digest`` (its ``config.adapter_sha256``) or, for a record
+    that has none, whose weights file's SHA-256 is ``weights`` (its
+    ``config.adapter_weights_sha256``: a byte copy of the folder)."""
+    if not (isinstance(doc, dict) and isinstance(doc.get("ppl"), dict) and isinstance(doc.get("config"), dict)):  # fmt: skip
         return False
-    ref = Path(reference)
-    if ref.resolve() == directory.resolve():
-        return True
-    parts = [p for p in ref.parts if p not in (".", "")]
-    return ".." not in parts and bool(parts) and list(directory.resolve().parts[-len(parts):]) == parts  # fmt: skip
+    config = doc["config"]
+    if config.get("adapter_sha256") is not None:
+        return digest is not None and config["adapter_sha256"] == digest
+    return weights is not None and config.get("adapter_weights_sha256") == weights
 
 
 def read_records(directory: str | os.PathLike) -> dict[str, Any]:
     """The records of the adapter in ``directory`` that a card reports: ``train_config``
     and ``train_result`` (dicts or None) and ``evals``, the ``focus eval`` documents among
-    its ``*.json`` files whose ``config.adapter`` names ``directory`` and whose
-    ``config.adapter_weights_sha256`` is that of the weights there now (an evaluation of
-    an earlier adapter in the same folder is not reported; sorted by file name).
-    Unreadable files are skipped."""
+    its ``*.json`` files that are records of the adapter there now (:func:`is_record_of`:
+    by its digest), sorted by file name. A record is the adapter's whatever path it was
+    evaluated under: it travels with a copy of the folder, while an evaluation of an
+    earlier adapter in the same folder is not reported. An older record, matched by the
+    weights file's SHA-256 alone, is returned with the adapter's digest (so that it stays the
+    adapter's in a copy an export writes). Unreadable files are skipped."""
     directory = Path(directory)
     out: dict[str, Any] = {"train_config": None, "train_result": None, "evals": []}
     for key, name in (("train_config", TRAIN_CONFIG_NAME), ("train_result", TRAIN_RESULT_NAME)):
         doc = _json(directory / name)
         out[key] = doc if isinstance(doc, dict) else None
-    weights = weights_file_sha256(directory)
-    for path in sorted(directory.glob("*.json")):
+    paths = sorted(p for p in directory.glob("*.json") if p.name not in (CONFIG_NAME, TRAIN_CONFIG_NAME, TRAIN_RESULT_NAME))  # fmt: skip
+    if not paths:
+        return out
+    digest, weights = adapter_digest(directory), weights_file_sha256(directory)
+    for path in paths:
         doc = _json(path)
-        if (
-            isinstance(doc, dict)
-            and isinstance(doc.get("ppl"), dict)
-            and isinstance(doc.get("config"), dict)
-            and _names_directory(doc["config"].get("adapter"), directory)
-            and weights is not None
-            and doc["config"].get("adapter_weights_sha256") == weights
-        ):
+        if is_record_of(doc, digest, weights):
+            if doc["config"].get("adapter_sha256") is None:  # an older record: now known
+                doc = {**doc, "config": {**doc["config"], "adapter_sha256": digest}}
             out["evals"].append((path.name, doc))
     return out
 
@@ -148,13 +177,25 @@ def model_records(model: Any, directory: str | os.PathLike | None = None) -> dic
     return merged
 
 
+def remember_base_name(model: Any, name: Any) -> None:
+    """Note on ``model`` (a FocusModel) the name of its base model that a record gives (an
+    exported model's ``config.json``, whose base model was loaded from the export's own
+    folder), for :func:`base_model_name`; a name that is not a non-empty string is
+    ignored."""
+    if isinstance(name, str) and name:
+        model.__dict__[BASE_NAME_ATTR] = name
+
+
 def base_model_name(model: Any, records: dict[str, Any]) -> str | None:
     """How a card names the base model of ``model``: the ``model`` of its training record,
-    else the name in the manifest of a prepared model's folder, else the base config's
+    else the name a record it was loaded from gives (:func:`remember_base_name`), else the
+    name in the manifest of a prepared model's folder, else the base config's
     ``name_or_path``; None when none is known."""
     trained = (records.get("train_config") or {}).get("model")
     if isinstance(trained, str) and trained:
         return trained
+    if model.__dict__.get(BASE_NAME_ATTR):
+        return model.__dict__[BASE_NAME_ATTR]
     path = getattr(model.base_model.config, "name_or_path", "") or ""
     manifest = _json(Path(path) / MANIFEST_NAME) if path else None
     if isinstance(manifest, dict) and isinstance(manifest.get("name"), str):
@@ -173,6 +214,36 @@ def adapter_card_of(
     records = model_records(model, directory)
     return adapter_card(settings, fingerprint, base_name=base_model_name(model, records),
                         records=records)  # fmt: skip
+
+
+#: the title line of an adapter's card (:func:`adapter_card`), which names its base model
+_TITLE = re.compile(r"^# Focus adapter for (.+)$", re.MULTILINE)
+
+
+def refresh_card(directory: str | os.PathLike) -> bool:
+    """Rewrite the card of the adapter folder ``directory`` from its files, so that it
+    reports the records beside the adapter now (a ``focus eval`` record written after the
+    adapter was saved): the settings and fingerprint of its :data:`CONFIG_NAME`, the
+    records of :func:`read_records`, the base model named by the training record or by the
+    card it replaces. Nothing is written where the folder holds no readable adapter or a
+    ``README.md`` this package did not write. Returns whether the card was written."""
+    directory = Path(directory)
+    if not (directory / WEIGHTS_NAME).is_file() or not card_replaceable(directory):
+        return False
+    try:
+        config, extra = read_config_file(directory / CONFIG_NAME)
+        old = (directory / CARD_NAME).read_text(encoding="utf-8") if (directory / CARD_NAME).exists() else ""  # fmt: skip
+    except (OSError, ValueError):
+        return False
+    records = read_records(directory)
+    name = (records["train_config"] or {}).get("model")
+    if not isinstance(name, str) or not name:
+        title = _TITLE.search(old)
+        name = title.group(1).strip() if title and title.group(1) != "its base model" else None
+    card = adapter_card(config.to_dict(), extra.get("base_model_fingerprint") or {},
+                        base_name=name, records=records)  # fmt: skip
+    atomic_write_text(directory / CARD_NAME, card)
+    return True
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -235,7 +306,7 @@ def _metadata(base_name: str | None, tags: list[str]) -> str:
 
 def _settings_lines(settings: dict[str, Any], fingerprint: dict[str, Any]) -> list[str]:
     layers = settings.get("layers") or []
-    rows = [f"| {k} | `{settings.get(k)}` |" for k in CARD_SETTINGS]
+    rows = [f"| {k} | `{settings.get(k)}` |" for k in card_settings()]
     rows.append(f"| Focus layers | {len(layers)} of {fingerprint.get('num_hidden_layers', '?')} |")
     return ["| setting | value |", "|---|---|", *rows]
 
@@ -313,14 +384,15 @@ def _base_loading_lines(base_name: str | None) -> list[str]:
             f'base, tokenizer = load_model("{base_name or "BASE_MODEL"}")']  # fmt: skip
 
 
-def setting_keywords_line() -> str:
+def setting_keywords_line(table: str = "focus") -> str:
     """The exported card's line on the inference settings a load can change: each of
     :data:`~focus_attention.hf.config.INFERENCE_SETTINGS` as a ``from_pretrained`` keyword
-    and a ``config.json`` key."""
+    and a key of the ``table`` table of ``config.json`` (the export's
+    :data:`~focus_attention.deploy.settings.SETTINGS_KEY`)."""
     others = ", ".join(f"`{name}=`" for name in INFERENCE_SETTINGS if name != "top_k")
     return (
-        f"`from_pretrained(..., top_k=1)` (or {others}), or an edit of these keys in "
-        "`config.json`, changes the inference settings."
+        f"`from_pretrained(..., top_k=1)` (or {others}), or an edit of these keys in the "
+        f"`{table}` table of `config.json`, changes the inference settings."
     )
 
 
@@ -331,11 +403,13 @@ def export_card(
     base_name: str | None = None,
     records: dict[str, Any] | None = None,
     location: str | None = None,
+    settings_table: str = "focus",
 ) -> str:
     """The ``README.md`` of an exported model directory (arguments as :func:`adapter_card`):
     how to load it, then the adapter's settings, base model, training and evaluation.
     ``location`` (the exported directory's path) is what its example loads; the export
-    loads by that path, or by the hub repo id it is pushed to, never by ``base_name``."""
+    loads by that path, or by the hub repo id it is pushed to, never by ``base_name``.
+    ``settings_table``: the key of ``config.json`` holding the settings."""
     adapter = adapter_card(settings, fingerprint, base_name=base_name, records=records)
     details = adapter[adapter.index("## Settings") :]
     name = base_name or "a base model"
@@ -357,7 +431,7 @@ def export_card(
         f'generate = pipeline("text-generation", "{where}", trust_remote_code=True)',
         "```",
         "",
-        setting_keywords_line(),
+        setting_keywords_line(settings_table),
         "",
         "Serve it over HTTP (an OpenAI-compatible API; `pip install './focus-attention[serve]'`): "
         f"`transformers serve {where} --trust-remote-code`.",

@@ -5,6 +5,7 @@ cache folder and ``HF_HUB_OFFLINE``), and an adapter uploads with ``HfApi.upload
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import constants as hf_constants
 
 from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 
@@ -70,13 +72,67 @@ def resolve_adapter(
             )
         )
     except Exception as err:  # network, authentication, missing revision, offline cache miss
-        first = str(err).splitlines()[0] if str(err) else ""
         raise FileNotFoundError(
-            f"Focus adapter {reference!r}: no such local folder, and the Hugging Face hub "
-            f"could not provide the repo (revision {revision or 'main'}; "
-            f"{type(err).__name__}: {first}). Offline (HF_HUB_OFFLINE=1) only repos already in "
-            "the hub cache load"
+            f"Focus adapter {reference!r}: no such local folder{_nearby(reference)}; as a "
+            f"Hugging Face hub repo id: {_why_not_fetched(err, revision)}"
         ) from err
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from, outermost first."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
+
+
+#: names of the exceptions (of httpx, requests, urllib3, socket) that mean no network
+NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "ConnectionError", "NetworkError",
+                  "NameResolutionError", "gaierror")  # fmt: skip
+
+
+def _offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set (as huggingface_hub reads it, or in the
+    environment now)."""
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return bool(hf_constants.HF_HUB_OFFLINE) or value in ("1", "ON", "YES", "TRUE")
+
+
+def _why_not_fetched(err: Exception, revision: str | None) -> str:
+    """Why the hub gave no snapshot, in a user's words: offline (``HF_HUB_OFFLINE``), no
+    network, no such repo (or a private one), no such revision, else the error's first
+    line."""
+    chain = _causes(err)
+    names = {type(e).__name__ for e in chain}
+    if _offline() or "OfflineModeIsEnabled" in names:
+        at = f" at revision {revision}" if revision else ""
+        return f"HF_HUB_OFFLINE is set, so the hub is not asked, and its cache holds no such repo{at}"  # fmt: skip
+    if "RevisionNotFoundError" in names:
+        return f"the repo has no revision {revision!r}"
+    if names & {"RepositoryNotFoundError", "GatedRepoError"}:
+        return "the hub has no such repo, or it is private or gated (give a token)"
+    if any(isinstance(e, (ConnectionError, TimeoutError)) for e in chain) or any(
+        word in name for name in names for word in NETWORK_ERRORS
+    ):
+        return "the hub cannot be reached (no network?) and its cache holds no such repo"
+    first = (str(err).splitlines() or [""])[0]
+    return f"the hub could not provide it (revision {revision or 'main'}; {type(err).__name__}: {first})"  # fmt: skip
+
+
+def _nearby(reference: str) -> str:
+    """`` (did you mean 'runs/austen-4k'?)`` where a local folder beside the one
+    ``reference`` names is close to it (a typo), else ``""``."""
+    path = Path(reference).expanduser()
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" (did you mean {str(parent / close[0])!r}?)" if close else ""
 
 
 def push_adapter(

@@ -284,6 +284,10 @@ class FocusModel(FocusContinuousBatching, nn.Module):
             except AttributeError:
                 if name in PEFT_MERGE_METHODS:
                     raise AttributeError(_no_merge_message(name)) from None
+                if name in PEFT_EQUIVALENTS:
+                    raise AttributeError(
+                        f"FocusModel has no {name} (PEFT's): {PEFT_EQUIVALENTS[name]}"
+                    ) from None
                 raise
 
     @property
@@ -501,6 +505,18 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._check_live()
         with self._runtime.switched(enabled=False):
             yield
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """PEFT's name of :meth:`disable_focus`: a context in which the model computes
+        exactly the base model."""
+        with self.disable_focus():
+            yield
+
+    def get_base_model(self) -> nn.Module:
+        """The wrapped transformers model (PEFT's ``get_base_model``), which runs Focus
+        while it is attached: :attr:`base_model`. :meth:`unload` returns it without Focus."""
+        return self.base_model
 
     @contextlib.contextmanager
     def record_routing(self) -> Iterator[list[dict[str, Any]]]:
@@ -825,6 +841,20 @@ class FocusModel(FocusContinuousBatching, nn.Module):
 #: PEFT's methods that fold an adapter into the base weights; a FocusModel has none of them
 #: (``hasattr`` stays False, as tools that detect PEFT models expect)
 PEFT_MERGE_METHODS = ("merge_and_unload", "merge_adapter", "unmerge_adapter")
+
+
+#: PEFT's attributes a FocusModel has not (its base model neither), each with what to use
+#: instead: asked of a FocusModel, each is one AttributeError saying so (``hasattr`` stays
+#: False, as tools that detect PEFT models by ``peft_config`` expect)
+PEFT_EQUIVALENTS = {
+    "peft_config": "its settings are focus_config, a FocusConfig (model.focus_config)",
+    "peft_type": "a FocusModel is not a PEFT model; its settings are model.focus_config",
+    "active_adapter": "a FocusModel holds one adapter, always on; disable_focus() (or "
+    "disable_adapter()) turns it off in a with block",
+    "disable_adapter_layers": "Focus is turned off in a with block: disable_focus() (or "
+    "disable_adapter()); unload() removes it",
+    "enable_adapter_layers": "Focus is on except inside disable_focus() (or disable_adapter())",
+}
 
 
 def _no_merge_message(name: str) -> str:

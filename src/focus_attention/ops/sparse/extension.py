@@ -1,39 +1,80 @@
 """Just-in-time build and loading of the ``cpu_fused`` kernel (``csrc/focus_cpu.cpp``).
 
-The kernel is compiled once per install (source path and text), torch version and CPU into
-``focus_home()/extensions/`` with ``torch.utils.cpp_extension`` (needs a C++ compiler, the
-Python headers and ninja) and loaded from there afterwards (~1 minute the first time, then
-instant). Where it cannot be built or loaded, :func:`load` returns None, says why once (a
-``RuntimeWarning``), and ``"auto"`` uses calls of PyTorch's CPU flash kernel instead: slower,
-equally exact. ``FOCUS_NO_EXTENSION=1`` skips the build (docs/method.md §5, "Backends").
+The kernel is compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler, the Python
+headers and ninja) into ``focus_home()/extensions/<key>/``, where ``<key>`` is a digest of
+everything that goes into the library (:func:`build_ingredients`: the source's text, the
+compiler and its version, the flags, torch's version and C++ ABI, Python's ABI, the CPU), and
+loaded from there afterwards. Nothing else selects the folder: another clone of the source, a
+virtual environment activated or not, another ninja or working folder load the same library
+instead of rebuilding it, while a change of any ingredient builds a library of its own beside
+the others.
+
+A build (about a minute) says so on stderr, with its reason, whenever it starts; it runs in a
+temporary folder under a lock (another process waits, then loads the result) and the library
+is moved into place in one rename, so that no process ever loads a partial file and a loaded
+library is never rewritten. Where the kernel cannot be built or loaded, :func:`load` returns
+None, says why once (a ``RuntimeWarning``), and ``"auto"`` uses calls of PyTorch's CPU flash
+kernel instead: slower, equally exact. ``FOCUS_NO_EXTENSION=1`` skips the build
+(docs/method.md §5, "Backends").
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from ...utils.io import file_lock, focus_home
+from ...utils.io import file_lock, focus_home, write_json_atomic
 
 try:  # the ninja wheel (a dependency): its binary may sit outside PATH
     import ninja  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - ninja from the system instead
     ninja = None
 
+__all__ = [
+    "CFLAGS",
+    "ExtensionBuildError",
+    "LDFLAGS",
+    "SOURCE",
+    "build_directory",
+    "build_ingredients",
+    "load",
+    "load_library",
+    "unavailable_reason",
+]
+
 SOURCE = Path(__file__).with_name("csrc") / "focus_cpu.cpp"
 #: compiler flags: the kernel is built on the machine that runs it, so -march=native is safe
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+#: linker flags
+LDFLAGS = ["-fopenmp"]
+#: the record of what a library was built from, beside it in its folder
+MANIFEST_NAME = "build.json"
+#: the full output of a failed build, in the folder its library would have gone to
+ERROR_LOG_NAME = "build-error.log"
 
 _lock = threading.Lock()
+
+
+class ExtensionBuildError(RuntimeError):
+    """A build of a C++ extension failed; the message is its first error and the file
+    holding its full output."""
+
+
 _state: dict[str, object] = {}
 
 
@@ -49,20 +90,61 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def build_directory() -> Path:
-    """Where the kernel is built: one directory per source file (path and text), torch,
-    Python, compiler flags and CPU, so that two installs, or two CPUs sharing a home
-    directory, never rebuild or load each other's library."""
-    key = (
-        str(SOURCE.resolve()),
-        torch.__version__,
-        sys.version,
-        platform.machine(),
-        _cpu_features(),
-        CFLAGS,
-    )
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr(key).encode()).hexdigest()[:16]
-    return focus_home() / "extensions" / digest
+def _compiler() -> tuple[str, str]:
+    """The C++ compiler torch's builder runs (``$CXX``, else ``c++`` on PATH) as
+    ``(resolved path, first line of --version)``; the name as given and ``""`` when it is
+    not found (its build then fails and says so)."""
+    name = os.environ.get("CXX", "c++")
+    found = shutil.which(name)
+    if found is None:
+        return name, ""
+    path = os.path.realpath(found)
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (done.stdout.strip().splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return path, version
+
+
+def build_ingredients(
+    source: Path = SOURCE, cflags: list[str] = CFLAGS, ldflags: list[str] = LDFLAGS
+) -> dict[str, Any]:
+    """What goes into the library built from ``source`` with ``cflags`` and ``ldflags``,
+    and nothing else: the source's SHA-256, the compiler (resolved path and version), the
+    flags, torch's version and C++ ABI, Python's extension ABI (``SOABI``), the machine and
+    a digest of the CPU's feature flags. Paths of the source, of the virtual environment or
+    of ninja are not ingredients (they do not change the library).
+
+    Raises:
+        OSError: ``source`` cannot be read.
+    """
+    compiler, version = _compiler()
+    return {
+        "source": source.name,
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "compiler": compiler,
+        "compiler_version": version,
+        "cflags": list(cflags),
+        "ldflags": list(ldflags),
+        "torch": torch.__version__,
+        "cxx11_abi": bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)),
+        "python": sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag,
+        "machine": platform.machine(),
+        "cpu_features_sha256": hashlib.sha256(_cpu_features().encode()).hexdigest(),
+    }
+
+
+def _key(ingredients: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_directory(
+    source: Path = SOURCE, cflags: list[str] = CFLAGS, ldflags: list[str] = LDFLAGS
+) -> Path:
+    """The folder of the library built from ``source`` (``extensions/<key>`` under
+    ``focus_home()``, ``<key>`` the digest of :func:`build_ingredients`)."""
+    return focus_home() / "extensions" / _key(build_ingredients(source, cflags, ldflags))
 
 
 def _stacklevel() -> int:
@@ -76,16 +158,16 @@ def _stacklevel() -> int:
     return level
 
 
-def _failure(err: Exception, build: Path | None) -> str:
+def _failure(err: Exception, folder: Path | None) -> str:
     """A one-line reason (the first compiler error if there is one), the full text saved
-    to ``build-error.log`` in the build directory where possible."""
+    to :data:`ERROR_LOG_NAME` in ``folder`` where possible."""
     text = str(err).strip()
     lines = text.splitlines()
     errors = [line.strip() for line in lines if "error" in line.lower()]
     reason = f"{type(err).__name__}: {(errors or lines or ['no message'])[0]}"
-    if build is not None:
+    if folder is not None:
         try:
-            log = build / "build-error.log"
+            log = folder / ERROR_LOG_NAME
             log.write_text(f"{type(err).__name__}\n{text}\n")
             reason += f"; full output in {log}"
         except OSError:
@@ -106,6 +188,103 @@ def _ensure_ninja() -> None:
             return
 
 
+def _why_build(folder: Path, ingredients: dict[str, Any]) -> str:
+    """Why the library of ``folder`` is built now: its last build failed, or no library of
+    this source was built with these ingredients (naming those that differ from the most
+    recent build of the same source file)."""
+    if (folder / ERROR_LOG_NAME).exists():
+        return f"the last build failed (its output: {folder / ERROR_LOG_NAME})"
+    others = []
+    for manifest in folder.parent.glob(f"*/{MANIFEST_NAME}"):
+        try:
+            found = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("source") == ingredients["source"]:
+            others.append((manifest.stat().st_mtime, found))
+    if not others:
+        return "no library of it was built here yet"
+    latest = max(others, key=lambda pair: pair[0])[1]
+    changed = sorted(k for k, v in ingredients.items() if latest.get(k) != v)
+    return f"the last library here was built with another {', '.join(changed) or 'record'}"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    """The extension module ``name`` of the library file ``path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as the module {name}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, source: Path, folder: Path, cflags: list[str], ldflags: list[str]) -> ModuleType:  # fmt: skip
+    """Build ``source`` as the module ``name`` in a temporary folder inside ``folder`` and
+    move the library to ``folder/<name>.so`` in one rename; returns the loaded module."""
+    # optional: the C++ build tools (torch's builder needs setuptools); the caller turns
+    # a failure to import or build into its fall back
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            build_directory=str(staging),
+            verbose=False,
+        )
+        os.replace(staging / f"{name}.so", folder / f"{name}.so")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return module
+
+
+def load_library(
+    source: Path,
+    stem: str,
+    cflags: list[str] = CFLAGS,
+    ldflags: list[str] = LDFLAGS,
+) -> ModuleType:
+    """The extension module built from the C++ file ``source`` (named
+    ``<stem>_<key>``, its ``TORCH_EXTENSION_NAME``), built first when no library of these
+    :func:`build_ingredients` exists (a line on stderr says so, with its reason).
+
+    Raises:
+        ExtensionBuildError: the build failed (the message: its first error and the file
+            holding its full output, :data:`ERROR_LOG_NAME` of the library's folder).
+        Exception: whatever importing a built library raises.
+    """
+    ingredients = build_ingredients(source, cflags, ldflags)
+    key = _key(ingredients)
+    folder = focus_home() / "extensions" / key
+    name = f"{stem}_{key}"
+    library = folder / f"{name}.so"
+    if library.is_file():
+        return _import(name, library)
+    folder.mkdir(parents=True, exist_ok=True)
+    with file_lock(folder / ".build.lock"):  # another process building it: wait, then load
+        if library.is_file():
+            return _import(name, library)
+        print(
+            f"focus_attention: building the C++ extension {source.name} in {folder}: "
+            f"{_why_build(folder, ingredients)} (about a minute, once per compiler, torch "
+            "and Python)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            module = _build(name, source, folder, cflags, ldflags)
+        except Exception as err:
+            raise ExtensionBuildError(_failure(err, folder)) from err
+        (folder / ERROR_LOG_NAME).unlink(missing_ok=True)
+        write_json_atomic(folder / MANIFEST_NAME, ingredients)
+        return module
+
+
 def load() -> ModuleType | None:
     """The compiled kernel module, building it on first use; None if unavailable.
 
@@ -124,38 +303,10 @@ def load() -> ModuleType | None:
         elif not SOURCE.exists():
             reason = f"kernel source {SOURCE} is missing from the installation"
         else:
-            build = None
             try:
-                # optional: the C++ build tools (torch's builder needs setuptools); any
-                # failure to import or build falls back to the flash kernel
-                from torch.utils import cpp_extension
-
-                _ensure_ninja()
-                build = build_directory()
-                name = f"focus_cpu_{build.name}"
-                # torch's builder waits forever on the "lock" file an interrupted build
-                # leaves behind; under our own lock no other process is building, so a
-                # leftover one is stale and removed
-                with file_lock(build / ".focus-build.lock"):
-                    (build / "lock").unlink(missing_ok=True)
-                    if not (build / f"{name}.so").exists():
-                        print(
-                            f"focus_attention: building the fused CPU kernel in {build} "
-                            "(once per install, about a minute)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                    module = cpp_extension.load(
-                        name=name,
-                        sources=[str(SOURCE)],
-                        extra_cflags=CFLAGS,
-                        extra_ldflags=["-fopenmp"],
-                        build_directory=str(build),
-                        verbose=False,
-                    )
+                module = load_library(SOURCE, "focus_cpu")
             except Exception as err:  # any build/load failure: fall back, say why once
-                reason = _failure(err, build if build is not None and build.is_dir() else None)
-                module = None
+                reason = str(err) if isinstance(err, ExtensionBuildError) else _failure(err, None)
         if reason is not None:
             warnings.warn(
                 f"focus_attention: fused CPU kernel unavailable ({reason}); sparse_attention "
