@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..utils.checks import check_int
+from . import reference
 from .checks import check_bool, check_device, check_shape, check_tensor, fail
 
 
@@ -82,15 +83,6 @@ def focus_mask(
     Raises:
         ValueError: malformed shapes or dtypes, ``window < 1``, ``Nq > Nk``.
     """
-    bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
+    nk = check_groups(query_groups, key_groups, key_padding_mask, window)[2]
     window = effective_window(window, nk)
-    device = query_groups.device
-    qpos = torch.arange(nk - nq, nk, device=device)[:, None]
-    kpos = torch.arange(nk, device=device)[None, :]
-    causal = kpos <= qpos
-    local = (qpos - kpos) < window
-    share = (query_groups.float() @ key_groups.float().transpose(1, 2)) > 0
-    mask = causal[None] & (local[None] | share)
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, :]
-    return mask
+    return reference.focus_mask(query_groups, key_groups, window, key_padding_mask)
