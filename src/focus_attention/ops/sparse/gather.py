@@ -6,14 +6,14 @@ For a call with ``Nq`` queries, the keys visible to at least one of them (causal
 inside the window or sharing a group) are found from the membership masks alone (``Nk x K``
 booleans, no key is read), gathered into a dense ``[B, H_kv, M, D]`` block with
 ``index_select`` (only those ``M`` key and value rows are read), and attended with a
-per-query mask over the block: the visible set of every query is a subset of the block, so
-the result is exact. A decoding step of top-1 routing reads about ``window + Nk / K`` keys
-instead of ``Nk``. Any device and floating dtype (computed in float32, float64 for float64
-inputs), soft-capping, differentiable.
+per-query mask over the block (:func:`focus_attention.ops.reference.masked_attention`): the
+visible set of every query is a subset of the block, so the result is exact. A decoding step
+of top-1 routing reads about ``window + Nk / K`` keys instead of ``Nk``. Any device and
+floating dtype (computed in float32, float64 for float64 inputs), soft-capping,
+differentiable.
 
-``"auto"`` chooses it on CUDA only: on the CPU the fused kernel's scan of the key codes is
-faster at every context length measured (1K-32K cached tokens, one query, SmolLM2's attention
-shape: 0.2 against 0.7 ms at 1K, 6.8 against 10 ms at 32K, top-1, on a loaded 2-core machine).
+``"auto"`` chooses it on CUDA only: on the CPU the fused kernel decodes faster (the decoding
+study, experiments/decode/README.md, times both paths).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ floating dtype, soft-capping, inference only.
 A call whose caller does not read the log-sum-exp (a Focus layer's) and has no soft-capping
 is one call of PyTorch's ``scaled_dot_product_attention`` under the boolean mask, in the
 inputs' dtype (one fused kernel where the device has one): the arithmetic of the dense
-model's own ``sdpa`` attention. Otherwise the logits, the log-sum-exp and the softmax are
-computed here, in float32 (float64 for float64 inputs: half-precision keys and values are
-copied to float32 whole, ``2 x Nk x D`` floats per key-value head). As in dense attention
+model's own ``sdpa`` attention. Otherwise the block is
+:func:`focus_attention.ops.reference.masked_attention`, in float32 (float64 for float64
+inputs: half-precision keys and values are copied to float32 whole, ``2 x Nk x D`` floats
+per key-value head). As in dense attention
 under a mask, a value row that no query sees still enters the product with weight 0, so a
 NaN or infinity there (a cache holding garbage in its padding) makes the output NaN, where
 the gathering backends skip the row; on the SDPA path a NaN key no query sees does too (a

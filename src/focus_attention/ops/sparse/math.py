@@ -1,10 +1,10 @@
 """The ``math`` backend: the decomposition of docs/method.md §5 in blocked PyTorch code.
 
 Differentiable, any device and floating dtype (computed in float32, float64 for float64
-inputs), and the only built-in backend that applies Gemma-2's logit soft-capping. Each part
-of the decomposition is assembled into one ``[H, Nq, D]`` result and the parts are merged
-with :func:`focus_attention.ops.merge.merge_partials`, out of place, so autograd sees every
-step.
+inputs), Gemma-2's logit soft-capping. Each piece of a part is attended by
+:func:`focus_attention.ops.reference.masked_attention`; the pieces are assembled into one
+``[H, Nq, D]`` result per part and the parts are merged with
+:func:`focus_attention.ops.merge.merge_partials`, out of place, so autograd sees every step.
 """
 
 from __future__ import annotations
