@@ -7,11 +7,13 @@
 5. Attention under a boolean mask: the masked-attention primitive and the dense oracle
    every fast path is tested against (§3-§5).
 
-The functions take checked inputs: the public ops (:mod:`.routing`, :mod:`.gates`,
-:mod:`.masks`, :mod:`.sparse`) validate their arguments, add the fast paths (fused kernels,
-chunking, FlexAttention, Triton) and compute each step by calling the function here, so the
-arithmetic below is the package's. Shapes: ``B`` batch, ``N`` tokens, ``K`` groups, ``H``
-query heads sharing ``H_kv`` key-value heads, ``D`` head_dim.
+The functions take checked inputs. The public ops (:mod:`.routing`, :mod:`.gates`,
+:mod:`.masks`, :mod:`.sparse`) validate their arguments and compute each step by calling the
+function here (the PyTorch backends ``math``, ``gather`` and ``masked`` attend with
+:func:`masked_attention`), so the arithmetic below is the package's; the fused kernels
+(C++, Triton, FlexAttention) compute the same steps their own way and are tested against
+these. Shapes: ``B`` batch, ``N`` tokens, ``K`` groups, ``H`` query heads sharing ``H_kv``
+key-value heads, ``D`` head_dim.
 """
 
 from __future__ import annotations
