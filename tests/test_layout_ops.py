@@ -19,7 +19,6 @@ SOFTMAX_ALLOWED = {
     "ops.reference:masked_softmax": "the masked softmax over attention logits",
     "ops.reference:sinkhorn": "Sinkhorn's row and column sums over groups (routing, not keys)",
     "ops.reference:gated_attention": "soft-gated logits, the mask folded into the gate's bias",
-    "hf.attention:attention_probs": "output_attentions maps, equal to ops.reference's to the bit",
     "training.objectives:distill_step": "the vocabulary (distillation)",
     "evaluation.instructions:_log_probs": "the vocabulary (answer log-likelihoods)",
     "bench.kernel:run_gate_benchmark.eager": "the timed baseline: transformers' eager attention",

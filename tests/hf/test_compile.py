@@ -20,7 +20,8 @@ from tiny import focus, ids, left_pad
 from tolerances import tolerance
 
 import focus_attention
-from focus_attention.hf.attention import eager_focus_attention, eager_pre_hook, handle_of
+from focus_attention.hf.attention import eager_focus_attention, eager_pre_hook
+from focus_attention.hf.layer_handle import handle_of
 from focus_attention.hf.masks import FocusMask
 
 #: the package's source directory
@@ -202,8 +203,8 @@ def test_focus_layer_operator_passes_opcheck_and_equals_the_eager_layer():
         args = (q, k, v, hidden, pad, None, handle.compiled_key, None, None)
         torch.library.opcheck(op, args)
         mask = None if pad is None else FocusMask.of_call(pad, q, fm.base_model.config)
-        eager_pre_hook(module, (hidden,), {})
-        expected, _ = eager_focus_attention(module, q, k, v, mask)
+        _, inputs = eager_pre_hook(module, (hidden,), {})
+        expected, _ = eager_focus_attention(module, q, k, v, mask, **inputs)
         assert torch.equal(op(*args), expected)
     with pytest.raises(ValueError, match="no Focus layer is registered"):
         op(q, k, v, hidden, None, None, -1, None, None)

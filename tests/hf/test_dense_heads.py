@@ -14,9 +14,9 @@ from tolerances import DIFFERENT, tolerance
 
 from focus_attention.hf import FocusConfig, FocusModel, get_focus_model
 from focus_attention.hf.architectures import attention_modules, get_architecture
-from focus_attention.hf.attention import head_split
 from focus_attention.hf.compat import cache_kwargs, cache_of
 from focus_attention.hf.config import parse_layer_heads
+from focus_attention.hf.heads import head_split
 
 N = 40
 

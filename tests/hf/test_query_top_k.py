@@ -12,8 +12,7 @@ from tiny import ARCHS, build_model, focus, ids, left_pad, positions
 from tolerances import tolerance
 from transformers import DynamicCache
 
-from focus_attention.hf import FocusConfig, FocusModel
-from focus_attention.hf import attention as focus_layer
+from focus_attention.hf import FocusConfig, FocusModel, focus_cache
 from focus_attention.ops import dense_attention, focus_mask, pairs_retained
 
 N = 96
@@ -66,7 +65,7 @@ def test_logits_equal_dense_attention_under_the_asymmetric_mask(arch, top_k, que
     kw = dict(attention_mask=mask, position_ids=positions(mask))
     _, fm = focus(arch, top_k=top_k, query_top_k=query_top_k, window=8)
     fast, fast_recs = run(fm, x, **kw)
-    monkeypatch.setattr(focus_layer, "sparse_attention", _oracle_sparse_attention)
+    monkeypatch.setattr(focus_cache, "sparse_attention", _oracle_sparse_attention)
     slow, slow_recs = run(fm, x, **kw)
     real = mask.bool()
     torch.testing.assert_close(fast[real], slow[real], **tolerance("oracle"))

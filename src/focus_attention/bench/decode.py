@@ -6,8 +6,8 @@ decoding together (docs/method.md §5, "KV-cache decoding"; docs/deploy.md, "Spe
   (query heads, key-value heads, head_dim), dense ``scaled_dot_product_attention`` (GQA, the
   ``dense_kernel`` asked for) against Focus's decoding op with seeded random top-k
   memberships of ``K`` groups and the window: the op the model level's cache runs
-  (:func:`focus_op`: with ``kv_cache="static"`` and the ``auto`` backend the group-bucket
-  kernel of the static cache, else ``sparse_attention`` with the backend); the share of
+  (:func:`focus_op`: with ``kv_cache="static"`` and the ``auto`` backend the static cache's
+  ``decode_attention`` over group buckets, else ``sparse_attention`` with the backend); the share of
   keys the query sees gives the ideal speed-up ``1 / share``.
 * ``model``: single-token steps through the whole model over a cache of ``N`` tokens
   (:mod:`focus_attention.bench.decode_model`): Focus top-k against the base model's own
@@ -43,10 +43,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..ops import sparse_attention
-from ..ops.sparse.buckets import GroupBuckets
-from ..ops.sparse.triton_decode import bucket_decode, bucket_decode_reference
-from ..ops.sparse.triton_support import triton_reason
+from ..ops import SparseRequest, resolve_backend, sparse_attention
+from ..ops.sparse import GroupBuckets, decode_attention
 from ..utils.env import cpu_name, environment, library_versions
 from ..utils.plots import save_png
 from .accounting import (
@@ -102,20 +100,20 @@ def _dense_call(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dense_k
 def focus_op(config: DecodeBenchConfig, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_groups: torch.Tensor) -> tuple[Callable[[], Any], str]:  # fmt: skip
     """The op level's Focus call for queries ``q [B, H, 1, D]`` (the last key's groups) over
     ``key``/``value [B, H_kv, N, D]`` with memberships ``key_groups [B, N, K]``, and its
-    name: with ``kv_cache="static"`` and the ``auto`` backend what a static cache's layer
-    runs, :func:`~focus_attention.ops.sparse.triton_decode.bucket_decode` over group buckets
-    (its PyTorch form where Triton cannot run); else ``sparse_attention`` with the backend.
+    name (the backend that runs it): with ``kv_cache="static"`` and the ``auto`` backend what
+    a static cache's layer runs, :func:`~focus_attention.ops.sparse.decode_attention` over
+    group buckets; else ``sparse_attention`` with the backend.
     """
     backend = config.attention_backend or "auto"
     query_groups, window = key_groups[:, -1:], config.op_window
     if config.kv_cache == "static" and backend == "auto":
         buckets = GroupBuckets.from_groups(key_groups[:, None])
         lengths = torch.full((key.shape[0],), key.shape[2], dtype=torch.long, device=key.device)
-        triton = triton_reason(q.device) is None
-        decode = bucket_decode if triton else bucket_decode_reference
-        call = functools.partial(decode, q, key, value, query_groups[:, None], buckets, lengths,
-                                 window, needs_lse=False)  # fmt: skip
-        return call, decode.__name__
+        call = functools.partial(decode_attention, q, key, value, query_groups, buckets, lengths,
+                                 window)  # fmt: skip
+        request = SparseRequest(q.device, q.dtype, False, key_groups.shape[-1],
+                                num_queries=q.shape[2], over_buckets=True)  # fmt: skip
+        return call, resolve_backend("auto", request).name
     call = functools.partial(sparse_attention, q, key, value, query_groups, key_groups, window,
                              backend=backend)  # fmt: skip
     name = sparse_backend_name(backend, config.op_groups, q.device.type, config.dtype, num_queries=1)  # fmt: skip

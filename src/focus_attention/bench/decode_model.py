@@ -30,7 +30,7 @@ from transformers.cache_utils import StaticLayer
 
 from ..hf import BufferedDynamicLayer, FocusConfig, FocusModel, get_focus_model
 from ..hf.compat import cache_kwargs, cache_of
-from ..ops.sparse.buckets import GroupBuckets
+from ..ops.sparse import GroupBuckets
 from .accounting import kv_bytes, routed_reads, step_bytes, weights_bytes
 from .graphs import timed_steps
 from .settings import DecodeBenchConfig

@@ -10,14 +10,11 @@ __getattr__, __dir__, __all__ = lazy_exports(
     exports_of(
         {
             ".architectures": ("SUPPORTED_MODEL_TYPES",),
-            ".attention": (
-                "FocusAttentionDropoutWarning",
-                "attention_probs",
-                "focus_attention_forward",
-                "register_focus_attention",
-            ),
+            ".attention": ("focus_attention_forward", "register_focus_attention"),
+            ".base_attention": ("attention_probs",),
             ".cache": ("BufferedDynamicLayer", "FocusCacheLayer", "check_cache"),
             ".config": ("FocusConfig",),
+            ".focus_cache": ("FocusCache",),
             ".files": (
                 "CONFIG_NAME",
                 "STATE_CONFIG_KEY",
@@ -26,6 +23,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
                 "FocusBaseMismatchWarning",
                 "base_model_fingerprint",
             ),
+            ".layer_call": ("FocusAttentionDropoutWarning",),
             ".masks": ("FocusMask", "focus_mask_interface"),
             ".model": (
                 "FIXED_CONFIG_FIELDS",

@@ -1,5 +1,9 @@
 """The KV cache of Focus layers: every key kept, with the group memberships of the cached keys
-(docs/method.md §5 and §8); the static cache's layers are in :mod:`.static_cache`."""
+(docs/method.md §5 and §8). :func:`focus_cache_layer` gives a Focus layer its
+:class:`~focus_attention.hf.focus_cache.FocusCache` in any cache it can use: a
+:class:`FocusCacheLayer` in a dynamic cache, a
+:class:`~focus_attention.hf.static_cache.FocusStaticLayer` in a static one, the
+:class:`~focus_attention.hf.paged.PagedGroups` of continuous batching's paged cache."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from transformers.cache_utils import (
     EncoderDecoderCache,
 )
 
+from .focus_cache import KeyGroups
+from .paged import PagedGroups, is_paged_cache, paged_groups
 from .static_cache import FocusStaticLayer, focus_static_layer, is_static_layer
 
 #: spare rows a cache buffer gets when it grows, as a share of the rows it holds (and at
@@ -119,13 +125,14 @@ class BufferedDynamicLayer(DynamicLayer):
             self._storage, self._rows = {}, {}
 
 
-class FocusCacheLayer(BufferedDynamicLayer):
+class FocusCacheLayer(BufferedDynamicLayer, KeyGroups):
     """A full (never window-truncated) dynamic cache layer that also keeps, per cached key,
     the groups whose queries see it, bool ``[B, N_cached, K]`` in ``groups``: the key's
     top-k memberships, and every group for one of the first ``sink_tokens`` real tokens
-    (docs/method.md §3 and §5). Cropping, beam reordering and batch selection apply to the
-    groups as to the keys. Keys, values and groups are appended without copying the cache
-    (:class:`BufferedDynamicLayer`)."""
+    (docs/method.md §3 and §5); a :class:`~focus_attention.hf.focus_cache.FocusCache`.
+    Cropping, beam reordering, batch repetition and selection apply to the groups as to the
+    keys; offloading moves the keys and values only (the groups stay where they are). Keys,
+    values and groups are appended without copying the cache (:class:`BufferedDynamicLayer`)."""
 
     is_sliding = False
 
@@ -139,9 +146,9 @@ class FocusCacheLayer(BufferedDynamicLayer):
         """Number of cached tokens whose groups are held."""
         return 0 if self.groups is None else int(self.groups.shape[1])
 
-    def append_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
-        """Append the key groups bool ``[B, N_new, K]`` of the tokens just cached, computed
-        with ``sink_tokens`` sink tokens.
+    def store_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
+        """Append the key groups bool ``[B, N_new, K]`` of the tokens just cached (sinks
+        included), computed with ``sink_tokens`` sink tokens.
 
         Raises:
             ValueError: the cached groups were computed with another ``sink_tokens``.
@@ -227,9 +234,11 @@ def check_cache(cache: Any = None, cache_implementation: str | None = None) -> N
                 )
 
 
-def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer | FocusStaticLayer:
+def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer | FocusStaticLayer | PagedGroups:  # fmt: skip
     """Make layer ``layer_idx`` of ``cache`` a :class:`FocusCacheLayer` (a dynamic cache) or a
-    :class:`~focus_attention.hf.static_cache.FocusStaticLayer` (a static one) and return it.
+    :class:`~focus_attention.hf.static_cache.FocusStaticLayer` (a static one) and return it;
+    of continuous batching's paged cache, the layer's
+    :class:`~focus_attention.hf.paged.PagedGroups` (the groups by physical slot).
 
     An empty ``DynamicLayer``, ``BufferedDynamicLayer`` or ``DynamicSlidingWindowLayer``
     (transformers builds the latter for layers its config marks sliding, e.g. Mistral with
@@ -238,8 +247,11 @@ def focus_cache_layer(cache: Any, layer_idx: int) -> FocusCacheLayer | FocusStat
 
     Raises:
         ValueError: a cache that is neither a dynamic nor a static ``Cache`` (quantized, ...),
-            or a layer that already holds keys without Focus groups.
+            or a layer that already holds keys without Focus groups; see also
+            :func:`~focus_attention.hf.paged.paged_groups`.
     """
+    if is_paged_cache(cache):
+        return paged_groups(cache, layer_idx)
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
     if not isinstance(cache, Cache):

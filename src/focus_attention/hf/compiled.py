@@ -8,8 +8,9 @@ padding mask, plus an integer that names the layer (:func:`register_layer`) and 
 scale; its fake implementation gives the output's shape. Dynamo sees no graph break in the
 model, so it traces the model (transformers' own wrappers included) as one graph, and the
 Focus settings (``top_k``, ``window``, ``sink_tokens``, ``dense_layers``, ``dense_heads``,
-the routing mode, ...) are read by the operator when it runs: changing them compiles nothing. The operator runs the eager Focus
-layer, so a compiled model gives the eager result.
+the routing mode, ...) are read by the operator when it runs: changing them compiles
+nothing. The operator runs the eager ``"focus"`` attention function, the hidden state passed
+as an argument, so a compiled model gives the eager result.
 
 Whether a call can run as the operator is decided by values dynamo guards on (no setting
 among them); any other call (gradients, a router in training mode, a KV cache, an open
@@ -26,10 +27,14 @@ from typing import Any
 
 import torch
 from transformers.masking_utils import causal_mask_function
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..utils.precision import autocast_dtype
+from .base_attention import base_call
+from .layer_call import CACHE_LAYER, HIDDEN_STATES
 from .masks import FocusMask
-from .runtime import overrides_open
+from .paged import is_paged_call
+from .runtime import ATTN_IMPLEMENTATION, overrides_open
 
 #: the layers the operator can run, by the integer it names them with (weakly held)
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -42,9 +47,8 @@ _SCHEMA = (
 
 
 def register_layer(layer: Any) -> int:
-    """A new integer naming ``layer`` (a Focus layer handle, held weakly) for the operator.
-    The handle's ``run_operator(query, key, value, hidden, padding, local_size, scaling,
-    softcap)`` is what the operator runs."""
+    """A new integer naming ``layer`` (a Focus layer handle with ``module`` and ``runtime``,
+    held weakly) for the operator."""
     key = next(_KEYS)
     _LAYERS[key] = layer
     return key
@@ -75,8 +79,11 @@ def focus_layer_op(query, key, value, hidden, padding, local_size, layer, scalin
     handle = _LAYERS.get(layer)
     if handle is None:
         raise ValueError(f"focus_layer: no Focus layer is registered as {layer}")
-    args = (query, key, value, hidden, padding, local_size, scaling, softcap)
-    return handle.run_operator(*args).contiguous()
+    mask = FocusMask.of_call(padding, query, handle.runtime.model_config, local_size)
+    kwargs = {HIDDEN_STATES: hidden} | ({} if softcap is None else {"softcap": softcap})
+    attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+    out, _ = attention(handle.module, query, key, value, mask, 0.0, scaling, **kwargs)
+    return out.contiguous()
 
 
 @focus_layer_op.register_fake
@@ -85,36 +92,27 @@ def _focus_layer_fake(query, *rest):
     return query.new_empty(b, nq, h, d)
 
 
-def traced_capture(handle: Any, args: tuple, kwargs: dict) -> bool:
-    """Under ``torch.compile``, the Focus pre-hook of the layer of ``handle``: keep the
-    hidden state entering the module (``args[0]`` or ``hidden_states=``) for
-    :func:`traced_call` when this call can run as the operator, or do nothing for a layer
-    that is not routed; False when the eager pre-hook must run (a graph break).
+def traceable(handle: Any, hidden: Any, has_cache: bool) -> bool:
+    """Whether a Focus-layer call under ``torch.compile`` can be traced: as the operator for
+    a layer with a router, as its base attention for one without. Not when a switch is open
+    (:func:`overrides_open`) or a recorder is on, nor, for a layer with a router, with a KV
+    cache, a router in training mode, or gradients to the hidden state or the router.
 
-    Reads only values dynamo guards on and no setting: the switches (:func:`overrides_open`),
-    the recorders, the router's training mode and ``requires_grad``, grad mode, and whether
-    there is a cache."""
+    Reads only values dynamo guards on and no setting: the switches, the recorders, the
+    router's training mode and ``requires_grad``, grad mode, and whether there is a cache."""
     if handle is None or overrides_open():
         return False
     runtime = handle.runtime
     if runtime.recorder is not None or runtime.dense_recorder is not None:
         return False
-    if handle.router is None:
-        return True
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, torch.Tensor):
-        return False
-    if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
-        return False
     router = handle.router
-    if router.training:
+    if router is None:
+        return True
+    if not isinstance(hidden, torch.Tensor) or has_cache or router.training:
         return False
-    if torch.is_grad_enabled() and (
+    return not torch.is_grad_enabled() or not (
         hidden.requires_grad or any(p.requires_grad for p in router.parameters())
-    ):
-        return False
-    handle.traced_hidden = hidden
-    return True
+    )
 
 
 def plain_call(handle: Any, qkv: tuple[torch.Tensor, ...], attention_mask: Any,
@@ -167,3 +165,24 @@ def traced_call(handle: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     softcap = None if softcap is None else float(softcap)
     return focus_layer_op(query, key, value, hidden, padding, local_size, handle.compiled_key,
                           scaling, softcap)  # fmt: skip
+
+
+def traced_attention(handle: Any, module: torch.nn.Module, query: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
+                     scaling: float | None, kwargs: dict) -> tuple | None:  # fmt: skip
+    """Under ``torch.compile``, the traced call of the ``"focus"`` attention function, or None
+    when the call must run eagerly: a layer without a router as its base attention, a Focus
+    layer as the ``focus_layer`` operator (see :func:`traceable` and :func:`plain_call`)."""
+    if handle is None or overrides_open() or is_paged_call(kwargs):
+        return None
+    if handle.runtime.dense_recorder is not None:
+        return None
+    if handle.router is None:
+        return base_call(handle.runtime, module, query, key, value, attention_mask, dropout,
+                         scaling, kwargs)  # fmt: skip
+    hidden = kwargs.get(HIDDEN_STATES)
+    if not traceable(handle, hidden, kwargs.get(CACHE_LAYER) is not None):
+        return None
+    if not plain_call(handle, (query, key, value), attention_mask, dropout):
+        return None
+    return traced_call(handle, query, key, value, hidden, attention_mask, scaling, kwargs), None

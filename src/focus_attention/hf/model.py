@@ -21,7 +21,7 @@ from .architectures import (
     kv_heads_of,
     layer_types,
 )
-from .attention import HANDLE_ATTR, LayerHandle, focus_pre_hook, register_focus_attention
+from .attention import focus_pre_hook, register_focus_attention
 from .cache import check_cache
 from .config import ROUTINGS, FocusConfig
 from .files import (
@@ -31,6 +31,7 @@ from .files import (
     FocusBaseMismatchWarning,
     base_model_fingerprint,
 )
+from .layer_handle import HANDLE_ATTR, LayerHandle
 from .masks import GenerateMasks
 from .paged import FocusContinuousBatching
 from .router import FocusRouter

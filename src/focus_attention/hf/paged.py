@@ -31,7 +31,6 @@ the host, which reads the sequence boundaries).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +48,10 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
+from .focus_cache import KeyGroups
+from .layer_call import CACHE_LAYER, HIDDEN_STATES
 from .masks import FocusMask
-from .runtime import FocusRuntime, runtime_of
+from .runtime import runtime_of
 
 #: keyword arguments of a continuous-batching forward that only the packed call reads (they
 #: are not passed on to the per-sequence calls)
@@ -141,8 +142,14 @@ class PagedGroups:
         self.storage = grown
 
 
-#: per paged cache, the :class:`PagedGroups` of each Focus layer
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: attribute (in the paged cache's ``__dict__``) holding the :class:`PagedGroups` of each
+#: Focus layer, by layer index: they live and die with the cache
+GROUPS_ATTR = "focus_groups"
+
+
+def groups_of_cache(cache: PagedAttentionCache) -> dict[int, PagedGroups]:
+    """The :class:`PagedGroups` kept on ``cache``, by Focus layer index."""
+    return cache.__dict__.setdefault(GROUPS_ATTR, {})
 
 
 def paged_groups(cache: PagedAttentionCache, layer_idx: int) -> PagedGroups:
@@ -155,7 +162,7 @@ def paged_groups(cache: PagedAttentionCache, layer_idx: int) -> PagedGroups:
     allocator = cache.layer_to_allocator[layer_idx]
     if allocator.layer_type != FULL_ATTENTION:
         raise ValueError(sliding_error([layer_idx], getattr(cache.config, "sliding_window", None)))
-    return _GROUPS.setdefault(cache, {}).setdefault(layer_idx, PagedGroups())
+    return groups_of_cache(cache).setdefault(layer_idx, PagedGroups())
 
 
 def copy_groups_with_blocks(cache: PagedAttentionCache) -> None:
@@ -167,7 +174,7 @@ def copy_groups_with_blocks(cache: PagedAttentionCache) -> None:
 
     def perform_cache_copy(copy_src_and_dst: dict) -> None:
         copy_kv(copy_src_and_dst)
-        for layer_idx, store in _GROUPS.get(cache, {}).items():
+        for layer_idx, store in groups_of_cache(cache).items():
             allocator = cache.layer_to_allocator[layer_idx]
             source, dest = copy_src_and_dst.get(allocator.layer_type, ([], []))
             store.copy_blocks(source, dest, allocator.block_physical_stride, allocator.tokens_per_page)  # fmt: skip
@@ -189,13 +196,13 @@ def sliding_error(layers: list[int], window: Any) -> str:
 
 
 @dataclass
-class SequenceGroups:
-    """The cache layer of packed sequences of a Focus layer (what the Focus layer uses of a
-    ``FocusCacheLayer``), for one sequence or a batch of decoding steps: ``group_length``
-    keys before this call; :meth:`append_groups` stores the new keys' groups in the paged
-    storage (at ``write_slots`` int ``[B * N_new]``) and sets ``groups`` bool ``[B, Nk, K]`` to
-    the groups of every key (read at ``read_slots`` int ``[B, Nk]``, or None when the
-    sequence reads no cache)."""
+class SequenceGroups(KeyGroups):
+    """The :class:`~focus_attention.hf.focus_cache.FocusCache` of packed sequences of a Focus
+    layer, for one sequence or a batch of decoding steps: ``group_length`` keys before this
+    call; :meth:`store_groups` stores the new keys' groups in the paged storage (at
+    ``write_slots`` int ``[B * N_new]``) and sets ``groups`` bool ``[B, Nk, K]`` to the groups
+    of every key (read at ``read_slots`` int ``[B, Nk]``, or None when the sequence reads no
+    cache)."""
 
     store: PagedGroups
     write_slots: torch.Tensor
@@ -203,8 +210,8 @@ class SequenceGroups:
     group_length: int
     groups: torch.Tensor | None = None
 
-    def append_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
-        """Store the new keys' groups bool ``[B, N_new, K]`` at their slots."""
+    def store_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
+        """Store the new keys' groups bool ``[B, N_new, K]`` (sinks included) at their slots."""
         self.store.write(self.write_slots, groups.flatten(0, 1), sink_tokens)
         if self.read_slots is None:
             self.groups = groups
@@ -424,9 +431,11 @@ def _allocator_index(module: torch.nn.Module) -> int:
     raise ValueError(f"layer {module.layer_idx} is in no attention group of the paged cache")
 
 
-def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, query, key,
-               value, kwargs: dict, routed: bool) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """Run ``one`` on each call of a packed continuous-batching call and pack the outputs.
+def run_packed(attention: Callable[..., tuple], module: torch.nn.Module, query, key, value,
+               dropout: float, scaling: float | None, kwargs: dict, hidden: torch.Tensor | None,
+               store: PagedGroups | None) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Run a packed continuous-batching call as one attention call per sequence and pack the
+    outputs.
 
     Each sequence that prefills is one layer call, routed and masked exactly as alone; the
     sequences that decode one token run as padded batches (:func:`packed_sequences`), each
@@ -434,8 +443,12 @@ def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, 
     never looped over.
 
     Args:
-        one: runs one :class:`PackedSequence`, returning ``(out [B, Nq, H, D], maps)``.
-        module, query, key, value, kwargs, routed: as in :func:`packed_sequences`.
+        attention: the ``"focus"`` attention function, run on each :class:`PackedSequence`.
+        module, query, key, value, kwargs: as in :func:`packed_sequences`; dropout, scaling:
+            the model's, passed on.
+        hidden: the packed hidden state ``[1, N_total, d_model]`` of a routed Focus layer
+            (its rows go with each sequence), or None for a layer that is not routed.
+        store: the layer's :class:`PagedGroups` (with ``hidden``), or None.
 
     Returns:
         ``(out [1, N_total, H, D] in the query's dtype, None)``; query rows of no sequence
@@ -446,8 +459,12 @@ def run_packed(one: Callable[[PackedSequence], tuple], module: torch.nn.Module, 
     """
     bsz, heads, total, dim = query.shape
     out = query.new_zeros(bsz, total, heads, dim)
+    routed = store is not None
     for seq in packed_sequences(module, query, key, value, kwargs, routed):
-        seq.place(out, one(seq)[0].to(out.dtype))
+        inputs = {HIDDEN_STATES: seq.rows(hidden), CACHE_LAYER: seq.groups(store)} if routed else {}  # fmt: skip
+        result = attention(module, seq.query, seq.key, seq.value, seq.mask, dropout, scaling,
+                           **seq.kwargs, **inputs)  # fmt: skip
+        seq.place(out, result[0].to(out.dtype))
     return out, None
 
 
@@ -469,19 +486,6 @@ def sequence_routing_error() -> ValueError:
     )
 
 
-def check_topk(runtime: FocusRuntime, router: torch.nn.Module) -> None:
-    """Refuse, at a call of a routed layer, a routing that continuous batching cannot run.
-
-    Raises:
-        ValueError: soft (Sinkhorn) routing (:func:`soft_routing_error`), or
-            ``inference_routing="sequence"`` (:func:`sequence_routing_error`).
-    """
-    if runtime.mode(router) != "topk":
-        raise soft_routing_error()
-    if runtime.focus_config.inference_routing == "sequence":
-        raise sequence_routing_error()
-
-
 # --------------------------------------------------------------------------------------------
 # the manager
 # --------------------------------------------------------------------------------------------
@@ -493,7 +497,7 @@ def check_continuous_batching(model: Any) -> None:
 
     Raises:
         ValueError: an unloaded model or a switched attention implementation; soft routing
-            or ``inference_routing="sequence"`` (:func:`check_topk`); a call inside
+            or ``inference_routing="sequence"``; a call inside
             ``disable_focus()`` (the manager's own thread would not see it); Focus layers
             the paged cache keeps in its sliding-window group.
     """

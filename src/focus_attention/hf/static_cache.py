@@ -5,14 +5,13 @@ be captured in a CUDA graph (docs/method.md §5, "Decoding with a static cache")
 transformers' ``StaticCache`` (``generate(..., cache_implementation="static")``, or built by
 hand) preallocates ``[B, H_kv, max_cache_len, D]`` keys and values per layer and writes the
 new tokens in place. On a Focus layer :func:`focus_static_layer` swaps its empty layer for a
-:class:`FocusStaticLayer`, which also keeps, per cached key, its group memberships and, per
-group, the positions of its keys in the order they were written
-(:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, appended in place). A decoding
-step then reads the window and the buckets of the query's groups and nothing else
-(:func:`~focus_attention.ops.sparse.triton_decode.bucket_decode`, a Triton kernel on CUDA;
-its PyTorch form, :func:`~focus_attention.ops.sparse.triton_decode.bucket_decode_reference`,
-where Triton cannot run). A longer call (a prompt) reads the number of cached keys back once
-and runs :func:`~focus_attention.ops.sparse_attention` on them.
+:class:`FocusStaticLayer` (a :class:`~focus_attention.hf.focus_cache.FocusCache`), which also
+keeps, per cached key, its group memberships and, per group, the positions of its keys in the
+order they were written (:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, appended
+in place). A decoding-sized call then attends through
+:func:`~focus_attention.ops.sparse.decode_attention` over the buckets, reading nothing back;
+a longer call (a prompt) reads the number of cached keys back once and runs
+:func:`~focus_attention.ops.sparse_attention` on them.
 """
 
 from __future__ import annotations
@@ -23,16 +22,9 @@ import torch
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from ..ops import sparse_attention
-from ..ops.sparse.buckets import GroupBuckets
-from ..ops.sparse.triton_decode import bucket_decode, bucket_decode_reference
-from ..ops.sparse.triton_support import triton_reason
+from ..ops.sparse import GroupBuckets, decode_attention, decoding_sized
 
-__all__ = ["STATIC_DECODE_QUERIES", "FocusStaticLayer", "focus_static_layer", "is_static_layer"]
-
-#: calls of at most this many new tokens (decoding steps, speculative tokens) attend through
-#: the group buckets without reading anything back; longer calls (prompts) read the number
-#: of cached keys back once and run ``sparse_attention`` on them
-STATIC_DECODE_QUERIES = 8
+__all__ = ["FocusStaticLayer", "focus_static_layer", "is_static_layer"]
 
 
 class FocusStaticLayer(StaticLayer):
@@ -52,10 +44,14 @@ class FocusStaticLayer(StaticLayer):
       call checks it equals ``cumulative_length``).
 
     Every buffer is written in place, at the positions of the new tokens, by a fixed
-    sequence of device operations.
+    sequence of device operations. Beam reordering (in place), cropping (in place, as
+    ``StaticLayer``'s: the buckets forget the removed keys), batch repetition and selection,
+    and reset apply to this state as to the keys and values.
     """
 
     is_sliding = False
+    is_cache = True
+    static = True
 
     def __init__(self, max_cache_len: int, **kwargs: Any) -> None:
         super().__init__(max_cache_len=max_cache_len)
@@ -66,29 +62,36 @@ class FocusStaticLayer(StaticLayer):
         self.grouped: torch.Tensor | None = None
         self.sink_tokens: int | None = None
 
-    def append_groups(self, new: torch.Tensor, real_new: torch.Tensor | None, sink_tokens: int) -> None:  # fmt: skip
+    def check_keys(self, num_keys: int, num_new: int, layer_idx: int) -> None:
+        """Nothing to check without reading back: :meth:`key_groups` checks at a prompt."""
+
+    def append_groups(self, key_groups: torch.Tensor, sink_tokens: int = 0, *,
+                      real_new: torch.Tensor | None = None,
+                      sinks_new: torch.Tensor | None = None) -> None:  # fmt: skip
         """Record the key groups of the ``N`` tokens just cached (``update`` ran first, so
         they sit at ``cumulative_length - N .. cumulative_length - 1``).
 
         Args:
-            new: bool ``[B, N, K]``, the new tokens' top-k memberships as keys (a padding
-                token's are ignored).
+            key_groups: bool ``[B, N, K]``, the new tokens' top-k memberships as keys (a
+                padding token's are ignored).
+            sink_tokens: the first ``sink_tokens`` real tokens of a row join every group
+                (counted here from ``real_count``; ``sinks_new`` is not read).
             real_new: bool ``[B, N]`` (True = real) or None when every new token is real.
-            sink_tokens: the first ``sink_tokens`` real tokens of a row join every group.
 
         Raises:
             ValueError: the cached groups were computed with another ``sink_tokens`` or
                 another number of groups, or the batch differs from the cache's.
         """
-        bsz, n, k = new.shape
+        bsz, n, k = key_groups.shape
         self._check_groups(bsz, k, sink_tokens)
-        positions = self.cumulative_length - n + torch.arange(n, device=new.device)
+        device = key_groups.device
+        positions = self.cumulative_length - n + torch.arange(n, device=device)
         if real_new is not None and self.real is None:  # padding from now on: earlier keys real
-            self.real = torch.ones(bsz, self.max_cache_len, dtype=torch.bool, device=new.device)
-        real = torch.ones(bsz, n, dtype=torch.bool, device=new.device) if real_new is None else real_new  # fmt: skip
+            self.real = torch.ones(bsz, self.max_cache_len, dtype=torch.bool, device=device)
+        real = torch.ones(bsz, n, dtype=torch.bool, device=device) if real_new is None else real_new  # fmt: skip
         index = self.real_count[:, None] + real.long().cumsum(dim=1) - 1  # among real tokens
         sinks = real & (index < sink_tokens)
-        keys = (new | sinks[..., None]) & real[..., None]
+        keys = (key_groups | sinks[..., None]) & real[..., None]
         self.real_count.add_(real.long().sum(dim=1))
         self.grouped.add_(n)
         if self.real is not None:
@@ -120,7 +123,8 @@ class FocusStaticLayer(StaticLayer):
             )
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               query_groups: torch.Tensor, window: int, scale: float, softcap: float | None,
+               query_groups: torch.Tensor, *, window: int, scale: float,
+               softcap: float | None, key_padding_mask: torch.Tensor | None,
                backend: str) -> torch.Tensor:  # fmt: skip
         """Attention of the ``Nq`` newest tokens' queries over the cached keys under the Focus
         mask: ``out [B, H, Nq, D]`` in the query's dtype.
@@ -131,31 +135,29 @@ class FocusStaticLayer(StaticLayer):
                 their heads).
             query_groups: bool ``[B, Nq, K]``, their memberships as queries.
             window, scale, softcap: as in :func:`~focus_attention.ops.sparse_attention`.
-            backend: ``FocusConfig.attention_backend``. With ``"auto"`` a call of at most
-                :data:`STATIC_DECODE_QUERIES` queries reads the window and the buckets of
-                its groups without reading anything back (the Triton kernel where it runs,
-                its PyTorch form elsewhere); a longer call, or another backend, runs
-                ``sparse_attention`` with that backend on the cached keys (their number
-                read back once).
+            key_padding_mask: not read (the layer keeps which keys are real).
+            backend: ``FocusConfig.attention_backend``. With ``"auto"`` a decoding-sized call
+                (:func:`~focus_attention.ops.sparse.decoding_sized`) runs
+                :func:`~focus_attention.ops.sparse.decode_attention` over the buckets, reading
+                nothing back; a longer call, or another backend, runs ``sparse_attention``
+                with that backend on the cached keys (their number read back once).
         """
-        nq = query.shape[2]
-        if backend == "auto" and nq <= STATIC_DECODE_QUERIES:
-            decode = bucket_decode if triton_reason(query.device) is None else bucket_decode_reference  # fmt: skip
+        if backend == "auto" and decoding_sized(query.shape[2]):
             lengths = self.cumulative_length.expand(query.shape[0])
-            out, _ = decode(query, key, value, query_groups[:, None], self.buckets,
-                            lengths, window, scale=scale, softcap=softcap,
-                            key_padding_mask=self.real, needs_lse=False)  # fmt: skip
-            return out.transpose(1, 2)
-        groups, padding = self.cached_groups()  # the number of cached keys read back once
+            return decode_attention(
+                query, key, value, query_groups, self.buckets, lengths, window, scale=scale,
+                key_padding_mask=self.real, softcap=softcap,
+            )  # fmt: skip
+        groups, padding = self.key_groups(None)  # the number of cached keys read back once
         n = groups.shape[1]
         return sparse_attention(
             query, key[:, :, :n], value[:, :, :n], query_groups, groups, window, scale=scale,
             key_padding_mask=padding, softcap=softcap, backend=backend,
         )  # fmt: skip
 
-    def cached_groups(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def key_groups(self, key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """``(groups bool [B, N, K], real bool [B, N] or None)`` of the ``N`` cached keys
-        (their number read back to the host).
+        (their number read back to the host; ``key_padding_mask`` is not read).
 
         Raises:
             ValueError: keys were cached without their groups (written while Focus was
@@ -180,10 +182,54 @@ class FocusStaticLayer(StaticLayer):
             self.real = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "a Focus static cache cannot be cropped (its group buckets keep every key): "
-            "use a dynamic cache for assisted decoding"
-        )
+        """Remove the last ``-tokens_to_remove`` cached tokens in place (``StaticLayer``'s
+        rule: a negative int), their groups and bucket entries with them (assisted decoding).
+
+        Raises:
+            RuntimeError: a positive ``tokens_to_remove`` (as ``StaticLayer``).
+        """
+        super().crop(tokens_to_remove)
+        if self.groups is None or not tokens_to_remove:
+            return
+        self.grouped.sub_(abs(tokens_to_remove))
+        kept = torch.arange(self.max_cache_len, device=self.groups.device) < self.cumulative_length  # fmt: skip
+        self.buckets.crop_(self.cumulative_length.expand(self.groups.shape[0]))
+        self.groups.masked_fill_(~kept[None, :, None], False)
+        real = kept[None, :] if self.real is None else self.real & kept
+        self.real_count.copy_(real.long().sum(dim=1).expand_as(self.real_count))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch rows for beam search, in place (the buffers keep their
+        addresses): keys, values and every Focus buffer."""
+        if not self.is_initialized:
+            return
+        index = beam_idx.to(self.keys.device)
+        for t in (self.keys, self.values, self.groups, self.real, self.real_count):
+            if t is not None:
+                t.copy_(t.index_select(0, index))
+        if self.buckets is not None:
+            self.buckets.reorder_(index)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times (new buffers of ``repeats x B`` rows)."""
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (new buffers)."""
+        self._select_rows(lambda t: t[indices.to(t.device)])
+
+    def _select_rows(self, rows) -> None:
+        """Replace every per-row buffer ``t`` by ``rows(t)``."""
+        if not self.is_initialized:
+            return
+        self.keys, self.values = rows(self.keys), rows(self.values)
+        self.batch_size = self.keys.shape[0]
+        if self.groups is None:
+            return
+        self.groups, self.real_count = rows(self.groups), rows(self.real_count)
+        self.real = None if self.real is None else rows(self.real)
+        buckets = self.buckets
+        self.buckets = GroupBuckets(rows(buckets.index), rows(buckets.count), rows(buckets.codes))
 
 
 def is_static_layer(layer: Any) -> bool:
@@ -220,8 +266,9 @@ def focus_static_layer(cache: Any, layer_idx: int) -> FocusStaticLayer:
             raise ValueError(
                 f"KV cache layer {layer_idx} is a sliding-window static layer of "
                 f"{layer.max_cache_len} tokens and the cache has no full layer to take its "
-                "length from: a Focus layer keeps every key (build the StaticCache from a config "
-                "without sliding_window, or use a dynamic cache)"
+                "length from: a Focus layer keeps every key (load the model with "
+                "sliding_window=None, which Focus layers replace anyway, and build the StaticCache "
+                "from its config; or use a dynamic cache)"
             )
         length = max(full)
     fresh = FocusStaticLayer(length)

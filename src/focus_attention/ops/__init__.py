@@ -34,6 +34,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
                 "SparseBackend",
                 "SparseRequest",
                 "backend_names",
+                "decode_attention",
                 "fused_kernel_available",
                 "register_backend",
                 "resolve_backend",

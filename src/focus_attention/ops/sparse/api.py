@@ -1,7 +1,14 @@
-"""``sparse_attention``: exact attention under the Focus hard-routing mask, without
-materialising it (docs/method.md §4-§5): argument checks, then one call of the custom
-operator of :mod:`.dispatch`, which resolves and runs a backend (called directly in plain
-eager calls, where the operator's dispatch would only add overhead)."""
+"""The two public calls of the op, both through the one dispatcher of :mod:`.dispatch`
+(docs/method.md §4-§5):
+
+- :func:`sparse_attention`: exact attention under the Focus hard-routing mask, without
+  materialising it, from the memberships of queries and keys; argument checks, then one call
+  of the custom operator of :mod:`.dispatch`, which resolves and runs a backend (called
+  directly in plain eager calls, where the operator's dispatch would only add overhead).
+- :func:`decode_attention`: the same attention of the newest tokens over a key-value cache
+  whose keys' groups the cache keeps as :class:`~.buckets.GroupBuckets` (as
+  ``flash_attn_with_kvcache`` takes a cache and its lengths): nothing is read back to the
+  host, so a decoding step can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -12,15 +19,18 @@ import torch
 from ...utils.precision import without_autocast
 from ..checks import check_device, check_positive, check_qkv, check_tensor, fail
 from ..masks import check_groups, effective_window
+from .buckets import GroupBuckets
 from .dispatch import (
     SparseInputs,
     check_backend_name,
+    run_backend,
     run_differentiable,
     run_inference,
     sparse_attention_op,
 )
+from .triton_decode import check_decode
 
-__all__ = ["Backend", "sparse_attention"]
+__all__ = ["Backend", "decode_attention", "sparse_attention"]
 
 #: the ``backend=`` names for type checkers: :data:`~focus_attention.ops.names.SPARSE_BACKENDS`
 #: as a ``Literal`` (checked against the registry by tests/ops/test_sparse_backends.py)
@@ -63,16 +73,16 @@ def sparse_attention(
             order) or a registered backend (a differentiable one for inputs needing grad):
             - ``"triton"``: this package's Triton kernels, no host synchronisation: group
               buckets and a split-K kernel reading only the window's and the query's groups'
-              keys for at most 8 queries (decoding), else a group-sorted prefill kernel with
-              its backward (``"auto"`` on CUDA); CUDA, or the CPU under
-              ``TRITON_INTERPRET=1``; float32, bfloat16, float16, K <= 62, ``softcap``.
-            - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for at most 8
-              queries: decoding); any device and dtype, ``softcap``, differentiable.
+              keys for decoding-sized calls (:data:`~.dispatch.MAX_DECODE_QUERIES`), else a
+              group-sorted prefill kernel with its backward (``"auto"`` on CUDA); CUDA, or the
+              CPU under ``TRITON_INTERPRET=1``; float32, bfloat16, float16, K <= 62, ``softcap``.
+            - ``"gather"``: reads only the visible keys (``"auto"`` on CUDA for
+              decoding-sized calls); any device and dtype, ``softcap``, differentiable.
             - ``"masked"``: every key under the call's Focus mask, built on the device: no
               host synchronisation (decoding where launches cost more than reading keys;
-              never chosen by ``"auto"``); any device and dtype, ``softcap``, inference
-              only; blocks of 256 queries, one SDPA call each in the inputs' dtype when
-              neither ``return_lse`` nor ``softcap`` is given.
+              ``"auto"`` only in :func:`decode_attention`); any device and dtype, ``softcap``,
+              inference only; blocks of 256 queries, one SDPA call each in the inputs' dtype
+              when neither ``return_lse`` nor ``softcap`` is given.
             - ``"cpu_fused"``: this package's C++ kernel (built on first use); CPU, float32,
               bfloat16, float16 (in float32), K <= 64, no softcap, inference only;
               ``"cpu_flash"``: PyTorch's CPU flash kernel merged in float32; the same, any K.
@@ -131,8 +141,7 @@ def _run(backend: str, args: tuple, softcap: float | None, return_lse: bool) -> 
 def _plain_eager(query: torch.Tensor) -> bool:
     """Whether the call runs eagerly on a plain tensor (not traced by ``torch.compile`` or
     ``torch.export``, not a fake, meta or subclass tensor): the custom operator, there only
-    for tracers, is then skipped (its dispatch costs about 20 us, a tenth of a decoding
-    step's call)."""
+    for tracers, is then skipped (its dispatch would only add overhead to a decoding step)."""
     return (
         type(query) is torch.Tensor
         and query.device.type != "meta"
@@ -156,3 +165,70 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, padding
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     return effective_window(window, nk), d**-0.5 if scale is None else scale, softcap
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_groups: torch.Tensor,
+    buckets: GroupBuckets,
+    key_lengths: torch.Tensor,
+    window: int,
+    *,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: Backend | str = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Focus attention of the newest ``Nq`` tokens over a key-value cache and its group
+    buckets, without reading anything back to the host (docs/method.md §5, "Decoding with a
+    static cache").
+
+    Row ``b`` holds ``L_b = key_lengths[b]`` cached keys; query ``t`` sits at position
+    ``L_b - Nq + t`` and attends key ``j`` iff ``j`` is at or before it, real, and inside the
+    window or in one of the query's groups: :func:`sparse_attention` on the first ``L_b``
+    keys, with the keys' groups read from ``buckets`` instead of a membership tensor.
+
+    Args:
+        query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, C, D]``, caches of capacity ``C``
+            (slots at or beyond a row's length are never read; ``H % H_kv == 0``).
+        query_groups: bool ``[B, Nq, K]``, the queries' memberships.
+        buckets: the cache's :class:`~.buckets.GroupBuckets` ``(B, 1, K, C)``, holding exactly
+            the keys ``0 .. L_b - 1`` of each row.
+        key_lengths: int32 or int64 ``[B]``, ``Nq <= L_b <= C`` (not checked: that would read
+            the device).
+        window: local window in tokens, an int ``>= 1``.
+        scale: logit scale, default ``D ** -0.5``; softcap: Gemma-2 logit soft-capping.
+        key_padding_mask: bool ``[B, C]``, True = real key, or None.
+        backend: ``"auto"`` (``triton`` where its kernel runs, else ``masked``'s PyTorch form
+            over the buckets) or a registered backend that decodes over group buckets.
+        return_lse: also return the log-sum-exp of the visible logits.
+
+    Returns:
+        ``out [B, H, Nq, D]`` in the query's dtype (with ``return_lse`` also ``lse [B, H, Nq]``
+        float32, float64 for float64 inputs; ``-inf`` for a query with no visible key), as
+        transposed views of token-major buffers like :func:`sparse_attention`'s. Inference
+        only: no gradient flows through it.
+
+    Raises:
+        ValueError: wrong ranks, shapes, dtypes or devices, buckets of another batch, number
+            of groups or capacity, ``Nq > C``, ``window`` not an int ``>= 1``, ``scale`` or
+            ``softcap`` not a finite number ``> 0``; ``BackendUnavailable`` (a ``ValueError``):
+            an unknown backend, one that does not decode over buckets, inputs that require
+            grad, or ``"auto"`` when no backend can run the call (every backend's reason).
+    """
+    check_backend_name(backend)
+    check_tensor("query_groups", query_groups, 3)
+    call = check_decode(query, key, value, query_groups[:, None], buckets, key_lengths, window,
+                        scale, softcap, key_padding_mask)  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    inputs = SparseInputs(
+        query, key, value, query_groups, None, key_padding_mask, call.window, call.scale,
+        call.softcap, needs_grad, return_lse, buckets=buckets, key_lengths=call.key_lengths,
+    )  # fmt: skip
+    out, lse = run_backend(backend, inputs)
+    if return_lse:
+        return out.transpose(1, 2), _lse(lse).transpose(1, 2)
+    return out.transpose(1, 2)

@@ -1,26 +1,31 @@
-"""The backends of :func:`~focus_attention.ops.sparse_attention` and how one is chosen
-(docs/method.md §5, "Backends").
+"""The backends of :func:`~focus_attention.ops.sparse_attention` and of
+:func:`~focus_attention.ops.sparse.decode_attention`, and how one is chosen: the one dispatcher
+of the op (docs/method.md §5, "Backends").
 
 A backend is a :class:`SparseBackend`: a name, a function that runs the op, and what it
-declares it can do (devices, dtypes, gradients, soft-capping, at most how many groups, and
-an optional check of its own, e.g. whether a kernel could be built). From these
-:meth:`SparseBackend.why_not` says why it cannot run a call, or None. One call of
-:func:`register_backend` adds a backend (a GPU backend, say); ``"auto"`` takes the first
-backend that can run the call in increasing ``priority``: ``triton`` (7, chosen by ``"auto"``
-on CUDA: this package's Triton kernels), ``gather`` (8, chosen by ``"auto"``
-on CUDA for calls of at most 8 queries: decoding), ``masked`` (9, run by name only),
-``cpu_fused`` (10),
-``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100).
-A backend may restrict where ``"auto"`` chooses it (``auto_devices``) while still running
-elsewhere when asked for by name.
+declares it can do (devices, dtypes, gradients, soft-capping, at most how many groups,
+whether it decodes over a cache's :class:`~.buckets.GroupBuckets`, and an optional check of
+its own, e.g. whether a kernel could be built). From these :meth:`SparseBackend.why_not`
+says why it cannot run a call, or None. One call of :func:`register_backend` adds a backend
+(a GPU backend, say); ``"auto"`` takes the first backend that can run the call in increasing
+``priority``: ``triton`` (7, chosen by ``"auto"`` on CUDA: this package's Triton kernels),
+``gather`` (8, chosen by ``"auto"`` on CUDA for decoding-sized calls), ``masked`` (9, chosen
+by ``"auto"`` only to decode over group buckets where ``triton`` cannot), ``cpu_fused`` (10),
+``cpu_flash`` (20), ``flex`` (50, chosen by ``"auto"`` on CUDA only), ``math`` (100). A
+backend may restrict where ``"auto"`` chooses it (``auto_devices``, ``auto_check``) while
+still running elsewhere when asked for by name. :func:`run_backend` is the only place a
+backend runs.
+
+A call is *decoding-sized* when it has at most :data:`MAX_DECODE_QUERIES` queries (a
+decoding step, or a few speculative tokens): the one bound that the backends, the static
+cache and the Focus layer use to tell decoding from a prompt.
 
 The op itself is the custom operator ``torch.ops.focus_attention.sparse_attention``
 (``torch.library.custom_op``): ``torch.compile`` sees one opaque call with a fake
 implementation for shapes, and runs it eagerly, so compiled callers get bitwise the eager
-result. Inductor once compiled the op's Python body wrongly (errors ~2 on a 40-token input
-with several membership classes); as an opaque op it is never traced. Tested: ``opcheck``
-passes and ``torch.compile(fn, fullgraph=True)`` equals eager bitwise on every backend
-(tests/ops/test_compile.py). The operator does not check its arguments
+result (an opaque op is never traced: inductor once compiled the op's Python body wrongly).
+Tested: ``opcheck`` passes and ``torch.compile(fn, fullgraph=True)`` equals eager bitwise on
+every backend (tests/ops/test_compile.py). The operator does not check its arguments
 (:func:`~focus_attention.ops.sparse_attention` does), and on ``meta`` tensors the fake
 implementation answers without running a backend.
 
@@ -41,15 +46,18 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import fail
+from .buckets import GroupBuckets
 
 __all__ = [
     "CPU_DTYPES",
+    "MAX_DECODE_QUERIES",
     "BackendUnavailable",
     "SparseBackend",
     "SparseInputs",
     "SparseRequest",
     "backend_names",
     "check_backend_name",
+    "decoding_sized",
     "register_backend",
     "resolve_backend",
     "run_backend",
@@ -60,6 +68,16 @@ __all__ = [
 
 #: input dtypes of the built-in CPU kernels.
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: most queries of a decoding-sized call (a decoding step, or a few speculative tokens): the
+#: one bound by which the backends, the static cache and the Focus layer tell decoding from
+#: a prompt (the union of a few queries' visible keys stays far below every key).
+MAX_DECODE_QUERIES = 8
+
+
+def decoding_sized(num_queries: int) -> bool:
+    """Whether a call of ``num_queries`` queries is decoding-sized (at most
+    :data:`MAX_DECODE_QUERIES`)."""
+    return num_queries <= MAX_DECODE_QUERIES
 
 
 class BackendUnavailable(ValueError):
@@ -84,6 +102,9 @@ class SparseRequest:
     softcap: bool = False
     #: queries in the call (0: not said; backends that decide by shape then decline)
     num_queries: int = 0
+    #: the keys' groups come as a cache's group buckets only (no key memberships): a
+    #: decoding step over a static cache, which reads nothing back to the host
+    over_buckets: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,26 +113,34 @@ class SparseInputs:
     ``[B, H_kv, Nk, D]``, bool ``query_groups [B, Nq, K]``, ``key_groups [B, Nk, K]``,
     ``key_padding_mask [B, Nk]`` or None, ``1 <= window <= max(1, Nk)``, the logit
     ``scale``, the ``softcap`` or None, whether gradients are wanted, and whether the caller
-    reads the log-sum-exp (when not, a backend may return None in its place)."""
+    reads the log-sum-exp (when not, a backend may return None in its place).
+
+    A call over a cache (:func:`~focus_attention.ops.sparse.decode_attention`) gives the keys'
+    groups as the cache's ``buckets`` instead (``key_groups`` None; ``key``/``value`` then
+    ``[B, H_kv, C, D]`` of capacity ``C``) with ``key_lengths`` int ``[B]``, the keys cached
+    per row; a backend that decodes over buckets may also be given both, and then reads the
+    buckets."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
     query_groups: torch.Tensor
-    key_groups: torch.Tensor
+    key_groups: torch.Tensor | None
     key_padding_mask: torch.Tensor | None
     window: int
     scale: float
     softcap: float | None
     needs_grad: bool
     needs_lse: bool = True
+    buckets: GroupBuckets | None = None
+    key_lengths: torch.Tensor | None = None
 
     @property
     def request(self) -> SparseRequest:
         q = self.query
         k = self.query_groups.shape[-1]
         return SparseRequest(q.device, q.dtype, self.needs_grad, k, self.softcap is not None,
-                             q.shape[2])  # fmt: skip
+                             q.shape[2], self.key_groups is None)  # fmt: skip
 
 
 #: ``run(inputs) -> (out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``: token-major
@@ -133,6 +162,8 @@ class SparseBackend:
         differentiable: whether its output supports autograd.
         softcap: whether it applies logit soft-capping.
         max_groups: most groups ``K`` it takes, None for any.
+        buckets: whether it decodes over a cache's group buckets (calls whose keys' groups
+            come as :class:`~.buckets.GroupBuckets` only, inference only).
         check: an extra test of its own, ``check(request) -> reason or None`` (e.g. a kernel
             that could not be built); run last, only when the declarations allow the call.
         summary: one line for messages and documentation.
@@ -140,7 +171,8 @@ class SparseBackend:
             can run (a backend that is exact but slow on some device runs there only when
             asked for by name); ``()`` for nowhere (a backend run only by name).
         auto_check: ``auto_check(request) -> reason or None``: calls ``"auto"`` leaves to
-            other backends although this one can run them (e.g. shapes it is slow on).
+            other backends although this one may run them (e.g. shapes it is slow on);
+            asked before :meth:`why_not`.
     """
 
     name: str
@@ -151,6 +183,7 @@ class SparseBackend:
     differentiable: bool = False
     softcap: bool = False
     max_groups: int | None = None
+    buckets: bool = False
     check: Callable[[SparseRequest], str | None] | None = None
     summary: str = ""
     auto_devices: tuple[str, ...] | None = None
@@ -163,11 +196,15 @@ class SparseBackend:
         if self.dtypes is not None and request.dtype not in self.dtypes:
             names = ", ".join(str(t).removeprefix("torch.") for t in self.dtypes)
             return f"takes {names} inputs, received {request.dtype}"
+        if request.over_buckets:
+            if not self.buckets:
+                able = [b.name for b in _ordered() if b.buckets]
+                return f"does not decode over group buckets (those that do: {able})"
+            if request.needs_grad:
+                return "decodes over group buckets without gradients, and the inputs require grad"
         if request.needs_grad and not self.differentiable:
-            return (
-                "is inference only, and the inputs require grad (a differentiable "
-                "backend: 'auto', 'gather' or 'math')"
-            )
+            able = [b.name for b in _ordered() if b.differentiable]
+            return f"is inference only, and the inputs require grad (differentiable: {able})"
         if request.softcap and not self.softcap:
             return "does not apply softcap ('math' does)"
         if self.max_groups is not None and request.num_groups > self.max_groups:
@@ -176,18 +213,16 @@ class SparseBackend:
         return None if self.check is None else self.check(request)
 
     def why_not_auto(self, request: SparseRequest) -> str | None:
-        """Why ``"auto"`` does not choose this backend for ``request``, or None if it may:
-        :meth:`why_not`, a device outside ``auto_devices``, or ``auto_check``'s reason."""
+        """Why ``"auto"`` does not choose this backend for ``request``, or None if it may: a
+        device outside ``auto_devices``, ``auto_check``'s reason, or :meth:`why_not`."""
         devices = self.auto_devices
         if devices == ():
             return "is never chosen by 'auto' (ask for it by name)"
         if devices is not None and request.device.type not in devices:
             where = "/".join(devices)
             return f"is chosen by 'auto' on {where} only (ask for it by name on {request.device})"
-        reason = self.why_not(request)
-        if reason is None and self.auto_check is not None:
-            reason = self.auto_check(request)
-        return reason
+        reason = None if self.auto_check is None else self.auto_check(request)
+        return self.why_not(request) if reason is None else reason
 
 
 _REGISTRY: dict[str, SparseBackend] = {}

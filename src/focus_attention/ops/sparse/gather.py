@@ -1,6 +1,6 @@
 """The ``gather`` backend: attention that reads only the keys it attends, chosen by
-``"auto"`` for decoding-sized calls (at most :data:`GATHER_MAX_QUERIES` queries; docs/method.md
-§5, "Decoding"). Asked for by name it runs any call, exactly, in ``O(Nq x Nk)`` memory.
+``"auto"`` for decoding-sized calls (:func:`~.dispatch.decoding_sized`; docs/method.md §5,
+"Decoding"). Asked for by name it runs any call, exactly, in ``O(Nq x Nk)`` memory.
 
 For a call with ``Nq`` queries, the keys visible to at least one of them (causal, real, and
 inside the window or sharing a group) are found from the membership masks alone (``Nk x K``
@@ -12,8 +12,8 @@ of top-1 routing reads about ``window + Nk / K`` keys instead of ``Nk``. Any dev
 floating dtype (computed in float32, float64 for float64 inputs), soft-capping,
 differentiable.
 
-``"auto"`` chooses it on CUDA only: on the CPU the fused kernel decodes faster (the decoding
-study, experiments/decode/README.md, times both paths).
+``"auto"`` chooses it on CUDA only: on the CPU the fused kernel's scan of the key codes was
+faster at every context length measured (docs/method.md §5, "Backends").
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ import dataclasses
 import torch
 
 from ..reference import masked_attention
-from .dispatch import SparseBackend, SparseInputs, SparseRequest, register_backend
+from .dispatch import (
+    MAX_DECODE_QUERIES,
+    SparseBackend,
+    SparseInputs,
+    SparseRequest,
+    decoding_sized,
+    register_backend,
+)
 
-__all__ = ["GATHER_MAX_QUERIES", "gather_indices", "query_rows", "run_gather", "visible_keys"]
-
-#: most queries per call for which ``"auto"`` chooses the backend (a decoding step, or a
-#: few speculative tokens): beyond, the union of the queries' keys approaches every key.
-GATHER_MAX_QUERIES = 8
+__all__ = ["gather_indices", "query_rows", "run_gather", "visible_keys"]
 
 
 def visible_keys(inputs: SparseInputs) -> torch.Tensor:
@@ -106,8 +109,8 @@ def run_gather(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decode_sized(request: SparseRequest) -> str | None:
-    if not 1 <= request.num_queries <= GATHER_MAX_QUERIES:
-        return (f"is chosen by 'auto' for at most {GATHER_MAX_QUERIES} queries per call (a "
+    if request.num_queries < 1 or not decoding_sized(request.num_queries):
+        return (f"is chosen by 'auto' for at most {MAX_DECODE_QUERIES} queries per call (a "
                 f"decoding step), received {request.num_queries}")  # fmt: skip
     return None
 
@@ -120,6 +123,6 @@ BACKEND = SparseBackend(
     softcap=True,
     auto_devices=("cuda",),
     auto_check=_decode_sized,
-    summary=f"gathers the visible keys of at most {GATHER_MAX_QUERIES} queries (decoding)",
+    summary=f"gathers the visible keys of at most {MAX_DECODE_QUERIES} queries (decoding)",
 )
 register_backend(BACKEND)

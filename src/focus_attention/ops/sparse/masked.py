@@ -6,7 +6,10 @@ sequence of device operations.
 
 It reads all ``Nk`` keys and values (``gather`` reads about ``window + Nk / K``): the choice
 for short calls where launching operations costs more than reading keys (a small model on a
-GPU); ``"auto"`` never chooses it. A longer call (a prefill) runs in blocks of
+GPU). A call over a cache's group buckets (a static cache's decoding step) runs their
+PyTorch form, :func:`~.triton_decode.bucket_decode_reference` (the mask built from the
+buckets' codes over the whole capacity): ``"auto"`` chooses it for those calls only, where
+``triton`` cannot run them. A longer call (a prefill) runs in blocks of
 :data:`MASKED_BLOCK` queries, each against the keys up to its last query, so memory stays
 ``O(MASKED_BLOCK x Nk)`` per head and the arithmetic is dense attention's. Any device and
 floating dtype, soft-capping, inference only.
@@ -29,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from ..reference import masked_attention
-from .dispatch import SparseBackend, SparseInputs, register_backend
+from .dispatch import SparseBackend, SparseInputs, SparseRequest, register_backend
 from .gather import query_rows, visible_keys
+from .triton_decode import bucket_decode_reference
 
 __all__ = ["MASKED_BLOCK", "run_masked"]
 
@@ -41,7 +45,10 @@ MASKED_BLOCK = 256
 def run_masked(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``masked`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``,
     token-major; a query with no visible key gives zeros and ``-inf``. ``lse`` is None when
-    ``inputs.needs_lse`` is False and there is no soft-capping (then SDPA runs the block)."""
+    ``inputs.needs_lse`` is False and there is no soft-capping (then SDPA runs the block).
+    A call over group buckets runs :func:`~.triton_decode.bucket_decode_reference`."""
+    if inputs.buckets is not None:
+        return _over_buckets(inputs)
     attend = _attend_block
     if not inputs.needs_lse and inputs.softcap is None:
         attend = _attend_block_sdpa
@@ -88,12 +95,29 @@ def _attend_block(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out.transpose(1, 2).contiguous().to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
+def _over_buckets(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call over a cache's group buckets: :func:`~.triton_decode.bucket_decode_reference`."""
+    return bucket_decode_reference(
+        inputs.query, inputs.key, inputs.value, inputs.query_groups[:, None], inputs.buckets,
+        inputs.key_lengths, inputs.window, scale=inputs.scale, softcap=inputs.softcap,
+        key_padding_mask=inputs.key_padding_mask, needs_lse=inputs.needs_lse,
+    )  # fmt: skip
+
+
+def _buckets_only(request: SparseRequest) -> str | None:
+    """``"auto"`` chooses the backend for calls over group buckets only."""
+    if request.over_buckets:
+        return None
+    return "is chosen by 'auto' only to decode over group buckets (ask for it by name)"
+
+
 BACKEND = SparseBackend(
     name="masked",
     run=run_masked,
     priority=9,
     softcap=True,
-    auto_devices=(),
+    buckets=True,
+    auto_check=_buckets_only,
     summary="attends every key under the Focus mask, no host synchronisation (decoding)",
 )
 register_backend(BACKEND)
