@@ -11,6 +11,9 @@ from pathlib import Path
 from mkdocs.structure.files import File, Files, InclusionLevel
 
 ROOT = Path(__file__).resolve().parents[2]
+#: source files a guide links to (docs/method.md: the method in one file), at their
+#: repository paths on the site as in the repository
+SOURCES = ("src/focus_attention/ops/reference.py",)
 
 
 def _repository_files(top: str, *, pages: bool) -> list[Path]:
@@ -25,16 +28,27 @@ def _repository_files(top: str, *, pages: bool) -> list[Path]:
 
 
 def on_files(files: Files, config) -> Files:
-    """Add the studies (pages, not in the navigation) and the settings files to the site."""
-    for top, pages in (("experiments", True), ("configs", False)):
-        for path in _repository_files(top, pages=pages):
-            files.append(
-                File(
-                    path.relative_to(ROOT).as_posix(),
-                    src_dir=str(ROOT),
-                    dest_dir=config["site_dir"],
-                    use_directory_urls=config["use_directory_urls"],
-                    inclusion=InclusionLevel.NOT_IN_NAV,
-                )
-            )
+    """Add the studies (pages, not in the navigation), the settings files and the source
+    files the guides link to (:data:`SOURCES`) to the site."""
+    paths = [*_repository_files("experiments", pages=True),
+             *_repository_files("configs", pages=False)]  # fmt: skip
+    for path in paths:
+        files.append(_site_file(path.relative_to(ROOT).as_posix(), config))
+    for source in SOURCES:  # a guide's link ../src/... names the file by its path from docs/
+        file = _site_file(source, config)
+        dest_uri, abs_src_path = file.dest_uri, file.abs_src_path
+        file.src_uri = f"../{source}"
+        file.dest_uri, file.abs_src_path = dest_uri, abs_src_path
+        files.append(file)
     return files
+
+
+def _site_file(path: str, config) -> File:
+    """The repository file at ``path`` on the site at the same path, not in the navigation."""
+    return File(
+        path,
+        src_dir=str(ROOT),
+        dest_dir=config["site_dir"],
+        use_directory_urls=config["use_directory_urls"],
+        inclusion=InclusionLevel.NOT_IN_NAV,
+    )

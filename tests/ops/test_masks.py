@@ -10,6 +10,7 @@ from hypothesis import given
 from tolerances import tolerance
 
 from focus_attention.ops import dense_attention, expand_kv_heads, focus_mask
+from focus_attention.ops.masks import CODE_BITS, code_groups, group_code_words, group_codes
 
 from .helpers import HYP, brute_mask, case_params, gen, make_case, naive_attention
 
@@ -92,3 +93,38 @@ def test_expand_kv_heads_grouping(kv_heads):
     assert out.shape == (2, 6, 5, 3)
     for h in range(6):
         assert torch.equal(out[:, h], x[:, h // (6 // kv_heads)])
+
+
+# --------------------------------------------------------------------------------------
+# group codes: memberships as bits
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 5, 62])
+def test_group_codes_hold_bit_g_for_group_g_and_unpack(k):
+    groups = torch.rand(3, 17, k, generator=gen(k)) < 0.3
+    groups[0, 0] = True  # every group: the highest code
+    codes = group_codes(groups)
+    assert codes.dtype == torch.int64 and codes.shape == (3, 17)
+    want = [[sum(1 << g for g in range(k) if groups[b, n, g]) for n in range(17)] for b in range(3)]
+    assert codes.tolist() == want
+    assert torch.equal(code_groups(codes, k), groups)
+
+
+@pytest.mark.parametrize("k", [1, 5, 62, 63, 130])
+def test_group_code_words_share_a_bit_exactly_when_rows_share_a_group(k):
+    a = torch.rand(40, k, generator=gen(k)) < 0.05
+    b = torch.rand(40, k, generator=gen(k + 1)) < 0.05
+    words_a, words_b = group_code_words(a), group_code_words(b)
+    assert len(words_a) == -(-k // CODE_BITS)
+    share = torch.zeros(40, 40, dtype=torch.bool)
+    for wa, wb in zip(words_a, words_b, strict=True):
+        share |= (wa[:, None] & wb[None, :]) != 0
+    assert torch.equal(share, (a.float() @ b.float().t()) > 0)
+
+
+def test_group_codes_refuse_more_groups_than_a_word_and_non_boolean_memberships():
+    with pytest.raises(ValueError, match=f"K <= {CODE_BITS}"):
+        group_codes(torch.zeros(2, CODE_BITS + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="expected torch.bool"):
+        group_codes(torch.zeros(2, 4))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..ops.reference import attention_probs
+
 __all__ = ["base_sliding_window", "needle_attention", "needle_attention_by_head"]
 
 
@@ -90,14 +92,13 @@ def needle_attention_by_head(
     out = {}
     for rec in records:
         query = rec["query"][:, :, -1:].float()  # [1, H, 1, D]
-        kv_heads = rec["key"].shape[1]
-        key = rec["key"].float().repeat_interleave(query.shape[1] // kv_heads, dim=1)
-        logits = (query @ key.transpose(-1, -2)) * rec["scale"]
-        if rec["softcap"] is not None:
-            logits = rec["softcap"] * torch.tanh(logits / rec["softcap"])
+        key = rec["key"].float()
+        kv_heads = key.shape[1]
+        visible = torch.ones(1, 1, key.shape[2], dtype=torch.bool, device=key.device)
         window = base_sliding_window(fm.base_model.config, int(rec["layer"]))
         if window is not None:  # the base layer sees only its last ``window`` keys
-            logits[..., : max(0, n - window)] = -torch.inf
-        shares = logits.softmax(dim=-1)[0, :, 0, start:end].sum(dim=-1)  # [H]
+            visible[..., : max(0, n - window)] = False
+        probs = attention_probs(query, key, visible, rec["scale"], rec["softcap"])
+        shares = probs[0, :, 0, start:end].sum(dim=-1)  # [H]
         out[int(rec["layer"])] = shares.view(kv_heads, -1).max(dim=1).values.tolist()
     return out

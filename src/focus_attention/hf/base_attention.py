@@ -4,7 +4,6 @@ and the attention maps a Focus layer returns for ``output_attentions`` (docs/met
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..ops.reference import attention_probs
 from .masks import FocusMask
 from .runtime import ATTN_IMPLEMENTATION
 
@@ -75,36 +75,6 @@ def no_adapter_error() -> ValueError:
         "it and shares the config object: for a plain model pass a copy, "
         "from_config(copy.deepcopy(focus_model.config), attn_implementation='sdpa')"
     )
-
-
-def attention_probs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Softmax attention probabilities under a boolean mask, the maps a Focus layer returns
-    for ``output_attentions`` (the same logits as ``focus_attention.ops.dense_attention``).
-
-    Args:
-        query: ``[B, H, Nq, D]``; key: ``[B, H_kv, Nk, D]``; mask: bool ``[B, Nq, Nk]``.
-        scale: logit scale; softcap: optional logit soft-capping.
-
-    Returns:
-        ``[B, H, Nq, Nk]`` in the query's dtype, computed in float32 (float64 for float64
-        inputs); a row with no visible key is all zeros.
-    """
-    heads = query.shape[1]
-    k = key.repeat_interleave(heads // key.shape[1], dim=1)
-    ct = torch.promote_types(query.dtype, torch.float32)
-    logits = (query.to(ct) @ k.to(ct).transpose(-1, -2)) * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    visible = mask[:, None]
-    logits = logits.masked_fill(~visible, -math.inf)
-    probs = torch.softmax(logits.masked_fill(~visible.any(-1, keepdim=True), 0.0), dim=-1)
-    return probs.masked_fill(~visible, 0.0).to(query.dtype)
 
 
 def causal_maps(query: torch.Tensor, key: torch.Tensor, real: torch.Tensor | None,

@@ -11,14 +11,12 @@ co-membership ``g_i . g_j`` of the Sinkhorn rows or by the hard top-k mask.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..utils.precision import without_autocast
 from .checks import check_bool, check_positive, check_qkv, check_shape, check_tensor, fail
 from .masks import effective_window
-from .reference import expand_kv_heads
+from .reference import expand_kv_heads, masked_softmax
 
 __all__ = ["distant_attention", "hard_coverage", "soft_coverage"]
 
@@ -98,15 +96,12 @@ def distant_attention(
     for start in range(0, rows.numel(), chunk_size):
         idx = rows[start : start + chunk_size]
         qpos = (nk - nq + idx)[:, None]  # [R, 1] absolute positions
-        logits = (query[:, :, idx].to(ct) @ k.transpose(-1, -2)) * scale  # [B, H, R, Nk]
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
         visible = (kpos[None] <= qpos)[None]  # [1, R, Nk]
         if key_padding_mask is not None:
             visible = visible & key_padding_mask[:, None, :]
-        logits = logits.masked_fill(~visible[:, None], -math.inf)
-        probs = torch.softmax(logits.masked_fill(~visible.any(-1)[:, None, :, None], 0.0), -1)
-        probs = probs.masked_fill(~visible[:, None], 0.0).mean(dim=1)  # [B, R, Nk]
+        probs, _ = masked_softmax(query[:, :, idx].to(ct), k, visible, scale=scale,
+                                  softcap=softcap, eager=True)  # fmt: skip
+        probs = probs.mean(dim=1)  # [B, R, Nk]
         distant = (qpos - kpos[None]) >= win
         if always_visible is not None:
             distant = distant & ~always_visible[:, None, :]

@@ -10,13 +10,13 @@ the kernel from the routing rows, so on CUDA (compiled kernels) nothing of size
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..utils.precision import without_autocast
+from . import reference
 from .checks import (
     check_bool,
     check_device,
@@ -28,7 +28,6 @@ from .checks import (
 )
 from .masks import check_groups, effective_window
 from .names import GATES
-from .reference import expand_kv_heads
 from .sparse.flex import causal_block_mask, flex_call
 
 Gate = Literal["paper", "log"]
@@ -155,37 +154,18 @@ def _dense_gated(query, key, value, query_probs, key_probs, window, gate, sharpn
     settings = (gate, sharpness, eps, scale, softcap)
     nq = query.shape[2]
     if chunk_size is None or chunk_size >= nq:
-        return _gated_rows(query, key, value, query_probs, key_probs, local, visible, *settings)
+        return reference.gated_attention(query, key, value, query_probs, key_probs, local,
+                                         visible, *settings)  # fmt: skip
     outs = []
     for start in range(0, nq, chunk_size):
         rows = slice(start, start + chunk_size)
         args = (query[:, :, rows], key, value, query_probs[:, rows], key_probs,
                 local[:, rows], visible[:, rows], *settings)  # fmt: skip
         if torch.is_grad_enabled():
-            outs.append(checkpoint(_gated_rows, *args, use_reentrant=False))
+            outs.append(checkpoint(reference.gated_attention, *args, use_reentrant=False))
         else:
-            outs.append(_gated_rows(*args))
+            outs.append(reference.gated_attention(*args))
     return torch.cat(outs, dim=2)
-
-
-def _gated_rows(query, key, value, query_probs, key_probs, local, visible, gate, sharpness, eps, scale, softcap):  # fmt: skip
-    """:func:`gated_attention` of some query rows (``local``/``visible`` cut to those rows)."""
-    # fp32 (fp64 for float64 inputs, e.g. gradcheck)
-    ct = torch.promote_types(torch.promote_types(query.dtype, query_probs.dtype), torch.float32)
-    affinity = query_probs.to(ct) @ key_probs.to(ct).transpose(1, 2)  # [B, Nq, Nk]
-    # A row with no visible key (padding) is computed as if every key were visible and its
-    # output zeroed afterwards, so softmax never sees an all -inf row (no NaN gradient).
-    row_any = visible.any(dim=-1, keepdim=True)  # [B, Nq, 1]
-    visible = visible | ~row_any
-    k = expand_kv_heads(key, query.shape[1])
-    v = expand_kv_heads(value, query.shape[1])
-    qk = (query @ k.transpose(-1, -2)).to(ct)  # [B, H, Nq, Nk], product in the input dtype
-    if softcap is not None:
-        qk, scale = softcap * torch.tanh(qk * (scale / softcap)), 1.0
-    logits = _gated_logits(qk, affinity, local, visible, gate, sharpness, eps, scale)
-    probs = torch.softmax(logits, dim=-1).to(query.dtype)
-    out = probs @ v
-    return out * row_any[:, None].to(out.dtype)
 
 
 def _flex_gated(query, key, value, query_probs, key_probs, window, gate, sharpness, eps,
@@ -217,12 +197,8 @@ def _flex_gated(query, key, value, query_probs, key_probs, window, gate, sharpne
         local = (i + offset - j) < width
         if always_visible is not None:
             local = local | always_visible[b, j]
-        if gate == "paper":
-            factor = torch.where(
-                local, torch.ones_like(affinity), torch.sigmoid(sharpness * affinity)
-            )
-            return score * factor
-        return score + torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
+        value = reference.soft_gate(affinity, local, gate, sharpness, eps)
+        return score * value if gate == "paper" else score + value
 
     mask = causal_block_mask(nq, nk, key_padding_mask, device)
     out, _ = flex_call(query, key, value, mask, scale=scale, score_mod=score_mod)
@@ -256,28 +232,10 @@ def _check_gated(query, key, value, query_probs, key_probs, window, gate, paddin
 def _visibility(query, key, window, key_padding_mask, always_visible):
     """``(local, visible)``: bool ``[B or 1, Nq, Nk]`` masks of the local pairs (window and
     always-visible keys) and of the causal, real pairs."""
-    nq, nk, device = query.shape[2], key.shape[2], query.device
-    qpos = torch.arange(nk - nq, nk, device=device)[:, None]
-    kpos = torch.arange(nk, device=device)[None, :]
-    causal = (kpos <= qpos)[None]  # [1, Nq, Nk]
-    local = ((qpos - kpos) < effective_window(window, nk))[None]
+    nq, nk = query.shape[2], key.shape[2]
+    causal, local = reference.causal_and_local(nq, nk, effective_window(window, nk), query.device)
+    causal, local = causal[None], local[None]  # [1, Nq, Nk]
     if always_visible is not None:
         local = local | always_visible[:, None, :]
     visible = causal if key_padding_mask is None else causal & key_padding_mask[:, None, :]
     return local, visible
-
-
-def _gated_logits(qk, affinity, local, visible, gate, sharpness, eps, scale):
-    """Gated, masked logits ``[B, H, Nq, Nk]`` from the raw products ``qk``.
-
-    Everything that does not depend on the head is folded into one ``[B, 1, Nq, Nk]``
-    tensor, so the per-head logits take a single extra pass (as eager attention's scale and
-    mask do)."""
-    neg_inf = torch.full((), -math.inf, device=qk.device)
-    if gate == "paper":
-        factor = torch.where(local, torch.ones_like(affinity), torch.sigmoid(sharpness * affinity))
-        mask_bias = torch.where(visible, torch.zeros_like(affinity), neg_inf)
-        return torch.addcmul(mask_bias[:, None], qk, (factor * scale)[:, None])
-    bias = torch.where(local, torch.zeros_like(affinity), torch.log(eps + affinity))
-    bias = torch.where(visible, bias, neg_inf)
-    return torch.add(bias[:, None], qk, alpha=scale)

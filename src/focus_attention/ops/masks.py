@@ -1,10 +1,12 @@
-"""The dense boolean Focus mask: the oracle for tests and small inputs (docs/method.md §4)."""
+"""Group memberships as masks: their checks, the dense boolean Focus mask (the oracle for tests
+and small inputs, docs/method.md §4) and the bit codes the sparse kernels read them as."""
 
 from __future__ import annotations
 
 import torch
 
 from ..utils.checks import check_int
+from . import reference
 from .checks import check_bool, check_device, check_shape, check_tensor, fail
 
 
@@ -82,15 +84,45 @@ def focus_mask(
     Raises:
         ValueError: malformed shapes or dtypes, ``window < 1``, ``Nq > Nk``.
     """
-    bsz, nq, nk, _ = check_groups(query_groups, key_groups, key_padding_mask, window)
+    nk = check_groups(query_groups, key_groups, key_padding_mask, window)[2]
     window = effective_window(window, nk)
-    device = query_groups.device
-    qpos = torch.arange(nk - nq, nk, device=device)[:, None]
-    kpos = torch.arange(nk, device=device)[None, :]
-    causal = kpos <= qpos
-    local = (qpos - kpos) < window
-    share = (query_groups.float() @ key_groups.float().transpose(1, 2)) > 0
-    mask = causal[None] & (local[None] | share)
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, :]
-    return mask
+    return reference.focus_mask(query_groups, key_groups, window, key_padding_mask)
+
+
+#: groups per int64 code word (its sign bit unused).
+CODE_BITS = 62
+
+
+def group_codes(groups: torch.Tensor) -> torch.Tensor:
+    """Bit codes of bool memberships ``[..., K]``: int64 ``[...]``, bit ``g`` set iff group
+    ``g`` is held; two tokens share a group iff their codes have a common bit. The one
+    packer of the package (the kernels, FlexAttention's masks and the decomposition's
+    membership classes read these codes).
+
+    Raises:
+        ValueError: ``K > CODE_BITS`` or memberships that are not boolean.
+    """
+    if groups.dtype != torch.bool:
+        raise ValueError(f"groups: received dtype {groups.dtype}, expected torch.bool")
+    k = groups.shape[-1]
+    if k > CODE_BITS:
+        raise ValueError(f"groups: received K = {k}, expected K <= {CODE_BITS}")
+    return (groups.to(torch.int64) * _bits(k, groups.device)).sum(dim=-1)
+
+
+def group_code_words(groups: torch.Tensor) -> list[torch.Tensor]:
+    """Bit codes of bool memberships ``[..., K]`` of any ``K``: a list of ``ceil(K / 62)``
+    int64 tensors ``[...]``, word ``w`` the :func:`group_codes` of groups ``62 w .. 62 w +
+    61`` (two rows share a group iff some word of theirs has a common bit)."""
+    k = groups.shape[-1]
+    return [group_codes(groups[..., w : w + CODE_BITS]) for w in range(0, k, CODE_BITS)]
+
+
+def code_groups(codes: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """The memberships bool ``[..., K]`` of :func:`group_codes`'s int64 ``codes [...]``."""
+    return (codes[..., None] & _bits(num_groups, codes.device)) != 0
+
+
+def _bits(num_groups: int, device) -> torch.Tensor:
+    """int64 ``[K]``: ``2 ** g`` for each group ``g``."""
+    return torch.pow(2, torch.arange(num_groups, device=device, dtype=torch.int64))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..utils.checks import check_int
-from ..utils.precision import without_autocast
+from . import reference
 from .checks import check_count, check_finite, check_shape, check_tensor, fail
 from .sparse import extension
 
@@ -16,7 +16,6 @@ from .sparse import extension
 FUSED_ROUTE_TOKENS = 16
 
 
-@without_autocast
 def group_scores(
     hidden: torch.Tensor,
     proj: torch.Tensor,
@@ -56,12 +55,7 @@ def group_scores(
         fail("centroids", f"shape {tuple(centroids.shape)}", f"[K, d_g={proj.shape[1]}]")
     if not (isinstance(temperature, (int, float)) and temperature > 0):
         fail("temperature", repr(temperature), "a float > 0")
-    feats = hidden.float() @ proj.float()
-    cents = centroids.float()
-    if normalize:
-        feats = torch.nn.functional.normalize(feats, dim=-1, eps=1e-6)
-        cents = torch.nn.functional.normalize(cents, dim=-1, eps=1e-6)
-    return feats @ cents.t() / float(temperature)
+    return reference.group_scores(hidden, proj, centroids, temperature, normalize=normalize)
 
 
 def sinkhorn(
@@ -100,36 +94,16 @@ def sinkhorn(
     check_tensor("log_scores", log_scores, 3, floating=True)
     check_int("sinkhorn", "n_iter", n_iter, 0)
     check_finite("log_scores", log_scores)
-    bsz, n, k = log_scores.shape
-    ct = torch.promote_types(log_scores.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
-    # +-inf scores (a centroid scaled to 1e4 at a tiny temperature) would give inf - inf
-    x = log_scores.to(ct).clamp(min=-1e30, max=1e30)
-    real = None
     if padding_mask is not None:
         check_tensor("padding_mask", padding_mask, 2)
         if padding_mask.dtype != torch.bool:
             fail("padding_mask", f"dtype {padding_mask.dtype}", "torch.bool (True = real)")
-        check_shape("padding_mask", padding_mask, (bsz, n), "[B, N] of log_scores")
-        # a sequence with no real token is computed as if unpadded, then zeroed below
-        real = (padding_mask | ~padding_mask.any(dim=1, keepdim=True))[..., None]
-        # padding rows stay finite (no NaN gradient) and are excluded from the column sums
-        x = torch.where(real, x, torch.zeros_like(x))
-    col_total = torch.zeros(bsz, 1, k, dtype=ct, device=x.device)
-    for _ in range(n_iter):
-        cols_in = x if real is None else x.masked_fill(~real, float("-inf"))
-        col = torch.logsumexp(cols_in, dim=1, keepdim=True)  # [B, 1, K]
-        x = x - col
-        col_total = col_total + col
-        x = x - torch.logsumexp(x, dim=2, keepdim=True)  # rows sum to 1
-    if n_iter == 0:  # no balancing: the softmax over groups
-        x = x - torch.logsumexp(x, dim=2, keepdim=True)
-    probs = x.exp()
-    if padding_mask is not None:
-        probs = probs.masked_fill(~padding_mask[..., None], 0.0)
-    if not return_column_bias:
-        return probs
-    bias = -col_total[:, 0, :]
-    return probs, bias - bias.mean(dim=-1, keepdim=True)
+        check_shape(
+            "padding_mask", padding_mask, tuple(log_scores.shape[:2]), "[B, N] of log_scores"
+        )
+    return reference.sinkhorn(
+        log_scores, n_iter, padding_mask, return_column_bias=return_column_bias
+    )
 
 
 def topk_memberships(scores: torch.Tensor, top_k: int, *, check_nan: bool = True) -> torch.Tensor:
@@ -157,11 +131,7 @@ def topk_memberships(scores: torch.Tensor, top_k: int, *, check_nan: bool = True
     check_count("topk_memberships", "top_k", top_k, 1, k)
     if check_nan:
         check_finite("scores", scores)
-    out = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    if top_k == 1:  # argmax returns the first of tied maxima: the same rule, without a sort
-        return out.scatter_(-1, scores.float().argmax(dim=-1, keepdim=True), True)
-    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
-    return out.scatter_(-1, order[..., :top_k], True)
+    return reference.topk_memberships(scores, top_k)
 
 
 def causal_topk_groups(

@@ -36,6 +36,8 @@ from typing import Protocol
 
 import torch
 
+from ..masks import CODE_BITS, code_groups, group_codes
+
 __all__ = [
     "BAND_BLOCK",
     "BAND_ELEMENTS",
@@ -105,13 +107,10 @@ class _Stair:
 def membership_classes(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct membership rows of bool ``[N, K]``: ``(classes [C, K], inverse [N])``."""
     k = groups.shape[-1]
-    if k > 62:  # no int64 code: compare whole rows (slower)
+    if k > CODE_BITS:  # no int64 code: compare whole rows (slower)
         return torch.unique(groups, dim=0, return_inverse=True)
-    weights = torch.pow(2, torch.arange(k, device=groups.device, dtype=torch.int64))
-    codes = (groups.to(torch.int64) * weights).sum(dim=-1)
-    uniq, inverse = torch.unique(codes, return_inverse=True)
-    classes = (uniq[:, None] & weights) != 0
-    return classes, inverse
+    uniq, inverse = torch.unique(group_codes(groups), return_inverse=True)
+    return code_groups(uniq, k), inverse
 
 
 def _strided_blocks(x: torch.Tensor, start: int, nb: int, length: int, step: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from ..masks import CODE_BITS, group_code_words
 from ..merge import merge_partials
 from .dispatch import CPU_DTYPES, SparseBackend, SparseInputs, SparseRequest, register_backend
 
@@ -65,8 +66,6 @@ __all__ = [
 
 #: query and key block size of the block masks (FlexAttention's default tile).
 FLEX_BLOCK = 128
-#: groups per int64 word of a membership code.
-CODE_BITS = 62
 #: group number of the filler rows that pad the group layout (never equal to a group).
 _FILL_QUERY, _FILL_KEY = -1, -2
 
@@ -80,14 +79,7 @@ def membership_codes(groups: torch.Tensor) -> list[torch.Tensor]:
     """Bit codes of bool memberships ``[..., K]``: a list of ``ceil(K / 62)`` int64 tensors
     ``[...]``, word ``w`` holding groups ``62 w .. 62 w + 61`` (two rows share a group iff
     some word of theirs has a common bit)."""
-    k = groups.shape[-1]
-    words = -(-k // CODE_BITS)
-    weights = torch.pow(2, torch.arange(CODE_BITS, device=groups.device, dtype=torch.int64))
-    out = []
-    for w in range(words):
-        part = groups[..., w * CODE_BITS : (w + 1) * CODE_BITS].to(torch.int64)
-        out.append((part * weights[: part.shape[-1]]).sum(dim=-1))
-    return out
+    return group_code_words(groups)
 
 
 def _share(a_codes, a_b, a_i, b_codes, b_b, b_i):

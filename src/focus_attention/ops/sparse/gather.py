@@ -6,10 +6,11 @@ For a call with ``Nq`` queries, the keys visible to at least one of them (causal
 inside the window or sharing a group) are found from the membership masks alone (``Nk x K``
 booleans, no key is read), gathered into a dense ``[B, H_kv, M, D]`` block with
 ``index_select`` (only those ``M`` key and value rows are read), and attended with a
-per-query mask over the block: the visible set of every query is a subset of the block, so
-the result is exact. A decoding step of top-1 routing reads about ``window + Nk / K`` keys
-instead of ``Nk``. Any device and floating dtype (computed in float32, float64 for float64
-inputs), soft-capping, differentiable.
+per-query mask over the block (:func:`focus_attention.ops.reference.masked_attention`): the
+visible set of every query is a subset of the block, so the result is exact. A decoding step
+of top-1 routing reads about ``window + Nk / K`` keys instead of ``Nk``. Any device and
+floating dtype (computed in float32, float64 for float64 inputs), soft-capping,
+differentiable.
 
 ``"auto"`` chooses it on CUDA only: on the CPU the fused kernel's scan of the key codes was
 faster at every context length measured (docs/method.md §5, "Backends").
@@ -18,10 +19,10 @@ faster at every context length measured (docs/method.md §5, "Backends").
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
+from ..reference import masked_attention
 from .dispatch import (
     MAX_DECODE_QUERIES,
     SparseBackend,
@@ -97,31 +98,14 @@ def run_gather(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``gather`` backend: ``(out [B, Nq, H, D] in the query's dtype, lse [B, Nq, H])``,
     token-major; a query with no visible key gives zeros and ``-inf``."""
     q = inputs.query
-    b, h, nq, d = q.shape
-    h_kv = inputs.key.shape[1]
-    rep = h // h_kv
+    b, nq = q.shape[0], q.shape[2]
     vis = visible_keys(inputs)
     index, valid = gather_indices(vis.any(dim=1))
-    ct = torch.promote_types(q.dtype, torch.float32)
-    k = _gather_rows(inputs.key, index).to(ct)
-    v = _gather_rows(inputs.value, index).to(ct)
+    k = _gather_rows(inputs.key, index)
+    v = _gather_rows(inputs.value, index)
     mask = vis.gather(2, index[:, None, :].expand(b, nq, index.shape[1])) & valid[:, None, :]
-    # GQA: the rep query heads of a key head are rows of one product
-    qh = q.to(ct).reshape(b, h_kv, rep * nq, d)
-    logits = (qh @ k.transpose(-1, -2)) * inputs.scale  # [B, H_kv, rep * Nq, M]
-    if inputs.softcap is not None:
-        logits = inputs.softcap * torch.tanh(logits / inputs.softcap)
-    mask = mask[:, None, None].expand(b, h_kv, rep, nq, mask.shape[-1]).reshape(logits.shape)
-    seen = mask.any(dim=-1, keepdim=True)
-    # rows with no visible key: finite zeros in, zeros and -inf out (no NaN in the gradient)
-    logits = torch.where(seen, logits.masked_fill(~mask, -math.inf), torch.zeros_like(logits))
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.where(seen, torch.exp(logits - lse[..., None]), torch.zeros_like(logits))
-    lse = torch.where(seen[..., 0], lse, torch.full_like(lse, -math.inf))
-    out = probs @ v
-    out = out.reshape(b, h, nq, d).transpose(1, 2).contiguous().to(q.dtype)
-    lse = lse.reshape(b, h, nq).transpose(1, 2).contiguous()
-    return out, lse
+    out, lse = masked_attention(q, k, v, mask, scale=inputs.scale, softcap=inputs.softcap)
+    return out.transpose(1, 2).contiguous().to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
 def _decode_sized(request: SparseRequest) -> str | None:

@@ -17,9 +17,10 @@ floating dtype, soft-capping, inference only.
 A call whose caller does not read the log-sum-exp (a Focus layer's) and has no soft-capping
 is one call of PyTorch's ``scaled_dot_product_attention`` under the boolean mask, in the
 inputs' dtype (one fused kernel where the device has one): the arithmetic of the dense
-model's own ``sdpa`` attention. Otherwise the logits, the log-sum-exp and the softmax are
-computed here, in float32 (float64 for float64 inputs: half-precision keys and values are
-copied to float32 whole, ``2 x Nk x D`` floats per key-value head). As in dense attention
+model's own ``sdpa`` attention. Otherwise the block is
+:func:`focus_attention.ops.reference.masked_attention`, in float32 (float64 for float64
+inputs: half-precision keys and values are copied to float32 whole, ``2 x Nk x D`` floats
+per key-value head). As in dense attention
 under a mask, a value row that no query sees still enters the product with weight 0, so a
 NaN or infinity there (a cache holding garbage in its padding) makes the output NaN, where
 the gathering backends skip the row; on the SDPA path a NaN key no query sees does too (a
@@ -28,10 +29,9 @@ NaN logit plus the mask's ``-inf`` stays NaN, as in the dense model's ``sdpa``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..reference import masked_attention
 from .dispatch import SparseBackend, SparseInputs, SparseRequest, register_backend
 from .gather import query_rows, visible_keys
 from .triton_decode import bucket_decode_reference
@@ -87,25 +87,12 @@ def _attend_block_sdpa(inputs: SparseInputs) -> tuple[torch.Tensor, None]:
 
 
 def _attend_block(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of queries against every key, under the mask: as :func:`run_masked`."""
+    """One block of queries against every key, under the mask, by
+    :func:`~focus_attention.ops.reference.masked_attention`: as :func:`run_masked`."""
     q = inputs.query
-    b, h, nq, d = q.shape
-    h_kv, nk = inputs.key.shape[1], inputs.key.shape[2]
-    rep = h // h_kv
-    vis = visible_keys(inputs)[:, None, None]  # [B, 1, 1, Nq, Nk]
-    ct = torch.promote_types(q.dtype, torch.float32)
-    # GQA: the rep query heads of a key head are rows of one product
-    qh = q.to(ct).reshape(b, h_kv, rep * nq, d)
-    logits = (qh @ inputs.key.to(ct).transpose(-1, -2)) * inputs.scale
-    if inputs.softcap is not None:
-        logits = inputs.softcap * torch.tanh(logits / inputs.softcap)
-    logits = logits.view(b, h_kv, rep, nq, nk).masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)  # -inf where no key is visible
-    # rows with no visible key: exp(-inf - -inf) is NaN there, replaced by zeros
-    probs = torch.where(vis.any(dim=-1, keepdim=True), torch.exp(logits - lse[..., None]), 0.0)
-    out = probs.view(b, h_kv, rep * nq, nk) @ inputs.value.to(ct)
-    out = out.view(b, h, nq, d).transpose(1, 2).contiguous().to(q.dtype)
-    return out, lse.view(b, h, nq).transpose(1, 2).contiguous()
+    out, lse = masked_attention(q, inputs.key, inputs.value, visible_keys(inputs),
+                                scale=inputs.scale, softcap=inputs.softcap)  # fmt: skip
+    return out.transpose(1, 2).contiguous().to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
 def _over_buckets(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,10 +1,10 @@
 """The ``math`` backend: the decomposition of docs/method.md §5 in blocked PyTorch code.
 
 Differentiable, any device and floating dtype (computed in float32, float64 for float64
-inputs), and the only built-in backend that applies Gemma-2's logit soft-capping. Each part
-of the decomposition is assembled into one ``[H, Nq, D]`` result and the parts are merged
-with :func:`focus_attention.ops.merge.merge_partials`, out of place, so autograd sees every
-step.
+inputs), Gemma-2's logit soft-capping. Each piece of a part is attended by
+:func:`focus_attention.ops.reference.masked_attention`; the pieces are assembled into one
+``[H, Nq, D]`` result per part and the parts are merged with
+:func:`focus_attention.ops.merge.merge_partials`, out of place, so autograd sees every step.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Hashable
 import torch
 
 from ..merge import merge_partials
+from ..reference import masked_attention
 from .decomposition import Decomposition
 from .dispatch import SparseBackend, SparseInputs, register_backend
 
@@ -25,20 +26,17 @@ MATH_BLOCK = 512
 
 
 def attend_math(q, k, v, mask, causal, scale: float, softcap: float | None):
-    """Differentiable attention: ``q [..., H, n, D]``, ``k/v [..., H, m, D]`` (heads already
-    expanded), bool ``mask [..., n, m]`` or None, ``causal`` (key ``j`` visible to query
-    ``i`` iff ``j <= i``). Returns ``(out [..., H, n, D], lse [..., H, n])`` in float32
-    (float64 for float64 inputs); a query with no visible key gives 0 and ``-inf``."""
+    """Differentiable attention: ``q [..., H, n, D]``, ``k/v [..., H_kv, m, D]``, bool
+    ``mask [..., n, m]`` or None, ``causal`` (key ``j`` visible to query ``i`` iff
+    ``j <= i``), in blocks of :data:`MATH_BLOCK` queries, each block by
+    :func:`~focus_attention.ops.reference.masked_attention`. Returns ``(out [..., H, n, D],
+    lse [..., H, n])`` in float32 (float64 for float64 inputs); a query with no visible key
+    gives 0 and ``-inf``."""
     n, m = q.shape[-2], k.shape[-2]
-    ct = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for gradcheck
     outs, lses = [], []
     for start in range(0, n, MATH_BLOCK):
         stop = min(n, start + MATH_BLOCK)
         hi = min(m, stop) if causal else m
-        qb, kb = q[..., start:stop, :].to(ct), k[..., :hi, :].to(ct)
-        logits = (qb @ kb.transpose(-1, -2)) * scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
         vis = None
         if causal:
             vis = (
@@ -47,16 +45,9 @@ def attend_math(q, k, v, mask, causal, scale: float, softcap: float | None):
             )
         elif mask is not None:
             vis = mask[..., start:stop, :]
-        if vis is not None:
-            row_any = vis.any(dim=-1, keepdim=True)
-            logits = logits.masked_fill(~vis, -math.inf)
-            logits = torch.where(row_any, logits, torch.zeros_like(logits))
-        lse = torch.logsumexp(logits, dim=-1)
-        probs = torch.exp(logits - lse[..., None])
-        if vis is not None:
-            probs = torch.where(row_any, probs, torch.zeros_like(probs))
-            lse = torch.where(row_any[..., 0], lse, torch.full_like(lse, -math.inf))
-        outs.append(probs @ v[..., :hi, :].to(ct))
+        out, lse = masked_attention(q[..., start:stop, :], k[..., :hi, :], v[..., :hi, :], vis,
+                                    scale=scale, softcap=softcap)  # fmt: skip
+        outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 

@@ -26,6 +26,7 @@ import torch
 from ...utils.checks import check_int
 from ..checks import check_bool, check_device, check_positive, check_qkv, check_tensor, fail
 from ..masks import effective_window
+from ..reference import masked_attention
 from .buckets import GroupBuckets
 from .dispatch import BackendUnavailable
 from .triton_support import MAX_KERNEL_GROUPS, group_codes, triton_reason
@@ -316,24 +317,13 @@ def bucket_decode_reference(
                         softcap, key_padding_mask)  # fmt: skip
     if num_splits is not None:
         check_int(_OWNER, "num_splits", num_splits, 1)
-    b, h, nq, d = query.shape
-    h_kv, capacity = key.shape[1], key.shape[2]
-    rep = h // max(1, h_kv)
     visible, real = reference_visibility(call)  # [B, R, Nq, C], [B, C]
     ct = torch.promote_types(query.dtype, torch.float32)
     # a slot beyond the length may hold NaN: zero its value row (its weight is 0, NaN * 0 not)
     v = torch.where(real[:, None, :, None], value.to(ct), 0.0)
-    logits = query.to(ct).reshape(b, h_kv, rep * nq, d) @ key.to(ct).transpose(-1, -2)
-    logits = logits * call.scale
-    if call.softcap is not None:
-        logits = call.softcap * torch.tanh(logits / call.softcap)
-    logits = logits.view(b, h_kv, rep, nq, capacity).masked_fill(~visible[:, :, None], -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)  # [B, H_kv, rep, Nq], -inf where nothing is visible
-    seen = visible.any(dim=-1)[:, :, None, :, None]
-    probs = torch.where(seen, torch.exp(logits - lse[..., None]), 0.0)
-    out = probs.view(b, h_kv, rep * nq, capacity) @ v
-    out = out.view(b, h, nq, d).transpose(1, 2).contiguous().to(query.dtype)
-    return out, lse.reshape(b, h, nq).transpose(1, 2).contiguous() if needs_lse else None
+    out, lse = masked_attention(query, key, v, visible, scale=call.scale, softcap=call.softcap)
+    out = out.transpose(1, 2).contiguous().to(query.dtype)
+    return out, lse.transpose(1, 2).contiguous() if needs_lse else None
 
 
 def reference_visibility(call: DecodeCall) -> tuple[torch.Tensor, torch.Tensor]:

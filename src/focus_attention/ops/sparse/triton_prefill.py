@@ -255,7 +255,7 @@ def group_order(members: torch.Tensor, step: int) -> GroupOrder:
     rows = torch.zeros(bsz, routes, slots + 1, dtype=torch.int32, device=device)
     rows.scatter_(2, dest, tokens)
     ends = torch.arange(step, n + step, step, device=device).clamp(max=n) - 1
-    low = torch.pow(2, torch.arange(k, device=device, dtype=torch.int64)) - 1
+    low = group_codes(torch.ones(k, k, dtype=torch.bool, device=device).tril(-1))  # 2**g - 1
     code_dtype = _code_dtype(k)
     codes = group_codes(members).to(code_dtype)
     return GroupOrder(rows, segments, cum.index_select(2, ends), codes, low.to(code_dtype), step)

@@ -8,7 +8,8 @@ only when a kernel is first launched, because Triton decides between compiling a
 interpreting when a kernel is defined.
 
 Group memberships reach the kernels as one int64 bit code per token (bit ``g`` set iff the
-token is in group ``g``), so the kernels take at most :data:`MAX_KERNEL_GROUPS` groups.
+token is in group ``g``; :func:`~focus_attention.ops.masks.group_codes`, imported here for
+the kernels' modules), so the kernels take at most :data:`MAX_KERNEL_GROUPS` groups.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import importlib.util
 import os
 
 import torch
+
+from ..masks import CODE_BITS, group_codes
 
 __all__ = [
     "MAX_KERNEL_GROUPS",
@@ -27,7 +30,7 @@ __all__ = [
 ]
 
 #: most groups ``K`` the Triton kernels take (one int64 code word, its sign bit unused).
-MAX_KERNEL_GROUPS = 62
+MAX_KERNEL_GROUPS = CODE_BITS
 
 
 def triton_installed() -> bool:
@@ -54,19 +57,3 @@ def triton_reason(device: torch.device) -> str | None:
         f"runs on CUDA tensors (or on the CPU under Triton's interpreter, TRITON_INTERPRET=1), "
         f"received {device}"
     )
-
-
-def group_codes(groups: torch.Tensor) -> torch.Tensor:
-    """Bit codes of bool memberships ``[..., K]``: int64 ``[...]``, bit ``g`` set iff group
-    ``g`` is held; two tokens share a group iff their codes have a common bit.
-
-    Raises:
-        ValueError: ``K > MAX_KERNEL_GROUPS`` or memberships that are not boolean.
-    """
-    if groups.dtype != torch.bool:
-        raise ValueError(f"groups: received dtype {groups.dtype}, expected torch.bool")
-    k = groups.shape[-1]
-    if k > MAX_KERNEL_GROUPS:
-        raise ValueError(f"groups: received K = {k}, expected K <= {MAX_KERNEL_GROUPS}")
-    weights = torch.pow(2, torch.arange(k, device=groups.device, dtype=torch.int64))
-    return (groups.to(torch.int64) * weights).sum(dim=-1)
