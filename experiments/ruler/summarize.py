@@ -1,6 +1,6 @@
-"""The study's combined table and plot: the dense and Focus results of every length that
-has run (``results/dense-*.json``, ``results/focus-*.json``; their samples are checked to be
-the same) as one result, ``results/ruler.json``, with its table ``results/ruler.md`` and
+"""The study's combined table and plot: the results of every (mode, length) that has run
+(``results/dense-*.json``, ``results/top1-*.json``, ``results/top2-*.json``; their samples
+are checked to be the same) as one result, ``results/ruler.json``, with its table ``results/ruler.md`` and
 plot ``results/ruler.png``. Run by the study's ``summary`` step; reads ``results/`` only."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ def _length(path: Path) -> int:
 
 
 def main() -> None:
-    paths = sorted(RESULTS.glob("dense-*.json"), key=_length)
-    paths += sorted(RESULTS.glob("focus-*.json"), key=_length)
+    paths = [p for mode in ("dense", "top1", "top2") for p in sorted(RESULTS.glob(f"{mode}-*.json"), key=_length)]  # fmt: skip
     if not paths:
         raise SystemExit(f"no results in {RESULTS}: run the study's bench steps first")
     combined = combine_results([read_json_file(p, "a focus bench ruler result") for p in paths])
