@@ -33,7 +33,7 @@ from focus_attention.bench.ruler import answer_bound, combine_results  # noqa: E
 from focus_attention.bench.ruler_tasks import RULER_TASKS  # noqa: E402
 from focus_attention.hf import FocusConfig, get_focus_model  # noqa: E402
 
-LENGTH = 400
+LENGTH = 640
 #: the run of the module: lm-eval's needle task, an essay variant, common words
 TASKS = ["niah_single_1", "niah_single_2_pg_essays", "ruler_cwe"]
 PUNKT = """ABBREV_TYPES = frozenset(('dr', 'mr'))

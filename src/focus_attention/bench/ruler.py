@@ -228,9 +228,11 @@ def _smallest_prompt(family: str, tokenizer: Any) -> tuple[int, int] | None:
     from lm_eval.tasks.ruler import cwe_utils, fwe_utils, vt_utils  # optional: the bench extra
 
     with _kept_random(cwe_utils.RNG), contextlib.redirect_stdout(io.StringIO()):
-        if family == "cwe":  # 10 words, its smallest list (at lengths below 4,096)
-            _, text, _ = cwe_utils.generate_input_output(10, 2048)
-            return _tokens(tokenizer, text), cwe_utils.CONFIG["tokens_to_generate"]
+        if family == "cwe":  # 10 words, its smallest list, as its sizing loop measures it
+            example, text, answer = cwe_utils.generate_input_output(10, 2048)
+            listed = " ".join(f"{i + 1}. {word}" for i, word in enumerate(answer))
+            whole = f"{example}\n{text} {listed}"
+            return _tokens(tokenizer, whole), cwe_utils.CONFIG["tokens_to_generate"]
         if family == "vt":  # the in-context example, then 10 noise sentences
             icl = vt_utils.sys_vartrack_w_noise_random(tokenizer, num_samples=1, max_seq_length=500, incremental=5)[0]  # fmt: skip
             example = icl["input"] + " " + " ".join(icl["outputs"]) + "\n\n"
@@ -305,7 +307,10 @@ def _build_tasks(config: RulerBenchConfig, tokenizer_dir: str) -> dict[tuple[str
     for name in config.tasks:
         for length in config.lengths:
             _seed(config.seed)
-            built[(name, length)] = _load_task(managers[length], name, length)
+            task = built[(name, length)] = _load_task(managers[length], name, length)
+            if any(not doc["outputs"] for doc in task.eval_docs):  # nothing to find: no score
+                raise bad("RulerBenchConfig", "lengths", length, f"a longer length: {name}'s "
+                          f"generator made samples without an answer at {length} tokens")  # fmt: skip
     return built
 
 

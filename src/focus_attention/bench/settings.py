@@ -826,8 +826,8 @@ class ResultFiles(Settings):
 
     results: tuple[str, ...] = field(
         default=(),
-        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle or "
-                  "serve (or merged by focus bench merge)"},
+        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle, "
+                  "ruler or serve (or merged by focus bench merge)"},
     )  # fmt: skip
 
     def check_results(self, owner: str) -> None:
