@@ -381,12 +381,14 @@ def _answers(out: dict[str, Any], name: str, length: int, mode: str) -> list[dic
     return cells
 
 
-def _answer_cell(lm: Any, task: Any, name: str, length: int, mode: str, limit: int | None) -> list[dict[str, Any]]:  # fmt: skip
-    """lm-eval's ``evaluate`` of one (task, length) in the current mode: the answers."""
+def _answer(lm: Any, task: Any, name: str, length: int, mode: str, doc_id: int) -> list[dict[str, Any]]:  # fmt: skip
+    """lm-eval's ``evaluate`` of one sample (its ``samples`` selection) of one (task,
+    length) in the current mode: its cell."""
     import lm_eval.evaluator  # optional: the bench extra
 
     out = lm_eval.evaluator.evaluate(lm=lm, task_dict={"tasks": {name: task}, "groups": {}},
-                                     limit=limit, log_samples=True, bootstrap_iters=0)  # fmt: skip
+                                     samples={name: [doc_id]}, log_samples=True,
+                                     bootstrap_iters=0)  # fmt: skip
     return _answers(out, name, length, mode)
 
 
@@ -395,9 +397,9 @@ def run_ruler_benchmark(
 ) -> dict[str, Any]:
     """Answer every (task, length) in every mode (module docstring).
 
-    ``checkpoint``, when given, receives the result so far after every (task, length, mode)
-    (``"complete": False``), so that an interrupted run keeps what it answered; nothing is
-    passed before the first is answered, after every check and every sample is generated.
+    ``checkpoint``, when given, receives the result so far after every answer (``"complete":
+    False``), so that an interrupted run keeps what it answered; nothing is passed before the
+    first answer, after every check and every sample is generated.
 
     Returns:
         JSON-able dict: ``benchmark`` ("ruler"), ``config``, ``model``, ``modes``,
@@ -437,10 +439,11 @@ def run_ruler_benchmark(
         with tqdm(total=len(modes) * len(docs), desc=f"ruler {name} {length}",
                   disable=not config.progress) as bar:  # fmt: skip
             for mode, enter in modes:
-                with enter(), _one_by_one(lm, bar):
-                    run["cells"] += _answer_cell(lm, task, name, length, mode, config.limit)
-                if checkpoint is not None:
-                    checkpoint(_ruler_result(config, lm, modes, run, complete=False))
+                for doc_id in range(len(docs)):
+                    with enter(), _one_by_one(lm, bar):
+                        run["cells"] += _answer(lm, task, name, length, mode, doc_id)
+                    if checkpoint is not None:
+                        checkpoint(_ruler_result(config, lm, modes, run, complete=False))
     return _ruler_result(config, lm, modes, run, complete=True)
 
 
