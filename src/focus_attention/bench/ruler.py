@@ -579,7 +579,7 @@ def ruler_notes(result: dict[str, Any]) -> list[str]:
     lines.append(f"answer tokens: {result['lm_eval']['answer_bound']} (the tasks' own: "
                  f"{result['lm_eval']['task_max_gen_toks']})")  # fmt: skip
     if not result.get("complete", True):
-        lines.append("incomplete: the run stopped before its last (task, length, mode)")
+        lines.append("incomplete: the run stopped before its last answer")
     return lines
 
 
