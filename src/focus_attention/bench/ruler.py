@@ -547,8 +547,9 @@ def _score_text(row: dict[str, Any] | None) -> str:
 
 def ruler_table(result: dict[str, Any]) -> str:
     """A markdown table of one result: a row per (task, length), a column per mode with the
-    score in percent ± its standard error, the samples and the bound on generated tokens;
-    variants named with their haystack."""
+    score in percent ± its standard error (and its samples where the modes of the row
+    answered different numbers: a stopped run), the samples and the bound on generated
+    tokens; variants named with their haystack."""
     model, modes = result["model"], result["modes"]
     focus = model["focus"]
     where = "" if focus is None else f", adapter {model['adapter']} (window {focus['window']}, {focus['sink_tokens']} sink tokens)"  # fmt: skip
@@ -566,8 +567,11 @@ def ruler_table(result: dict[str, Any]) -> str:
             first = next((c for c in cells if c is not None), None)
             if first is None:
                 continue
-            lines.append(f"| {task['label']} | {length} | {first['samples']} | "
-                         f"{first['max_gen_toks']} | {' | '.join(_score_text(c) for c in cells)} |")  # fmt: skip
+            counts = {c["samples"] for c in cells if c is not None}
+            shown = [_score_text(c) + ("" if c is None or len(counts) == 1 else f" (of {c['samples']})")
+                     for c in cells]  # fmt: skip
+            lines.append(f"| {task['label']} | {length} | {max(counts)} | "
+                         f"{first['max_gen_toks']} | {' | '.join(shown)} |")  # fmt: skip
     return "\n".join(lines)
 
 
