@@ -5,7 +5,7 @@
 # fast tier only, pyproject.toml's addopts). A `-m` among the arguments replaces the selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh "test,assets,bench,baselines,instruct,docs,serve"
+bash scripts/setup-env.sh "test,assets,bench,ruler,baselines,instruct,docs,serve"
 .venv/bin/focus setup --model smollm2-135m --corpus austen --benchmarks
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

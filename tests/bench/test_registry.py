@@ -88,7 +88,7 @@ def test_focus_bench_lists_the_rows_then_the_result_commands():
     assert list(listed.choices) == [*BENCHMARKS, "merge", "plot"]
     helps = {choice.dest: choice.help for choice in listed._choices_actions}
     assert all(helps[name] == row.help for name, row in BENCHMARKS.items())
-    assert plotted_benchmarks() == ["kernel", "model", "decode", "needle", "serve"]
+    assert plotted_benchmarks() == ["kernel", "model", "decode", "needle", "ruler", "serve"]
 
 
 def test_a_row_names_functions_as_module_and_function():

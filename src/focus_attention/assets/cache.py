@@ -356,6 +356,10 @@ class WheelSource:
             )
         return open(path, "rb")
 
+    def members(self) -> list[str]:
+        """The files the wheel's RECORD lists (paths inside the wheel), in its order."""
+        return [line.split(",", 1)[0] for line in self._record.splitlines() if line.strip()]
+
     def expected_sha256(self, member: str) -> str | None:
         """Hex sha256 of ``member`` according to the wheel's RECORD, or None if unlisted."""
         return _record_sha256(self._record, member)

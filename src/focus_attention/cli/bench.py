@@ -137,7 +137,7 @@ RESULT_COMMANDS: dict[str, tuple[type, Callable, tuple[str, ...], str, str]] = {
     ),
     "plot": (
         PlotResultsConfig, _plot, PLOT_REQUIRED,
-        "plot result files of focus bench kernel, model, decode, needle or serve",
+        "plot result files of focus bench kernel, model, decode, needle, ruler or serve",
         "Draws each result a JSON file holds (one, or the parts of a merged file) "
         "as a PNG beside it or in --out: speed-up against length beside the ideal for the "
         "kernel, prefill and decoding benchmarks.",

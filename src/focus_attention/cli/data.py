@@ -1,6 +1,7 @@
 """``focus data list`` and ``focus data prepare NAME...``: the registered text corpora
-(:mod:`focus_attention.assets.corpora`), the zero-shot benchmark data
-(:mod:`focus_attention.assets.benchmarks`) and their offline cache."""
+(:mod:`focus_attention.assets.corpora`), the benchmark data
+(:mod:`focus_attention.assets.benchmarks`, :mod:`focus_attention.assets.ruler`) and their
+offline cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..assets.benchmarks import (
 )
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, SPLITS, list_corpora, prepare_corpus
+from ..assets.ruler import RULER_DATA, prepare_ruler_data
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
@@ -59,6 +61,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         if name == BENCHMARK_DATA:
             path = prepare_benchmarks(force=config.force)
+        elif name == RULER_DATA:
+            path = prepare_ruler_data(force=config.force)
         else:
             path = prepare_corpus(name, force=config.force)
         print(f"{name}: {path} ({human_size(dir_size(path))}, {time.monotonic() - t0:.1f} s)")
@@ -75,8 +79,9 @@ def register_cli(subparsers: Any) -> None:
     ls.set_defaults(func=run_guarded(_cmd_list))
     pr = sub.add_parser("prepare", help="fetch and split corpora into the cache (idempotent)")
     pr.add_argument("names", nargs="*", metavar="NAME",
-                    help=f"registered corpus, local text file/folder, or {BENCHMARK_DATA} "
-                    f"(the benchmark data; default {DEFAULT_CORPUS})")  # fmt: skip
+                    help=f"registered corpus, local text file/folder, {BENCHMARK_DATA} (the "
+                    f"zero-shot benchmark data) or {RULER_DATA} (RULER's offline haystack and "
+                    f"sentence splitter; default {DEFAULT_CORPUS})")  # fmt: skip
     add_config_flag(pr, "data.prepare")
     add_flags(pr, PrepareSettings)
     pr.set_defaults(func=run_guarded(_cmd_prepare))

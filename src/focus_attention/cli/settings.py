@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..assets.benchmarks import BENCHMARK_DATA
 from ..assets.corpora import DEFAULT_CORPUS
 from ..assets.model_registry import DEFAULT_MODEL
+from ..assets.ruler import RULER_DATA
 from ..settings import Settings, settings_class
 
 __all__ = ["ModelsPrepareConfig", "PrepareSettings", "SetupConfig"]
@@ -26,7 +27,7 @@ class PrepareSettings(Settings):
 @settings_class()
 class SetupConfig(PrepareSettings):
     """Settings of ``focus setup``: the models and corpora to prepare, and whether the
-    zero-shot benchmark data too.
+    benchmark data too.
 
     Raises:
         ValueError: on construction, an empty list or a name that is not text.
@@ -40,7 +41,10 @@ class SetupConfig(PrepareSettings):
     )
     benchmarks: bool = field(
         default=False,
-        metadata={"help": f"also prepare the zero-shot benchmark data ({BENCHMARK_DATA})"},
+        metadata={
+            "help": f"also prepare the benchmark data ({BENCHMARK_DATA}: the zero-shot "
+            f"sets; {RULER_DATA}: RULER's offline haystack and sentence splitter)"
+        },
     )
 
     def __post_init__(self) -> None:

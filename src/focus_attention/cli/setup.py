@@ -1,5 +1,5 @@
-"""``focus setup``: prepare models, corpora and (with ``--benchmarks``) the zero-shot benchmark
-data into the offline cache in one go (by default the default model and corpus), then print a
+"""``focus setup``: prepare models, corpora and (with ``--benchmarks``) the benchmark data (the
+zero-shot sets, RULER's offline haystack and sentence splitter) into the offline cache in one go (by default the default model and corpus), then print a
 summary. Idempotent: a prepared entry costs one manifest read."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from ..assets.benchmarks import BENCHMARK_DATA, prepare_benchmarks
 from ..assets.cache import dir_size, human_size
 from ..assets.corpora import DEFAULT_CORPUS, prepare_corpus
 from ..assets.model_registry import DEFAULT_MODEL
+from ..assets.ruler import RULER_DATA, prepare_ruler_data
 from ..utils.io import focus_home
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
@@ -31,6 +32,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     steps = [("model", models, prepare_model), ("corpus", corpora, prepare_corpus)]
     if config.benchmarks:
         steps.append(("data", [BENCHMARK_DATA], lambda _name, force: prepare_benchmarks(force=force)))  # fmt: skip
+        steps.append(("data", [RULER_DATA], lambda _name, force: prepare_ruler_data(force=force)))  # fmt: skip
     for kind, names, prep in steps:
         for name in names:
             t0 = time.monotonic()
