@@ -115,7 +115,7 @@ def test_model_settings_take_presets_device_dtype_and_warmup():
 def test_the_command_line_refuses_graphs_on_the_cpu_and_names_the_presets(capsys):
     assert cli.main(["bench", "decode", "--cuda-graphs", "--device", "cpu", "--levels", "op",
                      "--num-heads", "2", "--num-key-value-heads", "1", "--head-dim", "8"]) != 0  # fmt: skip
-    assert "cuda_graphs: received True, expected a CUDA device" in capsys.readouterr().err
+    assert "--cuda-graphs: received True, expected a CUDA device" in capsys.readouterr().err
     assert cli.main(["bench", "model", "--model", "random:nope"]) != 0
     assert "random:llama-3-8b" in capsys.readouterr().err
     parser = cli.build_parser()
