@@ -179,6 +179,16 @@ OWN = {
         "--limit": at_least(1),
         "--bootstrap-iters": at_least(0),
     },  # fmt: skip
+    ("bench", "ruler"): {
+        "--top-k": at_least(1, "--adapter", "a"),
+        "--window": at_least(1, "--adapter", "a"),
+        "--sink-tokens": at_least(0, "--adapter", "a"),
+        "--dense-layers": at_least(0, "--adapter", "a"),
+        "--query-top-k": at_least(1, "--adapter", "a"),
+        "--lengths": at_least(256),
+        "--limit": at_least(1),
+        "--max-gen-toks": at_least(1),
+    },  # fmt: skip
     ("bench", "instructions"): {
         "--top-k": at_least(1, "--adapter", "a"),
         "--window": at_least(1, "--adapter", "a"),
@@ -214,7 +224,8 @@ def _settings(cls: type, table: str) -> Callable:
 _BENCH = {"kernel": bench.KernelBenchConfig, "model": bench.ModelBenchConfig,
           "decode": bench.DecodeBenchConfig, "needle": bench.NeedleBenchConfig,
           "retrieval-layers": bench.RetrievalLayersConfig, "tasks": bench.TasksBenchConfig,
-          "instructions": bench.InstructionsBenchConfig, "serve": bench.ServeBenchConfig}  # fmt: skip
+          "instructions": bench.InstructionsBenchConfig, "serve": bench.ServeBenchConfig,
+          "ruler": bench.RulerBenchConfig}  # fmt: skip
 
 #: how each command builds and checks its settings from its parsed flags (what it does before
 #: any work), and the flags it needs besides

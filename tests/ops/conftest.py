@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -50,6 +51,7 @@ def interpreted_triton_calls():
         return
     registered = dispatch._REGISTRY["triton"]
 
+    @functools.wraps(registered.run)
     def run(inputs):
         b, h, nq, _ = inputs.query.shape
         work = b * h * nq * inputs.key.shape[2]
