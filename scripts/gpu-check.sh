@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared run on a machine with one CUDA GPU (H100 or H200) and a CUDA build of PyTorch
-# already installed (nothing is installed or downloaded): at most 8 minutes, at most 7 JSON
+# already installed (nothing is installed or downloaded): at most 8 minutes, at most 8 JSON
 # files, each step stopped at its cap so that a hang costs that step, not the run.
 #
 #   OUT=/some/dir bash scripts/gpu-check.sh        # results land in $OUT (default runs/gpu)
@@ -13,6 +13,10 @@
 # Steps, in order (estimated seconds on one H100 / the cap; each cap is also cut to the time
 # left in BUDGET, 10 s kept for the record; Python's start, ~5 s, and Triton's or inductor's
 # first compilations are inside the estimates):
+#   0. the compile table for this device's compute capability, printed in full first: every
+#      Triton kernel at the configurations its launchers choose for bfloat16 and float16 at
+#      SmolLM2's and Llama-3-8B's head shapes, with shared memory, registers and spills
+#      (python -m focus_attention.ops.sparse.triton_compile --set models)  ~25 / 60 -> compile.json
 #   1. hardware and versions                                    ~8 / 20   -> check.json
 #   2. the CUDA tests (pytest -m gpu, every test file marked)  ~60 / 75   -> check.json
 #   3. bench kernel, bf16, K=8, window 128, 4K-128K tokens, top_k 1 and 2, against SDPA's
@@ -33,13 +37,14 @@
 #   8. with FOCUS_ADAPTER: bench serve, the serve study's 16-request cells (1K-8K-token
 #      prompts, 8 new tokens) with --continuous-batching, top-1, top-2 and dense  ~70 / left
 #                                                                              -> serve.json
-#   Without FOCUS_ADAPTER: about 340 s expected, 480 s at most (the caps, cut to BUDGET).
+#   Without FOCUS_ADAPTER: about 365 s expected, 470 s at most (the caps, cut to BUDGET).
 #   Timed calls: kernel 3 repeats after a warm-up; decoding 20 steps after 3 warm-up steps
 #   (graph replays where captured); each merge of parts below ~1 s.
 #
 # Files in $OUT (JSON only; each result records hardware, versions, settings, git commit):
-#   check.json (hardware, versions, the GPU tests by outcome, every step's status, time and
-#   the end of its output; rewritten after each step), kernel.json, prefill.json,
+#   compile.json (the compile table), check.json (hardware, versions, the GPU tests by
+#   outcome, every step's status, time and the end of its output; rewritten after each
+#   step), kernel.json, prefill.json,
 #   decode-model.json (each the parts of one benchmark, merged by `focus bench merge`),
 #   decode-op.json, and with FOCUS_ADAPTER decode-smollm2.json and serve.json.
 #
@@ -70,7 +75,8 @@ record() {
 }
 
 # run NAME CAP COMMAND...: COMMAND under timeout (the cap, cut to the time left), its output
-# in $parts/NAME.log, its status in $parts/steps.tsv, then the record rewritten
+# in $parts/NAME.log (printed whole with SHOW=all, else its last 12 lines), its status in
+# $parts/steps.tsv, then the record rewritten
 run() {
   local name=$1 cap=$2
   shift 2
@@ -92,8 +98,14 @@ run() {
   timeout --kill-after=10 "$limit" "$@" >"$parts/$name.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" >>"$parts/steps.tsv"
-  echo "== $name: exit $rc after $((SECONDS - t0)) s (cap $limit s, $((SECONDS - start)) s in)"
-  tail -n 12 "$parts/$name.log"
+  local summary="== $name: exit $rc after $((SECONDS - t0)) s (cap $limit s, $((SECONDS - start)) s in)"
+  if [ "${SHOW:-tail}" = all ]; then
+    cat "$parts/$name.log"
+    echo "$summary"
+  else
+    echo "$summary"
+    tail -n 12 "$parts/$name.log"
+  fi
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
   record
 }
@@ -122,6 +134,10 @@ merge() {
     focus "merge-${target%.json}" 30 bench merge --results "${found[@]}" --json "$out/$target"
   fi
 }
+
+# 0. the compile table of this device's capability (Triton compiles on the host: no GPU time)
+SHOW=all run compile 60 "$py" -m focus_attention.ops.sparse.triton_compile --set models \
+  --jobs 4 --json "$out/compile.json"
 
 # 1. hardware and versions
 run hardware 20 "$py" -m focus_attention.bench.run_record hardware "$parts/hardware.json"

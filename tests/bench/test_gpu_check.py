@@ -18,6 +18,7 @@ from focus_attention.bench import run_record
 from focus_attention.bench.registry import BENCHMARKS
 from focus_attention.bench.settings import MergeResultsConfig
 from focus_attention.cli.flags import command_config
+from focus_attention.ops.sparse import triton_compile
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
@@ -65,12 +66,26 @@ def test_the_run_writes_at_most_eight_files_all_json(tmp_path):
         for flag in ("--json", "--plot"):
             if flags.get(flag, "").startswith(out):
                 written.add(Path(flags[flag]).name)
-        if flags.get("--json", "").startswith(out) and words[2] != "merge":
+        if words[0] == "focus" and flags.get("--json", "").startswith(out) and words[2] != "merge":
             assert "--plot" in flags and not flags["--plot"].startswith(out), line  # no PNG in $OUT
+    assert "compile.json" in written
     assert len(written) <= 8 and all(name.endswith(".json") for name in written), written
     without = _dry_run(tmp_path)
     assert not any("--adapter" in line for line in without)
     assert len([line for line in without if line.startswith("focus ")]) == 10
+
+
+def test_the_compile_table_of_the_device_comes_first(tmp_path):
+    """The run's first step compiles the kernels for the device's own capability (no
+    ``--capability``: the CUDA device's), prints the table and writes it into $OUT."""
+    first = _dry_run(tmp_path)[0]
+    name, python, words = first.split()[0], first.split()[1], shlex.split(first)[2:]
+    assert name == "compile:" and python == "python3"
+    assert words[:2] == ["-m", "focus_attention.ops.sparse.triton_compile"]
+    args = triton_compile.build_parser().parse_args(words[2:])
+    assert args.capability is None and args.set == "models"
+    assert args.json == str(tmp_path / "out" / "compile.json")
+    assert "SHOW=all run compile" in SCRIPT.read_text(encoding="utf-8")
 
 
 def test_the_gpu_tests_step_runs_every_file_with_gpu_tests(tmp_path):

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import tolerance
 
-from focus_attention.ops.sparse import triton_decode, triton_decode_kernels
+from focus_attention.ops.sparse import triton_decode
 from focus_attention.ops.sparse.buckets import GroupBuckets
 from focus_attention.ops.sparse.dispatch import BackendUnavailable
 from focus_attention.ops.sparse.triton_decode import bucket_decode, bucket_decode_reference
@@ -259,9 +259,12 @@ def test_split_counts(params, splits, small_blocks):
     torch.testing.assert_close(lse, one_lse, **tolerance("rounding", scale=MERGED_SPLITS))
 
 
-def test_production_block_size():
-    """The default block of keys, with a window and buckets longer than one block."""
-    assert triton_decode.BLOCK_KEYS > 16  # the grid above runs with blocks of 16
+def test_production_block_size(monkeypatch):
+    """The block of keys a device runs (head size 16), with a window and buckets longer than
+    one block."""
+    block_keys, _, _ = triton_decode.decode_tiles(16, interpret=False)
+    assert block_keys > 16  # the grid above runs with blocks of 16
+    monkeypatch.setattr(triton_decode, "BLOCK_KEYS", block_keys)
     setup = build(capacity=200, lengths=(190, 131), window=70, top_k=2, nq=2, heads=6)
     setup.check(*setup.run())
 
@@ -380,17 +383,18 @@ def _layout(arg):
 
 
 def _launches(monkeypatch) -> list:
-    """Record the launches' arguments (tensor shapes and strides, other values)."""
+    """Record the launches (kernel, grid, tensor shapes and strides, other values)."""
     calls: list = []
-    for name in ("launch_partials", "launch_merge"):
-        original = getattr(triton_decode_kernels, name)
+    original = triton_decode.decode_launches
 
-        def wrapper(*args, _original=original, _name=name, **kwargs):
-            flat = (*args, *kwargs.values())
-            calls.append((_name, tuple(map(_layout, flat))))
-            return _original(*args, **kwargs)
+    def wrapper(*args, **kwargs):
+        launches = original(*args, **kwargs)
+        for launch in launches:
+            flat = (*launch.args, *launch.kwargs.values())
+            calls.append((launch.kernel, launch.grid, tuple(map(_layout, flat))))
+        return launches
 
-        monkeypatch.setattr(triton_decode_kernels, name, wrapper)
+    monkeypatch.setattr(triton_decode, "decode_launches", wrapper)
     return calls
 
 

@@ -8,7 +8,6 @@ small."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -497,62 +496,6 @@ def test_kernels_import_lazily():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False"]
-
-
-#: compiles the kernels for sm_90 with Triton's own compiler (no device needed), as a launch
-#: with contiguous inputs and D % 16 == 0 specialises them (16-byte aligned pointers and
-#: strides), and prints per kernel the tensor-core instructions of its PTX
-_COMPILE_SM90 = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from focus_attention.ops.sparse import triton_prefill_kernels as kernels
-from focus_attention.ops.sparse.triton_prefill import prefill_blocks
-
-dtype, head_dim, rep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-blocks = prefill_blocks(head_dim, rep, interpret=False)
-pointers = dict(LSE="fp32", DELTA="fp32", DLSE="fp32", REAL="u8", QROWS="i32", KROWS="i32",
-                SEGMENTS="i32", COUNTS="i32", QCODES="i32", KCODES="i32", LOW="i32")
-for name, tiles, extra in (("group_prefill_fwd", blocks.forward, dict(WRITE_LSE=True)),
-                           ("group_prefill_bwd_dq", blocks.dq, {}),
-                           ("group_prefill_bwd_dkdv", blocks.dkdv, {})):
-    fn = getattr(kernels, name)
-    consts = dict(REP=rep, QPT=tiles.queries_per_tile, BLOCK_M=tiles.block_m,
-                  BLOCK_N=tiles.block_n, BLOCK_D=blocks.block_d, HEAD_DIM=head_dim,
-                  COUNT_STEP=blocks.count_step, HAS_SOFTCAP=True, HAS_PADDING=True,
-                  EXACT=dtype == "fp32", **extra)
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in consts:
-            signature[arg] = "constexpr"
-        elif arg.isupper():
-            signature[arg] = "*" + pointers.get(arg, dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[arg] = "fp32" if "scale" in arg or "cap" in arg else "i32"
-            if arg.startswith("stride_") and arg not in ("stride_lb", "stride_ln"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    out = triton.compile(ASTSource(fn, signature, consts, attrs),
-                         target=GPUTarget("cuda", 90, 32), options=options)
-    print(name, out.asm["ptx"].count("wgmma.mma_async") + out.asm["ptx"].count("mma.sync"))
-"""
-
-
-@pytest.mark.parametrize(("dtype", "head_dim", "rep"), [("bf16", 128, 4), ("fp16", 64, 3)])
-def test_kernels_compile_for_sm90(dtype, head_dim, rep):
-    """The kernels compile for an H100 (sm_90) on this machine, with tensor-core dots: what
-    the interpreter cannot check (types of loop-carried values, globals, lowering)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", _COMPILE_SM90, dtype, str(head_dim), str(rep)]
-    done = subprocess.run(args, capture_output=True, text=True, env=env)
-    if done.returncode != 0 and "ImportError" in done.stderr:
-        pytest.skip(f"this Triton cannot compile for sm_90 here: {done.stderr[-300:]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = dict(line.split() for line in done.stdout.splitlines())
-    assert set(counts) == {"group_prefill_fwd", "group_prefill_bwd_dq", "group_prefill_bwd_dkdv"}
-    assert all(int(n) > 0 for n in counts.values()), counts
 
 
 # --------------------------------------------------------------------------------------

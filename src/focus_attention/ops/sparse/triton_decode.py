@@ -29,7 +29,14 @@ from ..masks import effective_window
 from ..reference import masked_attention
 from .buckets import GroupBuckets
 from .dispatch import BackendUnavailable
-from .triton_support import MAX_KERNEL_GROUPS, group_codes, triton_reason
+from .triton_support import (
+    MAX_KERNEL_GROUPS,
+    KernelLaunch,
+    check_grid,
+    group_codes,
+    interpreting,
+    triton_reason,
+)
 
 __all__ = [
     "BLOCK_KEYS",
@@ -37,12 +44,16 @@ __all__ = [
     "MAX_BLOCK_HEADS",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
+    "MERGE_TILE",
     "MIN_PROGRAMS_PER_SM",
     "MIN_SPLIT_KEYS",
+    "DECODE_TILES",
     "DecodeCall",
     "bucket_decode",
     "bucket_decode_reference",
     "check_decode",
+    "decode_launches",
+    "decode_tiles",
     "default_num_splits",
     "reference_visibility",
 ]
@@ -54,8 +65,17 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 #: most splits per (row, key-value head, query).
 MAX_SPLITS = 128
-#: keys per block of the kernel's loops.
+#: keys per block of the kernel's loops under Triton's interpreter (on CUDA:
+#: :data:`DECODE_TILES`).
 BLOCK_KEYS = 64
+#: ``(keys per block, warps, most query heads per program)`` of the split kernel on CUDA by
+#: head size padded to a power of two (at least 64): the largest blocks for which ptxas
+#: reports no register spill on sm_80, sm_90 and sm_100 in half precision, within every
+#: target's shared memory (the compile table, :mod:`.triton_compile`).
+DECODE_TILES = {64: (32, 8, 64), 128: (32, 8, 32), 256: (16, 8, 32)}
+#: most partial results (splits x head-dimension columns) per step of the merge kernel, whose
+#: 4 warps hold them in registers (ptxas reports no spill at 128 splits)
+MERGE_TILE = 2048
 #: most query heads of one key-value head in one program (more run in several programs).
 MAX_BLOCK_HEADS = 64
 #: on CUDA the default split count aims at this many programs per streaming multiprocessor,
@@ -243,22 +263,79 @@ def _launch(call: DecodeCall, out: torch.Tensor, lse: torch.Tensor, num_splits: 
     # Triton picks compile or interpret when a kernel is defined: import on first launch
     from . import triton_decode_kernels as kernels
 
+    for launch in decode_launches(call, out, lse, num_splits):
+        launch.start(kernels)
+
+
+def decode_launches(call: DecodeCall, out: torch.Tensor, lse: torch.Tensor, num_splits: int, *,
+                    interpret: bool | None = None) -> list[KernelLaunch]:  # fmt: skip
+    """The launches of :func:`bucket_decode` for a checked, non-empty call (a
+    :class:`DecodeCall` from :func:`check_decode`) into token-major ``out [B, Nq, H, D]`` and
+    float32 ``lse [B, Nq, H]``, built but not run: the split programs, and with
+    ``num_splits > 1`` their merge (the float32 partial results are allocated here).
+    ``interpret``: the interpreter's dots (default: whether ``TRITON_INTERPRET=1``).
+
+    One program per (row, key-value head, query, block of query heads) along x, one per
+    split along y (the grid's y axis is limited to 65,535: splits are at most 128).
+
+    Raises:
+        ValueError: more programs than a CUDA grid's x axis takes (``2**31 - 1``).
+    """
     b, nq, h, d = out.shape
-    rep = h // call.key.shape[1]
-    query_codes = group_codes(call.query_groups)  # [B, R, Nq]
+    h_kv = call.key.shape[1]
+    rep = h // h_kv
+    interpret = interpreting() if interpret is None else interpret
     if num_splits == 1:  # the programs write the final results
         part_out, part_lse = out[:, :, :, None], lse[:, :, :, None]
     else:
         part_out = out.new_empty(b, nq, h, num_splits, d, dtype=torch.float32)
         part_lse = lse.new_empty(b, nq, h, num_splits)
-    block_heads = min(MAX_BLOCK_HEADS, max(16, _next_power_of_2(rep)))
-    kernels.launch_partials(
-        call.query, call.key, call.value, query_codes, call.buckets, call.key_lengths,
-        call.key_padding_mask, part_out, part_lse, window=call.window, scale=call.scale,
-        softcap=call.softcap, block_heads=block_heads, block_keys=BLOCK_KEYS, num_warps=4,
-    )  # fmt: skip
+    block_keys, warps, most_heads = decode_tiles(d, interpret)
+    block_heads = min(MAX_BLOCK_HEADS, most_heads, max(16, _next_power_of_2(rep)))
+    head_blocks = -(-rep // block_heads)
+    grid = check_grid("query", "bucket_decode", (b * h_kv * nq * head_blocks, num_splits),
+                      ("programs B x H_kv x Nq x head blocks", "splits"))  # fmt: skip
+    query_codes = group_codes(call.query_groups)  # [B, R, Nq]
+    buckets, padding = call.buckets, call.key_padding_mask
+    pad = call.key_lengths if padding is None else padding
+    pad_strides = (0, 0) if padding is None else padding.stride()
+    args = (call.query, call.key, call.value, query_codes, buckets.codes, buckets.index,
+            buckets.count, call.key_lengths, pad, part_out, part_lse,
+            nq, h_kv, rep, head_blocks, call.key.shape[2], call.window, buckets.num_groups,
+            num_splits, call.scale, 1.0 if call.softcap is None else call.softcap,
+            *call.query.stride(), *call.key.stride(), *call.value.stride(),
+            *query_codes.stride(), *buckets.codes.stride(), *buckets.index.stride(),
+            *buckets.count.stride(), *pad_strides, *part_out.stride(), *part_lse.stride())  # fmt: skip
+    options = dict(HEAD_DIM=d, BLOCK_H=block_heads, BLOCK_D=max(16, _next_power_of_2(d)),
+                   BLOCK_N=block_keys, PER_HEAD=query_codes.shape[1] > 1,
+                   HAS_PAD=padding is not None, SOFTCAP=call.softcap is not None,
+                   DOT=_dot_mode(call.query.dtype, interpret), num_warps=warps)  # fmt: skip
+    launches = [KernelLaunch("decode_partials", grid, args, options)]
     if num_splits > 1:
-        kernels.launch_merge(part_out, part_lse, out, lse)
+        args = (part_out, part_lse, out, lse, num_splits)
+        block_s = _next_power_of_2(num_splits)
+        block_d = min(_next_power_of_2(d), max(16, MERGE_TILE // block_s))
+        options = dict(HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+        launches.append(KernelLaunch("decode_merge", (b * nq * h,), args, options))
+    return launches
+
+
+def decode_tiles(head_dim: int, interpret: bool) -> tuple[int, int, int]:
+    """``(keys per block, warps, most query heads per program)`` of the split kernel for
+    ``head_dim``: :data:`DECODE_TILES` on CUDA; under Triton's interpreter
+    :data:`BLOCK_KEYS` (4 warps, ignored, and :data:`MAX_BLOCK_HEADS`)."""
+    if interpret:
+        return BLOCK_KEYS, 4, MAX_BLOCK_HEADS
+    return DECODE_TILES[max(64, _next_power_of_2(head_dim))]
+
+
+def _dot_mode(dtype: torch.dtype, interpret: bool) -> int:
+    """The ``DOT`` mode of the split kernel's dots for inputs of ``dtype``: 1 for float32
+    (IEEE, no TF32), 2 for bfloat16 under the interpreter (whose bfloat16 dots are not
+    usable), else 0 (the inputs' dtype on tensor cores)."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if dtype == torch.bfloat16 and interpret else 0
 
 
 def _next_power_of_2(n: int) -> int:

@@ -1,29 +1,28 @@
 """The Triton kernels of :func:`~.triton_decode.bucket_decode` (docs/method.md §5, "Decoding").
 
-Imported on the first launch only (by :mod:`.triton_decode`): Triton decides between
-compiling and interpreting (``TRITON_INTERPRET=1``) when a kernel is defined.
+Imported on the first launch only (by :mod:`.triton_decode`, which builds the launches:
+:func:`~.triton_decode.decode_launches`): Triton decides between compiling and interpreting
+(``TRITON_INTERPRET=1``) when a kernel is defined.
 
-:func:`launch_partials` runs one program per (row, key-value head, block of its query heads,
-query, split). A program loads the query rows of the key-value head's ``rep`` query heads
+:func:`decode_partials` runs one program per (row, key-value head, query, block of its query
+heads) and split. A program loads the query rows of the key-value head's ``rep`` query heads
 (one ``tl.dot`` operand, padded to 16 rows), then reads its share of the keys: the window
 (positions ``max(0, pos - window + 1) .. pos``) and, for each group of the query, the bucket
 entries older than the window (``j <= pos - window``). A key shared with the query through
 several groups is taken in the lowest shared group only, so every visible key is counted
-once. Online softmax in float32. :func:`launch_merge` merges the splits' partial
+once. Online softmax in float32. :func:`decode_merge` merges the splits' partial
 ``(out, lse)`` by log-sum-exp. Lengths, window, capacity and strides are runtime arguments
 that Triton does not specialise on, so a kernel compiles once per dtype, ``head_dim``, query
-heads per block and flags, whatever the cache length.
+heads per block and flags, whatever the cache length. Offsets that grow with the batch, the
+cache or the query count are computed in int64.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .triton_support import interpreting
-
-__all__ = ["launch_merge", "launch_partials"]
+__all__ = ["decode_merge", "decode_partials"]
 
 
 @triton.jit
@@ -96,7 +95,7 @@ def _older_entries(entries, count, newest, span, stride_ie, BLOCK_N: tl.constexp
     for e0 in range(start, count, BLOCK_N):
         e = e0 + tl.arange(0, BLOCK_N)
         ok = e < count
-        pos = tl.load(entries + e * stride_ie, mask=ok, other=0)
+        pos = tl.load(entries + e.to(tl.int64) * stride_ie, mask=ok, other=0)
         above += tl.sum((ok & (pos > newest)).to(tl.int32), axis=0)
     return count - above
 
@@ -115,7 +114,8 @@ def _window_part(q, k_rows, v_rows, pad_row, pos, window, split, num_splits, m_i
         keys = n0 + tl.arange(0, BLOCK_N)
         ok = keys < stop
         if HAS_PAD:
-            ok = ok & (tl.load(pad_row + keys * stride_pn, mask=ok, other=0) != 0)
+            real = tl.load(pad_row + keys.to(tl.int64) * stride_pn, mask=ok, other=0)
+            ok = ok & (real != 0)
         m_i, l_i, acc = _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok,
                                 stride_kn, stride_kd, stride_vn, stride_vd, scale, softcap,
                                 SOFTCAP, DOT)  # fmt: skip
@@ -138,13 +138,14 @@ def _group_part(q, k_rows, v_rows, pad_row, entries, count, code_row, qcode, gro
     for e0 in range(start, stop, BLOCK_N):
         e = e0 + tl.arange(0, BLOCK_N)
         ok = e < stop
-        keys = tl.load(entries + e * stride_ie, mask=ok, other=0)
+        keys = tl.load(entries + e.to(tl.int64) * stride_ie, mask=ok, other=0)
         # a key is read in its lowest group shared with the query (no load for one group)
         code = tl.load(code_row + keys.to(tl.int64) * stride_sn, mask=ok & (lower != 0),
                        other=0)  # fmt: skip
         ok = ok & ((code & lower) == 0)
         if HAS_PAD:
-            ok = ok & (tl.load(pad_row + keys * stride_pn, mask=ok, other=0) != 0)
+            real = tl.load(pad_row + keys.to(tl.int64) * stride_pn, mask=ok, other=0)
+            ok = ok & (real != 0)
         m_i, l_i, acc = _attend(q, k_rows, v_rows, keys, ok, m_i, l_i, acc, d_off, d_ok,
                                 stride_kn, stride_kd, stride_vn, stride_vd, scale, softcap,
                                 SOFTCAP, DOT)  # fmt: skip
@@ -161,7 +162,7 @@ _VARYING = [
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _partials_kernel(
+def decode_partials(
     Q, K, V, QCODE, CODES, INDEX, COUNT, LENGTHS, PAD, OUT, LSE,
     num_queries, kv_heads, rep, head_blocks, capacity, window, num_groups, num_splits,
     scale, softcap,
@@ -175,23 +176,27 @@ def _partials_kernel(
     BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, HAS_PAD: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    """One (query, block of query heads) x split x (row, key-value head) program."""
-    t = tl.program_id(0) // head_blocks
-    rows = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """One program per (row, key-value head, query, block of query heads) along the grid's
+    x axis (in that order, the last fastest) and per split along y."""
+    pid = tl.program_id(0)
+    per_head = num_queries * head_blocks
+    t = (pid % per_head) // head_blocks
+    t_at = t.to(tl.int64)  # times strides
+    rows = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(1)
-    b = (tl.program_id(2) // kv_heads).to(tl.int64)
-    kv = (tl.program_id(2) % kv_heads).to(tl.int64)
+    b = (pid // per_head // kv_heads).to(tl.int64)
+    kv = (pid // per_head % kv_heads).to(tl.int64)
     r = kv if PER_HEAD else 0
-    d_off = tl.arange(0, BLOCK_D)
+    d_off = tl.arange(0, BLOCK_D).to(tl.int64)  # times the last dimension's strides
     d_ok = d_off < HEAD_DIM
     row_ok = rows < rep
     heads = kv * rep + rows
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + t * stride_qt
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + t_at * stride_qt
                 + d_off[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)  # fmt: skip
     length = tl.minimum(tl.maximum(tl.load(LENGTHS + b).to(tl.int32), 0), capacity)
     pos = length - num_queries + t
-    qcode = tl.load(QCODE + b * stride_cb + r * stride_cr + t * stride_ct)
+    qcode = tl.load(QCODE + b * stride_cb + r * stride_cr + t_at * stride_ct)
     k_rows = K + b * stride_kb + kv * stride_kh
     v_rows = V + b * stride_vb + kv * stride_vh
     pad_row = PAD + b * stride_pb
@@ -206,8 +211,9 @@ def _partials_kernel(
     span = window + num_queries - 1  # the bucket entries newer than it are among the last span
     for g in range(num_groups):
         if (((qcode >> g) & 1) != 0) & (newest >= 0):
-            entries = INDEX + b * stride_ib + r * stride_ir + g * stride_ig
-            count = tl.load(COUNT + b * stride_nb + r * stride_nr + g * stride_ng)
+            at = g + tl.zeros((), tl.int64)  # the group as an int64 offset
+            entries = INDEX + b * stride_ib + r * stride_ir + at * stride_ig
+            count = tl.load(COUNT + b * stride_nb + r * stride_nr + at * stride_ng)
             m_i, l_i, acc = _group_part(q, k_rows, v_rows, pad_row, entries, count,
                                         CODES + b * stride_sb + r * stride_sr, qcode, g,
                                         newest, span, split, num_splits, m_i, l_i, acc, d_off,
@@ -217,96 +223,33 @@ def _partials_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    o_rows = OUT + b * stride_ob + t * stride_ot + split * stride_os + heads * stride_oh
+    split_at = split.to(tl.int64)
+    o_rows = OUT + b * stride_ob + t_at * stride_ot + split_at * stride_os + heads * stride_oh
     tl.store(o_rows[:, None] + d_off[None, :] * stride_od, out,
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
-    tl.store(LSE + b * stride_lb + t * stride_lt + split * stride_ls + heads * stride_lh, lse,
+    tl.store(LSE + b * stride_lb + t_at * stride_lt + split_at * stride_ls + heads * stride_lh, lse,
              mask=row_ok)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(OP, LP, OUT, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
+def decode_merge(OP, LP, OUT, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_D: tl.constexpr):  # fmt: skip
     """Merge the splits of one (row, query, head): contiguous partials ``[S, D]`` and
-    ``[S]`` into ``out [D]`` (the output's dtype) and ``lse``."""
+    ``[S]`` into ``out [D]`` (the output's dtype) and ``lse``, ``BLOCK_D`` columns at a
+    time (so that a tile of ``BLOCK_S x BLOCK_D`` partials stays in registers)."""
     p = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
     s_ok = s < num_splits
     lse_s = tl.load(LP + p * num_splits + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse_s - m_safe)
     total = tl.sum(w, axis=0)
-    mask = s_ok[:, None] & (d[None, :] < HEAD_DIM)
-    part = tl.load(OP + (p * num_splits + s[:, None]) * HEAD_DIM + d[None, :], mask=mask,
-                   other=0.0)  # fmt: skip
-    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(OUT + p * HEAD_DIM + d, out, mask=d < HEAD_DIM)
-    tl.store(LSE + p, tl.where(total > 0.0, m + tl.log(tl.where(total > 0.0, total, 1.0)),
-                               float("-inf")))  # fmt: skip
-
-
-def launch_partials(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_codes: torch.Tensor,
-    buckets,
-    key_lengths: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    window: int,
-    scale: float,
-    softcap: float | None,
-    block_heads: int,
-    block_keys: int,
-    num_warps: int,
-) -> None:
-    """Launch the split programs of a checked call (see :mod:`.triton_decode`).
-
-    ``query [B, H, Nq, D]``, ``key``/``value [B, H_kv, C, D]`` (any strides),
-    ``query_codes`` int64 ``[B, R, Nq]``, ``buckets`` a ``GroupBuckets``, ``key_lengths``
-    int ``[B]``, ``key_padding_mask`` bool ``[B, C]`` or None; results into ``out``
-    ``[B, Nq, H, S, D]`` and ``lse [B, Nq, H, S]`` (float32 partials of ``S`` splits, or for
-    ``S = 1`` views of the final token-major results, ``out`` in the query's dtype).
-    """
-    b, h, nq, d = query.shape
-    h_kv, capacity = key.shape[1], key.shape[2]
-    rep, splits = h // h_kv, out.shape[3]
-    head_blocks = triton.cdiv(rep, block_heads)
-    pad = key_lengths if key_padding_mask is None else key_padding_mask
-    pad_strides = (0, 0) if key_padding_mask is None else key_padding_mask.stride()
-    grid = (nq * head_blocks, splits, b * h_kv)
-    _partials_kernel[grid](
-        query, key, value, query_codes, buckets.codes, buckets.index, buckets.count,
-        key_lengths, pad, out, lse,
-        nq, h_kv, rep, head_blocks, capacity, window, buckets.num_groups, splits,
-        scale, 1.0 if softcap is None else softcap,
-        *query.stride(), *key.stride(), *value.stride(), *query_codes.stride(),
-        *buckets.codes.stride(), *buckets.index.stride(), *buckets.count.stride(),
-        *pad_strides, *out.stride(), *lse.stride(),
-        HEAD_DIM=d, BLOCK_H=block_heads, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_N=block_keys, PER_HEAD=query_codes.shape[1] > 1, HAS_PAD=key_padding_mask is not None,
-        SOFTCAP=softcap is not None, DOT=_dot_mode(query.dtype), num_warps=num_warps,
-    )  # fmt: skip
-
-
-def _dot_mode(dtype: torch.dtype) -> int:
-    """The ``DOT`` mode of :func:`_dot` for inputs of ``dtype``."""
-    if dtype == torch.float32:
-        return 1
-    return 2 if dtype == torch.bfloat16 and interpreting() else 0
-
-
-def launch_merge(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor) -> None:  # fmt: skip
-    """Merge contiguous float32 partials ``[B, Nq, H, S, D]`` / ``[B, Nq, H, S]`` into
-    contiguous ``out [B, Nq, H, D]`` (any float dtype) and float32 ``lse [B, Nq, H]``."""
-    b, nq, h, splits, d = partial_out.shape
-    _merge_kernel[(b * nq * h,)](
-        partial_out, partial_lse, out, lse, splits, HEAD_DIM=d,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(d), num_warps=1,
-    )  # fmt: skip
+    norm = tl.where(total > 0.0, total, 1.0)
+    rows = OP + (p * num_splits + s[:, None]) * HEAD_DIM
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        part = tl.load(rows + d[None, :], mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(w[:, None] * part, axis=0) / norm
+        tl.store(OUT + p * HEAD_DIM + d, out, mask=d < HEAD_DIM)
+    tl.store(LSE + p, tl.where(total > 0.0, m + tl.log(norm), float("-inf")))

@@ -29,6 +29,12 @@ tile's ``QPT`` queries span about ``QPT * Nq / class size`` positions).
 one tile (``QPT = BLOCK_M // rep`` queries each), so every key/value tile is loaded once for
 all of them, and a tile's queries (hence its local key tiles) are ``rep`` times fewer.
 
+**Layouts.** Query, key and value are read with their own strides: any batch, head and
+token strides (splits of a fused projection, transposes, slices of a preallocated cache,
+heads or batch rows expanded with a stride of 0); a tensor whose last dimension is not
+contiguous is copied first. Each gradient is allocated like its input where that is dense
+(else contiguous) and written with its own strides.
+
 **Gradients** (FlashAttention-2's backward: probabilities recomputed from the saved
 log-sum-exp): ``dq`` per query tile of the same class layout, over the same key tiles;
 ``dk``/``dv`` per key tile of the *keys'* class layout, over the group-sorted *queries* (for
@@ -38,7 +44,8 @@ over the packed query heads in registers. Each gradient row is written once: no 
 
 **On the device.** Layouts are built with fixed-shape torch operations (a stable sort of the
 codes; a cumulative count and a scatter for a group-sorted layout): no host synchronisation
-and no shape that depends on the routing; the grids derive from shapes only. Lengths, the
+and no shape that depends on the routing; the grids derive from shapes only
+(:func:`prefill_grids`: tiles along x, key-value heads along y, the batch along z). Lengths, the
 window, ``K`` and the log-sum-exp's batch stride are not specialised on, so for a head size
 that is a multiple of 16 (and 16-byte aligned tensors) one compilation per dtype, head
 size, ``rep``, ``R = 1`` or not and flags serves every length; for other head sizes the
@@ -73,9 +80,17 @@ from ...utils.checks import check_int
 from ..checks import check_bool, check_device, check_positive, check_qkv, check_tensor, fail
 from ..masks import effective_window
 from .dispatch import BackendUnavailable
-from .triton_support import MAX_KERNEL_GROUPS, group_codes, interpreting, triton_reason
+from .triton_support import (
+    MAX_KERNEL_GROUPS,
+    KernelLaunch,
+    check_grid,
+    group_codes,
+    interpreting,
+    triton_reason,
+)
 
 __all__ = [
+    "DELTA_ROWS",
     "MAX_HEAD_DIM",
     "PREFILL_DTYPES",
     "ClassOrder",
@@ -86,6 +101,8 @@ __all__ = [
     "group_order",
     "group_prefill",
     "prefill_blocks",
+    "prefill_grids",
+    "prefill_launches",
 ]
 
 #: largest head size the kernels take (padded to a power of two inside).
@@ -135,16 +152,24 @@ class PrefillBlocks:
 
 
 #: ``(block_m, block_n, num_warps, num_stages)`` of the forward, dq and dk/dv kernels on CUDA,
-#: by padded head size (half precision), chosen so that ptxas reports no register spills for
-#: sm_90 (the ``dq`` tile of D = 256 spills a little in every shape tried); float32 inputs
-#: (FMA dots, a correctness path) take small tiles; the interpreter small tiles whose edges
-#: the tests cross (the backward's differ from the forward's, as on CUDA).
+#: by padded head size (half precision): the largest tiles tried for which ptxas reports no
+#: register spill on sm_90 and sm_100 at one, three and four query heads per key-value head
+#: (every row and column of a tile is a gathered load: its 64-bit addresses take registers).
+#: The spills that remain are named with their reasons in
+#: :data:`~.triton_compile.NAMED_SPILLS`; python -m focus_attention.ops.sparse.triton_compile
+#: prints them. float32 inputs (FMA dots, a correctness path) take small tiles by head size
+#: (``_FP32_TILES``); the interpreter small tiles whose edges the tests cross (the
+#: backward's differ from the forward's, as on CUDA).
 _CUDA_TILES = {
-    64: ((64, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)),
-    128: ((64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
-    256: ((64, 32, 8, 2), (64, 16, 8, 1), (32, 32, 8, 1)),
+    64: ((64, 64, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2)),
+    128: ((64, 32, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
+    256: ((64, 16, 8, 2), (64, 16, 8, 1), (32, 32, 8, 1)),
 }
-_FP32_TILES = ((32, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1))
+_FP32_TILES = {
+    64: ((16, 16, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1)),
+    128: ((16, 16, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1)),
+    256: ((16, 16, 8, 1), (16, 16, 8, 1), (16, 32, 8, 1)),
+}
 _INTERPRETER_TILES = ((32, 16, 1, 1), (16, 32, 1, 1), (16, 32, 1, 1))
 
 
@@ -154,7 +179,9 @@ def prefill_blocks(
     """The fixed tiles for ``head_dim``, ``rep`` query heads per key-value head and the input
     ``dtype``: CUDA tiles by head size (``_CUDA_TILES``; no autotuning), or, under Triton's
     interpreter (``interpret``, default: whether ``TRITON_INTERPRET=1``), small tiles whose
-    edges tests cross at small lengths. A query tile has at least ``rep`` rows.
+    edges tests cross at small lengths. A query tile has at least ``rep`` rows; a tile
+    that needs more rows than the table's for that (more than 32 or 64 query heads per
+    key-value head) takes proportionally fewer keys, at least 16.
 
     Raises:
         ValueError: ``head_dim`` not in ``1..MAX_HEAD_DIM`` or ``rep < 1``.
@@ -168,13 +195,14 @@ def prefill_blocks(
     if interpret:
         table, step = _INTERPRETER_TILES, 16
     elif dtype == torch.float32:
-        table, step = _FP32_TILES, 64
+        table, step = _FP32_TILES[max(64, block_d)], 64
     else:
         table, step = _CUDA_TILES[max(64, block_d)], 64
     tiles = []
     for block_m, block_n, warps, stages in table:
-        block_m = max(block_m, 1 << (rep - 1).bit_length())  # at least one query per tile
-        tiles.append(TileSizes(block_m, block_m // rep, block_n, warps, stages))
+        rows = max(block_m, 1 << (rep - 1).bit_length())  # at least one query per tile
+        block_n = max(16, block_m * block_n // rows)  # the tile's area kept for more rows
+        tiles.append(TileSizes(rows, rows // rep, block_n, warps, stages))
     return PrefillBlocks(*tiles, block_d=block_d, count_step=step)
 
 
@@ -286,7 +314,8 @@ def group_prefill(
     same layouts; the log-sum-exp output too).
 
     Args:
-        query: ``[B, H, Nq, D]`` float32, bfloat16 or float16, ``D <= 256``.
+        query: ``[B, H, Nq, D]`` float32, bfloat16 or float16, ``D <= 256``; any strides
+            (see "Layouts" in the module docstring).
         key, value: ``[B, H_kv, Nk, D]``, the query's dtype, ``H % H_kv == 0``, ``Nq <= Nk``.
         query_groups: bool ``[B, R, Nq, K]``; ``R = 1`` (one routing for every key-value
             head) or ``R = H_kv`` (key-value head ``h`` uses row ``h``); ``K <= 62``.
@@ -307,11 +336,15 @@ def group_prefill(
         ValueError: a malformed argument (the message names it): ranks, shapes, dtypes,
             devices, ``R`` not 1 or ``H_kv``, ``K`` outside ``1..62``, ``D > 256``,
             ``Nq > Nk``, ``window`` not an int ``>= 1``, ``scale``/``softcap`` not finite
-            and ``> 0``.
+            and ``> 0``, a batch or ``H_kv`` above 65,535 (CUDA's grid).
         BackendUnavailable: (a ``ValueError``) Triton cannot run here (the reason).
     """
     window, scale = _checked(query, key, value, query_groups, key_groups, window, scale,
                              softcap, key_padding_mask)  # fmt: skip
+    reason = triton_reason(query.device)
+    if reason is not None:
+        raise BackendUnavailable(f"group_prefill: received {query.device} tensors, expected "
+                                 f"a device the Triton kernels run on: it {reason}")  # fmt: skip
     b, h, nq, d = query.shape
     if query.numel() == 0:  # also Nk = 0, which implies Nq = 0
         lse = query.new_full((b, nq, h), -math.inf, dtype=torch.float32)
@@ -323,6 +356,79 @@ def group_prefill(
     launch = _Launch.of(*args)
     keys = group_order(launch.key_members(), launch.blocks.count_step)
     return _forward(launch, class_order(query_groups), keys, needs_lse)
+
+
+def prefill_launches(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_groups: torch.Tensor,
+    key_groups: torch.Tensor,
+    window: int,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    needs_lse: bool = True,
+    interpret: bool = False,
+) -> list[KernelLaunch]:
+    """The four kernel launches of a differentiated :func:`group_prefill` call (forward,
+    then the backward's ``delta``, ``dq`` and ``dk``/``dv`` kernels) as its launcher builds
+    them, without running them: the layouts and result buffers are allocated on the inputs'
+    device (any device: nothing is launched), with the CUDA tiles (``interpret`` False) or
+    the interpreter's. ``needs_lse``: the log-sum-exp output is returned, so its gradient
+    reaches the backward. What :mod:`.triton_compile` compiles for GPU targets.
+
+    Raises:
+        ValueError: as :func:`group_prefill` (not ``BackendUnavailable``), for a non-empty
+            call.
+    """
+    window, scale = _checked(query, key, value, query_groups, key_groups, window, scale,
+                             softcap, key_padding_mask)  # fmt: skip
+    if query.numel() == 0:
+        fail("query", f"shape {tuple(query.shape)}", "a non-empty call (it launches nothing)")
+    launch = _Launch.of(query, key, value, query_groups, key_groups, key_padding_mask, window,
+                        scale, softcap, interpret=interpret)  # fmt: skip
+    queries = class_order(query_groups)
+    keys = group_order(launch.key_members(), launch.blocks.count_step)
+    out, lse = _results(launch, needs_lse=True)
+    dlse = torch.zeros_like(lse) if needs_lse else None
+    backward, _ = _backward_launches(launch, out, lse, None, dlse, queries, keys, needs_dq=True)
+    return [_forward_launch(launch, queries, keys, out, lse, needs_lse=True), *backward]
+
+
+#: rows of ``[B * Nq * H, D]`` per program of the backward's ``delta`` kernel
+DELTA_ROWS = 16
+
+
+def prefill_grids(batch: int, heads: int, kv_heads: int, nq: int, nk: int,
+                  blocks: PrefillBlocks) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    """The launch grids of the prefill kernels, by kernel name, from shapes alone: query or
+    key tiles along x, key-value heads along y, the batch along z (the backward's ``delta``
+    kernel: blocks of ``DELTA_ROWS`` rows of ``Nq x H`` along x, the batch along y).
+
+    Raises:
+        ValueError: a grid beyond CUDA's limits (:func:`~.triton_support.check_grid`): more
+            than 65,535 key-value heads or batch elements.
+    """
+    axes = ("query tiles", "key-value heads H_kv", "batch B")
+    grids = {
+        "group_prefill_fwd": (_cdiv(nq, blocks.forward.queries_per_tile), kv_heads, batch),
+        "group_prefill_bwd_delta": (_cdiv(nq * heads, DELTA_ROWS), batch),
+        "group_prefill_bwd_dq": (_cdiv(nq, blocks.dq.queries_per_tile), kv_heads, batch),
+        "group_prefill_bwd_dkdv": (_cdiv(nk, blocks.dkdv.block_n), kv_heads, batch),
+    }
+    rows = ("blocks of Nq x H rows", "batch B")
+    for name, grid in grids.items():
+        check_grid("query", name, grid, rows if len(grid) == 2 else axes)
+    return grids
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where its last dimension is contiguous (any other strides: views of a
+    fused projection, transposes, cache slices, expanded heads), else a contiguous copy
+    (the kernels read rows of ``D`` consecutive elements)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 @dataclass(frozen=True)
@@ -339,12 +445,21 @@ class _Launch:
     scale: float
     softcap: float | None
     blocks: PrefillBlocks
+    grids: dict[str, tuple[int, ...]]
+    interpret: bool
 
     @classmethod
-    def of(cls, q, k, v, query_groups, key_groups, padding, window, scale, softcap) -> _Launch:
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        blocks = prefill_blocks(q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
-        return cls(q, k, v, query_groups, key_groups, padding, window, scale, softcap, blocks)
+    def of(cls, q, k, v, query_groups, key_groups, padding, window, scale, softcap, *,
+           interpret: bool | None = None) -> _Launch:  # fmt: skip
+        """The launch of checked inputs (``interpret``: the interpreter's tiles and dots;
+        default: whether ``TRITON_INTERPRET=1``)."""
+        interpret = interpreting() if interpret is None else interpret
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        (b, h, nq, d), (h_kv, nk) = q.shape, k.shape[1:3]
+        blocks = prefill_blocks(d, h // h_kv, q.dtype, interpret=interpret)
+        grids = prefill_grids(b, h, h_kv, nq, nk, blocks)
+        return cls(q, k, v, query_groups, key_groups, padding, window, scale, softcap, blocks,
+                   grids, interpret)  # fmt: skip
 
     def key_members(self) -> torch.Tensor:
         """The keys' memberships without padding keys."""
@@ -356,13 +471,15 @@ class _Launch:
         """The padding mask as bytes (any tensor when there is none: not read)."""
         return self.q if self.padding is None else self.padding.contiguous().view(torch.uint8)
 
-    def numbers(self, out: torch.Tensor, lse: torch.Tensor) -> list:
-        """Strides (query, key, value, token-major output, log-sum-exp) and sizes."""
-        q, k, v = self.q, self.k, self.v
-        strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3]]
-        sizes = [q.shape[2], k.shape[2], self.window, k.shape[1], self.query_groups.shape[1],
+    def numbers(self, out: torch.Tensor, lse: torch.Tensor, *grads: torch.Tensor) -> list:
+        """Strides (query, key, value, token-major output, log-sum-exp, then each gradient
+        buffer's own) and sizes."""
+        tensors = (self.q, self.k, self.v, out)
+        strides = [s for x in (*tensors, *grads) for s in x.stride()[:3]]
+        strides[12:12] = lse.stride()[:2]
+        sizes = [self.q.shape[2], self.k.shape[2], self.window, self.query_groups.shape[1],
                  self.query_groups.shape[3]]  # fmt: skip
-        return [*strides, *lse.stride()[:2], *sizes]
+        return [*strides, *sizes]
 
     def scales(self) -> list:
         """``scale * log2(e)``, ``scale / softcap``, ``softcap * log2(e)`` (1 for no cap)."""
@@ -376,64 +493,82 @@ class _Launch:
                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=blocks.block_d,
                     HEAD_DIM=d, COUNT_STEP=blocks.count_step,
                     HAS_SOFTCAP=self.softcap is not None, HAS_PADDING=self.padding is not None,
-                    EXACT=self.q.dtype == torch.float32 or interpreting(),
+                    EXACT=self.q.dtype == torch.float32 or self.interpret,
                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+
+
+def _results(launch: _Launch, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's token-major ``out [B, Nq, H, D]`` and float32 ``lse [B, Nq, H]`` (the
+    output itself in its place when not needed: not written)."""
+    b, h, nq, d = launch.q.shape
+    out = torch.empty(b, nq, h, d, dtype=launch.q.dtype, device=launch.q.device)
+    lse = torch.empty(b, nq, h, dtype=torch.float32, device=out.device) if needs_lse else out
+    return out, lse
+
+
+def _forward_launch(launch: _Launch, queries: ClassOrder, keys: GroupOrder, out: torch.Tensor,
+                    lse: torch.Tensor, needs_lse: bool) -> KernelLaunch:  # fmt: skip
+    """The forward kernel's launch into ``out`` and ``lse``."""
+    args = (launch.q, launch.k, launch.v, out, lse, queries.rows, queries.codes, keys.rows,
+            keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
+            *launch.numbers(out, lse), *launch.scales())  # fmt: skip
+    constants = dict(WRITE_LSE=needs_lse, **launch.constants(launch.blocks.forward))
+    return KernelLaunch("group_prefill_fwd", launch.grids["group_prefill_fwd"], args, constants)
 
 
 def _forward(launch: _Launch, queries: ClassOrder, keys: GroupOrder, needs_lse: bool):
     """Allocate the results and launch the forward kernel (no host synchronisation)."""
     from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
 
-    b, h, nq, d = launch.q.shape
-    out = torch.empty(b, nq, h, d, dtype=launch.q.dtype, device=launch.q.device)
-    lse = torch.empty(b, nq, h, dtype=torch.float32, device=out.device) if needs_lse else out
-    tiles = launch.blocks.forward
-    grid = (_cdiv(nq, tiles.queries_per_tile), b * launch.k.shape[1])
-    kernels.group_prefill_fwd[grid](
-        launch.q, launch.k, launch.v, out, lse, queries.rows, queries.codes, keys.rows,
-        keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
-        *launch.numbers(out, lse), *launch.scales(), WRITE_LSE=needs_lse,
-        **launch.constants(tiles),
-    )  # fmt: skip
+    out, lse = _results(launch, needs_lse)
+    _forward_launch(launch, queries, keys, out, lse, needs_lse).start(kernels)
     return out, lse if needs_lse else None
 
 
-def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder,
-              needs_dq: bool):  # fmt: skip
-    """``(dq, dk, dv)`` with the strides of ``q``, ``k``, ``v`` (``dq`` None unless
-    ``needs_dq``): the ``delta`` pass, then the query-tile kernel for ``dq`` and the key-tile
-    kernel for ``dk``/``dv`` (which lay the keys out by class and the queries by group)."""
-    from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
-
+def _backward_launches(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder,
+                       keys: GroupOrder, needs_dq: bool):  # fmt: skip
+    """The backward's launches (the ``delta`` pass, the query-tile kernel for ``dq`` when
+    ``needs_dq``, the key-tile kernel for ``dk``/``dv``, which lays the keys out by class
+    and the queries by group) and the gradients they write, ``(dq or None, dk, dv)``. Each
+    gradient is allocated like its input where that is dense, else contiguous, and its own
+    strides reach the kernel: an input may be a view with gaps (a split of a fused
+    projection, a cache slice) or with a stride 0 (expanded heads)."""
     q, k, v = launch.q, launch.k, launch.v
     b, h, nq, d = q.shape
     dout = out.new_zeros(out.shape) if dout is None else dout.contiguous()
     delta = torch.empty_like(lse)
-    rows = 16
-    kernels.group_prefill_bwd_delta[(_cdiv(b * nq * h, rows),)](
-        out, dout, lse if dlse is None else dlse.contiguous(), delta, b * nq * h, HEAD_DIM=d,
-        ROWS=rows, BLOCK_D=launch.blocks.block_d, HAS_DLSE=dlse is not None,
-    )  # fmt: skip
-    dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
-    numbers, scales = launch.numbers(dout, lse), [launch.scale, *launch.scales()]
-    if needs_dq:
-        dq = torch.empty_like(q)
-        grid = (_cdiv(nq, launch.blocks.dq.queries_per_tile), b * k.shape[1])
-        kernels.group_prefill_bwd_dq[grid](
-            q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows, keys.codes,
-            keys.segments, keys.counts, keys.low_masks, launch.real(), *numbers, *scales,
-            **launch.constants(launch.blocks.dq),
-        )  # fmt: skip
+    delta_args = (out, dout, lse if dlse is None else dlse.contiguous(), delta, nq * h)
+    launches = [KernelLaunch("group_prefill_bwd_delta", launch.grids["group_prefill_bwd_delta"],
+                             delta_args, dict(HEAD_DIM=d, ROWS=DELTA_ROWS, HAS_DLSE=dlse is not None,
+                                              BLOCK_D=launch.blocks.block_d))]  # fmt: skip
+    dq = torch.empty_like(q) if needs_dq else None
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    scales = [launch.scale, *launch.scales()]
+    if dq is not None:
+        args = (q, k, v, dout, lse, delta, dq, queries.rows, queries.codes, keys.rows,
+                keys.codes, keys.segments, keys.counts, keys.low_masks, launch.real(),
+                *launch.numbers(dout, lse, dq), *scales)  # fmt: skip
+        launches.append(KernelLaunch("group_prefill_bwd_dq", launch.grids["group_prefill_bwd_dq"],
+                                     args, launch.constants(launch.blocks.dq)))  # fmt: skip
     key_classes = class_order(launch.key_members())
     query_groups = group_order(launch.query_groups, launch.blocks.count_step)
-    grid = (_cdiv(k.shape[2], launch.blocks.dkdv.block_n), b * k.shape[1])
-    kernels.group_prefill_bwd_dkdv[grid](
-        q, k, v, dout, lse, delta, dk, dv, key_classes.rows, key_classes.codes,
-        query_groups.rows, query_groups.codes, query_groups.segments, query_groups.counts,
-        query_groups.low_masks, launch.real(), *numbers, *scales,
-        **launch.constants(launch.blocks.dkdv),
-    )  # fmt: skip
-    return dq, dk, dv
+    args = (q, k, v, dout, lse, delta, dk, dv, key_classes.rows, key_classes.codes,
+            query_groups.rows, query_groups.codes, query_groups.segments, query_groups.counts,
+            query_groups.low_masks, launch.real(), *launch.numbers(dout, lse, dk, dv), *scales)  # fmt: skip
+    launches.append(KernelLaunch("group_prefill_bwd_dkdv", launch.grids["group_prefill_bwd_dkdv"],
+                                 args, launch.constants(launch.blocks.dkdv)))  # fmt: skip
+    return launches, (dq, dk, dv)
+
+
+def _backward(launch: _Launch, out, lse, dout, dlse, queries: ClassOrder, keys: GroupOrder,
+              needs_dq: bool):  # fmt: skip
+    """Run the backward's launches (:func:`_backward_launches`); ``(dq, dk, dv)``."""
+    from . import triton_prefill_kernels as kernels  # lazy: defining a kernel picks its mode
+
+    launches, grads = _backward_launches(launch, out, lse, dout, dlse, queries, keys, needs_dq)
+    for item in launches:
+        item.start(kernels)
+    return grads
 
 
 class _GroupPrefill(torch.autograd.Function):
@@ -494,10 +629,6 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, softcap
         if tuple(padding.shape) != (b, nk):
             fail("key_padding_mask", f"shape {tuple(padding.shape)}", f"[B={b}, Nk={nk}]")
         check_device("key_padding_mask", padding, query.device, "query")
-    reason = triton_reason(query.device)
-    if reason is not None:
-        raise BackendUnavailable(f"group_prefill: received {query.device} tensors, expected "
-                                 f"a device the Triton kernels run on: it {reason}")  # fmt: skip
     return effective_window(window, nk), d**-0.5 if scale is None else scale
 
 

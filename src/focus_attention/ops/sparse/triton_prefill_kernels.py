@@ -206,7 +206,7 @@ def group_prefill_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_ln,
-    nq, nk, window, h_kv, routing_rows, num_groups,
+    nq, nk, window, routing_rows, num_groups,
     scale_log2, cap_scale, cap_log2,
     REP: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, COUNT_STEP: tl.constexpr,
@@ -214,9 +214,9 @@ def group_prefill_fwd(
     EXACT: tl.constexpr,
 ):  # fmt: skip
     """Forward of one query tile (see the module docstring). Grid:
-    ``(ceil(Nq / QPT), B * H_kv)``."""
-    b = (tl.program_id(1) // h_kv).to(tl.int64)
-    kvh = tl.program_id(1) % h_kv
+    ``(ceil(Nq / QPT), H_kv, B)``."""
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
     route = b * routing_rows + kvh % routing_rows  # (batch element, routing row)
     rows, row_ok, qi, qcode, qpos = _tile_rows(QROWS, QCODES, route, tl.program_id(0), nq, nk,
                                                REP, QPT, BLOCK_M)  # fmt: skip
@@ -264,25 +264,26 @@ def group_prefill_fwd(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def group_prefill_bwd_delta(
     OUT, DOUT, DLSE, DELTA, n_rows,
     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
-    """``delta = rowsum(dout * out) - dlse`` in fp32 over contiguous rows ``[n_rows, D]``
-    (``dlse``: the gradient of the log-sum-exp output, when it has one). Grid:
-    ``ceil(n_rows / ROWS)``."""
+    """``delta = rowsum(dout * out) - dlse`` in fp32 over contiguous rows ``[B, n_rows, D]``
+    (``n_rows = Nq * H``; ``dlse``: the gradient of the log-sum-exp output, when it has
+    one). Grid: ``(ceil(n_rows / ROWS), B)``."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = r < n_rows
+    row = tl.program_id(1).to(tl.int64) * n_rows + r
     d = tl.arange(0, BLOCK_D)
-    at = r[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+    at = row[:, None] * HEAD_DIM + d[None, :]
     mask = ok[:, None] & (d[None, :] < HEAD_DIM)
     o = tl.load(OUT + at, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DOUT + at, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + r, mask=ok, other=0.0)
-    tl.store(DELTA + r, delta, mask=ok)
+        delta -= tl.load(DLSE + row, mask=ok, other=0.0)
+    tl.store(DELTA + row, delta, mask=ok)
 
 
 @triton.jit
@@ -335,17 +336,18 @@ def group_prefill_bwd_dq(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_ln,
-    nq, nk, window, h_kv, routing_rows, num_groups,
+    stride_dqb, stride_dqh, stride_dqn,
+    nq, nk, window, routing_rows, num_groups,
     scale, scale_log2, cap_scale, cap_log2,
     REP: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, COUNT_STEP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_PADDING: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
-    """``dq`` of one query tile over the forward's key tiles (``DQ`` has the query's
-    strides; ``DOUT`` is token-major like the output; ``LSE``/``DELTA`` ``[B, Nq, H]``).
-    Grid: ``(ceil(Nq / QPT), B * H_kv)``."""
-    b = (tl.program_id(1) // h_kv).to(tl.int64)
-    kvh = tl.program_id(1) % h_kv
+    """``dq`` of one query tile over the forward's key tiles (``DQ`` has strides of its
+    own, ``stride_dq*``; ``DOUT`` is token-major like the output; ``LSE``/``DELTA``
+    ``[B, Nq, H]``). Grid: ``(ceil(Nq / QPT), H_kv, B)``."""
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
     route = b * routing_rows + kvh % routing_rows
     rows, row_ok, qi, qcode, qpos = _tile_rows(QROWS, QCODES, route, tl.program_id(0), nq, nk,
                                                REP, QPT, BLOCK_M)  # fmt: skip
@@ -380,8 +382,8 @@ def group_prefill_bwd_dq(
                       EXACT)  # fmt: skip
         cur = _next_local(lo, hi, cur, row_ok)
     mask = row_ok[:, None] & (dcols[None, :] < HEAD_DIM)
-    ptrs = DQ + b * stride_qb + head[:, None] * stride_qh
-    ptrs += qi[:, None].to(tl.int64) * stride_qn + dcols[None, :]
+    ptrs = DQ + b * stride_dqb + head[:, None] * stride_dqh
+    ptrs += qi[:, None].to(tl.int64) * stride_dqn + dcols[None, :]
     tl.store(ptrs, _to_output(dq * scale, DQ.dtype.element_ty), mask=mask)
 
 
@@ -486,7 +488,9 @@ def group_prefill_bwd_dkdv(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_ln,
-    nq, nk, window, h_kv, routing_rows, num_groups,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    nq, nk, window, routing_rows, num_groups,
     scale, scale_log2, cap_scale, cap_log2,
     REP: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, COUNT_STEP: tl.constexpr,
@@ -495,10 +499,10 @@ def group_prefill_bwd_dkdv(
     """``dk`` and ``dv`` of one key tile of the keys' class layout (``KROWS``/``KCODES``),
     over the query tiles of the group-sorted query layout (``QROWS``, ``SEGMENTS``,
     ``COUNTS``; ``QCODES`` per query) and the queries whose window holds its keys, summed
-    over the ``REP`` query heads (``DK``/``DV`` have the key's/value's strides). Grid:
-    ``(ceil(Nk / BLOCK_N), B * H_kv)``."""
-    b = (tl.program_id(1) // h_kv).to(tl.int64)
-    kvh = tl.program_id(1) % h_kv
+    over the ``REP`` query heads (``DK``/``DV`` have strides of their own). Grid:
+    ``(ceil(Nk / BLOCK_N), H_kv, B)``."""
+    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
     route = b * routing_rows + kvh % routing_rows
     rows = tl.arange(0, BLOCK_M)
     dcols = tl.arange(0, BLOCK_D)
@@ -533,9 +537,9 @@ def group_prefill_bwd_dkdv(
                             cap_scale, cap_log2, HEAD_DIM, HAS_SOFTCAP, EXACT)  # fmt: skip
         cur = _next_local(lo, hi, cur, has)
     mask = k_ok[:, None] & (dcols[None, :] < HEAD_DIM)
-    at = kj[:, None].to(tl.int64) * stride_kn + dcols[None, :]
-    tl.store(DK + b * stride_kb + kvh.to(tl.int64) * stride_kh + at,
+    at = kj[:, None].to(tl.int64) * stride_dkn + dcols[None, :]
+    tl.store(DK + b * stride_dkb + kvh.to(tl.int64) * stride_dkh + at,
              _to_output(dk * scale, DK.dtype.element_ty), mask=mask)  # fmt: skip
-    at = kj[:, None].to(tl.int64) * stride_vn + dcols[None, :]
-    tl.store(DV + b * stride_vb + kvh.to(tl.int64) * stride_vh + at,
+    at = kj[:, None].to(tl.int64) * stride_dvn + dcols[None, :]
+    tl.store(DV + b * stride_dvb + kvh.to(tl.int64) * stride_dvh + at,
              _to_output(dv, DV.dtype.element_ty), mask=mask)  # fmt: skip
