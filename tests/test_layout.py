@@ -208,6 +208,7 @@ OPTIONAL_BEYOND_EXTRAS = {
 #: readers, tests/cli/test_help.py): they may import torch, or a module that imports it,
 #: inside the function that needs it, with a comment saying why
 TORCH_FREE = {
+    "focus_attention.settings",
     "focus_attention.bench.settings",
     "focus_attention.bench.run_record",
     "focus_attention.hf.config",

@@ -30,11 +30,12 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from .assets.corpora import DEFAULT_CORPUS, SPLITS
 from .assets.model_registry import DEFAULT_MODEL
-from .hf.config import INFERENCE_SETTINGS, InferenceSetting
+from .hf.config import INFERENCE_SETTINGS, InferenceSetting, read_config_file
 from .utils.checks import bad, check_int, check_known_keys
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "ThreadSettings",
     "TopKValues",
     "WindowValues",
+    "adapter_groups",
+    "check_grid",
     "renamed_settings",
     "settings_class",
 ]
@@ -548,3 +551,54 @@ def _accept_renamed(cls: type) -> None:
     for old, new in cls.RENAMED.items():
         setattr(cls, old, property(lambda self, new=new: getattr(self, new),
                                    doc=f"Deprecated name of ``{new}``."))  # fmt: skip
+
+
+#: the fields of several values a command runs in turn (stored without repeats)
+GRID_FIELDS = ("top_k", "window", "lengths", "contexts", "concurrency", "depths", "levels",
+               "haystacks", "tasks", "batch_size")  # fmt: skip
+
+
+def adapter_groups(adapter: str | None) -> int | None:
+    """K (``num_groups``) of the Focus adapter in the local folder ``adapter``, read from its
+    config file; None without one (no adapter, a hub id, a run without Focus routers: their
+    loaders report what is missing).
+
+    Raises:
+        ValueError: a damaged config file (the message names it).
+    """
+    if adapter is None:
+        return None
+    from .hf.files import CONFIG_NAME  # hf.files imports torch; this module stays torch-free
+
+    path = Path(adapter) / CONFIG_NAME
+    return read_config_file(path)[0].num_groups if path.is_file() else None
+
+
+def check_grid(owner: str, config: Any) -> None:
+    """Drop repeated values of the :data:`GRID_FIELDS` ``config`` has (each value once, in
+    the order given, so that no row is run twice), and check ``top_k`` and ``query_top_k``
+    against K: the adapter's (:func:`adapter_groups`), else ``num_groups`` of fresh
+    routers. Call it after ``check_shared``.
+
+    Raises:
+        ValueError: a ``top_k`` or ``query_top_k`` outside ``1..K``, naming the field and K.
+    """
+    for name in GRID_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, (tuple, list)) and all(
+            isinstance(v, (int, float, str)) for v in value
+        ):
+            setattr(config, name, tuple(dict.fromkeys(value)))
+    adapter = getattr(config, "adapter", None)
+    groups = adapter_groups(adapter)
+    if groups is not None:
+        whose = f"the K of the adapter {adapter}"
+    elif adapter is None and hasattr(config, "num_groups"):
+        groups, whose = config.num_groups, "K, num_groups"
+    else:
+        return
+    for name in ("top_k", "query_top_k"):
+        value = getattr(config, name, None)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(v is not None and not 1 <= v <= groups for v in values):
+            raise bad(owner, name, value, f"ints in 1..{groups} ({whose})")

@@ -183,7 +183,7 @@ def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
     dense = [c for c in result["cells"] if c["mode"] == "dense"]
     assert len(result["cells"]) == 4 and len(dense) == 2
     base, tok = load_model(str(assets["model"]), quiet=True)
-    cases = needle._cases(config, tok, tok.bos_token_id if auto_prepend_bos(base) else None)
+    cases = needle.needle_cases(config, tok, tok.bos_token_id if auto_prepend_bos(base) else None)
     for case, cell in zip(cases, dense, strict=True):
         with torch.no_grad():
             out = base.generate(case.input_ids, attention_mask=torch.ones_like(case.input_ids),

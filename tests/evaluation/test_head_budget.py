@@ -108,16 +108,11 @@ def test_a_ranking_file_gives_the_adapter_its_dense_heads(assets, adapter, tmp_p
 
 
 def test_without_a_file_the_heads_are_ranked_on_pass_keys(assets, adapter, tmp_path):
-    from focus_attention.bench.needle import rank_calibration_heads
-
     out = tmp_path / "ranked"
-    with pytest.raises(ValueError, match="head_budget needs a head ranking"):
-        _calibrate(assets, adapter, out, head_budget=0.25, ranking_length=64)
-    assert not out.exists()
     config = CalibrateConfig(model=str(assets["model"]), adapter=str(adapter), out=str(out),
                              corpus=str(assets["corpus"]), seq_len=64, blocks=0, progress=False,
                              head_budget=0.25, ranking_length=64)  # fmt: skip
-    record = calibrate_adapter(config, rank_calibration_heads)["head_budget"]
+    record = calibrate_adapter(config)["head_budget"]
     ranked = record["ranking"]
     assert len(ranked["head_ranking"]) == 4 and ranked["source"]["ranked_here"]["prompts"] == 6
     assert ranked["source"]["ranked_here"]["config"]["haystacks"] == ("passkey",)

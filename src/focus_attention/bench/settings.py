@@ -8,16 +8,13 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..assets.benchmarks import BENCHMARKS
 from ..assets.model_registry import DEFAULT_MODEL
 from ..assets.presets import PRESETS, RANDOM_PREFIX, is_random_model, preset_named
-from ..evaluation.settings import HAYSTACKS
-from ..hf.config import read_config_file
+from ..evaluation.settings import HAYSTACKS, RetrievalLayersConfig, check_prompts
 from ..settings import (
-    NEEDLE_MIN_TOKENS,
     AdapterOverrides,
     AttentionBackendSetting,
     BatchSettings,
@@ -36,6 +33,8 @@ from ..settings import (
     ThreadSettings,
     TopKValues,
     WindowValues,
+    adapter_groups,
+    check_grid,
     settings_class,
 )
 from ..utils.checks import bad, check_int, check_number
@@ -116,10 +115,6 @@ BENCH_MODEL_HELP = (
     f"download; token ids drawn at random; presets: {', '.join(PRESETS)})"
 )
 
-#: the fields of several values a benchmark runs in turn (stored without repeats)
-GRID_FIELDS = ("top_k", "window", "lengths", "contexts", "concurrency", "depths", "levels",
-               "haystacks", "tasks", "batch_size")  # fmt: skip
-
 
 def command_help(**texts: str) -> Callable[[type], type]:
     """Class decorator, written above :func:`~focus_attention.settings.settings_class`:
@@ -142,52 +137,6 @@ def command_help(**texts: str) -> Callable[[type], type]:
         return cls
 
     return build
-
-
-def adapter_groups(adapter: str | None) -> int | None:
-    """K (``num_groups``) of the Focus adapter in the local folder ``adapter``, read from its
-    config file; None without one (no adapter, a hub id, a run without Focus routers: their
-    loaders report what is missing).
-
-    Raises:
-        ValueError: a damaged config file (the message names it).
-    """
-    if adapter is None:
-        return None
-    from ..hf.files import CONFIG_NAME  # hf.files imports torch; this module stays torch-free
-
-    path = Path(adapter) / CONFIG_NAME
-    return read_config_file(path)[0].num_groups if path.is_file() else None
-
-
-def check_grid(owner: str, config: Any) -> None:
-    """Drop repeated values of the :data:`GRID_FIELDS` ``config`` has (each value once, in
-    the order given, so that no row is run twice), and check ``top_k`` and ``query_top_k``
-    against K: the adapter's (:func:`adapter_groups`), else ``num_groups`` of fresh
-    routers. Call it after ``check_shared``.
-
-    Raises:
-        ValueError: a ``top_k`` or ``query_top_k`` outside ``1..K``, naming the field and K.
-    """
-    for name in GRID_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, (tuple, list)) and all(
-            isinstance(v, (int, float, str)) for v in value
-        ):
-            setattr(config, name, tuple(dict.fromkeys(value)))
-    adapter = getattr(config, "adapter", None)
-    groups = adapter_groups(adapter)
-    if groups is not None:
-        whose = f"the K of the adapter {adapter}"
-    elif adapter is None and hasattr(config, "num_groups"):
-        groups, whose = config.num_groups, "K, num_groups"
-    else:
-        return
-    for name in ("top_k", "query_top_k"):
-        value = getattr(config, name, None)
-        values = value if isinstance(value, tuple) else (value,)
-        if any(v is not None and not 1 <= v <= groups for v in values):
-            raise bad(owner, name, value, f"ints in 1..{groups} ({whose})")
 
 
 def check_bench_model(owner: str, config: Any) -> None:
@@ -525,25 +474,6 @@ class DecodeBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
         return FRESH_WINDOW if self.window is None else self.window
 
 
-def check_prompts(owner: str, config: NeedleBenchConfig | RetrievalLayersConfig) -> None:
-    """The prompt settings shared by the needle configs: ``lengths`` (ints >=
-    :data:`~focus_attention.settings.NEEDLE_MIN_TOKENS` tokens),
-    ``haystacks`` (some of :data:`HAYSTACKS`), ``depths`` (fractions in [0, 1]) and
-    ``trials`` (an int >= 1).
-
-    Raises:
-        ValueError: the first bad one, named with ``owner``.
-    """
-    for n in config.lengths:
-        check_int(owner, "lengths", n, NEEDLE_MIN_TOKENS)
-    config.haystacks, config.depths = tuple(config.haystacks), tuple(config.depths)
-    if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
-        raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")
-    if not config.depths or any(not 0.0 <= float(d) <= 1.0 for d in config.depths):
-        raise bad(owner, "depths", config.depths, "fractions in [0, 1]")
-    check_int(owner, "trials", config.trials, 1)
-
-
 @settings_class(
     defaults={
         "adapter": "runs/austen",
@@ -575,38 +505,6 @@ class NeedleBenchConfig(PlotFile, GenerationLength, ResultFile, RunSettings, See
         self.check_shared()
         check_grid("NeedleBenchConfig", self)
         check_prompts("NeedleBenchConfig", self)
-
-
-@settings_class(
-    defaults={"adapter": "runs/austen", "split": "validation", "lengths": (2048,), "seed": 1}
-)
-class RetrievalLayersConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, TextSettings, ModelSettings):  # fmt: skip
-    """Settings of the retrieval-layer ranking (``focus bench retrieval-layers``): needle
-    prompts of the validation split (keep the test split for the benchmark), scored on the
-    dense model.
-
-    Raises:
-        ValueError: on construction, naming the first bad field.
-    """
-
-    haystacks: tuple[str, ...] = field(
-        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
-    )
-    depths: tuple[float, ...] = field(
-        default=(0.25, 0.5, 0.75), metadata={"help": "needle depths, 0 (start) to 1 (end)"}
-    )
-    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
-    count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
-    heads: int = field(
-        default=8, metadata={"help": "(layer, key-value head) pairs to suggest as dense_heads"}
-    )
-
-    def __post_init__(self) -> None:
-        self.check_shared()
-        check_grid("RetrievalLayersConfig", self)
-        check_int("RetrievalLayersConfig", "count", self.count, 1)
-        check_int("RetrievalLayersConfig", "heads", self.heads, 1)
-        check_prompts("RetrievalLayersConfig", self)
 
 
 def parse_batch_size(text: str) -> str:

@@ -17,7 +17,6 @@ REQUIRED = ("adapter", "out")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..bench.needle import rank_calibration_heads
     from ..evaluation.calibration import CALIBRATION_NAME, calibrate_adapter
 
     config = command_config(args, CalibrateConfig, "calibrate", required=REQUIRED)
@@ -25,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     if config.split == "test":
         print("focus: warning: --split test: the test split is meant for evaluation; calibrate "
               "on the validation split (the default) to keep it held out", file=sys.stderr)  # fmt: skip
-    record = calibrate_adapter(config, rank_calibration_heads)
+    record = calibrate_adapter(config)
     focus = record["focus"]
     print(f"wrote {config.out}: window {focus['window']}, sink_tokens {focus['sink_tokens']}, "
           f"dense_layers {focus['dense_layers']}, top_k {focus['top_k']}; bias from "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from ..hf.files import CONFIG_NAME, adapter_layout, weights_file_sha256
 from ..utils.env import environment, library_versions
 from ..utils.io import replace_entries, write_json_atomic
 from .head_budget import choose_dense_heads, read_head_ranking
+from .retrieval import rank_calibration_heads
 from .settings import CalibrateConfig
 
 __all__ = ["CALIBRATION_NAME", "CalibrateConfig", "calibrate_adapter", "calibrate_on", "calibration_blocks",
@@ -80,11 +80,10 @@ def _check_out(config: CalibrateConfig) -> Path:
     return out
 
 
-def head_ranking_for(config: CalibrateConfig, rank_heads: Callable[[CalibrateConfig], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def head_ranking_for(config: CalibrateConfig) -> dict[str, Any]:
     """The head ranking ``config.head_budget`` is filled from: read from the
-    ``config.head_ranking`` file (:func:`~.head_budget.read_head_ranking`), else made by
-    ``rank_heads(config)`` (``focus calibrate`` passes
-    :func:`focus_attention.bench.needle.rank_calibration_heads`).
+    ``config.head_ranking`` file (:func:`~.head_budget.read_head_ranking`), else made here
+    on pass-key prompts (:func:`~.retrieval.rank_calibration_heads`).
 
     Returns:
         ``head_ranking`` (``(layer, kv_head)`` tuples, first ranked first), ``by_head`` and
@@ -92,20 +91,14 @@ def head_ranking_for(config: CalibrateConfig, rank_heads: Callable[[CalibrateCon
         ``seconds``).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` raises
-            them; ValueError when there is neither a ``head_ranking`` file nor ``rank_heads``.
+        ValueError, FileNotFoundError: as :func:`~.head_budget.read_head_ranking` and
+            :func:`~.retrieval.rank_calibration_heads` raise them.
     """
     if config.head_ranking is not None:
         ranking = read_head_ranking(config.head_ranking, config.model)
         source = {"file": ranking["file"], "model": ranking["model"]}
-    elif rank_heads is None:
-        raise ValueError(
-            "CalibrateConfig.head_budget needs a head ranking: set head_ranking to a file (from "
-            "focus bench retrieval-layers or focus train --method head-gates) or pass rank_heads="
-            "focus_attention.bench.needle.rank_calibration_heads, as focus calibrate does"
-        )
     else:
-        ranking = rank_heads(config)
+        ranking = rank_calibration_heads(config)
         source = {"ranked_here": {k: ranking[k] for k in ("config", "prompts", "seconds")}}
     return {"head_ranking": [tuple(p) for p in ranking["head_ranking"]],
             "by_head": ranking["by_head"], "source": source}  # fmt: skip
@@ -137,7 +130,7 @@ def head_budget_choice(config: CalibrateConfig, fm: Any, ranking: dict[str, Any]
                         "by_head": ranking["by_head"]}}  # fmt: skip
 
 
-def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateConfig], dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def calibrate_adapter(config: CalibrateConfig) -> dict[str, Any]:
     """Write the adapter of ``config.adapter`` with the new settings and, unless
     ``blocks == 0``, the causal routing bias collected from ``blocks`` blocks of ``seq_len``
     tokens, into ``config.out`` with a :data:`CALIBRATION_NAME` record: both are staged and
@@ -149,8 +142,9 @@ def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateCo
         ``focus`` (the new adapter's settings), ``bias_change`` (largest absolute change of a
         router's ``routing_bias``), ``tokens`` calibrated on, ``seconds``, ``versions``,
         ``environment``; ``head_budget`` (:func:`head_budget_choice`'s record, or None; a
-        ``head_budget`` without a ``head_ranking`` file is filled from ``rank_heads(config)``,
-        called after ``out`` is checked and before the model loads).
+        ``head_budget`` without a ``head_ranking`` file is filled from
+        :func:`~.retrieval.rank_calibration_heads`, run after ``out`` is checked and before
+        the model loads).
 
     Raises:
         ValueError: bad settings (as :class:`FocusConfig` raises them), ``out`` a file or
@@ -161,7 +155,7 @@ def calibrate_adapter(config: CalibrateConfig, rank_heads: Callable[[CalibrateCo
     """
     t0 = time.monotonic()
     out = _check_out(config)
-    ranking = None if config.head_budget is None else head_ranking_for(config, rank_heads)
+    ranking = None if config.head_budget is None else head_ranking_for(config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     quiet = not config.progress

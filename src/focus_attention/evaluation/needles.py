@@ -3,7 +3,9 @@ of a long prompt (the haystack) and asked for at its end, and how an answer is r
 Two haystacks (:data:`~focus_attention.evaluation.settings.HAYSTACKS`): ``passkey`` (a short
 filler paragraph repeated, the synthetic pass-key test) and ``book`` (held-out prose of a
 corpus, a different stretch per prompt). ``focus bench needle`` answers them
-(:mod:`focus_attention.bench.needle`); ``focus train --method head-gates`` trains on them."""
+(:mod:`focus_attention.bench.needle`), the retrieval ranking scores the attention they draw
+(:func:`focus_attention.evaluation.retrieval.rank_retrieval_layers`), and ``focus train
+--method head-gates`` trains on them."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from typing import Any
 import torch
 
 from ..assets.corpora import load_corpus
+from ..assets.models import auto_prepend_bos, load_model
+from ..hf import FocusModel
+from ..utils.checks import bad
 from .settings import HAYSTACKS
 
 __all__ = [
@@ -25,7 +30,9 @@ __all__ = [
     "answer_of",
     "build_case",
     "haystack_tokens",
+    "load_needle_model",
     "needle_blocks",
+    "needle_cases",
 ]
 
 #: the synthetic haystack: one paragraph, repeated
@@ -149,3 +156,46 @@ def needle_blocks(tokenizer: Any, corpus: str, split: str, length: int, count: i
                        rng.uniform(0.05, 0.95), i, rng, bos_id=bos_id).input_ids[0]
             for i in range(count)]  # fmt: skip
     return torch.stack(rows)
+
+
+def needle_cases(config: Any, tokenizer: Any, bos_id: int | None) -> list[NeedleCase]:
+    """Every prompt of a needle config (``haystacks``, ``lengths``, ``depths``, ``trials``,
+    ``corpus``, ``split``, ``seed``: :class:`~.settings.RetrievalLayersConfig`,
+    :class:`focus_attention.bench.settings.NeedleBenchConfig`), in the order haystack,
+    length, depth, trial; deterministic in ``config.seed``.
+
+    Raises:
+        ValueError: as :func:`build_case` (a haystack too short for a length).
+    """
+    rng = random.Random(config.seed)
+    cases = []
+    for kind in config.haystacks:
+        source = haystack_tokens(tokenizer, kind, config.corpus, config.split, max(config.lengths))
+        for length in config.lengths:
+            for depth in config.depths:
+                for trial in range(config.trials):
+                    cases.append(
+                        build_case(
+                            tokenizer, source, kind, length, depth, trial, rng, bos_id=bos_id
+                        )  # fmt: skip
+                    )
+    return cases
+
+
+def load_needle_model(config: Any) -> tuple[Any, Any, int | None]:
+    """``(Focus model in eval mode, tokenizer, BOS id or None)`` that answers the prompts of a
+    needle config (``model``, ``adapter``, ``lengths``, ``threads``, ``progress``), with
+    ``threads`` CPU threads when set.
+
+    Raises:
+        ValueError: a length above the model's ``max_position_embeddings``, or the errors of
+            loading the model or adapter.
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    base, tokenizer = load_model(config.model, quiet=not config.progress)
+    limit = getattr(base.config, "max_position_embeddings", None)
+    if limit is not None and max(config.lengths) > limit:
+        raise bad(type(config).__name__, "lengths", config.lengths, f"at most {limit} tokens")
+    fm = FocusModel.from_pretrained(base, config.adapter).eval()
+    return fm, tokenizer, tokenizer.bos_token_id if auto_prepend_bos(base) else None

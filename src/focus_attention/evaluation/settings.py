@@ -1,19 +1,22 @@
 """The settings of the evaluation commands, composed from the shared groups of
 :mod:`focus_attention.settings`: :class:`EvalConfig` (``focus eval``, docs/method.md §9),
-:class:`CalibrateConfig` (``focus calibrate``, §4 and §9 "Long-context settings") and
-:class:`InspectConfig` (``focus inspect``, §9 "Group inspection"). Imports neither torch
-nor transformers."""
+:class:`CalibrateConfig` (``focus calibrate``, §4 and §9 "Long-context settings"),
+:class:`InspectConfig` (``focus inspect``, §9 "Group inspection") and
+:class:`RetrievalLayersConfig` (the retrieval ranking of ``focus bench retrieval-layers`` and
+of ``focus calibrate --head-budget``, §9). Imports neither torch nor transformers."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import field
+from typing import Any
 
 from ..settings import (
     NEEDLE_MIN_TOKENS,
     AdapterOverrides,
     BlockSettings,
     BosSettings,
+    LengthSettings,
     ModelSettings,
     OutputSettings,
     ResultFile,
@@ -21,6 +24,7 @@ from ..settings import (
     SeedSettings,
     TextSettings,
     TopKValues,
+    check_grid,
     settings_class,
 )
 from ..utils.checks import bad, check_int, comma_ints
@@ -33,6 +37,8 @@ __all__ = [
     "CalibrateConfig",
     "EvalConfig",
     "InspectConfig",
+    "RetrievalLayersConfig",
+    "check_prompts",
     "parse_max_tokens",
 ]
 
@@ -238,3 +244,55 @@ class InspectConfig(OutputSettings, RunSettings, SeedSettings, TopKValues, Block
                 raise bad(owner, "layers", self.layers,
                           "None or a non-empty list of layer indices (ints >= 0)")  # fmt: skip
             self.layers = tuple(sorted(set(layers)))
+
+
+def check_prompts(owner: str, config: Any) -> None:
+    """The prompt settings shared by the needle configs (:class:`RetrievalLayersConfig`,
+    :class:`focus_attention.bench.settings.NeedleBenchConfig`): ``lengths`` (ints >=
+    :data:`~focus_attention.settings.NEEDLE_MIN_TOKENS` tokens),
+    ``haystacks`` (some of :data:`HAYSTACKS`), ``depths`` (fractions in [0, 1]) and
+    ``trials`` (an int >= 1).
+
+    Raises:
+        ValueError: the first bad one, named with ``owner``.
+    """
+    for n in config.lengths:
+        check_int(owner, "lengths", n, NEEDLE_MIN_TOKENS)
+    config.haystacks, config.depths = tuple(config.haystacks), tuple(config.depths)
+    if not config.haystacks or any(h not in HAYSTACKS for h in config.haystacks):
+        raise bad(owner, "haystacks", config.haystacks, f"some of {HAYSTACKS}")
+    if not config.depths or any(not 0.0 <= float(d) <= 1.0 for d in config.depths):
+        raise bad(owner, "depths", config.depths, "fractions in [0, 1]")
+    check_int(owner, "trials", config.trials, 1)
+
+
+@settings_class(
+    defaults={"adapter": "runs/austen", "split": "validation", "lengths": (2048,), "seed": 1}
+)
+class RetrievalLayersConfig(ResultFile, RunSettings, SeedSettings, LengthSettings, TextSettings, ModelSettings):  # fmt: skip
+    """Settings of the retrieval-layer ranking (``focus bench retrieval-layers``): needle
+    prompts of the validation split (keep the test split for the benchmark), scored on the
+    dense model.
+
+    Raises:
+        ValueError: on construction, naming the first bad field.
+    """
+
+    haystacks: tuple[str, ...] = field(
+        default=HAYSTACKS, metadata={"help": f"haystacks, of {HAYSTACKS}"}
+    )
+    depths: tuple[float, ...] = field(
+        default=(0.25, 0.5, 0.75), metadata={"help": "needle depths, 0 (start) to 1 (end)"}
+    )
+    trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
+    count: int = field(default=5, metadata={"help": "layers to suggest as dense_layers"})
+    heads: int = field(
+        default=8, metadata={"help": "(layer, key-value head) pairs to suggest as dense_heads"}
+    )
+
+    def __post_init__(self) -> None:
+        self.check_shared()
+        check_grid("RetrievalLayersConfig", self)
+        check_int("RetrievalLayersConfig", "count", self.count, 1)
+        check_int("RetrievalLayersConfig", "heads", self.heads, 1)
+        check_prompts("RetrievalLayersConfig", self)

@@ -316,7 +316,7 @@ class FocusConfig:
             routing through their groups, stored as a sorted tuple; default none. For the
             layers that retrieve from far back (a needle, a fact given early):
             ``focus bench retrieval-layers``
-            (:func:`focus_attention.bench.needle.rank_retrieval_layers`) ranks them
+            (:func:`focus_attention.evaluation.retrieval.rank_retrieval_layers`) ranks them
             (docs/method.md §9). Their routers are kept, so the set can change at any time,
             but while their layer is dense they get no gradient, no routing-bias update (in
             soft training or :meth:`FocusModel.calibrate`) and no routing record. A KV cache
