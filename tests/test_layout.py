@@ -1,6 +1,7 @@
 """The shape of the package: each concern on its own floor (:data:`FLOORS`: no import, be it
-at the top of a file, inside a function, or a ``"module:function"`` registry string, climbs
-a floor), imports at the top of their files (function-local ones only in ``cli/`` and for
+at the top of a file or inside a function, climbs a floor; evaluation and training import
+nothing from the benchmarks), registries that hold their functions, never a
+``"module:function"`` string naming one, imports at the top of their files (function-local ones only in ``cli/`` and for
 optional dependencies, each with its reason), no import cycles between modules, every module
 imports on its own in a fresh interpreter, functions short enough to read at once, no private
 names imported across modules, and docstrings and comments that speak of the product
@@ -193,7 +194,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # the focus command
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
-#: a registry string: ``"focus_attention.module:function"``, imported when it is used
+#: a function named by a string, ``"focus_attention.module:function"``, which no registry
+#: holds: a registry imports its functions, so that every arrow shows
 REGISTRY_STRING = re.compile(r"^(focus_attention(?:\.\w+)+):(\w+)$")
 #: what a function-local import may load besides the extras of pyproject.toml: modules
 #: that are heavy or optional and that few callers need, and why
@@ -210,6 +212,7 @@ OPTIONAL_BEYOND_EXTRAS = {
 TORCH_FREE = {
     "focus_attention.settings",
     "focus_attention.bench.settings",
+    "focus_attention.bench.results",
     "focus_attention.bench.run_record",
     "focus_attention.hf.config",
 }
@@ -243,8 +246,8 @@ def _entry_point(module: str) -> bool:
 @dataclass(frozen=True)
 class Arrow:
     """``source`` uses ``target`` (modules of the package) at ``line``, in a ``kind`` of
-    way: ``import``, ``local import`` (inside a function), ``registry string`` or ``lazy
-    export`` (a package's ``exports_of`` table)."""
+    way: ``import``, ``local import`` (inside a function) or ``lazy export`` (a package's
+    ``exports_of`` table)."""
 
     source: str
     target: str
@@ -302,14 +305,10 @@ def _arrows(name: str) -> list[Arrow]:
     package, local = _package_of(name), {id(n) for n in _local_imports(tree)}
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            kind = "local import" if id(node) in local else "import"
-            targets = _import_targets(node, package)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            match = REGISTRY_STRING.match(node.value)
-            kind, targets = "registry string", [match.group(1)] if match else []
-        else:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        kind = "local import" if id(node) in local else "import"
+        targets = _import_targets(node, package)
         out += [Arrow(name, t, node.lineno, kind) for t in targets if t in MODULES and t != name]
     for node in _exported_modules(tree):
         level = len(node.value) - len(node.value.lstrip("."))
@@ -341,34 +340,36 @@ def test_training_imports_nothing_from_bench():
     assert [str(a) for a in ARROWS if (_unit(a.source), _unit(a.target)) == ("training", "bench")] == []  # fmt: skip
 
 
+def test_evaluation_imports_nothing_from_bench():
+    """The retrieval ranking and the calibration that uses it live with evaluation: no
+    function of a benchmark reaches them, by import or as an argument the command passes."""
+    assert [str(a) for a in ARROWS if (_unit(a.source), _unit(a.target)) == ("evaluation", "bench")] == []  # fmt: skip
+
+
 def test_bench_is_used_by_the_command_and_the_studies_only():
     users = {"bench", "cli", "experiments"}
     assert [str(a) for a in ARROWS if _unit(a.target) == "bench" and _unit(a.source) not in users] == []  # fmt: skip
 
 
-def _top_level_names(name: str) -> set[str]:
-    names = set()
-    for node in ast.parse(MODULES[name].read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    return names
+def test_no_function_is_named_by_a_string():
+    """A registry (the benchmarks', the report's views) holds its functions, imported at the
+    top of its module, so that editors, type checkers and this test follow them; the
+    command stays light by importing a registry when it runs, not by names in strings."""
+    found = [f"{MODULES[name].relative_to(SRC)}:{node.lineno}: {node.value}"
+             for name in MODULES for node in ast.walk(ast.parse(MODULES[name].read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and REGISTRY_STRING.match(node.value)]  # fmt: skip
+    assert found == []
 
 
-def test_registry_strings_name_functions_of_the_package():
-    missing = []
-    for name in MODULES:
-        for node in ast.walk(ast.parse(MODULES[name].read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                match = REGISTRY_STRING.match(node.value)
-                if match and (match.group(1) not in MODULES
-                              or match.group(2) not in _top_level_names(match.group(1))):  # fmt: skip
-                    missing.append(f"{MODULES[name].relative_to(SRC)}:{node.lineno}: {node.value}")
-    assert missing == []
+def test_no_benchmark_registry_entry_is_a_string():
+    from focus_attention.bench.registry import BENCHMARKS  # imports every benchmark (torch)
+
+    parts = [(name, part, getattr(row, part)) for name, row in BENCHMARKS.items()
+             for part in ("run", "table", "plot", "notes")]  # fmt: skip
+    assert [f"{name}.{part}: {value!r}" for name, part, value in parts
+            if isinstance(value, str) or not (value is None or callable(value))] == []  # fmt: skip
+    assert all(callable(row.run) and callable(row.table) for row in BENCHMARKS.values())
 
 
 def _optional(module: str) -> bool:

@@ -78,10 +78,11 @@ def _kernel(*extra: str) -> list[str]:
     ],
 )
 def test_output_paths_are_checked_before_the_run(tmp_path, monkeypatch, capsys, flags, match):
-    from focus_attention.bench import kernel
+    from focus_attention.bench import registry
 
     (tmp_path / "f.json").write_text("")
-    monkeypatch.setattr(kernel, "run_kernel_benchmark", lambda config: pytest.fail("ran"))
+    row = dataclasses.replace(registry.BENCHMARKS["kernel"], run=lambda config: pytest.fail("ran"))
+    monkeypatch.setitem(registry.BENCHMARKS, "kernel", row)
     rc = cli.main(_kernel(*(f.format(tmp=tmp_path) for f in flags)))
     assert rc == 1
     assert match.format(tmp=tmp_path) in capsys.readouterr().err

@@ -1,7 +1,8 @@
-"""The benchmark registry (focus_attention.bench.registry): every row names functions that
-exist, ``focus bench`` lists the rows in order, and a benchmark added as a module plus one
-row (a toy, here) runs as ``focus bench toy``, writes its JSON and plot, and gets its table
-and plot in a study's report."""
+"""The benchmark registry (focus_attention.bench.registry): every row holds the functions
+that run it, one row per command line of focus_attention.bench.commands, in its order;
+``focus bench`` lists the rows in order, and a benchmark added as a module plus its two rows
+(a toy, here) runs as ``focus bench toy``, writes its JSON and plot, and gets its table and
+plot in a study's report."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import sys
 
 import pytest
 
-from focus_attention.bench import registry
-from focus_attention.bench.registry import BENCHMARKS, Benchmark, plotted_benchmarks, resolve
+from focus_attention.bench import commands, registry
+from focus_attention.bench.commands import BENCH_COMMANDS, BenchCommand
+from focus_attention.bench.registry import BENCHMARKS, Benchmark, plotted_benchmarks
 from focus_attention.cli import build_parser, main
 from focus_attention.experiments import StudyConfig, run_study
 
@@ -70,13 +72,17 @@ command = "report"
 """
 
 
+def test_the_registry_has_a_row_per_command_line_in_order():
+    assert list(BENCHMARKS) == list(BENCH_COMMANDS)
+    assert all(row.command is BENCH_COMMANDS[name] for name, row in BENCHMARKS.items())
+
+
 @pytest.mark.parametrize("name", list(BENCHMARKS))
-def test_every_row_names_functions_that_exist(name):
+def test_every_row_holds_its_functions(name):
     benchmark = BENCHMARKS[name]
-    run = resolve(benchmark.run)
-    assert ("checkpoint" in inspect.signature(run).parameters) == benchmark.checkpoint
-    for spec in (benchmark.table, benchmark.plot, benchmark.notes):
-        assert spec is None or callable(resolve(spec))
+    assert ("checkpoint" in inspect.signature(benchmark.run).parameters) == benchmark.checkpoint
+    for function in (benchmark.run, benchmark.table, benchmark.plot, benchmark.notes):
+        assert function is None or (callable(function) and not isinstance(function, str))
     if benchmark.plot is not None:  # a plotted benchmark says where the PNG goes
         assert "plot" in {f for f in benchmark.settings.__dataclass_fields__}
 
@@ -87,30 +93,31 @@ def test_focus_bench_lists_the_rows_then_the_result_commands():
     listed = next(a for a in bench._actions if a.dest == "bench_command")
     assert list(listed.choices) == [*BENCHMARKS, "merge", "plot"]
     helps = {choice.dest: choice.help for choice in listed._choices_actions}
-    assert all(helps[name] == row.help for name, row in BENCHMARKS.items())
+    assert all(helps[name] == row.help for name, row in BENCH_COMMANDS.items())
     assert plotted_benchmarks() == ["kernel", "model", "decode", "needle", "ruler", "serve"]
 
 
-def test_a_row_names_functions_as_module_and_function():
-    with pytest.raises(ValueError, match="toy.*table 'toy_table'; expected 'module:function'"):
-        Benchmark(name="toy", settings=object, run="m:f", table="toy_table", help="", description="")  # fmt: skip
+def test_a_row_holds_functions_not_their_names():
+    command = BenchCommand(name="toy", settings=object, help="", description="")
+    with pytest.raises(TypeError, match="toy.*table 'toy_bench:toy_table'; expected a function"):
+        Benchmark(command, run=print, table="toy_bench:toy_table")
 
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
-    """The toy benchmark: its module on the path and its row in the registry, nothing else."""
+    """The toy benchmark: its module on the path and its two rows, its command line and its
+    functions, nothing else."""
     (tmp_path / "toy_bench.py").write_text(TOY_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("toy_bench")
-    row = Benchmark(
+    command = BenchCommand(
         name="toy",
         settings=module.ToyBenchConfig,
-        run="toy_bench:run_toy",
-        table="toy_bench:toy_table",
-        plot="toy_bench:plot_toy",
         help="the squares of 1..count",
         description="Squares the numbers 1..count.",
     )
+    row = Benchmark(command, run=module.run_toy, table=module.toy_table, plot=module.plot_toy)
+    monkeypatch.setitem(commands.BENCH_COMMANDS, "toy", command)
     monkeypatch.setitem(registry.BENCHMARKS, "toy", row)
     yield row
     sys.modules.pop("toy_bench", None)

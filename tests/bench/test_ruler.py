@@ -197,13 +197,11 @@ def test_the_record(ran):
 
 
 def test_the_table_names_variants_as_variants(ran):
-    table = BENCHMARKS["ruler"]
-    from focus_attention.bench.registry import resolve
-
-    text = resolve(table.table)(ran["ruler"])
+    row = BENCHMARKS["ruler"]
+    text = row.table(ran["ruler"])
     assert f"| niah_single_2 variant (Paul Graham essays) | {LENGTH} | 2 |" in text
     assert f"| niah_single_1 | {LENGTH} | 2 |" in text and "| dense | top-1 | top-2 |" in text
-    notes = "\n".join(resolve(table.notes)(ran["ruler"]))
+    notes = "\n".join(row.notes(ran["ruler"]))
     assert "a variant, not RULER's number" in notes
 
 

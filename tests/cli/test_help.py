@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from focus_attention.bench.registry import BENCHMARKS
+from focus_attention.bench.commands import BENCH_COMMANDS
 from focus_attention.cli import build_parser
 from focus_attention.cli.common import COMMANDS
 
@@ -29,7 +29,7 @@ print(("usage: focus" in out.getvalue()), ",".join(heavy), sep="|")
 HELP_COMMANDS = [
     [],
     *([name] for name, _, _ in COMMANDS if name != "lm-eval"),
-    *(["bench", name] for name in BENCHMARKS),
+    *(["bench", name] for name in BENCH_COMMANDS),
     ["data", "list"],
     ["models", "prepare"],
     ["data", "prepare"],
@@ -56,7 +56,7 @@ def test_help_imports_neither_torch_nor_transformers(argv):
         "import focus_attention.settings",
         "import focus_attention.evaluation.settings",
         "import focus_attention.bench.settings",
-        "import focus_attention.bench.registry",
+        "import focus_attention.bench.commands",
         "import focus_attention.bench.results",
         "import focus_attention.cli.settings",
         "import focus_attention.training.settings",

@@ -4,16 +4,19 @@ or not (``focus bench plot``: made afterwards, on any machine, from the JSON alo
 
 A result file is read back by :func:`read_result`, which checks its shape (a JSON object
 naming its benchmark, with what that benchmark's table and plot read:
-:attr:`~focus_attention.bench.registry.Benchmark.shape`; a merged file, one or more such
-parts) and names the file and what was expected when it differs."""
+:attr:`~focus_attention.bench.commands.BenchCommand.shape`; a merged file, one or more such
+parts) and names the file and what was expected when it differs. Reading and merging import
+neither torch nor matplotlib; :func:`plot_result_file` imports the benchmarks' functions
+(:mod:`.registry`) when it draws."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..utils.io import UnreadableFileError, read_json_record, shape_mismatch, unreadable
-from .registry import BENCHMARKS, plotted_benchmarks, resolve
+from .commands import BENCH_COMMANDS
 
 __all__ = ["RESULT_EXPECTED", "merge_results", "plot_result_file", "read_result", "result_parts"]
 
@@ -33,17 +36,17 @@ def _check_part(path: Path, part: Any, where: str) -> None:
     if not isinstance(part, dict) or not isinstance(name, str):
         why = shape_mismatch(part, {"benchmark": str}, where)
         raise unreadable(path, str(why), RESULT_EXPECTED)
-    if name not in BENCHMARKS:
+    if name not in BENCH_COMMANDS:
         raise unreadable(path, f"{where or 'it'} names the benchmark {name!r}", f"one of "
-                         f"{', '.join(BENCHMARKS)}")  # fmt: skip
-    why = shape_mismatch(part, BENCHMARKS[name].shape, where)
+                         f"{', '.join(BENCH_COMMANDS)}")  # fmt: skip
+    why = shape_mismatch(part, BENCH_COMMANDS[name].shape, where)
     if why is not None:
         raise unreadable(path, why, f"a {name!r} result of focus bench {name}")
 
 
 def read_result(path: str | Path) -> dict[str, Any]:
     """The benchmark result file ``path``, checked: a JSON object naming a benchmark of
-    :data:`~focus_attention.bench.registry.BENCHMARKS`, of its ``shape``; or a merged file
+    :data:`~focus_attention.bench.commands.BENCH_COMMANDS`, of its ``shape``; or a merged file
     (``"merged": true``) holding one or more such ``parts`` of one benchmark.
 
     Raises:
@@ -95,18 +98,18 @@ def result_parts(result: dict[str, Any]) -> list[dict[str, Any]]:
     return list(result["parts"]) if result.get("merged") else [result]
 
 
-def draw(path: Path, function: str, *args: Any) -> Any:
-    """``function(*args)`` (a benchmark's table or plot, ``"module:function"``) on a result
-    read from ``path``.
+def draw(path: Path, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` (a benchmark's table or plot) on a result read from ``path``.
 
     Raises:
         UnreadableFileError: the function could not read the result (a shape its
             benchmark's declaration does not cover); the message names ``path``.
     """
     try:
-        return resolve(function)(*args)
+        return function(*args)
     except READ_ERRORS as err:
-        raise UnreadableFileError(f"{path}: a result {function} cannot read "
+        name = f"{function.__module__}:{function.__qualname__}"
+        raise UnreadableFileError(f"{path}: a result {name} cannot read "
                                   f"({type(err).__name__}: {err}); expected {RESULT_EXPECTED}") from err  # fmt: skip
 
 
@@ -119,14 +122,16 @@ def plot_result_file(path: str | Path, out: str | Path | None = None) -> list[Pa
         the PNGs written.
 
     The plot function is the ``plot`` of the benchmark its ``"benchmark"`` names
-    (:data:`~focus_attention.bench.registry.BENCHMARKS`), imported only now: merging needs
-    neither torch nor matplotlib.
+    (:data:`~focus_attention.bench.registry.BENCHMARKS`), imported only now: reading and
+    merging need neither torch nor matplotlib.
 
     Raises:
         FileNotFoundError: no such file.
         UnreadableFileError: a file that is not a result (:func:`read_result`).
         ValueError: a benchmark without a plot.
     """
+    from .registry import BENCHMARKS, plotted_benchmarks  # torch: only when a plot is drawn
+
     path = Path(path)
     parts = result_parts(read_result(path))
     folder = Path(out) if out is not None else path.parent

@@ -1,20 +1,25 @@
 """``focus bench NAME``: the benchmarks of :data:`focus_attention.bench.registry.BENCHMARKS`,
 each run by :func:`run_benchmark` and writing JSON; ``focus bench merge|plot``: their result
-files merged and plotted."""
+files merged and plotted. The sub-commands are built from the torch-free
+:data:`~focus_attention.bench.commands.BENCH_COMMANDS`; the registry, which imports the
+benchmarks' functions (and torch), is imported when a benchmark runs."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..bench.registry import BENCHMARKS, Benchmark, resolve
+from ..bench.commands import BENCH_COMMANDS
 from ..bench.results import merge_results, plot_result_file, read_result
 from ..bench.settings import MergeResultsConfig, PlotResultsConfig
 from ..utils.io import check_output_file, write_json_atomic
 from .common import run_guarded, summary
 from .flags import add_config_flag, add_flags, command_config
+
+if TYPE_CHECKING:
+    from ..bench.registry import Benchmark
 
 
 def _config(args: argparse.Namespace, cls: type, required: tuple[str, ...] = ()) -> Any:
@@ -76,22 +81,21 @@ def run_benchmark(benchmark: Benchmark, args: argparse.Namespace) -> int:
         ValueError, RuntimeError, OSError: bad settings, outputs that cannot be written,
             and the errors of the benchmark's run (``focus`` reports them in one line).
     """
-    run, table = resolve(benchmark.run), resolve(benchmark.table)
-    plot_fn = resolve(benchmark.plot) if benchmark.plot else None
-    notes = resolve(benchmark.notes) if benchmark.notes else None
-    config = _config(args, benchmark.settings, benchmark.required)
-    plot = _outputs(config, plotted=plot_fn is not None)
+    run, config = benchmark.run, _config(args, benchmark.settings, benchmark.required)
+    plot = _outputs(config, plotted=benchmark.plot is not None)
     extra = {"checkpoint": _checkpoint(config)} if benchmark.checkpoint else {}
     result = run(config, **extra)
-    print(table(result))
-    for line in notes(result) if notes else ():
+    print(benchmark.table(result))
+    for line in benchmark.notes(result) if benchmark.notes else ():
         print(line)
-    _write(result, config, plot, plot_fn)
+    _write(result, config, plot, benchmark.plot)
     return 0
 
 
 def _benchmark(args: argparse.Namespace) -> int:
     """The benchmark ``focus bench NAME`` names (:func:`run_benchmark`)."""
+    from ..bench.registry import BENCHMARKS  # the benchmarks' functions: torch, when one runs
+
     return run_benchmark(BENCHMARKS[args.bench_command], args)
 
 
@@ -147,10 +151,11 @@ RESULT_COMMANDS: dict[str, tuple[type, Callable, tuple[str, ...], str, str]] = {
 
 def register_cli(subparsers: Any) -> None:
     """Add ``focus bench``: a sub-command per benchmark of
-    :data:`~focus_attention.bench.registry.BENCHMARKS`, then those of :data:`RESULT_COMMANDS`."""
+    :data:`~focus_attention.bench.commands.BENCH_COMMANDS`, then those of
+    :data:`RESULT_COMMANDS`."""
     bench = subparsers.add_parser("bench", help=summary("bench"))
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for b in BENCHMARKS.values():
+    for b in BENCH_COMMANDS.values():
         _add_command(sub, b.name, b.settings, _benchmark, b.required, help=b.help, description=b.description)  # fmt: skip
     for name, (config, run, required, text, description) in RESULT_COMMANDS.items():
         _add_command(sub, name, config, run, required, help=text, description=description)

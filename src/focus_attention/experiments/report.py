@@ -7,13 +7,17 @@ and plot read (:attr:`ResultView.shape`) and named when it differs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..bench.registry import BENCHMARKS
 from ..bench.results import draw
+from ..evaluation.group_report import markdown_summary, write_group_plots
+from ..evaluation.perplexity import markdown_table
 from ..utils.io import NUMBER, atomic_write_text, read_json_record
+from .grid import plot_sweep_result, sweep_report
 from .study import Step, Study, fill, recorded_differences
 
 __all__ = ["COMMAND_VIEWS", "ResultView", "report_markdown", "result_view", "write_plots", "write_report"]  # fmt: skip
@@ -21,15 +25,15 @@ __all__ = ["COMMAND_VIEWS", "ResultView", "report_markdown", "result_view", "wri
 
 @dataclass(frozen=True)
 class ResultView:
-    """How the report shows a command's JSON result: ``table``, ``"module:function"`` of
-    ``function(result) -> str`` (markdown); ``plot``, of ``function(result, path)`` (None:
+    """How the report shows a command's JSON result: ``table``, a function
+    ``table(result) -> str`` (markdown); ``plot``, a function ``plot(result, path)`` (None:
     no plot), where ``path`` is the result's folder when ``plot_in_folder`` (the function
     writes several files there), else the result's path with ``.png``; ``shape``, what
     they read of a result (:func:`~focus_attention.utils.io.shape_mismatch`), checked when
     the file is read."""
 
-    table: str
-    plot: str | None = None
+    table: Callable[[dict[str, Any]], str]
+    plot: Callable[..., Any] | None = None
     plot_in_folder: bool = False
     shape: Any = dict
 
@@ -37,17 +41,17 @@ class ResultView:
 #: the commands other than ``focus bench NAME`` whose results the report shows
 COMMAND_VIEWS = {
     "eval": ResultView(
-        "focus_attention.evaluation.perplexity:markdown_table",
+        markdown_table,
         shape={"ppl": {"base": NUMBER}, "pairs_retained": dict, "dominance": dict},
     ),
     "inspect": ResultView(
-        "focus_attention.evaluation.group_report:markdown_summary",
-        "focus_attention.evaluation.group_report:write_group_plots",
+        markdown_summary,
+        write_group_plots,
         plot_in_folder=True,
     ),
     "sweep": ResultView(
-        "focus_attention.experiments.grid:sweep_report",
-        "focus_attention.experiments.grid:plot_sweep_result",
+        sweep_report,
+        plot_sweep_result,
         plot_in_folder=True,
         shape={"cells": [dict]},
     ),
