@@ -3,8 +3,9 @@ they run on: transformers' own ``LlamaConfig`` and ``AutoModelForCausalLM.from_c
 under ``torch.device(device)``, with transformers' weight initialisation skipped
 (``no_init_weights``; the tied output projection tied again after it) and the weights drawn
 once, seeded, on that device as LLaMA initialises
-them (matrices ``N(0, initializer_range)``, norm weights 1). An 8B model built this way takes
-seconds on a GPU, where building it on the CPU first would take minutes."""
+them (matrices ``N(0, initializer_range)``, norm weights 1), so that a model of an 8B shape
+is never built on the CPU first (docs/deploy.md; the prefill and decoding studies that run
+such models and their timings: experiments/prefill/README.md, experiments/decode/README.md)."""
 
 from __future__ import annotations
 
