@@ -103,11 +103,12 @@ def _group_of(name: str) -> str:
 
 
 def test_settings_modules_hold_every_command_class():
+    # bench.settings re-exports the retrieval ranking's settings, which evaluation holds
     for module in (eval_settings, bench_settings):
         for name in module.__all__:
             obj = getattr(module, name)
             if isinstance(obj, type) and name.endswith("Config"):
-                assert obj.__module__ == module.__name__
+                assert obj.__module__ in (module.__name__, eval_settings.__name__)
 
 
 def test_a_command_default_keeps_the_groups_help_and_type():
