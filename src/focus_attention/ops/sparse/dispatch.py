@@ -343,13 +343,16 @@ def fold_heads(inputs: SparseInputs) -> SparseInputs:
     h_kv = inputs.key.shape[1]
     rows = b * h_kv
 
-    def per_head(x: torch.Tensor | None) -> torch.Tensor | None:  # [B, H_kv, ...] -> [B * H_kv, 1, ...]
+    def per_head(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, H_kv, ...]`` to ``[B * H_kv, 1, ...]``."""
         return None if x is None else x.reshape(rows, 1, *x.shape[2:])
 
-    def groups(x: torch.Tensor | None) -> torch.Tensor | None:  # [B, N, H_kv, K] -> [B * H_kv, N, K]
+    def groups(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, N, H_kv, K]`` to ``[B * H_kv, N, K]``."""
         return None if x is None else x.transpose(1, 2).reshape(rows, x.shape[1], x.shape[3])
 
-    def per_row(x: torch.Tensor | None) -> torch.Tensor | None:  # [B, ...] -> [B * H_kv, ...]
+    def per_row(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, ...]`` to ``[B * H_kv, ...]``, row ``b`` repeated per head."""
         return None if x is None else x.repeat_interleave(h_kv, dim=0)
 
     buckets = inputs.buckets
