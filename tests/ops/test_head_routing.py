@@ -265,3 +265,18 @@ def test_decoding_refuses_buckets_of_another_routing():
     with pytest.raises(ValueError, match=r"query_groups: received shape \(1, 1, 1, 4\).*H_kv=2"):
         decode_attention(case.q[:, :, -1:], case.k, case.v, case.qg[:, -1:, :1], shared,
                          lengths, 4)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend_name", ["auto", "masked", "math"])
+def test_the_custom_operator_folds_per_head_memberships(backend_name, kernel_built):
+    """The opaque operator that compiled callers trace takes per-head memberships: opcheck
+    passes (schema, fake shapes, dispatch) and it returns the eager call's result."""
+    case = make_head_case(heads=4, nk=30, top_k=2, padding="random", seed=11)
+    args = (case.q, case.k, case.v, case.qg, case.kg, case.kpm, case.window, 0.25, None,
+            backend_name, True)  # fmt: skip
+    result = torch.library.opcheck(torch.ops.focus_attention.sparse_attention.default, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+    out, lse = torch.ops.focus_attention.sparse_attention(*args)
+    eager = case.sparse(backend_name, scale=0.25, return_lse=True)
+    torch.testing.assert_close(out.transpose(1, 2), eager[0], **tolerance("bitwise"))
+    torch.testing.assert_close(lse.transpose(1, 2), eager[1], **tolerance("bitwise"))
