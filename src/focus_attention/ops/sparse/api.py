@@ -57,21 +57,15 @@ def sparse_attention(
     Query ``t`` sits at absolute position ``Nk - Nq + t`` (bottom-right aligned: prefill,
     decode with ``Nq = 1`` and chunked prefill). Query ``i`` attends key ``j`` iff ``j <= i``,
     key ``j`` is real, and (``i - j < window`` or the two tokens share at least one group).
-    With per-head memberships, "share" is read in the key-value head's own memberships.
     The result equals dense softmax attention under :func:`focus_mask` (docs/method.md
     §4-§5). A query with no visible key (possible only for padding) outputs zeros.
 
     Args:
         query: ``[B, H, Nq, D]`` floating point (the CPU kernels take float32, bfloat16
             and float16). key, value: ``[B, H_kv, Nk, D]``, ``H % H_kv == 0`` (GQA/MQA).
-        query_groups: bool ``[B, Nq, K]`` group memberships (any number per token), shared
-            by every head; or ``[B, Nq, H_kv, K]``, a routing per key-value head (query head
-            ``h`` uses key-value head ``h // (H / H_kv)``'s): the dispatcher runs each
-            key-value head as a batch row of its own (:func:`~.dispatch.fold_heads`) on
-            backends that do not take per-head routing themselves (all but ``"triton"``).
-        key_groups: bool ``[B, Nk, K]``, or ``[B, Nk, H_kv, K]`` with per-head
-            ``query_groups``. window: local window in tokens, an int ``>= 1`` (counts the
-            query itself).
+        query_groups, key_groups: bool ``[B, Nq, K]``, ``[B, Nk, K]`` memberships (any number
+            per token), or both ``[B, N, H_kv, K]`` (a routing per key-value head,
+            :func:`~.dispatch.fold_heads`). window: an int ``>= 1`` (counts the query).
         scale: logit scale, default ``D ** -0.5``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
@@ -109,11 +103,10 @@ def sparse_attention(
         gets the eager result exactly; one that needs gradients runs behind a graph break.
 
     Raises:
-        ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
-            memberships of differing ranks, per-head memberships whose head axis is not the
-            key's ``H_kv``,
-            non-boolean group masks, ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale``
-            or ``softcap`` not a finite number > 0, tensors on different devices, ``D < 1``;
+        ValueError: wrong ranks or shapes (memberships: a head axis other than ``H_kv``),
+            mismatched batch/length/K/D, ``H % H_kv != 0``, non-boolean group masks,
+            ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale`` or ``softcap`` not a
+            finite number > 0, tensors on different devices, ``D < 1``;
             ``BackendUnavailable`` (a ``ValueError``): an unknown backend, one that cannot
             run the call (named, with its reason: gradients, a device, dtype, softcap or
             number of groups it does not take, a kernel not built), or ``"auto"`` when no
