@@ -66,9 +66,8 @@ def sparse_attention(
         query_groups, key_groups: bool ``[B, Nq, K]``, ``[B, Nk, K]`` memberships (any number
             per token), or both ``[B, N, H_kv, K]`` (a routing per key-value head,
             :func:`~.dispatch.fold_heads`). window: an int ``>= 1`` (counts the query).
-        scale: logit scale, default ``D ** -0.5``.
-        key_padding_mask: optional bool ``[B, Nk]``, True = real token.
-        softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
+        scale: logit scale, default ``D ** -0.5``. key_padding_mask: bool ``[B, Nk]`` (True =
+            real) or None. softcap: Gemma-2 soft-capping ``c * tanh(logits / c)`` or None.
         backend: ``"auto"`` (the first that can run the call, in :func:`backend_names`'s
             order) or a registered backend (a differentiable one for inputs needing grad):
             - ``"triton"``: this package's Triton kernels, no host synchronisation: group
