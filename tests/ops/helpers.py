@@ -138,6 +138,23 @@ class Case:
         return brute_mask(self.qg, self.kg, self.window, self.kpm)
 
 
+def make_head_case(*, kv_heads: int = 2, seed: int = 0, **params) -> Case:
+    """:func:`make_case` with memberships per key-value head, ``qg [B, Nq, H_kv, K]`` and
+    ``kg [B, Nk, H_kv, K]``: head ``h``'s are those :func:`make_case` draws with seed
+    ``seed + 1 + h`` (the same kinds; the tensors and padding of ``seed``)."""
+    base = make_case(kv_heads=kv_heads, seed=seed, **params)
+    draws = [make_case(kv_heads=kv_heads, seed=seed + 1 + h, **params) for h in range(kv_heads)]
+    qg = torch.stack([c.qg for c in draws], dim=2)
+    return replace(base, qg=qg, kg=torch.stack([c.kg for c in draws], dim=2))
+
+
+def per_query_head(x: torch.Tensor, heads: int, per_head: bool) -> torch.Tensor:
+    """Masks or rows ``[B, ...]`` shared by every head (``per_head`` False) or ``[B, H_kv,
+    ...]`` per key-value head as ``[B, 1, ...]`` or ``[B, H, ...]``: the form a query head
+    reads (query head ``h`` reads key-value head ``h // (H / H_kv)``)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if per_head else x[:, None]
+
+
 def topk_groups(
     g: torch.Generator, batch: int, n: int, groups: int, top_k: int, used: int | None = None
 ) -> torch.Tensor:
@@ -254,7 +271,12 @@ def brute_mask(
     qg: torch.Tensor, kg: torch.Tensor, window: int, kpm: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The mask of docs/method.md §4 written out literally: query t sits at ``Nk - Nq + t``; key j is
-    visible iff ``j <= i``, j is real, and ``i - j < window`` or they share a group."""
+    visible iff ``j <= i``, j is real, and ``i - j < window`` or they share a group.
+    Memberships per key-value head ``[B, N, H_kv, K]`` give ``[B, H_kv, Nq, Nk]``, head by
+    head."""
+    if qg.dim() == 4:
+        heads = range(qg.shape[2])
+        return torch.stack([brute_mask(qg[:, :, h], kg[:, :, h], window, kpm) for h in heads], 1)
     batch, nq, _ = qg.shape
     nk = kg.shape[1]
     i = torch.arange(nk - nq, nk)[:, None]
@@ -275,7 +297,9 @@ def naive_attention(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 masked softmax attention, GQA by head index arithmetic; a row with no
-    visible key gives zeros and lse -inf. Returns ``(out float64, lse float64)``."""
+    visible key gives zeros and lse -inf. ``mask`` ``[B, Nq, Nk]`` or per key-value head
+    ``[B, H_kv, Nq, Nk]``. Returns ``(out float64, lse float64)``."""
+    masks = mask
     batch, heads, nq, dim = q.shape
     kv_heads = k.shape[1]
     rep = heads // kv_heads
@@ -284,6 +308,7 @@ def naive_attention(
     lse = torch.full((batch, heads, nq), -math.inf, dtype=torch.float64)
     for h in range(heads):
         kh, vh = k[:, h // rep].double(), v[:, h // rep].double()
+        mask = masks[:, h // rep] if masks.dim() == 4 else masks
         logits = q[:, h].double() @ kh.transpose(-1, -2) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
@@ -314,8 +339,9 @@ def sdpa_in_dtype(case: Case, mask: torch.Tensor) -> torch.Tensor:
     rep = case.q.shape[1] // case.k.shape[1]
     k = case.k.repeat_interleave(rep, dim=1)
     v = case.v.repeat_interleave(rep, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(case.q, k, v, attn_mask=mask[:, None])
-    return torch.where(mask.any(-1)[:, None, :, None], out, torch.zeros_like(out))
+    mask = per_query_head(mask, case.q.shape[1], case.qg.dim() == 4)
+    out = torch.nn.functional.scaled_dot_product_attention(case.q, k, v, attn_mask=mask)
+    return torch.where(mask.any(-1)[..., None], out, torch.zeros_like(out))
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor, where: torch.Tensor | None = None) -> float:
@@ -364,8 +390,9 @@ def assert_matches_oracle(case: Case, out: torch.Tensor, lse: torch.Tensor | Non
         dense_err = max_err(sdpa_in_dtype(case, mask), ref)
         bound = low_precision_bound(dense_err, ref, case.q.dtype)
         assert err <= bound, f"{case.q.dtype} error {err:.3g} > {bound:.3g} (dense {dense_err:.3g})"
-    empty = ~case.mask().any(dim=-1)  # [B, Nq]
-    assert (out[empty[:, None].expand_as(out[..., 0])] == 0).all(), "empty row not zero"
+    per_head = case.qg.dim() == 4
+    empty = per_query_head(~case.mask().any(dim=-1), case.q.shape[1], per_head)  # [B, H or 1, Nq]
+    assert (out[empty.expand_as(out[..., 0])] == 0).all(), "empty row not zero"
     if lse is None:
         return
     assert lse.shape == case.q.shape[:3]

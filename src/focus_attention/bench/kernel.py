@@ -60,7 +60,9 @@ def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torc
 
 def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships bool
-    ``[1, n, K]`` on ``cfg["device"]`` (default cpu) in ``cfg["dtype"]`` (default float32).
+    ``[1, n, K]`` (with ``cfg["per_head_groups"]``: ``[1, n, H_kv, K]``, one balanced draw
+    per key-value head) on ``cfg["device"]`` (default cpu) in ``cfg["dtype"]`` (default
+    float32).
     On the CPU the values are drawn in fp32, then cast, so every dtype times the same
     numbers; on CUDA they are drawn on the device (a 128K-token input of Llama-3-8B's shape is
     800M values: seconds there, tens of seconds on the CPU), the same on every CUDA device."""
@@ -73,6 +75,10 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
     heads = (cfg["num_heads"], cfg["num_key_value_heads"], cfg["num_key_value_heads"])
     q, k, v = (torch.randn(1, h, n, cfg["head_dim"], generator=draw, **place) for h in heads)
     groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    if cfg.get("per_head_groups", False):  # the first head's draw is the shared one
+        draws = [groups] + [balanced_memberships(n, cfg["num_groups"], top_k, gen)
+                            for _ in range(1, cfg["num_key_value_heads"])]  # fmt: skip
+        groups = torch.stack(draws, dim=2)
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     return q, k, v, groups.to(device)
 
@@ -219,7 +225,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         torch.set_num_threads(config.threads)
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
                                            "window", "num_groups", "seed", "device", "dtype",
-                                           "dense_kernel")}  # fmt: skip
+                                           "dense_kernel", "per_head_groups")}  # fmt: skip
     cfg["backend"] = config.attention_backend
     combos = [(n, k) for n in config.lengths for k in config.top_k]
     bar = tqdm(combos, desc="kernel", disable=not config.progress)
@@ -241,6 +247,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "warmup": 1,
         "seed": config.seed,
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
+        "per_head_groups": config.per_head_groups,
         "sparse_backend": sparse_backend_name(
             config.attention_backend, config.num_groups, config.device, config.dtype
         ),  # fmt: skip

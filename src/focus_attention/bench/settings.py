@@ -295,6 +295,12 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     gates: bool = field(
         default=True, metadata={"help": "also time the soft gates against eager at N=1024"}
     )
+    per_head_groups: bool = field(
+        default=False,
+        metadata={"help": "memberships per key-value head, [1, N, H_kv, K] (each head its own "
+                  "balanced draw: a routing per head), instead of one [1, N, K] shared by "
+                  "every head"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.check_shared()

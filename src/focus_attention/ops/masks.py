@@ -18,25 +18,33 @@ def check_groups(
     *,
     owner: str = "focus_mask",
 ) -> tuple[int, int, int, int]:
-    """Validate group memberships (``owner``: the op named in an error about ``window``).
+    """Validate group memberships (``owner``: the op named in an error about ``window``):
+    bool ``query_groups [B, Nq, K]`` and ``key_groups [B, Nk, K]`` (one routing for every
+    head), or both per key-value head, ``[B, Nq, H_kv, K]`` and ``[B, Nk, H_kv, K]``.
 
     Returns:
         ``(B, Nq, Nk, K)``.
 
     Raises:
-        ValueError: non-boolean or wrongly shaped memberships or padding, ``K < 1``,
-            ``Nq > Nk``, ``window`` not an int >= 1, tensors on different devices.
+        ValueError: non-boolean or wrongly shaped memberships or padding (ranks other than
+            3 or 4, or differing; another ``B``, ``H_kv`` or ``K``), ``K < 1``, ``Nq > Nk``,
+            ``window`` not an int >= 1, tensors on different devices.
     """
-    check_tensor("query_groups", query_groups, 3)
-    check_tensor("key_groups", key_groups, 3)
+    rank = query_groups.dim() if isinstance(query_groups, torch.Tensor) else 3
+    if rank != 4:
+        rank = 3  # the shared form; a wrong rank is reported as such by check_tensor
+    check_tensor("query_groups", query_groups, rank)
+    check_tensor("key_groups", key_groups, rank)
     check_bool("query_groups", query_groups)
     check_bool("key_groups", key_groups)
-    bsz, nq, k = query_groups.shape
-    if key_groups.shape[0] != bsz or key_groups.shape[2] != k:
+    bsz, nq, k = query_groups.shape[0], query_groups.shape[1], query_groups.shape[-1]
+    same = (key_groups.shape[0], *key_groups.shape[2:]) == (bsz, *query_groups.shape[2:])
+    if not same:
+        heads = f"H_kv={query_groups.shape[2]}, " if rank == 4 else ""
         fail(
             "key_groups",
             f"shape {tuple(key_groups.shape)}",
-            f"[B={bsz}, Nk, K={k}] matching query_groups",
+            f"[B={bsz}, Nk, {heads}K={k}] matching query_groups",
         )
     if k < 1:
         fail("query_groups", f"K = {k} groups", "K >= 1")
@@ -73,13 +81,16 @@ def focus_mask(
     one group (docs/method.md §3-§4; the window convention is this package's choice, §3).
 
     Args:
-        query_groups: bool ``[B, Nq, K]`` group memberships of the queries.
-        key_groups: bool ``[B, Nk, K]`` group memberships of the keys.
+        query_groups: bool ``[B, Nq, K]`` group memberships of the queries, or
+            ``[B, Nq, H_kv, K]``: a routing per key-value head.
+        key_groups: bool ``[B, Nk, K]`` group memberships of the keys (``[B, Nk, H_kv, K]``
+            with per-head query memberships).
         window: local window in tokens, ``>= 1``.
         key_padding_mask: optional bool ``[B, Nk]``, True = real token.
 
     Returns:
-        bool ``[B, Nq, Nk]``.
+        bool ``[B, Nq, Nk]``; ``[B, H_kv, Nq, Nk]`` for per-head memberships (key-value head
+        ``h``'s mask from its memberships ``[:, :, h]``).
 
     Raises:
         ValueError: malformed shapes or dtypes, ``window < 1``, ``Nq > Nk``.

@@ -51,7 +51,8 @@ def pairs_retained(
     """Fraction of causal (query, real key) pairs that the Focus mask keeps.
 
     Computed block by block over queries (memory ``O(block_size * Nk)``), so it also serves
-    sequences too long for :func:`focus_mask`. Arguments as :func:`focus_mask`.
+    sequences too long for :func:`focus_mask`. Arguments as :func:`focus_mask`; with
+    per key-value head memberships ``[B, N, H_kv, K]``, the share of every head's pairs.
 
     Returns:
         a float in ``[0, 1]`` (1.0 for dense causal attention; 0.0 if there is no pair).
@@ -62,6 +63,7 @@ def pairs_retained(
     check_groups(query_groups, key_groups, key_padding_mask, window, owner="pairs_retained")
     check_int("pairs_retained", "block_size", block_size, 1)
     nq, nk = query_groups.shape[1], key_groups.shape[1]
+    heads = query_groups.shape[2] if query_groups.dim() == 4 else 1
     kept = 0
     total = 0
     for start in range(0, nq, block_size):
@@ -77,5 +79,5 @@ def pairs_retained(
             kpm,
         )
         kept += int(mask.sum())
-        total += int(causal.sum())
+        total += heads * int(causal.sum())
     return kept / total if total else 0.0

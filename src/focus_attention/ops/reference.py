@@ -158,13 +158,20 @@ def causal_and_local(num_queries: int, num_keys: int, window: int, device=None):
 def focus_mask(query_groups, key_groups, window: int, key_padding_mask=None):
     """bool ``[B, Nq, Nk]``: query ``i`` sees key ``j`` iff ``j <= i``, ``j`` is real and
     either ``i - j < window`` or the two share a group (``query_groups [B, Nq, K]``,
-    ``key_groups [B, Nk, K]``). ``window`` at most ``Nk`` (int64 arithmetic)."""
+    ``key_groups [B, Nk, K]``). ``window`` at most ``Nk`` (int64 arithmetic).
+
+    Per key-value head memberships ``query_groups [B, Nq, H_kv, K]``, ``key_groups
+    [B, Nk, H_kv, K]`` (a routing per key-value head) give bool ``[B, H_kv, Nq, Nk]``: head
+    ``h``'s mask from its own memberships, each head computed directly."""
     nq, nk = query_groups.shape[1], key_groups.shape[1]
     causal, local = causal_and_local(nq, nk, window, query_groups.device)
-    share = (query_groups.float() @ key_groups.float().transpose(1, 2)) > 0
-    mask = causal[None] & (local[None] | share)
+    if query_groups.dim() == 4:  # [B, N, H_kv, K] -> [B, H_kv, N, K]: one product per head
+        query_groups, key_groups = query_groups.transpose(1, 2), key_groups.transpose(1, 2)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, None]
+    share = (query_groups.float() @ key_groups.float().transpose(-1, -2)) > 0
+    mask = causal & (local | share)
     if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, :]
+        mask = mask & key_padding_mask[..., None, :]
     return mask
 
 
@@ -287,7 +294,9 @@ def dense_attention(query, key, value, mask, *, scale: float | None = None,
 
     Args:
         query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, Nk, D]`` with ``H % H_kv == 0``.
-        mask: bool ``[B, Nq, Nk]`` (shared by all heads) or ``[B, H, Nq, Nk]``; True = visible.
+        mask: bool ``[B, Nq, Nk]`` (shared by all heads), ``[B, H_kv, Nq, Nk]`` (per
+            key-value head, as :func:`focus_mask` of per-head memberships gives) or
+            ``[B, H, Nq, Nk]``; True = visible.
         scale: logit scale, default ``D ** -0.5``.
         softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
 
@@ -297,4 +306,6 @@ def dense_attention(query, key, value, mask, *, scale: float | None = None,
     num_heads = query.shape[1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     k, v = expand_kv_heads(key, num_heads), expand_kv_heads(value, num_heads)
+    if mask.dim() == 4 and mask.shape[1] not in (1, num_heads):  # per key-value head
+        mask = expand_kv_heads(mask, num_heads)
     return masked_attention(query, k, v, mask, scale=scale, softcap=softcap, eager=True)

@@ -63,12 +63,11 @@ def sparse_attention(
     Args:
         query: ``[B, H, Nq, D]`` floating point (the CPU kernels take float32, bfloat16
             and float16). key, value: ``[B, H_kv, Nk, D]``, ``H % H_kv == 0`` (GQA/MQA).
-        query_groups: bool ``[B, Nq, K]`` group memberships (any number per token).
-        key_groups: bool ``[B, Nk, K]``. window: local window in tokens, an int ``>= 1``
-            (counts the query itself).
-        scale: logit scale, default ``D ** -0.5``.
-        key_padding_mask: optional bool ``[B, Nk]``, True = real token.
-        softcap: optional Gemma-2 logit soft-capping ``c * tanh(logits / c)``.
+        query_groups, key_groups: bool ``[B, Nq, K]``, ``[B, Nk, K]`` memberships (any number
+            per token), or both ``[B, N, H_kv, K]`` (a routing per key-value head,
+            :func:`~.dispatch.fold_heads`). window: an int ``>= 1`` (counts the query).
+        scale: logit scale, default ``D ** -0.5``. key_padding_mask: bool ``[B, Nk]`` (True =
+            real) or None. softcap: Gemma-2 soft-capping ``c * tanh(logits / c)`` or None.
         backend: ``"auto"`` (the first that can run the call, in :func:`backend_names`'s
             order) or a registered backend (a differentiable one for inputs needing grad):
             - ``"triton"``: this package's Triton kernels, no host synchronisation: group
@@ -103,9 +102,10 @@ def sparse_attention(
         gets the eager result exactly; one that needs gradients runs behind a graph break.
 
     Raises:
-        ValueError: wrong ranks or shapes, mismatched batch/length/K/D, ``H % H_kv != 0``,
-            non-boolean group masks, ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale``
-            or ``softcap`` not a finite number > 0, tensors on different devices, ``D < 1``;
+        ValueError: wrong ranks or shapes (memberships: a head axis other than ``H_kv``),
+            mismatched batch/length/K/D, ``H % H_kv != 0``, non-boolean group masks,
+            ``window`` not an int ``>= 1``, ``Nq > Nk``, ``scale`` or ``softcap`` not a
+            finite number > 0, tensors on different devices, ``D < 1``;
             ``BackendUnavailable`` (a ``ValueError``): an unknown backend, one that cannot
             run the call (named, with its reason: gradients, a device, dtype, softcap or
             number of groups it does not take, a kernel not built), or ``"auto"`` when no
@@ -153,18 +153,40 @@ def _checked(query, key, value, query_groups, key_groups, window, scale, padding
     """Validate the arguments of :func:`sparse_attention`; returns the effective
     ``(window, scale, softcap)`` (the window capped at ``max(1, Nk)``, the default scale)."""
     check_qkv(query, key, value)
-    b, _, q_len, d = query.shape
-    check_tensor("query_groups", query_groups, 3)  # the query's shape first, then the keys'
-    if tuple(query_groups.shape[:2]) != (b, q_len):
-        fail("query_groups", f"shape {tuple(query_groups.shape)}", f"[B={b}, Nq={q_len}, K]")
+    d = query.shape[-1]
+    _check_query_groups(query_groups, query, key)  # the query's shape first, then the keys'
     owner = "sparse_attention"
     _, _, nk, _ = check_groups(query_groups, key_groups, padding, window, owner=owner)
     if key.shape[2] != nk:
-        fail("key_groups", f"shape {tuple(key_groups.shape)}", f"[B={b}, Nk={key.shape[2]}, K]")
+        fail("key_groups", f"shape {tuple(key_groups.shape)}",
+             _groups_shape(query_groups.dim(), key.shape[0], f"Nk={key.shape[2]}", key))  # fmt: skip
     check_device("query_groups", query_groups, query.device, "query")
     scale = check_positive("scale", scale)
     softcap = check_positive("softcap", softcap)
     return effective_window(window, nk), d**-0.5 if scale is None else scale, softcap
+
+
+def _groups_shape(rank: int, batch: int, tokens: str, key: torch.Tensor) -> str:
+    """The expected shape of memberships of ``rank`` 3 (shared) or 4 (per key-value head)."""
+    if rank == 4:
+        return f"[B={batch}, {tokens}, H_kv={key.shape[1]}, K] (H_kv: the key's heads)"
+    return f"[B={batch}, {tokens}, K]"
+
+
+def _check_query_groups(query_groups: object, query: torch.Tensor, key: torch.Tensor) -> None:
+    """``query_groups`` of rank 3, ``[B, Nq, K]``, or 4, ``[B, Nq, H_kv, K]`` (a routing per
+    key-value head), with the query's ``B``, ``Nq`` and the key's ``H_kv``."""
+    rank = query_groups.dim() if isinstance(query_groups, torch.Tensor) else 3
+    b, q_len = query.shape[0], query.shape[2]
+    if rank not in (3, 4):
+        fail("query_groups", f"a tensor of shape {tuple(query_groups.shape)} (rank {rank})",
+             f"rank 3 {_groups_shape(3, b, f'Nq={q_len}', key)} or rank 4 "
+             f"{_groups_shape(4, b, f'Nq={q_len}', key)}")  # fmt: skip
+    check_tensor("query_groups", query_groups, rank)
+    lead = (b, q_len, key.shape[1])[: rank - 1]
+    if tuple(query_groups.shape[: rank - 1]) != lead:
+        fail("query_groups", f"shape {tuple(query_groups.shape)}",
+             _groups_shape(rank, b, f"Nq={q_len}", key))  # fmt: skip
 
 
 def decode_attention(
@@ -194,9 +216,13 @@ def decode_attention(
     Args:
         query: ``[B, H, Nq, D]``; key, value: ``[B, H_kv, C, D]``, caches of capacity ``C``
             (slots at or beyond a row's length are never read; ``H % H_kv == 0``).
-        query_groups: bool ``[B, Nq, K]``, the queries' memberships.
+        query_groups: bool ``[B, Nq, K]``, the queries' memberships, or ``[B, Nq, H_kv, K]``
+            (a routing per key-value head).
         buckets: the cache's :class:`~.buckets.GroupBuckets` ``(B, 1, K, C)``, holding exactly
-            the keys ``0 .. L_b - 1`` of each row.
+            the keys ``0 .. L_b - 1`` of each row; ``(B, H_kv, K, C)`` (routing row ``h`` for
+            key-value head ``h``) with per-head ``query_groups``. Backends without per-head
+            routing of their own run each key-value head as a batch row of its own
+            (:func:`~.dispatch.fold_heads`).
         key_lengths: int32 or int64 ``[B]``, ``Nq <= L_b <= C`` (not checked: that would read
             the device).
         window: local window in tokens, an int ``>= 1``.
@@ -214,15 +240,17 @@ def decode_attention(
 
     Raises:
         ValueError: wrong ranks, shapes, dtypes or devices, buckets of another batch, number
-            of groups or capacity, ``Nq > C``, ``window`` not an int ``>= 1``, ``scale`` or
+            of routing rows (1 for shared, ``H_kv`` for per-head ``query_groups``), groups or
+            capacity, ``Nq > C``, ``window`` not an int ``>= 1``, ``scale`` or
             ``softcap`` not a finite number ``> 0``; ``BackendUnavailable`` (a ``ValueError``):
             an unknown backend, one that does not decode over buckets, inputs that require
             grad, or ``"auto"`` when no backend can run the call (every backend's reason).
     """
     check_backend_name(backend)
-    check_tensor("query_groups", query_groups, 3)
-    call = check_decode(query, key, value, query_groups[:, None], buckets, key_lengths, window,
-                        scale, softcap, key_padding_mask)  # fmt: skip
+    _check_query_groups(query_groups, query, key)
+    rows = query_groups[:, None] if query_groups.dim() == 3 else query_groups.transpose(1, 2)
+    call = check_decode(query, key, value, rows, buckets, key_lengths, window, scale, softcap,
+                        key_padding_mask)  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     inputs = SparseInputs(
         query, key, value, query_groups, None, key_padding_mask, call.window, call.scale,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,12 +58,14 @@ __all__ = [
     "backend_names",
     "check_backend_name",
     "decoding_sized",
+    "fold_heads",
     "register_backend",
     "resolve_backend",
     "run_backend",
     "run_differentiable",
     "run_inference",
     "sparse_attention_op",
+    "unfold_heads",
 ]
 
 #: input dtypes of the built-in CPU kernels.
@@ -110,7 +112,9 @@ class SparseRequest:
 @dataclass(frozen=True)
 class SparseInputs:
     """One validated call (docs/method.md §5): ``query [B, H, Nq, D]``, ``key``/``value``
-    ``[B, H_kv, Nk, D]``, bool ``query_groups [B, Nq, K]``, ``key_groups [B, Nk, K]``,
+    ``[B, H_kv, Nk, D]``, bool ``query_groups [B, Nq, K]``, ``key_groups [B, Nk, K]`` (or
+    both per key-value head, ``[B, Nq, H_kv, K]`` and ``[B, Nk, H_kv, K]``: a backend
+    without ``head_routing`` is given them folded, see :func:`fold_heads`),
     ``key_padding_mask [B, Nk]`` or None, ``1 <= window <= max(1, Nk)``, the logit
     ``scale``, the ``softcap`` or None, whether gradients are wanted, and whether the caller
     reads the log-sum-exp (when not, a backend may return None in its place).
@@ -119,7 +123,7 @@ class SparseInputs:
     groups as the cache's ``buckets`` instead (``key_groups`` None; ``key``/``value`` then
     ``[B, H_kv, C, D]`` of capacity ``C``) with ``key_lengths`` int ``[B]``, the keys cached
     per row; a backend that decodes over buckets may also be given both, and then reads the
-    buckets."""
+    buckets (``(B, H_kv, K, C)`` with per-head query memberships)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -173,6 +177,9 @@ class SparseBackend:
         auto_check: ``auto_check(request) -> reason or None``: calls ``"auto"`` leaves to
             other backends although this one may run them (e.g. shapes it is slow on);
             asked before :meth:`why_not`.
+        head_routing: whether it takes memberships per key-value head (``[B, N, H_kv, K]``,
+            buckets ``(B, H_kv, K, C)``) itself; others are run on the call folded by
+            :func:`fold_heads` (each key-value head a batch row of its own).
     """
 
     name: str
@@ -188,6 +195,7 @@ class SparseBackend:
     summary: str = ""
     auto_devices: tuple[str, ...] | None = None
     auto_check: Callable[[SparseRequest], str | None] | None = None
+    head_routing: bool = False
 
     def why_not(self, request: SparseRequest) -> str | None:
         """Why this backend cannot run ``request`` (one sentence), or None if it can."""
@@ -310,7 +318,63 @@ def run_backend(name: str, inputs: SparseInputs) -> tuple[torch.Tensor, torch.Te
     backend = resolve_backend(name, inputs.request)
     if inputs.query.numel() == 0:
         return _empty_result(inputs)
+    if inputs.query_groups.dim() == 4 and not backend.head_routing:
+        b, h_kv = inputs.key.shape[:2]
+        out, lse = backend.run(fold_heads(inputs))
+        return unfold_heads(out, b, h_kv), None if lse is None else unfold_heads(lse, b, h_kv)
     return backend.run(inputs)
+
+
+# --------------------------------------------------------------------------------------
+# memberships per key-value head: each head a batch row of its own
+# --------------------------------------------------------------------------------------
+
+
+def fold_heads(inputs: SparseInputs) -> SparseInputs:
+    """A call with memberships per key-value head as one with shared memberships, each
+    key-value head a batch row of its own (row ``b * H_kv + h``): ``query [B, H, Nq, D]``
+    to ``[B * H_kv, H / H_kv, Nq, D]``, ``key``/``value`` ``[B, H_kv, Nk, D]`` to
+    ``[B * H_kv, 1, Nk, D]`` (views where the strides allow, else copies), memberships
+    ``[B, N, H_kv, K]`` to ``[B * H_kv, N, K]``, buckets ``(B, H_kv, K, C)`` to
+    ``(B * H_kv, 1, K, C)``, the per-row ``key_padding_mask`` and ``key_lengths`` repeated
+    per head. Differentiable (reshapes). :func:`unfold_heads` gives back the layout of the
+    results."""
+    b, h, nq, d = inputs.query.shape
+    h_kv = inputs.key.shape[1]
+    rows = b * h_kv
+
+    def per_head(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, H_kv, ...]`` to ``[B * H_kv, 1, ...]``."""
+        return None if x is None else x.reshape(rows, 1, *x.shape[2:])
+
+    def groups(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, N, H_kv, K]`` to ``[B * H_kv, N, K]``."""
+        return None if x is None else x.transpose(1, 2).reshape(rows, x.shape[1], x.shape[3])
+
+    def per_row(x: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, ...]`` to ``[B * H_kv, ...]``, row ``b`` repeated per head."""
+        return None if x is None else x.repeat_interleave(h_kv, dim=0)
+
+    buckets = inputs.buckets
+    if buckets is not None:
+        buckets = GroupBuckets(per_head(buckets.index), per_head(buckets.count),
+                               per_head(buckets.codes))  # fmt: skip
+    return replace(
+        inputs, query=inputs.query.reshape(rows, h // h_kv, nq, d), key=per_head(inputs.key),
+        value=per_head(inputs.value), query_groups=groups(inputs.query_groups),
+        key_groups=groups(inputs.key_groups), key_padding_mask=per_row(inputs.key_padding_mask),
+        key_lengths=per_row(inputs.key_lengths), buckets=buckets,
+    )  # fmt: skip
+
+
+def unfold_heads(result: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
+    """A token-major result of a call folded by :func:`fold_heads`, ``out [B * H_kv, Nq,
+    H / H_kv, D]`` or ``lse [B * H_kv, Nq, H / H_kv]``, in the call's own layout ``[B, Nq,
+    H, D]`` / ``[B, Nq, H]`` (query head ``h * H / H_kv + r`` is row ``b * H_kv + h``'s head
+    ``r``), contiguous."""
+    nq, rep = result.shape[1], result.shape[2]
+    split = result.reshape(batch, kv_heads, nq, rep, *result.shape[3:])
+    return split.transpose(1, 2).reshape(batch, nq, kv_heads * rep, *result.shape[3:])
 
 
 # --------------------------------------------------------------------------------------

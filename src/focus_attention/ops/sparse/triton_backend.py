@@ -12,7 +12,9 @@
   layout sorted by group, merged in the kernel; differentiable (a FlashAttention-2 style
   backward over the same layouts).
 
-Both run without a host synchronisation and compile once per dtype and head size, not per
+Memberships per key-value head (``[B, N, H_kv, K]``) are the kernels' routing rows
+``R = H_kv`` directly (no fold of the heads into the batch). Both run without a host
+synchronisation and compile once per dtype and head size, not per
 length. CUDA with Triton installed (PyTorch's CUDA builds ship it), or CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``, for tests); float32, bfloat16 and float16; at
 most 62 groups; soft-capping; differentiable. ``"auto"`` chooses it on CUDA, before
@@ -43,19 +45,25 @@ def run_triton(inputs: SparseInputs) -> tuple[torch.Tensor, torch.Tensor | None]
     float32 or None when not asked for)``, token-major; a query with no visible key gives
     zeros and ``-inf``."""
     q, key = inputs.query, inputs.key
-    query_groups = inputs.query_groups[:, None]
+    query_groups = _routing_rows(inputs.query_groups)
     kwargs = dict(scale=inputs.scale, softcap=inputs.softcap,
                   key_padding_mask=inputs.key_padding_mask, needs_lse=inputs.needs_lse)  # fmt: skip
     buckets = None if inputs.needs_grad else inputs.buckets
     lengths = inputs.key_lengths
     if buckets is None and decoding_sized(q.shape[2]) and not inputs.needs_grad:
-        buckets = GroupBuckets.from_groups(inputs.key_groups[:, None])
+        buckets = GroupBuckets.from_groups(_routing_rows(inputs.key_groups))
         lengths = torch.full((q.shape[0],), key.shape[2], dtype=torch.int32, device=q.device)
     if buckets is not None:
         return bucket_decode(q, key, inputs.value, query_groups, buckets, lengths,
                              inputs.window, **kwargs)  # fmt: skip
-    key_groups = inputs.key_groups[:, None]
+    key_groups = _routing_rows(inputs.key_groups)
     return group_prefill(q, key, inputs.value, query_groups, key_groups, inputs.window, **kwargs)
+
+
+def _routing_rows(groups: torch.Tensor) -> torch.Tensor:
+    """The kernels' layout ``[B, R, N, K]`` of memberships ``[B, N, K]`` (``R = 1``) or
+    ``[B, N, H_kv, K]`` (``R = H_kv``, a routing per key-value head; a transposed view)."""
+    return groups[:, None] if groups.dim() == 3 else groups.transpose(1, 2)
 
 
 def _where(request: SparseRequest) -> str | None:
@@ -74,6 +82,7 @@ BACKEND = SparseBackend(
     buckets=True,
     check=_where,
     auto_devices=("cuda",),
+    head_routing=True,
     summary="this package's Triton kernels: group buckets for decoding, a group-sorted prefill",
 )
 register_backend(BACKEND)
