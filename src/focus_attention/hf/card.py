@@ -13,13 +13,14 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCardData
 
 from ..utils.io import TRAIN_CONFIG_NAME, atomic_write_text
-from .config import INFERENCE_SETTINGS, read_config_file
+from .config import INFERENCE_SETTINGS, FocusConfig, read_config_file
 from .files import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, read_adapter, weights_file_sha256
 
 __all__ = [
@@ -56,8 +57,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 #: attribute (in a FocusModel's ``__dict__``) holding the name of its base model as a record
 #: it was loaded from gives it (an exported model's ``config.json``): :func:`remember_base_name`
 BASE_NAME_ATTR = "_focus_base_model_name"
-#: the trained shapes the card's settings table lists before the inference settings
-TRAINED_SETTINGS = ("num_groups", "group_dim")
+#: the trained shapes the card's settings table lists before the inference settings (the
+#: FocusConfig fields whose declaration marks them ``"card"``)
+TRAINED_SETTINGS = tuple(f.name for f in fields(FocusConfig) if f.metadata.get("card"))
 
 
 def card_settings() -> tuple[str, ...]:

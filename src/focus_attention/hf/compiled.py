@@ -96,7 +96,8 @@ def traceable(handle: Any, hidden: Any, has_cache: bool) -> bool:
     """Whether a Focus-layer call under ``torch.compile`` can be traced: as the operator for
     a layer with a router, as its base attention for one without. Not when a switch is open
     (:func:`overrides_open`) or a recorder is on, nor, for a layer with a router, with a KV
-    cache, a router in training mode, or gradients to the hidden state or the router.
+    cache, a router in training mode, a query-key router, or gradients to the hidden state
+    or the router.
 
     Reads only values dynamo guards on and no setting: the switches, the recorders, the
     router's training mode and ``requires_grad``, grad mode, and whether there is a cache."""
@@ -109,6 +110,8 @@ def traceable(handle: Any, hidden: Any, has_cache: bool) -> bool:
     if router is None:
         return True
     if not isinstance(hidden, torch.Tensor) or has_cache or router.training:
+        return False
+    if router.reads_query_key:  # query-key routers run eagerly
         return False
     return not torch.is_grad_enabled() or not (
         hidden.requires_grad or any(p.requires_grad for p in router.parameters())

@@ -21,6 +21,7 @@ __all__ = [
     "GATES",
     "INFERENCE_ROUTINGS",
     "INFERENCE_SETTINGS",
+    "ROUTER_INPUTS",
     "ROUTINGS",
     "SAVED_EXTRA_KEYS",
     "SPARSE_BACKENDS",
@@ -33,6 +34,10 @@ __all__ = [
 
 ROUTINGS = ("auto", "soft", "topk")
 INFERENCE_ROUTINGS = ("causal", "sequence", "streaming")
+#: what a router reads: the hidden state (one routing shared by every head, docs/method.md
+#: §1) or each key-value head's queries and keys before the rotary embedding (§4,
+#: "Query-key routing")
+ROUTER_INPUTS = ("hidden_state", "query_key")
 
 
 # checks that name the field as "FocusConfig.<field>"
@@ -268,7 +273,15 @@ class FocusConfig:
 
     Attributes:
         num_groups: ``K``, the number of learned groups per layer (paper default 8).
-        group_dim: ``d_g``, the width of the routing projection (paper: 16).
+        group_dim: ``d_g``, the width of the routing projection (paper: 16; unused by
+            query-key routers).
+        router_input: what a router reads (docs/method.md §4, "Query-key routing"):
+            ``"hidden_state"`` (default, the paper's: the hidden state entering the layer,
+            one routing shared by every head) or ``"query_key"`` (experimental: per
+            key-value head, centroids ``[H_kv, K, head_dim]`` score each key's and each
+            query's vectors before the rotary embedding; no soft routing, trained with
+            ``focus train --objective attention``; refuses the static and the paged cache,
+            ``dense_heads`` and head gates).
         window: local window in tokens; key ``j`` is local to query ``i`` when
             ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
         top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``: the
@@ -353,8 +366,18 @@ class FocusConfig:
             field, what was received and what was expected).
     """
 
-    num_groups: int = field(default=8, metadata={"help": "K, learned groups per layer"})
-    group_dim: int = field(default=16, metadata={"help": "d_g, width of the routing projection"})
+    # "card": a trained shape, listed in the model card before the inference settings
+    num_groups: int = field(default=8, metadata={"help": "K, learned groups per layer", "card": True})
+    group_dim: int = field(
+        default=16, metadata={"help": "d_g, width of the routing projection", "card": True}
+    )
+    router_input: str = field(
+        default="hidden_state",
+        metadata={"help": "what routes tokens: the hidden state (one routing shared by the "
+                  "heads) or each key-value head's pre-rotary queries and keys (query_key, "
+                  "experimental; trained with --objective attention)",
+                  "choices": ROUTER_INPUTS, "card": True},
+    )  # fmt: skip
     # an inference setting names its declaration (INFERENCE_SETTINGS), whose type, default
     # and help the field takes (_declared_fields)
     window: InferenceSetting = INFERENCE_SETTINGS["window"]
@@ -402,6 +425,8 @@ class FocusConfig:
         naming the first bad one."""
         _int("num_groups", self.num_groups, 1)
         _int("group_dim", self.group_dim, 1)
+        if self.router_input not in ROUTER_INPUTS:
+            raise _bad("router_input", self.router_input, f"one of {ROUTER_INPUTS}")
         self._check_setting("window")
         self._check_setting("top_k")
         if self.top_k > self.num_groups:

@@ -55,8 +55,6 @@ WEIGHTS_EXPECTED = (
 TRAINER_EXPECTED = (
     "the state of a FocusModel in a safetensors file (written by transformers.Trainer)"
 )
-#: the tensors of one router, in file order
-ROUTER_TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
 #: elements sampled from each of a few base tensors for the weight fingerprint.
 FINGERPRINT_SAMPLE = 4096
 #: values of each sampled tensor kept in the fingerprint, compared with a tolerance that

@@ -104,8 +104,11 @@ class KeyGroups:
     def append_groups(self, key_groups: torch.Tensor, sink_tokens: int = 0, *,
                       real_new: torch.Tensor | None = None,
                       sinks_new: torch.Tensor | None = None) -> None:  # fmt: skip
-        """See :meth:`FocusCache.append_groups`: a sink joins every group."""
-        groups = key_groups if sinks_new is None else key_groups | sinks_new[..., None]
+        """See :meth:`FocusCache.append_groups`: a sink joins every group (of every head,
+        for memberships per key-value head ``[B, N, H_kv, K]``)."""
+        if sinks_new is not None:
+            sinks_new = sinks_new[(..., *(None,) * (key_groups.dim() - 2))]
+        groups = key_groups if sinks_new is None else key_groups | sinks_new
         self.store_groups(groups, sink_tokens)
 
     def attend(self, query, key, value, query_groups, *, window, scale, softcap,

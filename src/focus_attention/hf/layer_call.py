@@ -59,8 +59,9 @@ class LayerCall:
     or None and ``real_q`` its query rows, ``sinks`` bool ``[B, Nk]`` (the first
     ``sink_tokens`` real tokens) or None and ``sinks_new`` its rows of the new tokens (None
     when none of them is a sink), the logit ``scale`` and ``softcap``, the layer's ``cache``
-    (:class:`~focus_attention.hf.focus_cache.FocusCache`) and the routing ``state`` of this
-    model call (:func:`call_state`)."""
+    (:class:`~focus_attention.hf.focus_cache.FocusCache`), the routing ``state`` of this
+    model call (:func:`call_state`) and the attention ``module`` (a query-key router
+    recomputes the pre-rotary queries and keys with it)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -75,14 +76,18 @@ class LayerCall:
     cache: FocusCache
     sink_tokens: int
     state: dict
+    module: Any = None
 
     def heads(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> LayerCall:
         """This call on other heads (``query``, ``key``, ``value`` of some heads)."""
         return replace(self, query=query, key=key, value=value)
 
     def real_only(self, groups: torch.Tensor) -> torch.Tensor:
-        """``groups`` bool ``[B, Nq, K]`` with padding queries in no group."""
-        return groups if self.real_q is None else groups & self.real_q[..., None]
+        """``groups`` bool ``[B, Nq, K]`` (or ``[B, Nq, H_kv, K]``, per key-value head)
+        with padding queries in no group."""
+        if self.real_q is None:
+            return groups
+        return groups & self.real_q[(..., *(None,) * (groups.dim() - 2))]
 
 
 def call_state(handle: Any, attention_mask: Any) -> dict:
@@ -177,5 +182,5 @@ def resolve_call(handle: Any, module: torch.nn.Module, query: torch.Tensor, key:
         real_q = None if real is None else real[:, nk - nq :]
     return LayerCall(
         query, key, value, hidden, real, real_q, sinks, sinks_new, scale,
-        kwargs.get("softcap"), cache, sink_tokens, call_state(handle, attention_mask),
+        kwargs.get("softcap"), cache, sink_tokens, call_state(handle, attention_mask), module,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from .architectures import (
     hidden_size,
     kv_heads_of,
     layer_types,
+    text_config_of,
 )
 from .attention import focus_pre_hook, register_focus_attention
 from .cache import check_cache
@@ -34,6 +35,7 @@ from .files import (
 from .layer_handle import HANDLE_ATTR, LayerHandle
 from .masks import GenerateMasks
 from .paged import FocusContinuousBatching
+from .query_key import QueryKeyRouter
 from .router import FocusRouter
 from .runtime import (
     ATTN_IMPLEMENTATION,
@@ -58,9 +60,9 @@ __all__ = [
 ]
 
 #: FocusConfig fields fixed once a FocusModel is built: they set the routers' parameter
-#: shapes (num_groups, group_dim), which layers have routers (layers), or only the routers'
+#: shapes (num_groups, group_dim, router_input), which layers have routers (layers), or only the routers'
 #: initialisation (seed).
-FIXED_CONFIG_FIELDS = ("num_groups", "group_dim", "layers", "seed")
+FIXED_CONFIG_FIELDS = ("num_groups", "group_dim", "router_input", "layers", "seed")
 
 
 class FocusSlidingWindowWarning(UserWarning):
@@ -235,6 +237,8 @@ class FocusModel(FocusContinuousBatching, nn.Module):
     def _build_routers(self, config: FocusConfig, layers: list[int], modules: dict) -> dict:
         ref = next(self.base_model.parameters(), None)
         fallback = ref.device if ref is not None else torch.device("cpu")
+        if config.router_input == "query_key":
+            return self._query_key_routers(config, layers, modules, fallback)
         d_model = hidden_size(self.base_model.config)
         return {
             str(i): FocusRouter(
@@ -247,6 +251,21 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 bias_momentum=config.bias_momentum,
                 device=_router_device(modules[i], fallback),
             )
+            for i in layers
+        }
+
+    def _query_key_routers(self, config: FocusConfig, layers: list[int], modules: dict,
+                           fallback: torch.device) -> dict:  # fmt: skip
+        """One :class:`~.query_key.QueryKeyRouter` per Focus layer."""
+        model_config = self.base_model.config
+        text = text_config_of(model_config)
+        heads, kv_heads = int(text.num_attention_heads), kv_heads_of(model_config)
+        return {
+            str(i): QueryKeyRouter(
+                heads, kv_heads, int(modules[i].head_dim), config.num_groups,
+                model_type=self.architecture.model_type, layer_idx=i, seed=config.seed,
+                bias_momentum=config.bias_momentum, device=_router_device(modules[i], fallback),
+            )  # fmt: skip
             for i in layers
         }
 

@@ -26,7 +26,7 @@ from ..ops import straight_through, topk_memberships
 from .layer_call import LayerCall
 from .paged import PagedGroups, soft_routing_error
 
-__all__ = ["Routing", "check_cache_routing", "route"]
+__all__ = ["Routing", "check_cache_routing", "check_query_key_routing", "route"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Routing:
     """
 
     query_groups: torch.Tensor | None
-    key_groups: torch.Tensor | None
+    key_groups: torch.Tensor | None  # [B, Nq, H_kv, K] both, from a query-key router
     soft_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     probs: torch.Tensor | None = None
     attends_key_groups: bool = True
@@ -60,16 +60,24 @@ def route(router: Any, call: LayerCall, config: Any, mode: str, needs_groups: bo
     ``needs_groups``: whether soft routing must also give hard groups (a cache or a routing
     recorder reads them).
 
+    A query-key router (``router.reads_query_key``) gives memberships per key-value head,
+    bool ``[B, Nq, H_kv, K]`` (:meth:`~.query_key.QueryKeyRouter.group_sets`).
+
     Raises:
-        ValueError: soft routing, or ``inference_routing="sequence"``, with a KV cache; NaN
+        ValueError: soft routing, or ``inference_routing="sequence"``, with a KV cache; what
+            a query-key router cannot run (:func:`check_query_key_routing`); NaN
             routing scores where they are checked (:func:`~focus_attention.hf.router.checks_nan`);
             settings straight-through routing cannot run with.
     """
+    if router.reads_query_key:
+        check_query_key_routing(mode, config)
     if mode == "soft":
         return _soft(router, call, config, needs_groups)
     top_ks = (config.top_k, config.resolved_query_top_k)
     if config.inference_routing == "streaming":
         keys, queries = _streaming_groups(call, router.num_groups)
+    elif router.reads_query_key:
+        keys, queries = router.group_sets(call.module, call.hidden, top_ks)
     elif config.inference_routing == "sequence":
         keys, queries = _sequence_groups(router, call, config, top_ks)
     else:
@@ -155,6 +163,31 @@ def _straight_through_groups(router: Any, scores: torch.Tensor, bias: torch.Tens
     if config.resolved_query_top_k == config.top_k:
         return keys, keys
     return router.causal_groups(scores.detach(), config.resolved_query_top_k, bias), keys
+
+
+def check_query_key_routing(mode: str, config: Any, cache: Any = None) -> None:
+    """Refuse what query-key routers (``FocusConfig.router_input="query_key"``,
+    docs/method.md §4) cannot run: soft routing (they train with ``focus train --objective
+    attention``), ``inference_routing="sequence"``, ``dense_heads``, and the static and
+    the paged cache (their group buckets are shared by the heads).
+
+    Raises:
+        ValueError: naming the setting or cache and what to use instead.
+    """
+    what = None
+    if mode == "soft":
+        what = ("soft (Sinkhorn) routing: it trains with focus train --objective attention; "
+                "use eval() or set_routing('topk')")  # fmt: skip
+    elif config.inference_routing == "sequence":
+        what = "inference_routing='sequence' (no Sinkhorn): use 'causal'"
+    elif config.dense_heads:
+        what = "dense_heads (its groups are per key-value head): use dense_layers"
+    elif isinstance(cache, PagedGroups) or getattr(cache, "static", False):
+        kind = "paged (continuous batching)" if isinstance(cache, PagedGroups) else "static"
+        what = (f"the {kind} KV cache, whose group buckets all heads share: decode with the "
+                "dynamic cache (generate's default)")  # fmt: skip
+    if what is not None:
+        raise ValueError(f"FocusConfig.router_input='query_key' cannot run {what}")
 
 
 def check_cache_routing(mode: str, config: Any, cache: Any) -> None:

@@ -48,13 +48,13 @@ def checks_nan(hidden: torch.Tensor) -> bool:
     return hidden.device.type == "cpu" or torch.is_grad_enabled()
 
 
-def _init_generator(seed: int, layer_idx: int) -> torch.Generator:
+def init_generator(seed: int, layer_idx: int) -> torch.Generator:
     # one independent stream per (seed, layer): a layer's initialisation does not depend on
     # which other layers get Focus
     return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + layer_idx) % (2**63 - 1))
 
 
-def _orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
+def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
     """Q of the QR decomposition with a sign convention that makes it unique."""
     q, r = torch.linalg.qr(x)
     return q * torch.sign(torch.diagonal(r))[None, :]
@@ -111,6 +111,13 @@ class FocusRouter(nn.Module):
         device: where the tensors are created (default: the current default device).
     """
 
+    #: the router's tensors in the adapter file, in file order (the last one an integer
+    #: counter, the others float32)
+    TENSORS = ("proj", "centroids", "routing_bias", "bias_updates")
+    #: whether the router reads each key-value head's queries and keys (a
+    #: :class:`~focus_attention.hf.query_key.QueryKeyRouter`) rather than the hidden state
+    reads_query_key = False
+
     def __init__(
         self,
         d_model: int,
@@ -155,14 +162,14 @@ class FocusRouter(nn.Module):
         nothing is written (the initialisation runs when the router is materialised)."""
         if seed is not None:
             self.seed = int(seed)
-        if self.proj.device.type == "meta":
+        if self.centroids.device.type == "meta":
             return
-        gen = _init_generator(self.seed, self.layer_idx)
+        gen = init_generator(self.seed, self.layer_idx)
         k, d = self.num_groups, self.group_dim
         cpu = torch.device("cpu")
-        proj = _orthonormal_columns(torch.randn(self.d_model, d, generator=gen, device=cpu))
+        proj = orthonormal_columns(torch.randn(self.d_model, d, generator=gen, device=cpu))
         if k <= d:
-            cents = _orthonormal_columns(torch.randn(d, k, generator=gen, device=cpu)).t()
+            cents = orthonormal_columns(torch.randn(d, k, generator=gen, device=cpu)).t()
         else:
             cents = torch.randn(k, d, generator=gen, device=cpu)
             cents = cents / cents.norm(dim=-1, keepdim=True)
@@ -174,13 +181,13 @@ class FocusRouter(nn.Module):
 
     def mark_loaded(self) -> None:
         """Record that the tensors now hold real values (after an initialisation or a load)."""
-        self.holds_values = self.proj.device.type != "meta"
+        self.holds_values = self.centroids.device.type != "meta"
         self._never_initialised = self._never_initialised and not self.holds_values
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (behind ``.to``, ``.half``, ``.cuda``, ``to_empty``...) with
         the float32 rule and the value tracking described in the class docstring."""
-        before = self.proj.device
+        before = self.centroids.device
         preserves = _preserves_values(fn, before)
 
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -190,7 +197,7 @@ class FocusRouter(nn.Module):
             return out
 
         super()._apply(keep_fp32, recurse)
-        after = self.proj.device
+        after = self.centroids.device
         if after.type == "meta" or not preserves or before.type == "meta":
             self.holds_values = False
             if after.type != "meta" and self._never_initialised:
@@ -199,10 +206,9 @@ class FocusRouter(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        names = ("proj", "centroids", "routing_bias", "bias_updates")
-        if all(prefix + n in state_dict for n in names):
+        if all(prefix + n in state_dict for n in self.TENSORS):
             with torch.no_grad():  # ``assign=True`` may bring another dtype: back to fp32
-                for name in ("proj", "centroids", "routing_bias"):
+                for name in self.TENSORS[:-1]:
                     t = getattr(self, name)
                     if t.dtype != ROUTER_DTYPE:
                         t.data = t.data.to(ROUTER_DTYPE)
@@ -304,16 +310,16 @@ class FocusRouter(nn.Module):
     def check_ready(self, hidden: torch.Tensor) -> None:
         """Raise ``ValueError`` unless the router holds values on ``hidden``'s device."""
         if not self.holds_values:
-            where = "on the meta device" if self.proj.device.type == "meta" else "emptied"
+            where = "on the meta device" if self.centroids.device.type == "meta" else "emptied"
             raise ValueError(
                 f"the Focus router of layer {self.layer_idx} holds no values ({where}: it was "
                 "moved to the meta device or materialised with to_empty after it held values); "
                 "load an adapter (FocusModel.from_pretrained / load_state_dict) or call "
                 "reset_parameters() on it"
             )
-        if self.proj.device != hidden.device:
+        if self.centroids.device != hidden.device:
             raise ValueError(
-                f"the Focus router of layer {self.layer_idx} is on {self.proj.device} but the "
+                f"the Focus router of layer {self.layer_idx} is on {self.centroids.device} but the "
                 f"hidden state entering the layer is on {hidden.device}: move the FocusModel "
                 "(focus_model.to(device)), not only its base model"
             )

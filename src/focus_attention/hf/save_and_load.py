@@ -19,7 +19,6 @@ from torch import nn
 from .card import adapter_card_of, remember_source
 from .files import (
     CONFIG_NAME,
-    ROUTER_TENSORS,
     STATE_CONFIG_KEY,
     TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
@@ -170,7 +169,7 @@ def load_focus_state_dict(model: Any, tensors: dict[str, torch.Tensor]) -> None:
         ValueError: missing or unexpected keys, a shape mismatch, or NaN or infinite values
             (names them).
     """
-    expected = {f"layer.{i}.{n}" for i in model.routers for n in ROUTER_TENSORS}
+    expected = {f"layer.{i}.{n}" for i, r in model.routers.items() for n in r.TENSORS}
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise ValueError(
@@ -179,9 +178,9 @@ def load_focus_state_dict(model: Any, tensors: dict[str, torch.Tensor]) -> None:
         )
     values = {(i, name): router_value(f"layer.{i}.{name}", tensors[f"layer.{i}.{name}"],
                                       getattr(router, name), i)
-              for i, router in model.routers.items() for name in ROUTER_TENSORS}  # fmt: skip
+              for i, router in model.routers.items() for name in router.TENSORS}  # fmt: skip
     for i, router in model.routers.items():  # every tensor checked: now load them all
-        for name in ROUTER_TENSORS:
+        for name in router.TENSORS:
             getattr(router, name).copy_(values[i, name])
         router.mark_loaded()
 
@@ -198,7 +197,7 @@ def load_routers(model: Any, directory: str | os.PathLike) -> Any:
         )
     config, extra, tensors = read_adapter(directory)
     current = model.focus_config
-    fields = [(n, getattr(config, n), getattr(current, n)) for n in ("num_groups", "group_dim")]
+    fields = [(n, getattr(config, n), getattr(current, n)) for n in ("num_groups", "group_dim", "router_input")]
     fields.append(("layers", tensor_layers(tensors), model.focus_layers))
     for name, saved, here in fields:
         if saved != here:

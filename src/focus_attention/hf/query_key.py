@@ -1,0 +1,217 @@
+"""Query-key routing (docs/method.md §4, "Query-key routing"; experimental): per key-value
+head, learnable centroids score each key's vector and each query's vector (pooled over the
+query heads that share the key-value head), both taken before the rotary embedding.
+
+The attention function receives queries and keys after the rotary embedding, which makes
+their direction depend on the position. The router recomputes them from the hidden state the
+pre-hook passes, with the attention module's own projections (and its query/key norms where
+the architecture has them, :data:`PRE_ROTARY`): one extra query and key projection per Focus
+layer and call. A key's groups depend on that key only, so routing stays causal and a KV
+cache keeps each key's groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..ops import topk_memberships
+from .router import ROUTER_DTYPE, FocusRouter, checks_nan, init_generator, orthonormal_columns
+
+__all__ = ["PRE_ROTARY", "QueryKeyRouter", "check_query_key_model", "pre_rotary_query_key"]
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[B, N, H * D]`` -> ``[B, H, N, D]``."""
+    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def _projections(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaMA, Mistral, Qwen-2, Gemma-2 and Gemma-3 (whose ``q_norm`` / ``k_norm`` act per
+    head, before the rotary embedding)."""
+    q = _heads(module.q_proj(hidden), module.head_dim)
+    k = _heads(module.k_proj(hidden), module.head_dim)
+    if hasattr(module, "q_norm"):
+        q, k = module.q_norm(q), module.k_norm(k)
+    return q, k
+
+
+def _normed_projections(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """OLMo-2: ``q_norm`` / ``k_norm`` over the whole projection, before the heads split."""
+    q = _heads(module.q_norm(module.q_proj(hidden)), module.head_dim)
+    k = _heads(module.k_norm(module.k_proj(hidden)), module.head_dim)
+    return q, k
+
+
+def _fused(module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-2: one fused projection ``c_attn``; no rotary embedding (absolute positions)."""
+    q, k, _ = module.c_attn(hidden).split(module.split_size, dim=2)
+    return _heads(q, module.head_dim), _heads(k, module.head_dim)
+
+
+#: per model type, how the queries and keys before the rotary embedding are computed from the
+#: hidden state entering the attention module, as the module's own forward computes them
+PRE_ROTARY: dict[str, Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "gpt2": _fused,
+    "llama": _projections,
+    "mistral": _projections,
+    "qwen2": _projections,
+    "gemma2": _projections,
+    "gemma3_text": _projections,
+    "olmo2": _normed_projections,
+}
+
+
+def check_query_key_model(model_type: str) -> None:
+    """Raise ``ValueError`` naming ``model_type`` unless :data:`PRE_ROTARY` has it."""
+    if model_type not in PRE_ROTARY:
+        raise ValueError(
+            f"FocusConfig.router_input='query_key' does not support model type {model_type!r}: "
+            f"it recomputes the pre-rotary queries and keys for {', '.join(PRE_ROTARY)} only; "
+            "use router_input='hidden_state'"
+        )
+
+
+def pre_rotary_query_key(model_type: str, module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(query [B, H, N, D], key [B, H_kv, N, D])`` of ``hidden`` ``[B, N, d_model]``
+    before the rotary embedding, in the module's dtype, computed by ``module`` (the attention
+    module of a model of type ``model_type``) as its forward does.
+
+    Raises:
+        ValueError: a model type without an entry in :data:`PRE_ROTARY`.
+    """
+    check_query_key_model(model_type)
+    return PRE_ROTARY[model_type](module, hidden)
+
+
+def _topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`~focus_attention.ops.topk_memberships` of scores ``[B, N, H_kv, K]``."""
+    return topk_memberships(scores.flatten(1, 2), top_k).view(scores.shape)
+
+
+class QueryKeyRouter(FocusRouter):
+    """Query-key routing of one attention layer (docs/method.md §4, "Query-key routing").
+
+    Parameters (trainable, the only ones): ``centroids`` ``[H_kv, K, D]`` float32, ``K``
+    per key-value head. Buffers (saved): ``key_mean`` ``[H_kv, D]``, subtracted from every
+    key before it is scored (zero at initialisation; ``focus train --objective attention``
+    keeps the running mean of the training keys there, as MagicPIG centres keys);
+    ``routing_bias`` ``[H_kv, K]`` added to the scores of keys and queries (zero; kept for a
+    calibration, not updated by training) and ``bias_updates``.
+
+    Scores are plain dot products in float32 (the centroids' norms set their sharpness;
+    ``temperature`` is not used): a key's ``(k - key_mean) . c`` against its head's
+    centroids, a query's ``q_bar . c`` where ``q_bar`` is the mean of the queries of the
+    ``H / H_kv`` heads that share the key-value head. A key joins its ``top_k`` best groups,
+    a query its ``query_top_k`` best (as with hidden-state routing).
+
+    Initialisation (deterministic from ``seed`` and ``layer_idx``): each head's centroids are
+    ``K`` orthonormal directions when ``K <= D``, else ``K`` random unit vectors.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the attention layer's ``H``, ``H_kv``, ``D``.
+        model_type: the model's ``config.model_type`` (:data:`PRE_ROTARY` entry).
+        num_groups, layer_idx, seed, bias_momentum, device: as :class:`FocusRouter`.
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a model type
+            without a :data:`PRE_ROTARY` entry.
+    """
+
+    TENSORS = ("centroids", "key_mean", "routing_bias", "bias_updates")
+    reads_query_key = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_groups: int, *,
+                 model_type: str, layer_idx: int, seed: int = 0, bias_momentum: float = 0.01,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        nn.Module.__init__(self)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"query-key routing: {num_heads} query heads are not a multiple of "
+                             f"{num_kv_heads} key-value heads")  # fmt: skip
+        check_query_key_model(model_type)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.model_type = model_type
+        self.d_model, self.num_groups, self.group_dim = 0, num_groups, head_dim
+        self.temperature, self.layer_idx, self.seed = 1.0, layer_idx, int(seed)
+        self.bias_momentum = float(bias_momentum)
+        self.data_parallel_group, self.sync_statistics = None, True
+        kw = {"device": device, "dtype": ROUTER_DTYPE}
+        self.centroids = nn.Parameter(torch.empty(num_kv_heads, num_groups, head_dim, **kw))
+        self.register_buffer("key_mean", torch.zeros(num_kv_heads, head_dim, **kw))
+        self.register_buffer("routing_bias", torch.zeros(num_kv_heads, num_groups, **kw))
+        self.register_buffer("bias_updates", torch.zeros((), dtype=torch.long, device=device))
+        self.holds_values, self._never_initialised = False, True
+        self.reset_parameters(self.seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Deterministic initialisation (class docstring); buffers zeroed."""
+        if seed is not None:
+            self.seed = int(seed)
+        if self.centroids.device.type == "meta":
+            return
+        gen = init_generator(self.seed, self.layer_idx)
+        k, d = self.num_groups, self.head_dim
+        heads = []
+        for _ in range(self.num_kv_heads):
+            if k <= d:
+                heads.append(orthonormal_columns(torch.randn(d, k, generator=gen)).t())
+            else:
+                c = torch.randn(k, d, generator=gen)
+                heads.append(c / c.norm(dim=-1, keepdim=True))
+        self.centroids.copy_(torch.stack(heads))
+        for name in ("key_mean", "routing_bias", "bias_updates"):
+            getattr(self, name).zero_()
+        self.mark_loaded()
+
+    def query_key(self, module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:func:`pre_rotary_query_key` of this router's model type."""
+        return pre_rotary_query_key(self.model_type, module, hidden)
+
+    def key_scores(self, key: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B, N, H_kv, K]`` float32 of keys ``[B, H_kv, N, D]`` (pre-rotary):
+        ``(k - key_mean) . c + routing_bias``."""
+        centred = key.float() - self.key_mean[:, None, :]
+        scores = torch.einsum("bhnd,hkd->bnhk", centred, self.centroids)
+        return scores + self.routing_bias
+
+    def query_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B, N, H_kv, K]`` float32 of queries ``[B, H, N, D]`` (pre-rotary): the
+        mean query of the heads sharing each key-value head, against its centroids."""
+        bsz, heads, n, d = query.shape
+        pooled = query.float().view(bsz, self.num_kv_heads, heads // self.num_kv_heads, n, d)
+        scores = torch.einsum("bhnd,hkd->bnhk", pooled.mean(dim=2), self.centroids)
+        return scores + self.routing_bias
+
+    def group_sets(self, module: nn.Module, hidden: torch.Tensor, top_ks: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(key memberships, query memberships)`` bool ``[B, N, H_kv, K]`` of the tokens of
+        ``hidden`` ``[B, N, d_model]`` entering ``module``: ``top_ks[0]`` groups per key,
+        ``top_ks[1]`` per query; ties to the lowest group index.
+
+        Raises:
+            ValueError: NaN scores, where :func:`~.router.checks_nan` says they are checked.
+        """
+        with torch.no_grad():
+            query, key = self.query_key(module, hidden)
+            keys, queries = self.key_scores(key), self.query_scores(query)
+        if checks_nan(hidden) and bool(torch.isnan(keys).any() | torch.isnan(queries).any()):
+            raise ValueError(f"Focus layer {self.layer_idx}: NaN query-key routing scores")
+        return _topk(keys, top_ks[0]), _topk(queries, top_ks[1])
+
+    @torch.no_grad()
+    def update_key_mean(self, key: torch.Tensor, real: torch.Tensor | None) -> None:
+        """Fold one batch's mean pre-rotary key per head (``key`` ``[B, H_kv, N, D]``, real
+        tokens only: ``real`` bool ``[B, N]`` or None) into ``key_mean``: a cumulative mean
+        at first, then an exponential moving average of momentum ``bias_momentum``."""
+        weights = key.new_ones(key.shape[0], key.shape[2]) if real is None else real.to(key.dtype)
+        total = weights.sum().clamp_min(1.0)
+        mean = torch.einsum("bhnd,bn->hd", key.float(), weights.float()) / total
+        weight = torch.clamp(1.0 / (self.bias_updates.float() + 1.0), min=self.bias_momentum)
+        self.key_mean.mul_(1.0 - weight).add_(weight * mean)
+        self.bias_updates.add_(1)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, H_kv={self.num_kv_heads}, K={self.num_groups}, "
+                f"D={self.head_dim}, reads=query_key")  # fmt: skip
