@@ -367,7 +367,9 @@ class FocusConfig:
     """
 
     # "card": a trained shape, listed in the model card before the inference settings
-    num_groups: int = field(default=8, metadata={"help": "K, learned groups per layer", "card": True})
+    num_groups: int = field(
+        default=8, metadata={"help": "K, learned groups per layer", "card": True}
+    )
     group_dim: int = field(
         default=16, metadata={"help": "d_g, width of the routing projection", "card": True}
     )

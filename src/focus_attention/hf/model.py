@@ -262,9 +262,15 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         heads, kv_heads = int(text.num_attention_heads), kv_heads_of(model_config)
         return {
             str(i): QueryKeyRouter(
-                heads, kv_heads, int(modules[i].head_dim), config.num_groups,
-                model_type=self.architecture.model_type, layer_idx=i, seed=config.seed,
-                bias_momentum=config.bias_momentum, device=_router_device(modules[i], fallback),
+                heads,
+                kv_heads,
+                int(modules[i].head_dim),
+                config.num_groups,
+                model_type=self.architecture.model_type,
+                layer_idx=i,
+                seed=config.seed,
+                bias_momentum=config.bias_momentum,
+                device=_router_device(modules[i], fallback),
             )  # fmt: skip
             for i in layers
         }

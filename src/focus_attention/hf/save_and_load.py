@@ -197,7 +197,10 @@ def load_routers(model: Any, directory: str | os.PathLike) -> Any:
         )
     config, extra, tensors = read_adapter(directory)
     current = model.focus_config
-    fields = [(n, getattr(config, n), getattr(current, n)) for n in ("num_groups", "group_dim", "router_input")]
+    fields = [
+        (n, getattr(config, n), getattr(current, n))
+        for n in ("num_groups", "group_dim", "router_input")
+    ]
     fields.append(("layers", tensor_layers(tensors), model.focus_layers))
     for name, saved, here in fields:
         if saved != here:

@@ -1,0 +1,211 @@
+"""Query-key routing, ``FocusConfig.router_input="query_key"`` (docs/method.md §4): per
+key-value head, keys and pooled queries before the rotary embedding pick their groups among
+the head's centroids; the memberships against a float64 brute force from the module's own
+pre-rotary states, the forward against the dense oracle under the per-head mask, decoding with
+the dynamic cache against recomputing, the settings' round trip and refusals."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from tiny import build_model, focus, ids, left_pad, positions, word_tokenizer
+from tiny_assets import WORDS
+from tolerances import tolerance
+from transformers import AutoModelForCausalLM
+
+from focus_attention import export_model
+from focus_attention.hf import FocusConfig, FocusModel, focus_cache
+from focus_attention.hf import query_key as query_key_module
+from focus_attention.hf.files import CONFIG_NAME
+from focus_attention.hf.query_key import QueryKeyRouter
+from focus_attention.ops import dense_attention, focus_mask
+
+QK = dict(router_input="query_key")
+N = 48
+#: architectures with each way of computing the pre-rotary states: separate projections
+#: (LLaMA; Qwen-2 with biases), per-head QK-norm (Gemma-3), whole-width QK-norm (OLMo-2),
+#: GPT-2's fused projection (no rotary embedding)
+KINDS = ("llama", "qwen2", "gemma3_text", "olmo2", "gpt2")
+
+
+def _capture_pre_rotary(fm, arch: str) -> dict:
+    """Hooks on the attention modules' own projections (or QK-norms): the first output of
+    each per layer is the module's own pre-rotary state (the router's recomputation runs
+    after it)."""
+    seen: dict = {}
+    hooks = []
+    for i, module in fm._modules_by_layer.items():
+        names = {"gpt2": ("c_attn",), "gemma3_text": ("q_norm", "k_norm"), "olmo2": ("q_norm", "k_norm")}  # fmt: skip
+        for name in names.get(arch, ("q_proj", "k_proj")):
+
+            def hook(_m, _a, out, key=(i, name)):
+                seen.setdefault(key, out.detach().double())
+
+            hooks.append(getattr(module, name).register_forward_hook(hook))
+    return seen, hooks
+
+
+def _states(seen: dict, fm, i: int, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(query [B, H, N, D], key [B, H_kv, N, D])`` float64 of layer ``i``."""
+    module = fm._modules_by_layer[i]
+    d = module.head_dim
+
+    def heads(x):
+        return x.view(*x.shape[:2], -1, d).transpose(1, 2) if x.dim() == 3 else x
+
+    if arch == "gpt2":
+        q, k, _ = seen[i, "c_attn"].split(module.split_size, dim=2)
+        return heads(q), heads(k)
+    if arch in ("gemma3_text", "olmo2"):
+        return heads(seen[i, "q_norm"]), heads(seen[i, "k_norm"])
+    return heads(seen[i, "q_proj"]), heads(seen[i, "k_proj"])
+
+
+def _brute_groups(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool ``[..., K]``: the ``top_k`` best groups, ties to the lowest index, one row at
+    a time in float64."""
+    out = torch.zeros(scores.shape, dtype=torch.bool)
+    flat, rows = out.view(-1, scores.shape[-1]), scores.reshape(-1, scores.shape[-1]).tolist()
+    for r, row in enumerate(rows):
+        for c in sorted(range(len(row)), key=lambda c: (-row[c], c))[:top_k]:
+            flat[r, c] = True
+    return out
+
+
+@pytest.mark.parametrize("arch", KINDS)
+def test_memberships_equal_a_float64_brute_force_from_the_pre_rotary_states(arch):
+    top_k, query_top_k, sinks = 1, 2, 2
+    _, fm = focus(arch, top_k=top_k, query_top_k=query_top_k, sink_tokens=sinks, **QK)
+    for r in fm.routers.values():  # a key mean and a bias, so that both are applied
+        r.key_mean.normal_(generator=torch.Generator().manual_seed(r.layer_idx))
+        r.routing_bias.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(7))
+    seen, hooks = _capture_pre_rotary(fm, arch)
+    x = ids(2, N, seed=5)
+    with torch.no_grad(), fm.record_routing() as records:
+        fm(input_ids=x, use_cache=False)
+    for h in hooks:
+        h.remove()
+    for rec in records:
+        i = rec["layer"]
+        router = fm.routers[str(i)]
+        q, k = _states(seen, fm, i, arch)
+        c = router.centroids.double()
+        g = q.shape[1] // k.shape[1]
+        pooled = q.view(q.shape[0], k.shape[1], g, *q.shape[2:]).mean(2)
+        bias = router.routing_bias.double()
+        key_scores = torch.einsum("bhnd,hkd->bnhk", k - router.key_mean.double()[:, None], c) + bias
+        query_scores = torch.einsum("bhnd,hkd->bnhk", pooled, c) + bias
+        keys = _brute_groups(key_scores, top_k)
+        keys[:, :sinks] = True  # the sink tokens join every group of every head
+        assert rec["key_groups"].shape == (2, N, k.shape[1], 4)
+        assert torch.equal(rec["key_groups"], keys), i
+        assert torch.equal(rec["query_groups"], _brute_groups(query_scores, query_top_k)), i
+
+
+def _oracle_sparse_attention(query, key, value, query_groups, key_groups, window, *, scale=None, key_padding_mask=None, softcap=None, backend="auto"):  # fmt: skip
+    mask = focus_mask(query_groups, key_groups, window, key_padding_mask)
+    assert mask.dim() == 4  # a mask per key-value head
+    out, _ = dense_attention(query.double(), key.double(), value.double(), mask, scale=scale, softcap=softcap)  # fmt: skip
+    return out.to(query.dtype)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_logits_equal_the_float64_oracle_under_the_per_head_mask(arch, monkeypatch):
+    x, mask = left_pad([ids(1, N, seed=6)[0], ids(1, 31, seed=7)[0]])
+    kw = dict(attention_mask=mask, position_ids=positions(mask), use_cache=False)
+    _, fm = focus(arch, top_k=1, window=8, **QK)
+    with torch.no_grad():
+        fast = fm(input_ids=x, **kw).logits
+        with fm.disable_focus():
+            dense = fm(input_ids=x, **kw).logits
+        monkeypatch.setattr(focus_cache, "sparse_attention", _oracle_sparse_attention)
+        slow = fm(input_ids=x, **kw).logits
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], slow[real], **tolerance("oracle"))
+    assert not torch.allclose(fast[real], dense[real], atol=1e-3)  # the groups matter
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gpt2"])
+def test_decoding_with_the_dynamic_cache_equals_recomputing(arch):
+    _, fm = focus(arch, top_k=1, query_top_k=2, window=6, **QK)
+    x = ids(2, 30, seed=8)
+    kw = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        cached = fm.generate(input_ids=x, **kw)  # the dynamic cache, generate's default
+        recomputed = fm.generate(input_ids=x, use_cache=False, **kw)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for a, b in zip(cached.scores, recomputed.scores, strict=True):
+        torch.testing.assert_close(a, b, **tolerance("oracle"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_window_over_the_whole_input_is_the_base_model(arch):
+    ref, fm = focus(arch, top_k=1, window=N, **QK)
+    x = ids(2, N, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(fm(input_ids=x).logits, ref(input_ids=x).logits, **tolerance("oracle"))  # fmt: skip
+
+
+def test_routers_hold_centroids_per_key_value_head_only():
+    _, fm = focus("llama", num_groups=4, **QK)
+    router = fm.routers["0"]
+    assert isinstance(router, QueryKeyRouter)
+    assert [n for n, p in fm.named_parameters() if p.requires_grad] == [
+        f"routers.{i}.centroids" for i in fm.routers
+    ]
+    assert router.centroids.shape == (2, 4, 16)  # [H_kv, K, head_dim]
+    assert sorted(fm.focus_state_dict()) == sorted(
+        f"layer.{i}.{n}" for i in fm.routers for n in QueryKeyRouter.TENSORS
+    )
+
+
+def test_the_setting_round_trips_through_save_load_and_export(tmp_path):
+    _, fm = focus("llama", top_k=1, **QK)
+    with torch.no_grad():
+        fm.routers["1"].centroids.mul_(-1.5)
+        fm.routers["1"].key_mean.fill_(0.25)
+    fm.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / CONFIG_NAME).read_text())
+    assert saved["router_input"] == "query_key"
+    assert "| router_input | `query_key` |" in (tmp_path / "adapter" / "README.md").read_text()
+    loaded = FocusModel.from_pretrained(build_model("llama"), tmp_path / "adapter")
+    assert loaded.focus_config == fm.focus_config
+    x = ids(1, N, seed=10)
+    with torch.no_grad():
+        want = fm(input_ids=x).logits
+        assert torch.equal(loaded(input_ids=x).logits, want)
+    export_model(fm, tmp_path / "export", word_tokenizer(WORDS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True)
+    assert model.focus_model.focus_config.router_input == "query_key"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, want)
+    with pytest.raises(ValueError, match="router_input"):
+        build = FocusModel(build_model("llama"), FocusConfig(num_groups=4, top_k=1, window=8))
+        build.load_routers(tmp_path / "adapter")
+
+
+def test_bad_values_and_what_query_key_routing_cannot_run_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"FocusConfig.router_input: received 'qk'.*query_key"):
+        FocusConfig(router_input="qk")
+    _, fm = focus("llama", **QK)
+    x = ids(1, 20, seed=11)
+    fm.train()
+    with pytest.raises(ValueError, match="router_input='query_key' cannot run soft"):
+        fm(input_ids=x)
+    fm.eval()
+    for change, what in [(dict(inference_routing="sequence"), "sequence"),
+                         (dict(dense_heads=((0, 1),)), "dense_heads")]:  # fmt: skip
+        fm.focus_config = fm.focus_config.replace(**change)
+        with pytest.raises(ValueError, match=what), torch.no_grad():
+            fm(input_ids=x, use_cache=False)
+        fm.focus_config = fm.focus_config.replace(inference_routing="causal", dense_heads=())
+    with pytest.raises(ValueError, match="static KV cache"), torch.no_grad():
+        fm.generate(input_ids=x, max_new_tokens=2, cache_implementation="static")
+    monkeypatch.delitem(query_key_module.PRE_ROTARY, "llama")
+    with pytest.raises(ValueError, match="does not support model type 'llama'"):
+        focus("llama", **QK)
