@@ -14,9 +14,11 @@ from tiny import focus, ids
 from tiny_assets import tiny_config
 from tolerances import tolerance
 
+from focus_attention.hf import FocusConfig
 from focus_attention.ops.coverage import distant_attention
 from focus_attention.training import TrainConfig, train
 from focus_attention.training.objectives import (
+    attention_step,
     coverage_rows,
     coverage_step,
     distill_step,
@@ -93,6 +95,36 @@ def test_coverage_step_trains_the_routers_and_updates_the_bias():
         assert int(r.bias_updates) == int(before[i]) + 1
 
 
+def test_attention_step_lowers_its_loss_and_trains_only_the_centroids():
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input="query_key")
+    fm.train()
+    base = {n: p.clone() for n, p in fm.base_model.named_parameters()}
+    x = ids(2, 40, seed=4)
+
+    def step():
+        return attention_step(fm, x, 16, torch.Generator().manual_seed(0))
+
+    first = step()  # the first batch also sets key_mean to its mean key
+    assert first.metrics["attention_queries"] > 0 and first.metrics["loss"] > 0
+    assert all(float(r.key_mean.abs().sum()) > 0 for r in fm.routers.values())
+    optimiser = torch.optim.Adam([p for p in fm.parameters() if p.requires_grad], lr=0.05)
+    first.loss.backward()
+    names = [n for n, p in fm.named_parameters() if p.grad is not None]
+    assert names == [f"routers.{i}.centroids" for i in fm.routers]
+    assert all(float(fm.get_parameter(n).grad.abs().sum()) > 0 for n in names)
+    optimiser.step()
+    assert float(step().loss) < float(first.loss)  # the same batch: key_mean unchanged
+    assert all(torch.equal(p, base[n]) for n, p in fm.base_model.named_parameters())
+
+
+def test_key_side_gradient_reaches_the_centroids():
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input="query_key")
+    for r in fm.routers.values():  # the query side without gradient: only the keys carry it
+        r.query_scores = lambda q, f=r.query_scores: f(q).detach()
+    attention_step(fm, ids(2, 40, seed=4), 16, torch.Generator().manual_seed(0)).loss.backward()
+    assert all(float(r.centroids.grad.abs().sum()) > 0 for r in fm.routers.values())
+
+
 def test_coverage_rows_sample_queries_with_distant_keys():
     g = torch.Generator().manual_seed(1)
     rows = coverage_rows(100, 10, 20, g)
@@ -105,17 +137,19 @@ def test_coverage_rows_sample_queries_with_distant_keys():
 
 
 @pytest.mark.parametrize(
-    "objective", ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage"]
+    "objective", ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage", "attention"]
 )
 def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_path, objective):
+    qk = {"router_input": "query_key"} if objective == "attention" else {}
     cfg = tiny_config(assets, tmp_path / "full", objective=objective, steps=4,
-                      coverage_queries=8, save_every=2, eval_every=-1)  # fmt: skip
+                      coverage_queries=8, save_every=2, eval_every=-1, **qk)  # fmt: skip
     full = train(cfg)
     log = [json.loads(line) for line in (full.out / "log.jsonl").read_text().splitlines()]
-    keys = {"distill": "distill_kl", "mix": "lm_loss", "coverage": "coverage_topk"}
+    keys = {"distill": "distill_kl", "mix": "lm_loss", "coverage": "coverage_topk",
+            "attention": "attention_queries"}  # fmt: skip
     assert all(keys[objective] in r for r in log if "loss" in r)
     half = tiny_config(assets, tmp_path / "half", objective=objective, steps=4,
-                       coverage_queries=8, save_every=2, eval_every=-1)  # fmt: skip
+                       coverage_queries=8, save_every=2, eval_every=-1, **qk)  # fmt: skip
     ckpt_steps = 2
 
     def stop(step, rec):
@@ -138,3 +172,7 @@ def test_objective_setting_errors():
         TrainConfig(coverage_queries=-1)
     with pytest.raises(ValueError, match="distill_weight"):
         TrainConfig(distill_weight=-0.5)
+    with pytest.raises(ValueError, match="router_input is 'query_key'"):
+        TrainConfig(objective="attention")
+    with pytest.raises(ValueError, match="focus.router_input.*--objective attention"):
+        TrainConfig(focus=FocusConfig(router_input="query_key"))

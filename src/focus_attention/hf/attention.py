@@ -64,7 +64,7 @@ def eager_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple 
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     layer = None if cache is None else focus_cache_layer(cache, handle.layer_idx)
     mode, config = handle.runtime.mode(handle.router), handle.runtime.focus_config
-    if handle.router.reads_query_key:
+    if layer is not None and handle.router.reads_query_key:
         check_query_key_routing(mode, config, layer)
     if layer is not None:
         check_cache_routing(mode, config, layer)

@@ -41,7 +41,9 @@ def dense_record(handle: Any, module: torch.nn.Module, query: torch.Tensor, key:
                  cache: Any) -> dict[str, Any]:  # fmt: skip
     """The record of one call of ``record_dense_attention()``: the inputs of the layer's
     dense attention (``hidden``, ``query``, ``key`` detached, ``scale``, ``softcap``,
-    ``key_padding``, ``sinks``), which the base implementation then runs.
+    ``key_padding``, ``sinks``), which the base implementation then runs; for a query-key
+    router also ``pre_rotary_query`` ``[B, H, N, D]`` and ``pre_rotary_key``
+    ``[B, H_kv, N, D]``, the states it routes by.
 
     Raises:
         ValueError: a call with a KV cache (the records are of whole sequences); see also
@@ -53,7 +55,13 @@ def dense_record(handle: Any, module: torch.nn.Module, query: torch.Tensor, key:
             "use_cache=False inside it"
         )
     call = resolve_call(handle, module, query, key, key, attention_mask, scaling, kwargs, hidden, None)  # fmt: skip
+    record = {}
+    if handle.router.reads_query_key:  # a query-key router's inputs
+        with torch.no_grad():
+            pre_query, pre_key = handle.router.query_key(module, call.hidden)
+        record = {"pre_rotary_query": pre_query.detach(), "pre_rotary_key": pre_key.detach()}
     return {
+        **record,
         "layer": handle.layer_idx,
         "hidden": call.hidden.detach(),
         "query": call.query.detach(),

@@ -46,8 +46,10 @@ def distant_attention(
     always_visible: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     chunk_size: int = 256,
+    per_kv_head: bool = False,
 ) -> torch.Tensor:
-    """Dense causal attention probabilities of the distant pairs, averaged over heads.
+    """Dense causal attention probabilities of the distant pairs, averaged over heads (or
+    their maximum over the query heads of each key-value head).
 
     ``A_ij = mean_h softmax_j(scale * q_hi . k_hj)`` over the causal, real keys (queries
     bottom-right aligned, GQA keys shared as in the attention ops), then kept only where
@@ -63,9 +65,12 @@ def distant_attention(
         rows: optional int64 ``[R]`` query indices to compute (default all ``Nq``), e.g. a
             random sample of queries to bound the cost.
         chunk_size: query rows per chunk (memory ``O(B * H * chunk_size * Nk)``).
+        per_kv_head: instead of the mean over heads, the maximum over the ``H / H_kv`` query
+            heads that share each key-value head (query-key routing, docs/method.md §6).
 
     Returns:
-        float32 ``[B, R, Nk]`` (float64 for float64 inputs), without gradient.
+        float32 ``[B, R, Nk]`` (``[B, H_kv, R, Nk]`` with ``per_kv_head``; float64 for
+        float64 inputs), without gradient.
 
     Raises:
         ValueError: malformed shapes or dtypes, ``window < 1``, bad ``rows``, ``scale`` or
@@ -101,14 +106,18 @@ def distant_attention(
             visible = visible & key_padding_mask[:, None, :]
         probs, _ = masked_softmax(query[:, :, idx].to(ct), k, visible, scale=scale,
                                   softcap=softcap, eager=True)  # fmt: skip
-        probs = probs.mean(dim=1)  # [B, R, Nk]
         distant = (qpos - kpos[None]) >= win
         if always_visible is not None:
             distant = distant & ~always_visible[:, None, :]
-        out.append(probs * distant)
+        if per_kv_head:  # [B, H_kv, R, Nk]
+            probs = probs.unflatten(1, (key.shape[1], -1)).amax(dim=2)
+            out.append(probs * (distant[:, None] if distant.dim() == 3 else distant))
+        else:
+            out.append(probs.mean(dim=1) * distant)  # [B, R, Nk]
     if not out:
-        return torch.zeros(bsz, 0, nk, dtype=ct, device=query.device)
-    return torch.cat(out, dim=1)
+        shape = (bsz, key.shape[1], 0, nk) if per_kv_head else (bsz, 0, nk)
+        return torch.zeros(shape, dtype=ct, device=query.device)
+    return torch.cat(out, dim=-2)
 
 
 def _check_coverage(distant: torch.Tensor, rows: torch.Tensor | None, queries: tuple, keys: tuple) -> torch.Tensor:  # fmt: skip

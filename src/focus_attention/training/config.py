@@ -18,7 +18,7 @@ from .settings import TrainingSettings
 __all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
 
 #: training losses (docs/method.md §6, "Objectives")
-OBJECTIVES = ("lm", "distill", "mix", "coverage")
+OBJECTIVES = ("lm", "distill", "mix", "coverage", "attention")
 
 #: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
 #: on the attention projections (dense); every attention weight (dense); every base weight
@@ -214,7 +214,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "help": "training loss (docs/method.md §6): lm = next-token cross-entropy; "
             "distill = KL divergence from the frozen model's own dense output; mix = lm + "
             "distill_weight * distill; coverage = share of the dense model's attention beyond "
-            "the window that the soft groups drop",
+            "the window that the soft groups drop; attention = KL from the dense attention's "
+            "mass per group to the query's groups (query-key routers, experimental)",
             "choices": OBJECTIVES,
         },
     )
@@ -224,7 +225,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
     coverage_queries: int = field(
         default=512,
         metadata={
-            "help": "queries per layer and block sampled for --objective coverage "
+            "help": "queries per layer and block sampled for --objective coverage and attention "
             "(0: every query; the cost of the dense attention rows grows with it)"
         },
     )
@@ -372,6 +373,23 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
             raise bad(owner, "lora_dropout", self.lora_dropout, "a number in [0, 1)")
 
+    def _validate_router_input(self) -> None:
+        """``--objective attention`` trains query-key routers, which train with it only
+        (they have no soft routing)."""
+        query_key = self.focus.router_input == "query_key"
+        if self.objective == "attention" and not query_key:
+            raise bad("TrainConfig", "objective", "attention",
+                      "another objective unless focus.router_input is 'query_key' (it trains "
+                      "query-key routers)")  # fmt: skip
+        if query_key and self.objective != "attention":
+            raise bad("TrainConfig", "focus.router_input", "query_key",
+                      f"'hidden_state' with objective {self.objective!r} (query-key routers "
+                      "have no soft routing: train them with --objective attention)")  # fmt: skip
+        if query_key and self.method != "focus":
+            raise bad("TrainConfig", "focus.router_input", "query_key",
+                      f"'hidden_state' with method {self.method!r} (query-key routers train "
+                      "with --method focus)")  # fmt: skip
+
     def _validate_focus(self) -> None:
         owner = "TrainConfig"
         if not isinstance(self.focus, FocusConfig):
@@ -381,6 +399,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         if self.focus.routing == "topk":
             raise bad(owner, "focus.routing", "topk", "'auto' or 'soft' (training routes softly)")
         self.focus.check_straight_through()
+        self._validate_router_input()
         if self.focus.straight_through and self.method not in FOCUS_METHODS:
             raise bad(
                 owner,
@@ -388,12 +407,12 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
                 True,
                 f"False with method {self.method!r} (it trains no Focus routing)",
             )
-        if self.focus.straight_through and self.objective == "coverage":
+        if self.focus.straight_through and self.objective in ("coverage", "attention"):
             raise bad(
                 owner,
                 "focus.straight_through",
                 True,
-                "False with objective 'coverage' (it computes no soft attention)",
+                f"False with objective {self.objective!r} (it computes no soft attention)",
             )
         window = self.focus.window
         if self.method in FOCUS_METHODS and self.seq_len <= window:

@@ -16,6 +16,12 @@ model stays frozen in every objective.
   runs once without gradients; each router then sees the hidden state the dense model gives
   its layer, so no soft attention is computed and the cost is one dense forward plus the
   attention rows of the sampled queries.
+- ``attention`` (query-key routers, ``FocusConfig.router_input="query_key"``): per sampled
+  query beyond the window and key-value head, ``KL(dense group mass || router)``: the dense
+  model's distant attention (maximum over the query heads sharing the key-value head,
+  renormalised) summed per group through the keys' soft assignment ``softmax(k . C)``,
+  against the query's ``softmax(q . C)``; gradients reach the centroids from both sides.
+  Also folds the batch's mean key into each router's ``key_mean``. Cost as ``coverage``.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from typing import Any
 import torch
 
 from ..evaluation.coverage import recorded_distant, recorded_groups
-from ..ops.coverage import hard_coverage, soft_coverage
+from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
 
-__all__ = ["StepLoss", "coverage_rows", "head_gates_step", "objective_loss"]
+__all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss"]
 
 
 @dataclass
@@ -156,11 +162,67 @@ def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Ge
     return StepLoss(loss, metrics, routing)
 
 
+def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tensor) -> tuple:
+    """``(mean KL with gradient, queries counted)`` of one recorded layer (a
+    :class:`~focus_attention.hf.query_key.QueryKeyRouter` and its
+    ``record_dense_attention`` record) on the query indices ``rows`` int64 ``[R]``.
+
+    Target: the dense attention of each query row to its distant keys (``i - j >= window``,
+    real, not sinks), the maximum over the query heads sharing a key-value head, summed per
+    group with the keys' soft assignment ``softmax((k - key_mean) . C)`` and renormalised
+    (``[B, H_kv, R, K]``); prediction: ``softmax(q_bar . C)`` of the pooled pre-rotary
+    query. Rows without distant mass do not count."""
+    distant = distant_attention(
+        rec["query"],
+        rec["key"],
+        window,
+        scale=rec["scale"],
+        softcap=rec["softcap"],
+        key_padding_mask=rec["key_padding"],
+        always_visible=rec["sinks"],
+        rows=rows,
+        per_kv_head=True,
+    ).float()  # [B, H_kv, R, N]
+    soft_keys = torch.softmax(router.key_scores(rec["pre_rotary_key"]), dim=-1)  # [B, N, H_kv, K]
+    mass = torch.einsum("bhrn,bnhk->bhrk", distant, soft_keys)
+    total = mass.sum(-1, keepdim=True)
+    valid = total[..., 0] > 0
+    target = mass / total.clamp_min(torch.finfo(mass.dtype).tiny)
+    log_router = torch.log_softmax(router.query_scores(rec["pre_rotary_query"][:, :, rows]), -1)
+    log_router = log_router.transpose(1, 2)  # [B, H_kv, R, K]
+    log_target = torch.log(target.clamp_min(torch.finfo(mass.dtype).tiny))
+    kl = (target * (log_target - log_router)).sum(-1)
+    count = int(valid.sum())
+    return (kl * valid).sum() / max(1, count), count
+
+
+def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator) -> StepLoss:  # fmt: skip
+    """Mean over Focus layers of :func:`attention_kl` on ``queries`` sampled queries per
+    layer (query-key routers, docs/method.md §6); each router then folds the batch's mean
+    pre-rotary key into its ``key_mean``."""
+    records = _dense_records(model, x)
+    if not records:
+        raise RuntimeError("the attention objective found no Focus layer call to record")
+    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator)
+    losses, counted = [], 0
+    for rec in records:
+        router = model.routers[str(rec["layer"])]
+        kl, count = attention_kl(router, rec, model.focus_config.window, rows)
+        losses.append(kl)
+        counted += count
+        router.update_key_mean(rec["pre_rotary_key"], rec["key_padding"])
+    loss = torch.stack(losses).mean()
+    _check_finite(loss, "attention loss")
+    metrics = {"loss": float(loss.detach()), "attention_queries": float(counted)}
+    return StepLoss(loss, metrics)
+
+
 def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Generator,
                    forward: Any = None) -> StepLoss:  # fmt: skip
     """The loss of ``cfg.objective`` (a :class:`~.config.TrainConfig`) on ``x`` int64
     ``[B, N]``; ``forward`` (default ``model``) runs the forward that carries the gradient
-    of ``lm``, ``distill`` and ``mix`` (the coverage objective scores the routers directly).
+    of ``lm``, ``distill`` and ``mix`` (the coverage and attention objectives score the
+    routers directly).
 
     Raises:
         RuntimeError: a non-finite loss.
@@ -171,4 +233,6 @@ def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Gener
         return distill_step(model, x, 0.0, 1.0, forward)
     if cfg.objective == "mix":
         return distill_step(model, x, 1.0, cfg.distill_weight, forward)
+    if cfg.objective == "attention":
+        return attention_step(model, x, cfg.coverage_queries, generator)
     return coverage_step(model, x, cfg.coverage_queries, generator)
