@@ -12,9 +12,9 @@ from ..training.settings import PRETRAIN_NUM_GROUPS, PretrainConfig
 from .common import run_guarded
 from .flags import add_config_flag, add_flags, flag_values, note_flags, read_config_table
 
-#: FocusConfig fields that are not flags: training routes softly, every layer gets Focus,
-#: and ``--seed`` seeds the routers too
-FOCUS_FIELDS_NOT_FLAGS = ("routing", "layers", "seed")
+#: FocusConfig fields that are not flags: training routes softly (so hidden-state routers,
+#: which have soft routing), every layer gets Focus, and ``--seed`` seeds the routers too
+FOCUS_FIELDS_NOT_FLAGS = ("routing", "router_input", "layers", "seed")
 
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
