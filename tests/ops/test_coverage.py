@@ -206,3 +206,17 @@ def test_coverage_shape_errors():
         soft_coverage(dist, torch.rand(1, 10, 3), torch.rand(1, 9, 3), torch.tensor([4, 5]))
     with pytest.raises(ValueError, match="query_groups"):
         hard_coverage(dist, torch.rand(1, 10, 3), torch.rand(1, 10, 3) > 0, torch.tensor([4, 5]))
+
+
+def test_distant_attention_per_kv_head_is_the_maximum_over_its_query_heads():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 6, 20, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g)
+    sinks = torch.zeros(2, 20, dtype=torch.bool)
+    sinks[:, :2] = True
+    rows = torch.tensor([5, 11, 19])
+    got = distant_attention(q, k, 4, always_visible=sinks, rows=rows, per_kv_head=True)
+    assert got.shape == (2, 2, 3, 20)
+    for h in range(2):
+        heads = [distant_attention(q[:, j : j + 1], k[:, h : h + 1], 4, always_visible=sinks, rows=rows)
+                 for j in range(3 * h, 3 * h + 3)]  # fmt: skip
+        torch.testing.assert_close(got[:, h], torch.stack(heads).amax(0), **tolerance("bitwise"))
