@@ -126,6 +126,11 @@ def test_logits_equal_the_float64_oracle_under_the_per_head_mask(arch, monkeypat
     real = mask.bool()
     torch.testing.assert_close(fast[real], slow[real], **tolerance("oracle"))
     assert not torch.allclose(fast[real], dense[real], atol=1e-3)  # the groups matter
+    with torch.no_grad():  # the maps: each query head under its key-value head's mask
+        maps = fm(input_ids=x, output_attentions=True, **kw).attentions
+    for m in maps:
+        assert m.shape == (2, fm.base_model.config.num_attention_heads, N, N)
+        torch.testing.assert_close(m.sum(-1)[:, :, -20:], torch.ones_like(m.sum(-1)[:, :, -20:]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "olmo2", "gpt2"])

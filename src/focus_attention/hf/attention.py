@@ -184,6 +184,8 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
         return out, None
     key_groups, real = call.cache.key_groups(call.real)
     mask = focus_mask(routing.query_groups, key_groups, config.window, real)
+    if mask.dim() == 4:  # per key-value head (query-key routing): one mask per query head
+        mask = mask.repeat_interleave(call.query.shape[1] // mask.shape[1], dim=1)
     return out, attention_probs(call.query, call.key, mask, call.scale, call.softcap)
 
 
