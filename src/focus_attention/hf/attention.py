@@ -33,7 +33,7 @@ from .layer_handle import LayerHandle, handle_of
 from .masks import focus_mask_interface
 from .paged import is_paged_call, run_packed
 from .records import dense_record, routing_record
-from .route import Routing, check_cache_routing, check_query_key_routing, route
+from .route import Routing, check_cache_routing, route
 from .runtime import ATTN_IMPLEMENTATION
 
 
@@ -63,11 +63,8 @@ def eager_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple 
                          "(expected the first positional argument or `hidden_states=`)")  # fmt: skip
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     layer = None if cache is None else focus_cache_layer(cache, handle.layer_idx)
-    mode, config = handle.runtime.mode(handle.router), handle.runtime.focus_config
-    if layer is not None and handle.router.reads_query_key:
-        check_query_key_routing(mode, config, layer)
     if layer is not None:
-        check_cache_routing(mode, config, layer)
+        check_cache_routing(handle.runtime.mode(handle.router), handle.runtime.focus_config, layer)
     return args, {**kwargs, HIDDEN_STATES: hidden, CACHE_LAYER: layer}
 
 
@@ -184,7 +181,7 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
         return out, None
     key_groups, real = call.cache.key_groups(call.real)
     mask = focus_mask(routing.query_groups, key_groups, config.window, real)
-    if mask.dim() == 4:  # per key-value head (query-key routing): one mask per query head
+    if mask.dim() == 4:  # per key-value head (query-key routing): a mask per query head
         mask = mask.repeat_interleave(call.query.shape[1] // mask.shape[1], dim=1)
     return out, attention_probs(call.query, call.key, mask, call.scale, call.softcap)
 

@@ -195,8 +195,11 @@ def check_cache_routing(mode: str, config: Any, cache: Any) -> None:
 
     Raises:
         ValueError: ``inference_routing="sequence"`` (not causal) with a KV cache; soft
-            routing filling a static cache or under continuous batching.
+            routing filling a static cache or under continuous batching; what query-key
+            routers cannot run (:func:`check_query_key_routing`).
     """
+    if config.router_input == "query_key":
+        check_query_key_routing(mode, config, cache)
     if mode == "topk" and config.inference_routing == "sequence":
         raise ValueError(
             "inference_routing='sequence' (the paper's sequence-wide Sinkhorn) is not causal: "

@@ -65,8 +65,7 @@ def distant_attention(
         rows: optional int64 ``[R]`` query indices to compute (default all ``Nq``), e.g. a
             random sample of queries to bound the cost.
         chunk_size: query rows per chunk (memory ``O(B * H * chunk_size * Nk)``).
-        per_kv_head: instead of the mean over heads, the maximum over the ``H / H_kv`` query
-            heads that share each key-value head (query-key routing, docs/method.md §6).
+        per_kv_head: the maximum over the query heads of each key-value head, not the mean.
 
     Returns:
         float32 ``[B, R, Nk]`` (``[B, H_kv, R, Nk]`` with ``per_kv_head``; float64 for
@@ -109,15 +108,21 @@ def distant_attention(
         distant = (qpos - kpos[None]) >= win
         if always_visible is not None:
             distant = distant & ~always_visible[:, None, :]
-        if per_kv_head:  # [B, H_kv, R, Nk]
-            probs = probs.unflatten(1, (key.shape[1], -1)).amax(dim=2)
-            out.append(probs * (distant[:, None] if distant.dim() == 3 else distant))
-        else:
-            out.append(probs.mean(dim=1) * distant)  # [B, R, Nk]
+        out.append(_head_reduced(probs, distant, key.shape[1] if per_kv_head else None))
     if not out:
         shape = (bsz, key.shape[1], 0, nk) if per_kv_head else (bsz, 0, nk)
         return torch.zeros(shape, dtype=ct, device=query.device)
     return torch.cat(out, dim=-2)
+
+
+def _head_reduced(probs: torch.Tensor, distant: torch.Tensor, kv_heads: int | None) -> torch.Tensor:  # fmt: skip
+    """``probs`` ``[B, H, R, Nk]`` on the ``distant`` pairs (``[R, Nk]`` or ``[B, R, Nk]``):
+    the mean over heads ``[B, R, Nk]``, or with ``kv_heads`` the maximum over the query heads
+    of each key-value head ``[B, H_kv, R, Nk]``."""
+    if kv_heads is None:
+        return probs.mean(dim=1) * distant
+    probs = probs.unflatten(1, (kv_heads, -1)).amax(dim=2)
+    return probs * (distant[:, None] if distant.dim() == 3 else distant)
 
 
 def _check_coverage(distant: torch.Tensor, rows: torch.Tensor | None, queries: tuple, keys: tuple) -> torch.Tensor:  # fmt: skip
