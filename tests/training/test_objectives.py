@@ -4,6 +4,7 @@ attention coverage and their use in ``focus train``."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -163,6 +164,16 @@ def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_pat
     a = load_file(str(full.out / "focus_model.safetensors"))
     b = load_file(str(resumed.out / "focus_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_query_key_routers_validate_at_top_k(assets, tmp_path):
+    """Query-key routers have no soft routing: validation scores them at hard top-k."""
+    cfg = tiny_config(assets, tmp_path / "qk", objective="attention", steps=2, coverage_queries=8,
+                      eval_every=1, router_input="query_key")  # fmt: skip
+    log = [json.loads(line) for line in (train(cfg).out / "log.jsonl").read_text().splitlines()]
+    validated = [r for r in log if "val_ppl_topk" in r]
+    assert validated and all(math.isfinite(r["val_ppl_topk"]) for r in validated)
+    assert not any("val_ppl_soft" in r for r in log)
 
 
 def test_objective_setting_errors():

@@ -237,7 +237,9 @@ class FocusTrainer(Trainer):
         if focus is None:
             named = {"ppl": values["ppl"]}
         else:
-            named = {"ppl_topk": values[f"ppl_top{top_k}"], "ppl_soft": values["ppl"]}
+            named = {"ppl_topk": values[f"ppl_top{top_k}"]}
+            if focus.focus_config.router_input != "query_key":  # no soft routing to score
+                named["ppl_soft"] = values["ppl"]
         if self.state.global_step == 0 and self.step_offset == 0:  # the untrained start
             named["ppl_base"] = named["ppl"] if focus is None else base_perplexity(focus, self.val_blocks)  # fmt: skip
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in named.items()}

@@ -31,7 +31,8 @@ def validation_perplexities(
     docs/method.md §9), the model in eval mode.
 
     Returns:
-        ``ppl`` (dense: the model; Focus: soft Sinkhorn routing, the training-time model),
+        ``ppl`` (dense: the model; Focus: soft Sinkhorn routing, the training-time model;
+        query-key routers, which have no soft routing: hard top-k at ``train_top_k``),
         with Focus ``ppl_top<k>`` for every ``k`` in ``top_k`` (hard causal top-k routing,
         the inference-time model), ``loss`` (``log ppl``, nats per token) and ``tokens``.
         ``model`` ends in the mode it was in; ``focus`` (the :class:`FocusModel`, or None)
@@ -45,19 +46,37 @@ def validation_perplexities(
             nll, n = score_windows(model, blocks)
             out["ppl"] = perplexity(nll, n)
         else:
-            focus.set_routing("soft")
-            nll, n = score_windows(focus, blocks)
-            out["ppl"] = perplexity(nll, n)
-            focus.set_routing("topk")
-            for k in top_k:
-                focus.set_top_k(k)
-                out[f"ppl_top{k}"] = perplexity(*score_windows(focus, blocks))
+            out.update(_focus_perplexities(focus, blocks, top_k, train_top_k))
+            n = out.pop("tokens")
     finally:
         if focus is not None:
             focus.set_routing("auto")
             focus.set_top_k(train_top_k)
         model.train(was_training)
     out["loss"] = math.log(out["ppl"])
+    out["tokens"] = float(n)
+    return out
+
+
+def _focus_perplexities(focus: Any, blocks: torch.Tensor, top_k: tuple[int, ...], train_top_k: int) -> dict[str, float]:  # fmt: skip
+    """``ppl`` (soft routing; for query-key routers, which have no soft routing, hard top-k
+    at ``train_top_k``), ``ppl_top<k>`` for every ``k`` and ``tokens``."""
+    out: dict[str, float] = {}
+    if focus.focus_config.router_input != "query_key":
+        focus.set_routing("soft")
+        nll, n = score_windows(focus, blocks)
+        out["ppl"] = perplexity(nll, n)
+    focus.set_routing("topk")
+    for k in top_k:
+        focus.set_top_k(k)
+        nll, n = score_windows(focus, blocks)
+        out[f"ppl_top{k}"] = perplexity(nll, n)
+    if "ppl" not in out and f"ppl_top{train_top_k}" in out:
+        out["ppl"] = out[f"ppl_top{train_top_k}"]
+    elif "ppl" not in out:
+        focus.set_top_k(train_top_k)
+        nll, n = score_windows(focus, blocks)
+        out["ppl"] = perplexity(nll, n)
     out["tokens"] = float(n)
     return out
 
