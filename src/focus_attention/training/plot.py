@@ -40,7 +40,12 @@ def _plot_validation(ax, rows: list[dict]) -> None:
         ax.plot(xs, [r["val_ppl_topk"] for r in rows], "o-", label="Focus top-k")
         soft = [r for r in rows if "val_ppl_soft" in r]  # query-key routers: no soft routing
         if soft:
-            ax.plot([r["step"] for r in soft], [r["val_ppl_soft"] for r in soft], "s-", label="Focus soft")
+            ax.plot(
+                [r["step"] for r in soft],
+                [r["val_ppl_soft"] for r in soft],
+                "s-",
+                label="Focus soft",
+            )
         base = [r.get("val_ppl_base") for r in rows if r.get("val_ppl_base") is not None]
         if base:
             ax.axhline(base[0], color="gray", ls="--", label="base model")
