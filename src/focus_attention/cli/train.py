@@ -49,8 +49,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"trained {result.steps} steps ({result.train_seconds:.0f} s of optimizer steps "
           f"over every run, {result.seconds:.0f} s in this call){loss}")  # fmt: skip
     if "val_ppl_topk" in last:
-        print(f"validation PPL at step {last['step']}: top-k {last['val_ppl_topk']:.3f}, "
-              f"soft {last['val_ppl_soft']:.3f} ({last['val_tokens']} tokens)")  # fmt: skip
+        soft = f", soft {last['val_ppl_soft']:.3f}" if "val_ppl_soft" in last else ""
+        print(f"validation PPL at step {last['step']}: top-k {last['val_ppl_topk']:.3f}"
+              f"{soft} ({last['val_tokens']} tokens)")  # fmt: skip
     elif last:
         print(f"validation PPL at step {last['step']}: {last['val_ppl']:.3f} (dense, "
               f"{last['val_tokens']} tokens)")  # fmt: skip
