@@ -22,7 +22,13 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..ops import BackendUnavailable, focus_mask, gated_attention
+from ..ops import (
+    BackendUnavailable,
+    focus_mask,
+    gated_attention,
+    masked_attention,
+    masked_softmax,
+)
 from ..utils.compile import eager_only
 from .base_attention import attention_probs, base_call, dense_attention, no_adapter_error
 from .cache import focus_cache_layer
@@ -156,6 +162,9 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
     None)``. Soft routing gates a dense attention (docs/method.md §3); top-k routing is exact
     sparse attention through the cache (§4-§5), with maps when the model call asks."""
     config = handle.runtime.focus_config
+    visibility = handle.runtime.current("visibility")
+    if visibility is not None:
+        return visible_attention(handle, call, routing, visibility)
     if routing.soft_rows is not None:
         out = gated_attention(
             call.query, call.key, call.value, *routing.soft_rows, config.window,
@@ -182,6 +191,27 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
     key_groups, real = call.cache.key_groups(call.real)
     mask = focus_mask(routing.query_groups, key_groups, config.window, real)
     return out, attention_probs(call.query, call.key, mask, call.scale, call.softcap)
+
+
+def visible_attention(handle: LayerHandle, call: LayerCall, routing: Routing, visibility) -> tuple:  # fmt: skip
+    """The attention of ``call``'s heads under the mask ``visibility(layer_idx, call)`` of
+    ``FocusModel.override_visibility()``: ``(out [B, H', Nq, D] in the query's dtype, maps
+    [B, H', Nq, Nk] or None)``.
+
+    Raises:
+        ValueError: a static KV cache (its buffers are not the keys so far) or soft routing.
+    """
+    if call.cache.static or routing.soft_rows is not None:
+        raise ValueError("FocusModel.override_visibility() needs top-k routing (eval()) and "
+                         "no static KV cache")  # fmt: skip
+    mask = visibility(handle.layer_idx, call)
+    out, _ = masked_attention(call.query, call.key, call.value, mask, scale=call.scale,
+                              softcap=call.softcap)  # fmt: skip
+    maps = None
+    if handle.runtime.wants_attentions():
+        maps = masked_softmax(call.query, call.key, mask, scale=call.scale, softcap=call.softcap,
+                              eager=True)[0].to(call.query.dtype)  # fmt: skip
+    return out.to(call.query.dtype), maps
 
 
 def register_focus_attention() -> None:
