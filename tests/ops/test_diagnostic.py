@@ -142,10 +142,10 @@ def test_kmeans_equals_naive_lloyd(padded):
     assert torch.equal(kmeans_keys(k, 4, iters=5, seed=7, real=real)[0], labels)  # seeded
 
 
-def _check_groups(mask, q, k, window, groups, top, sinks, seed):
+def _check_groups(mask, q, k, window, cents, top, sinks):
     b_, h, nq, _ = q.shape
-    h_kv, nk = k.shape[1], k.shape[2]
-    labels, cents = kmeans_keys(k, groups, iters=4, seed=seed)
+    h_kv, nk, groups = k.shape[1], k.shape[2], cents.shape[2]
+    labels = _naive_kmeans(k, cents, 0, None)[0]
     for b in range(b_):
         for kv in range(h_kv):
             for t in range(nq):
@@ -165,14 +165,22 @@ def test_groups_show_the_best_groups_distant_keys(shape, groups, top):
     q, k, sink, _ = _case(b, h, h_kv, nq, nk, sinks, seed=2)
     if groups > nk:
         pytest.skip("more groups than keys")
-    mask = group_visibility(q, k, window, groups, top, iters=4, seed=11, sinks=sink)
+    cents = kmeans_keys(k, groups, iters=4, seed=11)[1]
+    mask = group_visibility(q, k, window, cents, top, sinks=sink)
     assert mask.shape == (b, h_kv, nq, nk)
-    _check_groups(mask, q, k, window, groups, top, sink, 11)
+    _check_groups(mask, q, k, window, cents, top, sink)
+
+
+def test_groups_of_a_prompt_take_new_keys_to_their_nearest_centroid():
+    q, k, sink, _ = _case(1, 6, 2, 4, 21, 1, seed=8)
+    cents = kmeans_keys(k[:, :, :17], 3, iters=3, seed=1)[1]  # fitted on the prompt's keys
+    mask = group_visibility(q, k, 3, cents, 2, sinks=sink)
+    _check_groups(mask, q, k, 3, cents, 2, sink)
 
 
 def test_all_groups_is_causal_attention():
     q, k, _, _ = _case(1, 3, 1, 10, 10, 0)
-    mask = group_visibility(q, k, 2, 3, 3)
+    mask = group_visibility(q, k, 2, kmeans_keys(k, 3)[1], 3)
     assert torch.equal(mask[0, 0], torch.ones(10, 10, dtype=torch.bool).tril())
 
 
@@ -195,8 +203,9 @@ def test_kept_share_counts_distant_keys_only():
         (lambda q, k: oracle_visibility(q, k, 2, 0), "num_groups"),
         (lambda q, k: oracle_visibility(q, k[:, :, :, :4], 2, 2), "key"),
         (lambda q, k: oracle_visibility(q[:, :2], k[:, :, :3], 2, 2), "key"),
-        (lambda q, k: group_visibility(q, k, 2, 99), "num_clusters"),
-        (lambda q, k: group_visibility(q, k, 2, 2, 3), "top_groups"),
+        (lambda q, k: kmeans_keys(k, 99), "num_clusters"),
+        (lambda q, k: group_visibility(q, k, 2, k[:, :, :2], 3), "top_groups"),
+        (lambda q, k: group_visibility(q, k, 2, k[:, :, :2, :4], 1), "centroids"),
         (lambda q, k: oracle_visibility(q, k, 2, 2, sinks=torch.ones(1, 3)), "sinks"),
         (lambda q, k: distant_kept_share(torch.ones(2, 2), 2), "mask"),
     ],

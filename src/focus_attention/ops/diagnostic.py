@@ -7,17 +7,17 @@ and picks distant ones per key-value head:
 
 - :func:`oracle_visibility`: each query keeps its ``ceil(distant / K)`` distant keys of
   highest ``q . k`` (the share top-1 routing keeps with ``K`` balanced groups);
-- :func:`group_visibility`: the keys are clustered by k-means (:func:`kmeans_keys`) into
-  groups, and each query sees the distant keys of the groups whose centroids its ``q . c``
-  scores highest.
+- :func:`group_visibility`: the keys are grouped by their nearest centroid (e.g. k-means
+  centroids of a prompt's keys, :func:`kmeans_keys`), and each query sees the distant keys of
+  the groups whose centroids its ``q . c`` scores highest.
 
 Queries of the ``H / H_kv`` heads sharing a key-value head are pooled by the **maximum** of
 their scores (a key or centroid ranks by the best score any of those heads gives it).
 Shapes: query ``[B, H, Nq, D]``, key ``[B, H_kv, Nk, D]``, queries bottom-right aligned;
 masks bool ``[B, H_kv, Nq, Nk]``, True = visible. Scores are ranked in float32 (float64 for
 float64 inputs); their order does not depend on a positive logit scale or a soft cap, so none
-is taken. These masks are for diagnosis only: the k-means groups are fitted on every key of
-the call, later ones included.
+is taken. These masks are for diagnosis only: k-means centroids fitted on a prompt's keys
+see every key of it, later ones included.
 """
 
 from __future__ import annotations
@@ -177,23 +177,30 @@ def _nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return dist.argmin(dim=-1)
 
 
-def group_visibility(query: torch.Tensor, key: torch.Tensor, window: int, num_groups: int,
-                     top_groups: int = 1, *, iters: int = 10, seed: int = 0, sinks=None,
+def group_visibility(query: torch.Tensor, key: torch.Tensor, window: int,
+                     centroids: torch.Tensor, top_groups: int = 1, *, sinks=None,
                      real=None) -> torch.Tensor:  # fmt: skip
-    """The near keys and, per key-value head, the distant keys of the ``top_groups`` k-means
-    groups (:func:`kmeans_keys` with ``num_groups`` clusters, ``iters`` and ``seed``) whose
-    centroids each query's pooled ``q . c`` (:func:`pooled_scores`) scores highest: bool
-    ``[B, H_kv, Nq, Nk]``.
+    """The near keys and, per key-value head, the distant keys of the ``top_groups`` groups
+    whose centroids each query's pooled ``q . c`` (:func:`pooled_scores`) scores highest, a
+    key belonging to the group of its nearest centroid (squared distance, ties to the lowest
+    index): bool ``[B, H_kv, Nq, Nk]``. ``centroids`` ``[B, H_kv, C, D]``, e.g. those
+    :func:`kmeans_keys` fits on the keys of a prompt (then kept while decoding, so that a
+    new key joins the group of its nearest centroid).
 
     Raises:
-        ValueError: malformed tensors, ``window`` not an int >= 1, ``num_groups`` outside
-            ``1 .. Nk``, ``top_groups`` outside ``1 .. num_groups``.
+        ValueError: malformed tensors, ``window`` not an int >= 1, ``top_groups`` outside
+            ``1 .. C``.
     """
     _check_inputs(query, key, sinks, real)
     _check_count("window", window)
-    labels, centroids = kmeans_keys(key, num_groups, iters=iters, seed=seed, real=real)
-    if not isinstance(top_groups, int) or not 1 <= top_groups <= num_groups:
-        fail("top_groups", top_groups, f"an int in 1..num_groups={num_groups}")
+    check_tensor("centroids", centroids, 4, floating=True)
+    bsz, h_kv, _, d = key.shape
+    if tuple(centroids.shape[:2]) != (bsz, h_kv) or centroids.shape[3] != d:
+        fail("centroids", f"shape {tuple(centroids.shape)}", f"[B={bsz}, H_kv={h_kv}, C, D={d}]")
+    if not isinstance(top_groups, int) or not 1 <= top_groups <= centroids.shape[2]:
+        fail("top_groups", top_groups, f"an int in 1..C={centroids.shape[2]}")
+    ct = torch.promote_types(key.dtype, torch.float32)
+    labels = _nearest(key.to(ct), centroids.to(ct))
     mask, distant = _base_mask(query, key, window, sinks, real)
     for start in range(0, query.shape[2], CHUNK_ROWS):
         rows = slice(start, start + CHUNK_ROWS)
