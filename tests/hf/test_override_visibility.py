@@ -27,14 +27,19 @@ def _causal(layer, call):
     return (near | distant).expand(call.query.shape[0], -1, -1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_the_causal_mask_is_the_dense_model(arch):
+def _causal_per_kv_head(layer, call):
+    return _causal(layer, call)[:, None].expand(-1, call.key.shape[1], -1, -1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])  # GQA; MHA; soft-capped logits
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_the_causal_mask_is_the_dense_model(arch, per_kv_head):
     _, fm = focus(arch)
     x = ids(2, N, seed=3)
     with torch.no_grad(), fm.disable_focus():
         dense = fm(input_ids=x).logits
     assert not torch.allclose(_logits(fm, x), dense, **DIFFERENT)  # guard: Focus differs
-    with fm.override_visibility(_causal):
+    with fm.override_visibility(_causal_per_kv_head if per_kv_head else _causal):
         torch.testing.assert_close(_logits(fm, x), dense, **tolerance("oracle"))
 
 
