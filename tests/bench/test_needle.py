@@ -16,7 +16,14 @@ from focus_attention.evaluation.needles import answer_of
 
 
 @pytest.mark.parametrize(
-    "change", [{"trials": 0}, {"depths": (1.5,)}, {"haystacks": ("web",)}, {"lengths": (8,)}]
+    "change",
+    [
+        {"trials": 0},
+        {"depths": (1.5,)},
+        {"haystacks": ("web",)},
+        {"lengths": (8,)},
+        {"diagnostics": ("random",)},
+    ],  # fmt: skip
 )
 def test_bad_settings_are_errors(change):
     with pytest.raises(ValueError):
@@ -298,3 +305,38 @@ def test_no_dense_runs_only_the_focus_modes(tiny, monkeypatch):
     result = needle.run_needle_benchmark(config)
     assert modes == [True, True]
     assert list(result["accuracy"]["passkey"]) == ["top-1"]
+
+
+def test_diagnostic_modes_answer_and_measure_the_distant_keys_kept(tiny, monkeypatch):
+    """--diagnostics: each mode answers every prompt beside dense and top-1; the oracle keeps
+    exactly ceil(distant / K) of each query's distant keys, dense all of them, and every
+    share is measured on the prompt; the table shows the shares."""
+    from focus_attention.hf import FocusModel
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
+                               corpus=str(assets["corpus"]), haystacks=("passkey",),
+                               lengths=(64,), depths=(0.5,), trials=1, top_k=(1,),
+                               max_new_tokens=3, window=8, sink_tokens=1,
+                               diagnostics=("oracle", "kmeans", "kmeans-fine", "oracle"),
+                               progress=False)  # fmt: skip
+    assert config.diagnostics == ("oracle", "kmeans", "kmeans-fine")
+    result = needle.run_needle_benchmark(config)
+    kept = {c["mode"]: c["distant_kept"] for c in result["cells"]}
+    assert list(kept) == ["dense", "top-1", "oracle", "kmeans", "kmeans-fine"]
+    assert all(isinstance(c["generated"], str) and c["seconds"] > 0 for c in result["cells"])
+    k = FocusModel.from_pretrained(load_base(assets), adapter).focus_config.num_groups
+    # queries at 64 tokens, window 8, one sink: query i has i - 8 distant keys (i >= 9)
+    want = sum(-(-(i - 8) // k) / (i - 8) for i in range(9, 64)) / 55
+    assert kept["oracle"] == pytest.approx(want)
+    assert kept["dense"] == 1.0
+    assert all(0.0 < kept[m] < 1.0 for m in ("top-1", "kmeans", "kmeans-fine"))
+    assert result["distant_kept"]["passkey"]["oracle"]["64"] == pytest.approx(want)
+    assert f"| {kept['oracle']:.3f} |" in needle.needle_table(result)
+
+
+def load_base(assets):
+    from focus_attention.assets.models import load_model
+
+    return load_model(str(assets["model"]), quiet=True)[0]

@@ -18,7 +18,8 @@ STUDIES = sorted(p.parent for p in (ROOT / "experiments").glob("*/config.toml"))
 #: the studies the project agreed on; each holds config.toml, README.md and results/
 EXPECTED = {"main-job", "kernel", "prefill", "decode", "needle", "dense-layers", "dense-heads",
             "long-input-recipe", "query-top-k", "other-k", "quality", "groups", "ablations",
-            "zero-shot", "retention", "pretrain", "soft-leak", "serve", "ruler"}  # fmt: skip
+            "zero-shot", "retention", "pretrain", "soft-leak", "serve", "ruler",
+            "routing-diagnostic"}  # fmt: skip
 
 HEAD = '[study]\ntitle = "t"\n'
 

@@ -16,7 +16,6 @@ here.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from ..evaluation.retrieval import (
 )
 from ..utils.env import environment, library_versions
 from ..utils.plots import save_png
+from .needle_diagnostics import needle_modes
 from .settings import HAYSTACKS, NEEDLE_DEPTHS, NEEDLE_LENGTHS, NeedleBenchConfig
 
 __all__ = [
@@ -67,25 +67,6 @@ def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -
     return text, time.monotonic() - t
 
 
-def _modes(fm: Any, top_k: tuple[int, ...], dense: bool = True) -> list[tuple[str, Any]]:
-    """``(name, enter)`` per mode: ``enter()`` sets the model up and returns a context.
-    A Focus mode is named ``top-K``, or ``top-K/qQ`` when its queries keep ``Q`` groups."""
-
-    def topk(k: int):
-        def enter():
-            fm.set_top_k(k)
-            return contextlib.nullcontext()
-
-        return enter
-
-    def name(k: int) -> str:
-        q = fm.focus_config.query_top_k
-        return f"top-{k}" if q is None or q == k else f"top-{k}/q{q}"
-
-    focus_modes = [(name(k), topk(k)) for k in top_k]
-    return [("dense", fm.disable_focus), *focus_modes] if dense else focus_modes
-
-
 def run_needle_benchmark(
     config: NeedleBenchConfig, checkpoint: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
@@ -107,17 +88,19 @@ def run_needle_benchmark(
     """
     fm, tokenizer, bos_id = load_needle_model(config)
     fm.focus_config = fm.focus_config.override(**config.overrides(without=("top_k",)))
+    modes = needle_modes(fm, config.top_k, config.diagnostics, config.seed, config.dense)
     cells = []
     for case in needle_cases(config, tokenizer, bos_id):
-        for mode, enter in _modes(fm, config.top_k, config.dense):
-            with enter():
+        for mode, enter in modes:
+            with enter() as kept_share:
                 text, seconds = _answer(fm, tokenizer, case, config.max_new_tokens)
-            cells.append(_cell(case, mode, text, seconds))
+            cells.append(_cell(case, mode, text, seconds, kept_share()))
             if config.progress:
                 c = cells[-1]
                 print(f"[needle] {c['haystack']} {c['length']} tokens depth {c['depth']:.2f} "
                       f"trial {c['trial']} {mode}: {'ok ' if c['correct'] else 'miss'} "
-                      f"{c['seconds']:.1f} s", file=sys.stderr)  # fmt: skip
+                      f"{c['seconds']:.1f} s{_kept_text(c['distant_kept'])}",
+                      file=sys.stderr)  # fmt: skip
             if checkpoint is not None:
                 checkpoint(_needle_result(config, cells, complete=False))
     return _needle_result(config, cells, complete=True)
@@ -129,13 +112,18 @@ def _needle_result(config: NeedleBenchConfig, cells: list[dict[str, Any]], *, co
         "config": asdict(config),
         "cells": list(cells),
         "accuracy": _accuracy(cells),
+        "distant_kept": _distant_kept(cells),
         "complete": complete,
         "versions": library_versions(),
         "environment": environment(),
     }
 
 
-def _cell(case: NeedleCase, mode: str, text: str, seconds: float) -> dict[str, Any]:
+def _kept_text(share: float | None) -> str:
+    return "" if share is None else f", distant keys kept {share:.3f}"
+
+
+def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | None) -> dict[str, Any]:  # fmt: skip
     return {
         "haystack": case.haystack,
         "length": case.length,
@@ -146,6 +134,7 @@ def _cell(case: NeedleCase, mode: str, text: str, seconds: float) -> dict[str, A
         "generated": text,
         "correct": answer_of(text) == case.answer,
         "seconds": seconds,
+        "distant_kept": kept,
     }
 
 
@@ -162,23 +151,44 @@ def _accuracy(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _distant_kept(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean share of distant keys kept per haystack, mode and length (string keys), over the
+    cells that measured it."""
+    groups: dict[tuple, list[float]] = {}
+    for c in cells:
+        if c.get("distant_kept") is not None:
+            key = (c["haystack"], c["mode"], str(c["length"]))
+            groups.setdefault(key, []).append(c["distant_kept"])
+    out: dict[str, Any] = {}
+    for (hay, mode, length), shares in groups.items():
+        out.setdefault(hay, {}).setdefault(mode, {})[length] = sum(shares) / len(shares)
+    return out
+
+
 def needle_table(result: dict[str, Any]) -> str:
     """Markdown tables of the accuracy: one per haystack, a row per mode and length, a
-    column per depth and the row's mean."""
+    column per depth, the row's mean and the mean share of distant keys kept (``-`` where
+    it was not measured)."""
     lines = []
+    kept = result.get("distant_kept", {})
     for hay, modes in result["accuracy"].items():
         depths = list(next(iter(next(iter(modes.values())).values())))
         lines += [
             f"{hay} haystack: share of needles retrieved (greedy answer, exact number)",
             "",
-            "| mode | tokens | " + " | ".join(f"depth {d}" for d in depths) + " | mean |",
-            "|---|---:|" + "---:|" * (len(depths) + 1),
+            "| mode | tokens | "
+            + " | ".join(f"depth {d}" for d in depths)
+            + " | mean | distant kept |",
+            "|---|---:|" + "---:|" * (len(depths) + 2),
         ]
         for mode, lengths in modes.items():
             for length, row in lengths.items():
                 vals = [row[d] for d in depths]
                 cells = " | ".join(f"{v:.2f}" for v in vals)
-                lines.append(f"| {mode} | {length} | {cells} | {sum(vals) / len(vals):.2f} |")
+                share = kept.get(hay, {}).get(mode, {}).get(length)
+                share_text = "-" if share is None else f"{share:.3f}"
+                lines.append(f"| {mode} | {length} | {cells} | {sum(vals) / len(vals):.2f} "
+                             f"| {share_text} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()
 

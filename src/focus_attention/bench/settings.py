@@ -61,6 +61,7 @@ __all__ = [
     "LEVELS",
     "MODEL_LENGTHS",
     "NEEDLE_DEPTHS",
+    "NEEDLE_DIAGNOSTICS",
     "NEEDLE_LENGTHS",
     "DecodeBatch",
     "DecodeBenchConfig",
@@ -104,6 +105,9 @@ LEVELS = ("op", "model")
 #: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
 NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: diagnostic modes of the needle benchmark, each at top-1's budget of distant keys (module
+#: docstring of :mod:`focus_attention.bench.needle_diagnostics`)
+NEEDLE_DIAGNOSTICS = ("oracle", "kmeans", "kmeans-fine")
 #: the KV caches of the decoding benchmark's model level: transformers' ``DynamicCache``
 #: (and Focus's own dynamic cache), or transformers' ``StaticCache`` (what a CUDA graph
 #: captures)
@@ -506,11 +510,26 @@ class NeedleBenchConfig(PlotFile, GenerationLength, ResultFile, RunSettings, See
     )
     trials: int = field(default=2, metadata={"help": "prompts per (haystack, length, depth)"})
     dense: bool = field(default=True, metadata={"help": "also run the dense model (the reference)"})
+    diagnostics: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "diagnostic modes beside dense and Focus, each keeping the adapter's "
+            "window, sinks and dense layers and about top-1's share of a query's distant "
+            "keys: oracle (its ceil(distant / K) best by q.k), kmeans (the keys' k-means "
+            "group, of K, whose centroid its q scores best), kmeans-fine (its best 4 of 4K "
+            "groups)",
+            "choices": NEEDLE_DIAGNOSTICS,
+        },
+    )
 
     def __post_init__(self) -> None:
         self.check_shared()
         check_grid("NeedleBenchConfig", self)
         check_prompts("NeedleBenchConfig", self)
+        self.diagnostics = tuple(dict.fromkeys(self.diagnostics))
+        if any(d not in NEEDLE_DIAGNOSTICS for d in self.diagnostics):
+            raise bad("NeedleBenchConfig", "diagnostics", self.diagnostics,
+                      f"some of {NEEDLE_DIAGNOSTICS}")  # fmt: skip
 
 
 def parse_batch_size(text: str) -> str:

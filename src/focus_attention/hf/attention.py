@@ -35,6 +35,7 @@ from .paged import is_paged_call, run_packed
 from .records import dense_record, routing_record
 from .route import Routing, check_cache_routing, route
 from .runtime import ATTN_IMPLEMENTATION
+from .visibility import visible_attention
 
 
 def focus_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -156,6 +157,9 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
     None)``. Soft routing gates a dense attention (docs/method.md §3); top-k routing is exact
     sparse attention through the cache (§4-§5), with maps when the model call asks."""
     config = handle.runtime.focus_config
+    visibility = handle.runtime.current("visibility")
+    if visibility is not None:
+        return visible_attention(handle, call, routing, visibility)
     if routing.soft_rows is not None:
         out = gated_attention(
             call.query, call.key, call.value, *routing.soft_rows, config.window,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -570,6 +570,24 @@ class FocusModel(FocusContinuousBatching, nn.Module):
         self._check_live()
         with self._recording("dense_recorder") as records:
             yield records
+
+    @contextlib.contextmanager
+    def override_visibility(self, visibility: Callable[[int, Any], torch.Tensor]) -> Iterator[None]:  # fmt: skip
+        """Context in which every routed Focus layer (not those in ``dense_layers``; dense
+        heads stay dense) attends under the mask ``visibility(layer_idx, call)`` returns
+        instead of its routing's, for diagnostics: ``call`` is the layer's
+        :class:`~focus_attention.hf.layer_call.LayerCall` (``query [B, H, Nq, D]``, ``key``
+        ``[B, H_kv, Nk, D]`` past and new, ``sinks`` and ``real`` bool ``[B, Nk]`` or None),
+        the mask bool ``[B, Nq, Nk]``, ``[B, H_kv, Nq, Nk]`` or ``[B, H, Nq, Nk]``, True =
+        visible. The routers still route (a cache keeps its groups). The attention is the
+        dense masked one (``O(Nq * Nk)``). The switch belongs to the calling thread.
+
+        Raises:
+            ValueError: (on a call inside) a static KV cache or soft routing.
+        """
+        self._check_live()
+        with self._runtime.switched(visibility=visibility):
+            yield
 
     @contextlib.contextmanager
     def _recording(self, attr: str) -> Iterator[list[dict[str, Any]]]:

@@ -29,7 +29,7 @@ ATTN_IMPLEMENTATION = "focus"
 #: attribute (in ``module.__dict__``) holding the runtime on the hooked PreTrainedModels
 RUNTIME_ATTR = "_focus_runtime"
 #: the switches a context may override (see :meth:`FocusRuntime.switched`)
-SWITCHES = ("enabled", "routing", "recorder", "dense_recorder")
+SWITCHES = ("enabled", "routing", "recorder", "dense_recorder", "visibility")
 #: the overrides active in this thread / task: ``((runtime, {switch: value}), ...)``, innermost last
 _OVERRIDES: contextvars.ContextVar[tuple] = contextvars.ContextVar("focus_overrides", default=())
 #: how many :meth:`FocusRuntime.switched` contexts are open, in every thread: while none is,
@@ -56,6 +56,9 @@ class FocusRuntime:
         dense_recorder: list receiving, per Focus-layer call, the dense attention's inputs
             while ``FocusModel.record_dense_attention()`` is active (Focus layers then run
             the base implementation), else None (set for its own thread).
+        visibility: while ``FocusModel.override_visibility()`` is active, the function
+            giving each routed Focus layer's attention mask in place of its routing's, else
+            None (set for its own thread).
         calls: number of model calls so far (the routing bias is updated once per call);
             a compiled inference call traced without the eager hook is not counted
             (see :func:`traced_model_call`: training always counts).
@@ -76,6 +79,7 @@ class FocusRuntime:
     routing: str = "auto"
     recorder: list | None = None
     dense_recorder: list | None = None
+    visibility: Any = None
     calls: int = 0
     want_attentions: dict = field(default_factory=dict)
     focus_layers: tuple[int, ...] = ()
