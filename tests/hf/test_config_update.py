@@ -94,7 +94,7 @@ def test_fixed_fields_cannot_change(change, message):
     with pytest.raises(ValueError, match=message):
         fm.focus_config = fm.focus_config.replace(top_k=1, **change)
     assert fm.focus_config is before and torch.equal(logits(fm, x), out)
-    assert set(FIXED_CONFIG_FIELDS) == {"num_groups", "group_dim", "layers", "seed"}
+    assert set(FIXED_CONFIG_FIELDS) == {"num_groups", "group_dim", "router_input", "layers", "seed"}
 
 
 def test_invalid_assignments_raise():
