@@ -157,8 +157,7 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
     None)``. Soft routing gates a dense attention (docs/method.md §3); top-k routing is exact
     sparse attention through the cache (§4-§5), with maps when the model call asks."""
     config = handle.runtime.focus_config
-    visibility = handle.runtime.current("visibility")
-    if visibility is not None:
+    if (visibility := handle.runtime.current("visibility")) is not None:
         return visible_attention(handle, call, routing, visibility)
     if routing.soft_rows is not None:
         out = gated_attention(
@@ -185,8 +184,6 @@ def attend(handle: LayerHandle, call: LayerCall, routing: Routing) -> tuple:
         return out, None
     key_groups, real = call.cache.key_groups(call.real)
     mask = focus_mask(routing.query_groups, key_groups, config.window, real)
-    if mask.dim() == 4:  # per key-value head (query-key routing): a mask per query head
-        mask = mask.repeat_interleave(call.query.shape[1] // mask.shape[1], dim=1)
     return out, attention_probs(call.query, call.key, mask, call.scale, call.softcap)
 
 

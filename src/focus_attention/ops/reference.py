@@ -270,7 +270,8 @@ def attention_probs(query, key, mask, scale: float, softcap: float | None = None
     for ``output_attentions`` (the logits of :func:`dense_attention`).
 
     Args:
-        query: ``[B, H, Nq, D]``; key: ``[B, H_kv, Nk, D]``; mask: bool ``[B, Nq, Nk]``.
+        query: ``[B, H, Nq, D]``; key: ``[B, H_kv, Nk, D]``; mask: bool ``[B, Nq, Nk]`` or
+            ``[B, H_kv, Nq, Nk]`` (per key-value head, each query head under its own).
         scale: logit scale; softcap: optional logit soft-capping.
 
     Returns:
@@ -279,6 +280,8 @@ def attention_probs(query, key, mask, scale: float, softcap: float | None = None
     """
     ct = torch.promote_types(query.dtype, torch.float32)
     key = expand_kv_heads(key, query.shape[1]).to(ct)
+    if mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):  # per key-value head
+        mask = expand_kv_heads(mask, query.shape[1])
     probs, _ = masked_softmax(query.to(ct), key, mask, scale=scale, softcap=softcap, eager=True)
     return probs.to(query.dtype)
 
