@@ -60,23 +60,21 @@ def validation_perplexities(
 
 def _focus_perplexities(focus: Any, blocks: torch.Tensor, top_k: tuple[int, ...], train_top_k: int) -> dict[str, float]:  # fmt: skip
     """``ppl`` (soft routing; for query-key routers, which have no soft routing, hard top-k
-    at ``train_top_k``), ``ppl_top<k>`` for every ``k`` and ``tokens``."""
+    at ``train_top_k``, scored among the ``ppl_top<k>``), ``ppl_top<k>`` for every ``k`` and
+    ``tokens``."""
     out: dict[str, float] = {}
-    if focus.focus_config.router_input != "query_key":
+    soft = focus.focus_config.router_input != "query_key"
+    if soft:
         focus.set_routing("soft")
         nll, n = score_windows(focus, blocks)
         out["ppl"] = perplexity(nll, n)
     focus.set_routing("topk")
-    for k in top_k:
+    for k in top_k if soft else dict.fromkeys((*top_k, train_top_k)):
         focus.set_top_k(k)
         nll, n = score_windows(focus, blocks)
         out[f"ppl_top{k}"] = perplexity(nll, n)
-    if "ppl" not in out and f"ppl_top{train_top_k}" in out:
+    if not soft:
         out["ppl"] = out[f"ppl_top{train_top_k}"]
-    elif "ppl" not in out:
-        focus.set_top_k(train_top_k)
-        nll, n = score_windows(focus, blocks)
-        out["ppl"] = perplexity(nll, n)
     out["tokens"] = float(n)
     return out
 
