@@ -207,14 +207,18 @@ def prepare_benchmarks(*, force: bool = False, quiet: bool = False) -> Path:
             RECORD, or a benchmark does not have its expected number of examples.
     """
     final = benchmark_dir()
-    if not force and read_manifest(final) is not None:
-        return final
-    log(f"preparing benchmark data {BENCHMARK_DATA} into {final}", quiet=quiet)
 
     def build(out: Path, scratch: Path) -> dict[str, Any]:
         return _build(out, scratch, quiet=quiet)
 
-    return build_entry(final, f"benchmarks-{BENCHMARK_DATA}", build, force=force, quiet=quiet)
+    return build_entry(
+        final,
+        f"benchmarks-{BENCHMARK_DATA}",
+        build,
+        force=force,
+        quiet=quiet,
+        label=f"benchmark data {BENCHMARK_DATA}",
+    )
 
 
 def benchmark_files(*, quiet: bool = False) -> dict[str, Path]:

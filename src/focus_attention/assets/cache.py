@@ -222,6 +222,7 @@ def build_entry(
     *,
     force: bool = False,
     quiet: bool = False,
+    label: str | None = None,
 ) -> Path:
     """Build a cache entry atomically and idempotently; return ``final``.
 
@@ -231,10 +232,13 @@ def build_entry(
     ``out_dir``) is written last, then ``out_dir`` is renamed to ``final``. On any exception
     nothing at ``final`` changes and the staging area is removed. Concurrent prepares of one
     entry (same ``key``) are serialised by a lock file in ``.locks``. Without ``force`` a
-    complete ``final`` is returned as it is.
+    complete ``final`` is returned as it is. ``label`` (what the entry holds, e.g. "corpus
+    austen"), when given, is logged as "preparing <label> into <final>" before a build.
     """
     if not force and read_manifest(final) is not None:
         return final
+    if label is not None:
+        log(f"preparing {label} into {final}", quiet=quiet)
     home = focus_home()
     staging_root = home / ".staging"
     with file_lock(home / ".locks" / f"{key}.lock"):

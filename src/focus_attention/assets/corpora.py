@@ -491,15 +491,14 @@ def prepare_corpus(
     name, root = _resolve(name_or_path)
     final = corpus_dir(name)
     if root is None:
-        if not force and read_manifest(final) is not None:
-            return final
         builder = _BUILDERS[name]
-        log(f"preparing corpus {name} into {final}", quiet=quiet)
 
         def build(out: Path, scratch: Path) -> dict[str, Any]:
             return {"kind": "corpus", "name": name, **builder(out, scratch, quiet=quiet)}
 
-        return build_entry(final, f"corpus-{name}", build, force=force, quiet=quiet)
+        return build_entry(
+            final, f"corpus-{name}", build, force=force, quiet=quiet, label=f"corpus {name}"
+        )
 
     stamp = _local_stamp(root)
     manifest = read_manifest(final, damaged_ok=True)

