@@ -2,8 +2,11 @@
 ``focus bench needle`` results of this study.
 
 usage: python experiments/routing-diagnostic/summarize.py [RESULT.json ...]
+       python experiments/routing-diagnostic/summarize.py --budget [RESULT.json ...]
 
-Default: every ``results/diagnostic-*.json``. A mode is labelled with the adapter folder it
+Default: every ``results/diagnostic-*.json``; with ``--budget``, the smallest-budget table
+of ``results/budget-*.json`` and the seed-2 dense and top-1 answers of the dense-heads study
+(the same prompts: a needle benchmark's prompts depend on its seed, haystacks and lengths). A mode is labelled with the adapter folder it
 ran on when the files disagree (``top-1`` of a folder whose routers were not trained is not
 the adapter's top-1). Cells not yet answered (an interrupted run) are left out; the counts
 say how many prompts each row holds.
@@ -44,6 +47,54 @@ def table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+BUDGET_EXTRA = [HERE.parent / "dense-heads" / "results" / name
+                for name in ("needle-attn-25-seed2.json", "needle-recipe-seed2.json")]
+#: the modes of the budget table; top-1 of a file other than this study's is kept (seed 2)
+BUDGET_MODES = ("dense", "top-1", "top-2", "top-3")
+
+
+def answers(paths: list[Path]) -> dict[tuple[int, int], dict[tuple, dict[str, bool]]]:
+    """``{(seed, length): {(depth, trial, answer): {mode: correct}}}`` of the pass-key cells
+    of every file (the first file that answers a (prompt, mode) wins: the dense-heads
+    study's ``top-1`` of another adapter is dropped where it is not a budget mode)."""
+    out: dict[tuple[int, int], dict[tuple, dict[str, bool]]] = {}
+    for path in paths:
+        result = json.loads(path.read_text())
+        seed = result["config"]["seed"]
+        own = "attn-25" not in path.name  # that file's top-1 routes 25 dense heads: not ours
+        for c in result["cells"]:
+            if c["haystack"] != "passkey" or (c["mode"] != "dense" and not own):
+                continue
+            prompt = (c["depth"], c["trial"], c["answer"])
+            modes = out.setdefault((seed, c["length"]), {}).setdefault(prompt, {})
+            modes.setdefault(c["mode"], bool(c["correct"]))
+    return out
+
+
+def budget(paths: list[Path]) -> str:
+    """Markdown: per seed and length, the pass keys each mode finds, and in brackets those
+    dense finds that it misses."""
+    lines = ["| seed | tokens | prompts | " + " | ".join(BUDGET_MODES) + " |",
+             "|---:|---:|---:|" + "---:|" * len(BUDGET_MODES)]  # fmt: skip
+    for (seed, length), prompts in sorted(answers(paths).items()):
+        cells = []
+        for mode in BUDGET_MODES:
+            got = [m for m in prompts.values() if mode in m]
+            if not got:
+                cells.append("-")
+                continue
+            lost = sum(m.get("dense", False) and not m[mode] for m in got)
+            found = sum(m[mode] for m in got)
+            cells.append(f"{found} / {len(got)}" + (f" ({lost} lost)" if lost else ""))
+        lines.append(f"| {seed} | {length} | {len(prompts)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    given = [Path(p) for p in sys.argv[1:]]
-    print(table(given or sorted((HERE / "results").glob("diagnostic-*.json"))))
+    args = sys.argv[1:]
+    if args[:1] == ["--budget"]:
+        given = [Path(p) for p in args[1:]]
+        print(budget(given or [*sorted((HERE / "results").glob("budget-*.json")), *BUDGET_EXTRA]))
+    else:
+        given = [Path(p) for p in args]
+        print(table(given or sorted((HERE / "results").glob("diagnostic-*.json"))))
