@@ -100,6 +100,7 @@ OWN = {
         "--save-every": at_least(0),
         "--distill-weight": at_least(0),
         "--coverage-queries": at_least(0),
+        "--retrieval-blocks": at_least(0),
         "--base-lr": above(0, "--method", "focus+lora"),
         "--lora-alpha": above(0, "--method", "focus+lora"),
         "--lora-dropout": at_least(0, "--method", "focus+lora", high=1, high_open=True),

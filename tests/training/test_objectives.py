@@ -137,6 +137,29 @@ def test_coverage_rows_sample_queries_with_distant_keys():
     assert torch.equal(coverage_rows(12, 10, 50, g), torch.tensor([10, 11]))
 
 
+def test_coverage_rows_add_the_last_queries():
+    """With ``tail`` the last queries (a needle prompt's question) are always scored, beside
+    the same random sample."""
+    plain = coverage_rows(100, 10, 20, torch.Generator().manual_seed(1))
+    rows = coverage_rows(100, 10, 20, torch.Generator().manual_seed(1), tail=16)
+    assert set(range(84, 100)) <= set(rows.tolist()) and set(plain.tolist()) <= set(rows.tolist())
+    assert torch.equal(rows, rows.unique()) and len(rows) == len(set(plain.tolist()) | set(range(84, 100)))  # fmt: skip
+    assert torch.equal(coverage_rows(12, 10, 0, torch.Generator(), tail=16), torch.tensor([10, 11]))
+
+
+def test_retrieval_blocks_join_the_training_blocks(assets, tmp_path):
+    """``retrieval_blocks`` needle prompts join the corpus blocks (and the data fingerprint
+    a resume checks); training on them with the coverage objective runs."""
+    runs = {n: train(tiny_config(assets, tmp_path / f"r{n}", objective="coverage", steps=1,
+                                 seq_len=64, eval_every=-1, coverage_queries=4,
+                                 retrieval_blocks=n))
+            for n in (0, 3)}  # fmt: skip
+    blocks = {n: r.extra["train_blocks"] for n, r in runs.items()}
+    assert blocks[3] == blocks[0] + 3
+    assert runs[3].extra["data"] != runs[0].extra["data"]
+    assert all(math.isfinite(loss) for loss in runs[3].losses)
+
+
 @pytest.mark.parametrize(
     "objective", ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage", "attention"]
 )
@@ -181,6 +204,10 @@ def test_objective_setting_errors():
         TrainConfig(objective="kl")
     with pytest.raises(ValueError, match="coverage_queries"):
         TrainConfig(coverage_queries=-1)
+    with pytest.raises(ValueError, match="retrieval_blocks"):
+        TrainConfig(retrieval_blocks=-1)
+    with pytest.raises(ValueError, match="retrieval_blocks.*head-gates"):
+        TrainConfig(method="head-gates", objective="distill", init_adapter="a", retrieval_blocks=2)
     with pytest.raises(ValueError, match="distill_weight"):
         TrainConfig(distill_weight=-0.5)
     with pytest.raises(ValueError, match="router_input is 'query_key'"):

@@ -43,6 +43,9 @@ DEFAULT_BASE_LR = {"lora": 5e-4, "full": 5e-5}
 #: the LoRA defaults (rank 8 on q, k, v and o; alpha = rank; no dropout)
 DEFAULT_LORA_RANK = 8
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
+#: with ``retrieval_blocks``, the last queries of every block the coverage and attention
+#: objectives always score (a needle prompt's question is about a dozen tokens)
+RETRIEVAL_QUERIES = 16
 
 #: fields that may differ between a run and its ``--resume``: they do not change the trained
 #: parameters (validation runs in eval mode, without bias updates or randomness)
@@ -229,6 +232,16 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "(0: every query; the cost of the dense attention rows grows with it)"
         },
     )
+    retrieval_blocks: int = field(
+        default=0,
+        metadata={
+            "help": "needle prompts of --seq-len tokens mixed into the training blocks (a "
+            "number hidden in the filler paragraph or in the train split's text, asked for at "
+            "the end: the needle benchmark's prompts, depths drawn from 0.05-0.95); with them "
+            "the --objective coverage and attention always score the last "
+            f"{RETRIEVAL_QUERIES} queries of each block, the question (default 0: none)"
+        },
+    )
     init_adapter: str | None = field(
         default=None,
         metadata={
@@ -278,6 +291,10 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad(owner, "objective", self.objective, f"one of {OBJECTIVES}")
         check_number(owner, "distill_weight", self.distill_weight, inclusive=True)
         check_int(owner, "coverage_queries", self.coverage_queries, 0)
+        check_int(owner, "retrieval_blocks", self.retrieval_blocks, 0)
+        if self.retrieval_blocks and self.method == "head-gates":
+            raise bad(owner, "retrieval_blocks", self.retrieval_blocks,
+                      "0 with --method head-gates, which trains on needle prompts only")  # fmt: skip
         if self.init_adapter is not None:
             if not isinstance(self.init_adapter, str) or not self.init_adapter:
                 raise bad(owner, "init_adapter", self.init_adapter, "an adapter folder path")

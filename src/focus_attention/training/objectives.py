@@ -34,6 +34,7 @@ import torch
 
 from ..evaluation.coverage import recorded_distant, recorded_groups
 from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
+from .config import RETRIEVAL_QUERIES
 
 __all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss"]
 
@@ -98,15 +99,19 @@ def head_gates_step(model: Any, x: torch.Tensor, gates: Any, penalty: float,
     return StepLoss(loss, metrics, step.records)
 
 
-def coverage_rows(num_queries: int, window: int, count: int, generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """Query indices sampled for the coverage objective: ``count`` distinct queries (all
-    when ``count`` is 0 or too large) among those with keys beyond the window (positions
-    ``>= window``), sorted; int64 ``[R]``."""
+def coverage_rows(num_queries: int, window: int, count: int, generator: torch.Generator,
+                  tail: int = 0) -> torch.Tensor:  # fmt: skip
+    """Query indices sampled for the coverage and attention objectives: ``count`` distinct
+    queries (all when ``count`` is 0 or too large) among those with keys beyond the window
+    (positions ``>= window``), and the last ``tail`` of those as well (a needle prompt's
+    question), sorted and distinct; int64 ``[R]``."""
     candidates = torch.arange(min(window, num_queries), num_queries)
     if count == 0 or count >= candidates.numel():
         return candidates
-    pick = torch.randperm(candidates.numel(), generator=generator)[:count]
-    return candidates[pick.sort().values]
+    pick = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]]
+    if tail:
+        pick = torch.cat([pick, candidates[-tail:]]).unique()
+    return pick.sort().values
 
 
 def _dense_records(model: Any, x: torch.Tensor) -> list[dict[str, Any]]:
@@ -138,14 +143,16 @@ def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tupl
     return kept / total, float(hard_kept / total), mass, record
 
 
-def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator) -> StepLoss:  # fmt: skip
+def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
+                  tail: int = 0) -> StepLoss:  # fmt: skip
     """Mean over Focus layers of the distant dense attention share that soft routing drops
-    (``1 - kept / total``), on ``queries`` sampled queries per layer; also folds each
-    layer's Sinkhorn column bias into its routing bias, as soft training does."""
+    (``1 - kept / total``), on ``queries`` sampled queries per layer (and the last ``tail``,
+    :func:`coverage_rows`); also folds each layer's Sinkhorn column bias into its routing
+    bias, as soft training does."""
     records = _dense_records(model, x)
     if not records:
         raise RuntimeError("the coverage objective found no Focus layer call to record")
-    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator)
+    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
     shares, hard, mass, routing = [], [], [], []
     for rec in records:
         kept_share, hard_share, distant_mass, record = _layer_coverage(model, rec, rows)
@@ -196,14 +203,15 @@ def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tens
     return (kl * valid).sum() / max(1, count), count
 
 
-def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator) -> StepLoss:  # fmt: skip
+def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
+                   tail: int = 0) -> StepLoss:  # fmt: skip
     """Mean over Focus layers of :func:`attention_kl` on ``queries`` sampled queries per
-    layer (query-key routers, docs/method.md §6); each router then folds the batch's mean
-    pre-rotary key into its ``key_mean``."""
+    layer and the last ``tail`` (:func:`coverage_rows`; query-key routers, docs/method.md
+    §6); each router then folds the batch's mean pre-rotary key into its ``key_mean``."""
     records = _dense_records(model, x)
     if not records:
         raise RuntimeError("the attention objective found no Focus layer call to record")
-    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator)
+    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
     losses, counted = [], 0
     for rec in records:
         router = model.routers[str(rec["layer"])]
@@ -233,6 +241,7 @@ def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Gener
         return distill_step(model, x, 0.0, 1.0, forward)
     if cfg.objective == "mix":
         return distill_step(model, x, 1.0, cfg.distill_weight, forward)
+    tail = RETRIEVAL_QUERIES if cfg.retrieval_blocks else 0
     if cfg.objective == "attention":
-        return attention_step(model, x, cfg.coverage_queries, generator)
-    return coverage_step(model, x, cfg.coverage_queries, generator)
+        return attention_step(model, x, cfg.coverage_queries, generator, tail)
+    return coverage_step(model, x, cfg.coverage_queries, generator, tail)

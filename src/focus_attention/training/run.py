@@ -207,11 +207,17 @@ class _Data:
 
 
 def _train_blocks(cfg: TrainConfig, corpus: Any, tokenizer: Any, bos: bool) -> torch.Tensor:
-    """The training blocks: the ``train`` split cut into blocks; with ``head-gates`` needle
-    prompts of the ``validation`` split instead, one per block of the run."""
+    """The training blocks: the ``train`` split cut into blocks, then ``retrieval_blocks``
+    needle prompts of the ``train`` split; with ``head-gates`` needle prompts of the
+    ``validation`` split instead, one per block of the run."""
     if cfg.method != "head-gates":
-        return token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
-                            max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+        blocks = token_blocks(tokenizer, corpus.texts("train"), cfg.seq_len,
+                              max_tokens=cfg.max_train_tokens, prepend_bos=bos)  # fmt: skip
+        if not cfg.retrieval_blocks:
+            return blocks
+        needles = needle_blocks(tokenizer, cfg.corpus, "train", cfg.seq_len, cfg.retrieval_blocks,
+                                cfg.seed, tokenizer.bos_token_id if bos else None)  # fmt: skip
+        return torch.cat([blocks, needles.to(blocks.dtype)])
 
     count = max(1, cfg.steps) * cfg.batch_size * cfg.grad_accum
     return needle_blocks(tokenizer, cfg.corpus, "validation", cfg.seq_len, count, cfg.seed,
