@@ -336,6 +336,44 @@ def test_diagnostic_modes_answer_and_measure_the_distant_keys_kept(tiny, monkeyp
     assert f"| {kept['oracle']:.3f} |" in needle.needle_table(result)
 
 
+def test_needle_seen_is_measured_per_routed_layer(tiny, monkeypatch):
+    """``needle_seen``: with every group kept the prompt's last query sees the whole needle
+    in every routed layer; streaming (window and sinks only) sees none of a needle beyond
+    the window; a diagnostic mode and top-1 give a share per routed layer; dense None."""
+    from focus_attention.hf import FocusModel
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    fm = FocusModel.from_pretrained(load_base(assets), adapter)
+    k, routed = fm.focus_config.num_groups, len(fm.routers)
+    settings = dict(model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
+                    haystacks=("passkey",), lengths=(64,), depths=(0.5,), trials=1,
+                    max_new_tokens=2, window=8, sink_tokens=1, progress=False)  # fmt: skip
+    result = needle.run_needle_benchmark(
+        NeedleBenchConfig(**settings, top_k=(1, k), diagnostics=("oracle",))
+    )
+    seen = {c["mode"]: c["needle_seen"] for c in result["cells"]}
+    assert seen["dense"] is None
+    for mode in ("top-1", f"top-{k}", "oracle"):
+        assert len(seen[mode]) == routed and all(0.0 <= v <= 1.0 for v in seen[mode].values())
+    assert all(v == 1.0 for v in seen[f"top-{k}"].values())
+    streaming = needle.run_needle_benchmark(
+        NeedleBenchConfig(**settings, top_k=(1,), dense=False, inference_routing="streaming")
+    )
+    assert all(v == 0.0 for v in streaming["cells"][0]["needle_seen"].values())
+
+
+def test_needle_seen_share_reads_the_last_query_row():
+    from focus_attention.bench.needle_diagnostics import needle_seen_share
+
+    mask = torch.zeros(1, 2, 5, 10, dtype=torch.bool)
+    mask[0, 0, -1, 3:5] = True  # head 0 sees 2 of the needle's 4 tokens 3..6, head 1 none
+    mask[0, 1, 0, 3:7] = True  # another query row: not counted
+    assert needle_seen_share(mask, 3, 7) == pytest.approx(0.25)
+    assert needle_seen_share(mask[:, 0], 3, 5) == 1.0
+    assert needle_seen_share(mask, 4, 4) == 1.0
+
+
 def load_base(assets):
     from focus_attention.assets.models import load_model
 

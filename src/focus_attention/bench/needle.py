@@ -78,7 +78,10 @@ def run_needle_benchmark(
 
     Returns:
         JSON-able dict: ``config``, ``cells`` (one per prompt and mode: haystack, length,
-        depth, trial, mode, answer, generated text, correct, seconds), ``accuracy``
+        depth, trial, mode, answer, generated text, correct, seconds, ``distant_kept``:
+        the share of distant keys kept on the prompt, ``needle_seen``: ``{layer: share of
+        the needle's tokens the prompt's last query sees}`` per routed layer, None for
+        dense), ``accuracy``
         ``{haystack: {mode: {length: {depth: share}}}}``, ``complete`` (True),
         ``versions`` and ``environment``.
 
@@ -92,14 +95,15 @@ def run_needle_benchmark(
     cells = []
     for case in needle_cases(config, tokenizer, bos_id):
         for mode, enter in modes:
-            with enter() as kept_share:
+            with enter() as measure:
                 text, seconds = _answer(fm, tokenizer, case, config.max_new_tokens)
-            cells.append(_cell(case, mode, text, seconds, kept_share()))
+            kept, seen = measure(case.needle_start, case.needle_end)
+            cells.append(_cell(case, mode, text, seconds, kept, seen))
             if config.progress:
                 c = cells[-1]
                 print(f"[needle] {c['haystack']} {c['length']} tokens depth {c['depth']:.2f} "
                       f"trial {c['trial']} {mode}: {'ok ' if c['correct'] else 'miss'} "
-                      f"{c['seconds']:.1f} s{_kept_text(c['distant_kept'])}",
+                      f"{c['seconds']:.1f} s{_kept_text(c['distant_kept'])}{_seen_text(seen)}",
                       file=sys.stderr)  # fmt: skip
             if checkpoint is not None:
                 checkpoint(_needle_result(config, cells, complete=False))
@@ -123,7 +127,15 @@ def _kept_text(share: float | None) -> str:
     return "" if share is None else f", distant keys kept {share:.3f}"
 
 
-def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | None) -> dict[str, Any]:  # fmt: skip
+def _seen_text(seen: dict[int, float] | None) -> str:
+    if not seen:
+        return ""
+    whole = sum(share == 1.0 for share in seen.values())
+    return f", needle seen whole in {whole}/{len(seen)} routed layers"
+
+
+def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | None,
+          seen: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
     return {
         "haystack": case.haystack,
         "length": case.length,
@@ -135,6 +147,7 @@ def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | 
         "correct": answer_of(text) == case.answer,
         "seconds": seconds,
         "distant_kept": kept,
+        "needle_seen": None if seen is None else {str(k): v for k, v in seen.items()},
     }
 
 

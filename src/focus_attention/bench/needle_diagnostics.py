@@ -14,8 +14,10 @@ attention sees. They run at every call, the prompt's and each generated token's 
 holds every key so far): the k-means centroids are fitted on the prompt's keys and kept
 while decoding, a new key joining the group of its nearest centroid.
 
-Each mode also measures the share of distant keys its mask keeps on the prompt: the mean
-over the routed layers, their routed heads and the queries that have distant keys.
+Each mode also measures, on the prompt, the share of distant keys its mask keeps (the mean
+over the routed layers, their routed heads and the queries that have distant keys) and, per
+routed layer, the share of the needle's tokens the prompt's last query sees (the mean over
+its routed heads): the layers where a mode loses the needle.
 """
 
 from __future__ import annotations
@@ -34,16 +36,23 @@ __all__ = [
     "KMEANS_ITERS",
     "DiagnosticVisibility",
     "Mode",
+    "Measure",
     "needle_modes",
+    "needle_seen_share",
     "routing_kept_share",
+    "routing_needle_seen",
 ]
 
 #: Lloyd rounds of the k-means modes
 KMEANS_ITERS = 10
 #: ``kmeans-fine``: groups per adapter group, and groups each query sees
 FINE_GROUPS = 4
-#: ``(name, enter)``: ``enter()`` is a context that sets the model up and yields a function
-#: giving the share of distant keys kept on the last prompt (None when nothing was measured)
+#: ``measure(needle_start, needle_end) -> (distant_kept, needle_seen)`` of the last prompt:
+#: the share of distant keys kept (None when nothing was measured) and ``{layer: share of
+#: the needle's tokens its last query sees}`` (None for dense attention)
+Measure = Callable[[int, int], tuple[float | None, dict[int, float] | None]]
+#: ``(name, enter)``: ``enter()`` is a context that sets the model up and yields a
+#: :data:`Measure` of the prompt answered inside it
 Mode = tuple[str, Callable[[], contextlib.AbstractContextManager]]
 
 
@@ -52,18 +61,57 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
+def needle_seen_share(mask: torch.Tensor, start: int, end: int) -> float:
+    """The share of the keys ``start:end`` (the needle's tokens) that the last query of
+    ``mask`` (bool ``[B, Nq, Nk]`` or ``[B, H', Nq, Nk]``) sees, averaged over batch and
+    heads; 1.0 for an empty range."""
+    if end <= start:
+        return 1.0
+    return float(mask[..., -1, start:end].double().mean())
+
+
+def _prompt_masks(records: list[dict[str, Any]], window: int) -> dict[int, tuple[torch.Tensor, dict]]:  # fmt: skip
+    """``{layer: (Focus mask, record)}`` of the prompt: the first call of each layer in the
+    records of ``FocusModel.record_routing()`` whose queries are its keys."""
+    masks = {}
+    for r in records:
+        if r["layer"] in masks or r["query_groups"].shape[1] != r["num_keys"]:
+            continue
+        masks[r["layer"]] = (focus_mask(r["query_groups"], r["key_groups"], window, r["key_padding"]), r)  # fmt: skip
+    return masks
+
+
+def _kept_of(masks: dict[int, tuple[torch.Tensor, dict]], window: int) -> float | None:
+    return _mean([distant_kept_share(mask, window, sinks=r["sinks"], real=r["key_padding"])
+                  for mask, r in masks.values()])  # fmt: skip
+
+
 def routing_kept_share(records: list[dict[str, Any]], window: int) -> float | None:
     """The share of distant keys the Focus mask keeps on the prompt, from the records of
     ``FocusModel.record_routing()`` (the first call of each layer, whose queries are its
     keys): the mean over layers of :func:`~focus_attention.ops.diagnostic.distant_kept_share`;
     None without such records."""
-    shares = {}
-    for r in records:
-        if r["layer"] in shares or r["query_groups"].shape[1] != r["num_keys"]:
-            continue
-        mask = focus_mask(r["query_groups"], r["key_groups"], window, r["key_padding"])
-        shares[r["layer"]] = distant_kept_share(mask, window, sinks=r["sinks"], real=r["key_padding"])  # fmt: skip
-    return _mean(list(shares.values()))
+    return _kept_of(_prompt_masks(records, window), window)
+
+
+def routing_needle_seen(records: list[dict[str, Any]], window: int, start: int, end: int) -> dict[int, float]:  # fmt: skip
+    """``{layer: share}``: per routed layer, :func:`needle_seen_share` of the Focus mask of
+    the prompt (the records of ``FocusModel.record_routing()``)."""
+    return _seen_of(_prompt_masks(records, window), start, end)
+
+
+def _seen_of(masks: dict[int, tuple[torch.Tensor, dict]], start: int, end: int) -> dict[int, float]:  # fmt: skip
+    return {layer: needle_seen_share(mask, start, end) for layer, (mask, _) in sorted(masks.items())}  # fmt: skip
+
+
+def _routing_measure(records: list[dict[str, Any]], window: int) -> Measure:
+    """The :data:`Measure` of a top-k mode: each prompt layer's mask built once."""
+
+    def measure(start: int, end: int) -> tuple[float | None, dict[int, float] | None]:
+        masks = _prompt_masks(records, window)
+        return _kept_of(masks, window), _seen_of(masks, start, end)
+
+    return measure
 
 
 class DiagnosticVisibility:
@@ -77,6 +125,7 @@ class DiagnosticVisibility:
         self.mode, self.num_groups, self.window, self.seed = mode, num_groups, window, seed
         self.centroids: dict[int, torch.Tensor] = {}
         self.shares: dict[int, float | None] = {}
+        self.last_rows: dict[int, torch.Tensor] = {}  # the prompt's last query row per layer
 
     def __call__(self, layer: int, call: Any) -> torch.Tensor:
         """bool ``[B, H_kv, Nq, Nk]`` mask of ``call``'s heads (module docstring)."""
@@ -95,11 +144,18 @@ class DiagnosticVisibility:
                                     real=real)  # fmt: skip
         if prompt:
             self.shares[layer] = distant_kept_share(mask, self.window, sinks=sinks, real=real)
+            self.last_rows[layer] = mask[:, :, -1:]
         return mask
 
     def kept_share(self) -> float | None:
         """The mean over layers of the prompt's kept shares (None before a prompt)."""
         return _mean(list(self.shares.values()))
+
+    def measure(self, start: int, end: int) -> tuple[float | None, dict[int, float]]:
+        """The :data:`Measure` of the last prompt."""
+        seen = {layer: needle_seen_share(row, start, end)
+                for layer, row in sorted(self.last_rows.items())}  # fmt: skip
+        return self.kept_share(), seen
 
 
 def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], seed: int,
@@ -110,28 +166,28 @@ def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], 
 
     def topk(k: int):
         @contextlib.contextmanager
-        def enter() -> Iterator[Callable[[], float | None]]:
+        def enter() -> Iterator[Measure]:
             fm.set_top_k(k)
             with fm.record_routing() as records:
-                yield lambda: routing_kept_share(records, fm.focus_config.window)
+                yield _routing_measure(records, fm.focus_config.window)
 
         return enter
 
     def diagnostic(mode: str):
         @contextlib.contextmanager
-        def enter() -> Iterator[Callable[[], float | None]]:
+        def enter() -> Iterator[Measure]:
             fm.set_top_k(1)
             config = fm.focus_config
             visibility = DiagnosticVisibility(mode, config.num_groups, config.window, seed)
             with fm.override_visibility(visibility):
-                yield visibility.kept_share
+                yield visibility.measure
 
         return enter
 
     @contextlib.contextmanager
-    def dense_mode() -> Iterator[Callable[[], float | None]]:
+    def dense_mode() -> Iterator[Measure]:
         with fm.disable_focus():
-            yield lambda: 1.0
+            yield lambda start, end: (1.0, None)
 
     def name(k: int) -> str:
         q = fm.focus_config.query_top_k
