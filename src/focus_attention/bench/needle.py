@@ -131,7 +131,8 @@ def _seen_text(seen: dict[int, float] | None) -> str:
     if not seen:
         return ""
     whole = sum(share == 1.0 for share in seen.values())
-    return f", needle seen whole in {whole}/{len(seen)} routed layers"
+    mean = sum(seen.values()) / len(seen)
+    return f", needle tokens seen {mean:.3f} (whole in {whole}/{len(seen)} routed layers)"
 
 
 def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | None,
