@@ -3,10 +3,13 @@
 
 usage: python experiments/routing-diagnostic/summarize.py [RESULT.json ...]
        python experiments/routing-diagnostic/summarize.py --budget [RESULT.json ...]
+       python experiments/routing-diagnostic/summarize.py --seen RESULT.json ...
 
 Default: every ``results/diagnostic-*.json``; with ``--budget``, the smallest-budget table
-of ``results/budget-*.json`` and the seed-2 dense and top-1 answers of the dense-heads study
-(the same prompts: a needle benchmark's prompts depend on its seed, haystacks and lengths). A mode is labelled with the adapter folder it
+of ``results/budget-seed*.json`` and the seed-2 dense and top-1 answers of the dense-heads study
+(the same prompts: a needle benchmark's prompts depend on its seed, haystacks and lengths);
+with ``--seen``, per mode and length of the files given, the pass keys found and how much of
+the needle the prompt's last query sees in the routed layers (``needle_seen``). A mode is labelled with the adapter folder it
 ran on when the files disagree (``top-1`` of a folder whose routers were not trained is not
 the adapter's top-1). Cells not yet answered (an interrupted run) are left out; the counts
 say how many prompts each row holds.
@@ -47,8 +50,10 @@ def table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
-BUDGET_EXTRA = [HERE.parent / "dense-heads" / "results" / name
-                for name in ("needle-attn-25-seed2.json", "needle-recipe-seed2.json")]
+BUDGET_EXTRA = [
+    HERE.parent / "dense-heads" / "results" / name
+    for name in ("needle-attn-25-seed2.json", "needle-recipe-seed2.json")
+]
 #: the modes of the budget table; top-1 of a file other than this study's is kept (seed 2)
 BUDGET_MODES = ("dense", "top-1", "top-2", "top-3")
 
@@ -90,11 +95,36 @@ def budget(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def seen(paths: list[Path]) -> str:
+    """Markdown: per (mode, length), pass keys found, the mean share of distant keys kept,
+    the mean share of the needle's tokens the last query sees (over routed layers and
+    prompts) and the mean number of routed layers that see all of it."""
+    lines = ["| mode | tokens | pass keys found | distant keys kept | needle tokens seen | "
+             "layers seeing all of it |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (mode, _, length), cells in sorted(
+        rows(paths).items(), key=lambda kv: (kv[0][2], kv[0][0])
+    ):
+        cells = [c for c in cells if c.get("needle_seen")]
+        if not cells:
+            continue
+        layers = [list(c["needle_seen"].values()) for c in cells]
+        share = sum(sum(v) / len(v) for v in layers) / len(layers)
+        whole = sum(sum(x == 1.0 for x in v) for v in layers) / len(layers)
+        kept = sum(c["distant_kept"] for c in cells) / len(cells)
+        lines.append(f"| {mode} | {length} | {sum(c['correct'] for c in cells)} / {len(cells)} "
+                     f"| {kept:.3f} | {share:.3f} | {whole:.1f} of {len(layers[0])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args[:1] == ["--budget"]:
+    if args[:1] == ["--seen"]:
+        print(seen([Path(p) for p in args[1:]]))
+    elif args[:1] == ["--budget"]:
         given = [Path(p) for p in args[1:]]
-        print(budget(given or [*sorted((HERE / "results").glob("budget-*.json")), *BUDGET_EXTRA]))
+        print(
+            budget(given or [*sorted((HERE / "results").glob("budget-seed*.json")), *BUDGET_EXTRA])
+        )
     else:
         given = [Path(p) for p in args]
         print(table(given or sorted((HERE / "results").glob("diagnostic-*.json"))))
