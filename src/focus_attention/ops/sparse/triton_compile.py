@@ -16,7 +16,9 @@ is compiled without editing this module; the shapes are :func:`launch_shapes`.
 largest block (:data:`SHARED_MEMORY_LIMITS`), and the wheel's own ``ptxas -v`` on the PTX
 (the options Triton assembles with) for registers, stack and spill bytes: a kernel's
 ``n_regs`` and ``n_spills`` need a driver. A spill is a problem unless
-:data:`NAMED_SPILLS` names it with its reason.
+:data:`NAMED_SPILLS` names it with its reason, and shared memory above the target's block
+is a problem unless :data:`NAMED_SHARED` names it (a launch Triton then refuses on such a
+device, with the error :class:`~.triton_support.KernelLaunch` words).
 
 Command line (compiles with the Triton installed; needs ``TRITON_INTERPRET`` unset):
 ``python -m focus_attention.ops.sparse.triton_compile [--capability 80 90 ...]
@@ -57,6 +59,7 @@ from .triton_prefill import prefill_launches
 from .triton_support import KernelLaunch, interpreting
 
 __all__ = [
+    "NAMED_SHARED",
     "NAMED_SPILLS",
     "SHARED_MEMORY_LIMITS",
     "LaunchShape",
@@ -68,6 +71,7 @@ __all__ = [
     "launch_shapes",
     "main",
     "ptxas_usage",
+    "record_problems",
     "table_problems",
 ]
 
@@ -82,7 +86,8 @@ SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 
 @dataclass(frozen=True)
 class NamedSpill:
     """A register spill the table accepts, with its reason: the records of ``kernel`` that
-    match every other field given (None: any), at most ``max_bytes`` spilled each way."""
+    match every other field given (None: any), at most ``max_bytes`` spilled each way (in
+    :data:`NAMED_SHARED`: at most ``max_bytes`` of shared memory)."""
 
     kernel: str
     reason: str
@@ -101,6 +106,10 @@ class NamedSpill:
                 and (self.block_d is None or config.get("BLOCK_D") == self.block_d)
                 and (self.min_rows is None or config.get("BLOCK_M", 0) >= self.min_rows)
                 and max(record["spill_stores"], record["spill_loads"]) <= self.max_bytes)  # fmt: skip
+
+    def matches_shared(self, record: dict[str, Any]) -> bool:
+        """Whether this names ``record``'s shared memory (as :meth:`matches`, on ``shared``)."""
+        return self.matches({**record, "spill_stores": record["shared"], "spill_loads": 0})
 
 
 _HALF = ("bf16", "fp16")
@@ -122,14 +131,26 @@ NAMED_SPILLS: tuple[NamedSpill, ...] = (
     NamedSpill("group_prefill_bwd_dkdv", "sm_100, D = 64: ptxas 13.1 keeps this 8-warp tile "
                "to 128 registers (44 B); 4 warps spill too", 128, capabilities=(100,),
                dtypes=_HALF, block_d=64),
-    *(NamedSpill(kernel, "float32 at D >= 128: IEEE fp32 dots run as FMA loops whose "
-                 "operands stay in registers (no tensor cores); every tile tried spills, "
-                 "down to 16 x 16 at 8 warps (sm_90: 0.4 KB forward, 1.4 KB dq at D = 128; "
-                 "2.9 and 6.6 KB at D = 256). A correctness path: half precision is the "
-                 "fast one", 16384, dtypes=("fp32",), block_d=block_d)
-      for kernel in _PREFILL[:2] for block_d in (128, 256)),
-    NamedSpill("decode_partials", "float32 on sm_80: 16 B at 80 registers (a ptxas choice)",
-               64, capabilities=(80,), dtypes=("fp32",)),
+    *(NamedSpill(kernel, "float32: IEEE fp32 dots run as FMA loops whose operands stay in "
+                 "registers (no tensor cores); every tile tried spills, down to 16 x 16 at 8 "
+                 "warps (sm_90: up to 0.9 KB at D <= 128, most with 64 query rows; 2.9 KB "
+                 "forward and 6.6 KB dq at D = 256, 4.9 and 7.1 KB with 64 query rows at 16 "
+                 "warps). A correctness path: half precision is the fast one", 16384,
+                 dtypes=("fp32",))
+      for kernel in _PREFILL),
+    NamedSpill("decode_partials", "float32 on sm_80 and sm_90: up to 24 B (a ptxas choice)",
+               64, capabilities=(80, 90), dtypes=("fp32",)),
+)  # fmt: skip
+#: the shared memory above a target's block the table accepts, with its reasons (any other
+#: excess is a problem); such a launch fails on that device with the error
+#: :meth:`~.triton_support.KernelLaunch.start` words, naming half precision instead
+NAMED_SHARED: tuple[NamedSpill, ...] = (
+    NamedSpill("group_prefill_bwd_dkdv", "float32 at D = 256 with 64 or more query heads per "
+               "key-value head: a tile holds the 64 gathered query and output-gradient rows "
+               "of 256 float32 columns (128 KB) beside its keys and values, 172,032 B in all, "
+               "above sm_80's 166,912 B; no smaller tile keeps every head of a query in it. "
+               "Half precision fits", 180224, capabilities=(80, 87), dtypes=("fp32",),
+               block_d=256, min_rows=64),
 )  # fmt: skip
 #: the kernels modules, by the ``module`` a shape's launches name
 _MODULES = {"prefill": triton_prefill_kernels, "decode": triton_decode_kernels}
@@ -332,20 +353,23 @@ def _shape_records(shape: LaunchShape, capability: int) -> list[dict[str, Any]]:
     for module_name, launch in example_launches(shape):
         record = dict(compile_launch(module_name, launch, capability).record)
         record.update(dtype=_DTYPE_NAMES[shape.dtype], head_dim=shape.head_dim, shape=shape.label())
-        record["problems"] = _problems(record)
+        record["problems"] = record_problems(record)
         rows.append(record)
     return rows
 
 
-def _problems(record: dict[str, Any]) -> list[str]:
+def record_problems(record: dict[str, Any]) -> list[str]:
     """What is wrong with one record: no compilation, shared memory above the target's
-    limit, a spill not named in :data:`NAMED_SPILLS`."""
+    limit not named in :data:`NAMED_SHARED`, a spill not named in :data:`NAMED_SPILLS`."""
     if record["error"] is not None:
         return [f"does not compile: {record['error'].splitlines()[0][:300]}"]
     found = []
     limit = SHARED_MEMORY_LIMITS.get(record["capability"])
+    record["named_shared"] = None
     if limit is not None and record["shared"] > limit:
-        found.append(f"shared memory {record['shared']:,} B > the target's {limit:,} B")
+        record["named_shared"] = next((n.reason for n in NAMED_SHARED if n.matches_shared(record)), None)  # fmt: skip
+        if record["named_shared"] is None:
+            found.append(f"shared memory {record['shared']:,} B > the target's {limit:,} B")
     named = None
     if record["spill_stores"] or record["spill_loads"]:
         named = next((n.reason for n in NAMED_SPILLS if n.matches(record)), None)

@@ -77,8 +77,34 @@ class KernelLaunch:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def start(self, module: ModuleType) -> None:
-        """Launch the kernel of this name in ``module`` (a kernels module)."""
-        getattr(module, self.kernel)[self.grid](*self.args, **self.kwargs)
+        """Launch the kernel of this name in ``module`` (a kernels module).
+
+        Raises:
+            RuntimeError: the device cannot hold the launch's tile (Triton's
+                ``OutOfResources``: shared memory or registers), naming the kernel, the
+                inputs' dtype and tile and what to use instead.
+        """
+        try:
+            getattr(module, self.kernel)[self.grid](*self.args, **self.kwargs)
+        except Exception as err:
+            if not _out_of_resources(err):
+                raise
+            dtype = next((a.dtype for a in self.args if isinstance(a, torch.Tensor)), None)
+            tile = {k: v for k, v in self.kwargs.items() if k.startswith("BLOCK_") or k == "num_warps"}  # fmt: skip
+            raise RuntimeError(
+                f"{self.kernel}: this GPU cannot hold the kernel's tile for {dtype} inputs "
+                f"({tile}): {err}. bfloat16 or float16 inputs take smaller tiles; or choose "
+                "another attention_backend (flex, gather, masked)"
+            ) from err
+
+
+def _out_of_resources(err: Exception) -> bool:
+    """Whether ``err`` is Triton's ``OutOfResources`` (a tile the device cannot hold)."""
+    if not triton_installed():
+        return False
+    from triton.runtime.errors import OutOfResources  # optional: Triton
+
+    return isinstance(err, OutOfResources)
 
 
 def triton_installed() -> bool:
