@@ -378,3 +378,16 @@ def load_base(assets):
     from focus_attention.assets.models import load_model
 
     return load_model(str(assets["model"]), quiet=True)[0]
+
+
+def test_an_interrupted_result_reads_as_a_table_and_a_plot(tmp_path):
+    """A checkpointed result whose last length lacks some depths: "-" in its cells, its mean
+    over the depths it has, and a plot."""
+    result = {"accuracy": {"passkey": {"top-1": {"2048": {"0.5": 0.5, "0.25": 1.0},
+                                                 "8192": {"0.25": 0.0}}}}}  # fmt: skip
+    table = needle.needle_table(result)
+    assert "| depth 0.25 | depth 0.5 |" in table
+    assert "| top-1 | 2048 | 1.00 | 0.50 | 0.75 | - |" in table
+    assert "| top-1 | 8192 | 0.00 | - | 0.00 | - |" in table
+    needle.plot_needle(result, str(tmp_path / "needle.png"))
+    assert (tmp_path / "needle.png").stat().st_size > 0

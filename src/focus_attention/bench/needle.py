@@ -16,6 +16,7 @@ here.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -186,7 +187,7 @@ def needle_table(result: dict[str, Any]) -> str:
     lines = []
     kept = result.get("distant_kept", {})
     for hay, modes in result["accuracy"].items():
-        depths = list(next(iter(next(iter(modes.values())).values())))
+        depths = _depths(row for lengths in modes.values() for row in lengths.values())
         lines += [
             f"{hay} haystack: share of needles retrieved (greedy answer, exact number)",
             "",
@@ -197,14 +198,20 @@ def needle_table(result: dict[str, Any]) -> str:
         ]
         for mode, lengths in modes.items():
             for length, row in lengths.items():
-                vals = [row[d] for d in depths]
-                cells = " | ".join(f"{v:.2f}" for v in vals)
+                vals = [row[d] for d in depths if d in row]
+                cells = " | ".join("-" if d not in row else f"{row[d]:.2f}" for d in depths)
                 share = kept.get(hay, {}).get(mode, {}).get(length)
                 share_text = "-" if share is None else f"{share:.3f}"
                 lines.append(f"| {mode} | {length} | {cells} | {sum(vals) / len(vals):.2f} "
                              f"| {share_text} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _depths(rows: Any) -> list[str]:
+    """The depths (keys) of every row, in numeric order: an interrupted run's last length
+    may lack some."""
+    return sorted({d for row in rows for d in row}, key=float)
 
 
 def plot_needle(result: dict[str, Any], path: str) -> None:
@@ -222,14 +229,15 @@ def plot_needle(result: dict[str, Any], path: str) -> None:
                              squeeze=False)  # fmt: skip
     for i, (hay, mode, grid) in enumerate(panels):
         ax = axes[i // ncols][i % ncols]
-        lengths, depths = list(grid), list(next(iter(grid.values())))
-        values = [[grid[n][d] for d in depths] for n in lengths]
+        lengths, depths = list(grid), _depths(grid.values())
+        values = [[grid[n].get(d, math.nan) for d in depths] for n in lengths]
         ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set(xticks=range(len(depths)), xticklabels=depths, yticks=range(len(lengths)),
                yticklabels=lengths, xlabel="needle depth", ylabel="tokens",
                title=f"{hay}: {mode}")  # fmt: skip
         for r, row in enumerate(values):
             for c, v in enumerate(row):
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8)
+                ax.text(c, r, "-" if math.isnan(v) else f"{v:.2f}", ha="center", va="center",
+                        fontsize=8)  # fmt: skip
     fig.tight_layout()
     save_png(fig, path)

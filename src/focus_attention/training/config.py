@@ -43,9 +43,9 @@ DEFAULT_BASE_LR = {"lora": 5e-4, "full": 5e-5}
 #: the LoRA defaults (rank 8 on q, k, v and o; alpha = rank; no dropout)
 DEFAULT_LORA_RANK = 8
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
-#: with ``retrieval_blocks``, the last queries of every block the coverage and attention
-#: objectives always score (a needle prompt's question is about a dozen tokens)
-RETRIEVAL_QUERIES = 16
+#: with ``retrieval_blocks``, the last tokens of every block whose queries the coverage and
+#: attention objectives always score (a needle prompt's question is about a dozen tokens)
+QUESTION_TOKENS = 16
 
 #: fields that may differ between a run and its ``--resume``: they do not change the trained
 #: parameters (validation runs in eval mode, without bias updates or randomness)
@@ -239,7 +239,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "number hidden in the filler paragraph or in the train split's text, asked for at "
             "the end: the needle benchmark's prompts, depths drawn from 0.05-0.95); with them "
             "the --objective coverage and attention always score the last "
-            f"{RETRIEVAL_QUERIES} queries of each block, the question (default 0: none)"
+            f"{QUESTION_TOKENS} queries of each block, the question (default 0: none)"
         },
     )
     init_adapter: str | None = field(

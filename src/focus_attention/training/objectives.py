@@ -34,7 +34,7 @@ import torch
 
 from ..evaluation.coverage import recorded_distant, recorded_groups
 from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
-from .config import RETRIEVAL_QUERIES
+from .config import QUESTION_TOKENS
 
 __all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss"]
 
@@ -241,7 +241,7 @@ def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Gener
         return distill_step(model, x, 0.0, 1.0, forward)
     if cfg.objective == "mix":
         return distill_step(model, x, 1.0, cfg.distill_weight, forward)
-    tail = RETRIEVAL_QUERIES if cfg.retrieval_blocks else 0
+    tail = QUESTION_TOKENS if cfg.retrieval_blocks else 0
     if cfg.objective == "attention":
         return attention_step(model, x, cfg.coverage_queries, generator, tail)
     return coverage_step(model, x, cfg.coverage_queries, generator, tail)
