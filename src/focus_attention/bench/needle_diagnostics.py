@@ -39,8 +39,7 @@ __all__ = [
     "Measure",
     "needle_modes",
     "needle_seen_share",
-    "routing_kept_share",
-    "routing_needle_seen",
+    "routing_measure",
 ]
 
 #: Lloyd rounds of the k-means modes
@@ -81,35 +80,19 @@ def _prompt_masks(records: list[dict[str, Any]], window: int) -> dict[int, tuple
     return masks
 
 
-def _kept_of(masks: dict[int, tuple[torch.Tensor, dict]], window: int) -> float | None:
-    return _mean([distant_kept_share(mask, window, sinks=r["sinks"], real=r["key_padding"])
-                  for mask, r in masks.values()])  # fmt: skip
-
-
-def routing_kept_share(records: list[dict[str, Any]], window: int) -> float | None:
-    """The share of distant keys the Focus mask keeps on the prompt, from the records of
-    ``FocusModel.record_routing()`` (the first call of each layer, whose queries are its
-    keys): the mean over layers of :func:`~focus_attention.ops.diagnostic.distant_kept_share`;
-    None without such records."""
-    return _kept_of(_prompt_masks(records, window), window)
-
-
-def routing_needle_seen(records: list[dict[str, Any]], window: int, start: int, end: int) -> dict[int, float]:  # fmt: skip
-    """``{layer: share}``: per routed layer, :func:`needle_seen_share` of the Focus mask of
-    the prompt (the records of ``FocusModel.record_routing()``)."""
-    return _seen_of(_prompt_masks(records, window), start, end)
-
-
-def _seen_of(masks: dict[int, tuple[torch.Tensor, dict]], start: int, end: int) -> dict[int, float]:  # fmt: skip
-    return {layer: needle_seen_share(mask, start, end) for layer, (mask, _) in sorted(masks.items())}  # fmt: skip
-
-
-def _routing_measure(records: list[dict[str, Any]], window: int) -> Measure:
-    """The :data:`Measure` of a top-k mode: each prompt layer's mask built once."""
+def routing_measure(records: list[dict[str, Any]], window: int) -> Measure:
+    """The :data:`Measure` of a top-k mode, from the records of
+    ``FocusModel.record_routing()`` (the prompt's: the first call of each layer, whose
+    queries are its keys), each layer's Focus mask built once: the mean over layers of
+    :func:`~focus_attention.ops.diagnostic.distant_kept_share` (None without such records)
+    and :func:`needle_seen_share` per layer."""
 
     def measure(start: int, end: int) -> tuple[float | None, dict[int, float] | None]:
         masks = _prompt_masks(records, window)
-        return _kept_of(masks, window), _seen_of(masks, start, end)
+        kept = [distant_kept_share(mask, window, sinks=r["sinks"], real=r["key_padding"])
+                for mask, r in masks.values()]  # fmt: skip
+        seen = {layer: needle_seen_share(mask, start, end) for layer, (mask, _) in sorted(masks.items())}  # fmt: skip
+        return _mean(kept), seen
 
     return measure
 
@@ -169,7 +152,7 @@ def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], 
         def enter() -> Iterator[Measure]:
             fm.set_top_k(k)
             with fm.record_routing() as records:
-                yield _routing_measure(records, fm.focus_config.window)
+                yield routing_measure(records, fm.focus_config.window)
 
         return enter
 

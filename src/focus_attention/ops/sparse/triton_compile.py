@@ -97,19 +97,23 @@ class NamedSpill:
     block_d: int | None = None
     min_rows: int | None = None  # BLOCK_M (query rows of a tile) at least this
 
-    def matches(self, record: dict[str, Any]) -> bool:
-        """Whether this names ``record``'s spill."""
+    def applies(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` is of this entry's kernel and every other field given."""
         config = record["config"]
         return (record["kernel"] == self.kernel
                 and (self.capabilities is None or record["capability"] in self.capabilities)
                 and (self.dtypes is None or record["dtype"] in self.dtypes)
                 and (self.block_d is None or config.get("BLOCK_D") == self.block_d)
-                and (self.min_rows is None or config.get("BLOCK_M", 0) >= self.min_rows)
-                and max(record["spill_stores"], record["spill_loads"]) <= self.max_bytes)  # fmt: skip
+                and (self.min_rows is None or config.get("BLOCK_M", 0) >= self.min_rows))  # fmt: skip
+
+    def matches(self, record: dict[str, Any]) -> bool:
+        """Whether this names ``record``'s spill."""
+        spilled = max(record["spill_stores"], record["spill_loads"])
+        return self.applies(record) and spilled <= self.max_bytes
 
     def matches_shared(self, record: dict[str, Any]) -> bool:
-        """Whether this names ``record``'s shared memory (as :meth:`matches`, on ``shared``)."""
-        return self.matches({**record, "spill_stores": record["shared"], "spill_loads": 0})
+        """Whether this names ``record``'s shared memory (an entry of :data:`NAMED_SHARED`)."""
+        return self.applies(record) and record["shared"] <= self.max_bytes
 
 
 _HALF = ("bf16", "fp16")

@@ -158,8 +158,8 @@ class PrefillBlocks:
 #: The spills that remain are named with their reasons in
 #: :data:`~.triton_compile.NAMED_SPILLS`; python -m focus_attention.ops.sparse.triton_compile
 #: prints them. float32 inputs (FMA dots, a correctness path) take small tiles by head size
-#: (``_FP32_TILES``, more warps for wide ones); the interpreter small tiles whose edges the tests cross (the
-#: backward's differ from the forward's, as on CUDA).
+#: (``_FP32_TILES``, more warps for wide ones); the interpreter small tiles whose edges the
+#: tests cross (the backward's differ from the forward's, as on CUDA).
 _CUDA_TILES = {
     64: ((64, 64, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2)),
     128: ((64, 32, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
