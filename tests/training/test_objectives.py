@@ -126,6 +126,74 @@ def test_key_side_gradient_reaches_the_centroids():
     assert all(float(r.centroids.grad.abs().sum()) > 0 for r in fm.routers.values())
 
 
+def test_query_key_coverage_trains_the_centroids_and_balances_the_keys():
+    """``--objective coverage`` of query-key routers: a kept share in (0, 1), gradients on
+    the centroids only, and one fold of the keys' mean and Sinkhorn column bias."""
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input="query_key")
+    fm.train()
+    step = coverage_step(fm, ids(2, 40, seed=4), 16, torch.Generator().manual_seed(0))
+    m = step.metrics
+    assert 0 < m["coverage_soft"] < 1 and 0 < m["coverage_topk"] < 1 and m["distant_mass"] > 0
+    assert m["loss"] == pytest.approx(1 - m["coverage_soft"]) and step.records == []
+    step.loss.backward()
+    names = [n for n, p in fm.named_parameters() if p.grad is not None]
+    assert names == [f"routers.{i}.centroids" for i in fm.routers]
+    for r in fm.routers.values():
+        assert int(r.bias_updates) == 1 and float(r.routing_bias.abs().sum()) > 0
+        assert float(r.key_mean.abs().sum()) > 0
+
+
+def test_query_key_coverage_keeps_everything_with_one_group():
+    """One group holds every key: soft and top-k routing keep the whole distant mass."""
+    _, fm = focus("llama", window=4, num_groups=1, top_k=1, router_input="query_key")
+    m = coverage_step(fm, ids(2, 40, seed=4), 16, torch.Generator().manual_seed(0)).metrics
+    assert m["coverage_soft"] == pytest.approx(1.0) and m["coverage_topk"] == pytest.approx(1.0)
+
+
+def test_query_key_hard_coverage_is_the_mass_of_shared_groups():
+    """``coverage_topk`` is the distant mass (maximum over each key-value head's query heads)
+    on the pairs whose query and key share a top-k group of that head, computed here from
+    the recorded layers with a direct loop over pairs."""
+    _, fm = focus("llama", window=4, num_groups=3, top_k=1, router_input="query_key")
+    x, rows = ids(1, 24, seed=5), torch.arange(4, 24)
+    with torch.no_grad(), fm.record_dense_attention() as records:
+        fm(input_ids=x, use_cache=False)
+    shares = []
+    for rec in records:
+        router = fm.routers[str(rec["layer"])]
+        d = distant_attention(rec["query"], rec["key"], 4, scale=rec["scale"], per_kv_head=True,
+                              always_visible=rec["sinks"], rows=rows)  # fmt: skip
+        keys = router.key_scores(rec["pre_rotary_key"]).argmax(-1)[0]  # [N, H_kv]
+        queries = router.query_scores(rec["pre_rotary_query"]).argmax(-1)[0]
+        kept = sum(float(d[0, h, r, j]) for h in range(d.shape[1]) for r, i in enumerate(rows)
+                   for j in range(24) if keys[j, h] == queries[i, h])  # fmt: skip
+        shares.append(kept / float(d.sum()))
+    m = coverage_step(fm, x, 0, torch.Generator()).metrics
+    assert m["coverage_topk"] == pytest.approx(sum(shares) / len(shares), rel=1e-5)
+
+
+def test_balanced_keys_share_the_real_keys_equally():
+    """Sinkhorn over each key-value head's keys: real rows sum to 1, every group holds about
+    1/K of the real keys, padding rows are zero, and the rows are the softmax of the scores
+    without the routing bias plus the returned column bias."""
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input="query_key")
+    router = next(iter(fm.routers.values()))
+    router.routing_bias.normal_()  # the balance does not depend on an earlier bias
+    key = torch.randn(2, router.num_kv_heads, 30, router.head_dim) * 3
+    real = torch.ones(2, 30, dtype=torch.bool)
+    real[1, :6] = False
+    probs, bias = router.balanced_keys(key, 30, real)
+    assert probs.shape == (2, 30, router.num_kv_heads, 4) and bias.shape == (2, router.num_kv_heads, 4)
+    torch.testing.assert_close(probs[real].sum(-1), torch.ones(54, router.num_kv_heads))
+    assert float(probs[~real].abs().sum()) == 0
+    for b, n in ((0, 30), (1, 24)):
+        torch.testing.assert_close(probs[b].sum(0), torch.full((router.num_kv_heads, 4), n / 4),
+                                   atol=0.05, rtol=0)  # fmt: skip
+    plain = router.key_scores(key) - router.routing_bias
+    want = torch.softmax(plain + bias[:, None], dim=-1)
+    torch.testing.assert_close(probs[real], want[real])
+
+
 def test_coverage_rows_sample_queries_with_distant_keys():
     g = torch.Generator().manual_seed(1)
     rows = coverage_rows(100, 10, 20, g)
@@ -189,14 +257,22 @@ def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_query_key_routers_validate_at_top_k(assets, tmp_path):
-    """Query-key routers have no soft routing: validation scores them at hard top-k."""
-    cfg = tiny_config(assets, tmp_path / "qk", objective="attention", steps=2, coverage_queries=8,
+@pytest.mark.parametrize("objective", ["attention", "coverage"])
+def test_query_key_routers_validate_at_top_k(assets, tmp_path, objective):
+    """Query-key routers have no soft routing: validation scores them at hard top-k; the
+    coverage objective logs its top-k share and saves the balancing bias."""
+    cfg = tiny_config(assets, tmp_path / "qk", objective=objective, steps=2, coverage_queries=8,
                       eval_every=1, router_input="query_key")  # fmt: skip
-    log = [json.loads(line) for line in (train(cfg).out / "log.jsonl").read_text().splitlines()]
+    out = train(cfg).out
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     validated = [r for r in log if "val_ppl_topk" in r]
     assert validated and all(math.isfinite(r["val_ppl_topk"]) for r in validated)
     assert not any("val_ppl_soft" in r for r in log)
+    if objective == "coverage":
+        assert all("coverage_topk" in r for r in log if "loss" in r)
+        saved = load_file(str(out / "focus_model.safetensors"))
+        biases = [t for name, t in saved.items() if name.endswith("routing_bias")]
+        assert biases and all(float(t.abs().sum()) > 0 for t in biases)
 
 
 def test_objective_setting_errors():
@@ -212,5 +288,6 @@ def test_objective_setting_errors():
         TrainConfig(distill_weight=-0.5)
     with pytest.raises(ValueError, match="router_input is 'query_key'"):
         TrainConfig(objective="attention")
-    with pytest.raises(ValueError, match="focus.router_input.*--objective attention"):
+    with pytest.raises(ValueError, match="focus.router_input.*--objective attention or coverage"):
         TrainConfig(focus=FocusConfig(router_input="query_key"))
+    assert TrainConfig(focus=FocusConfig(router_input="query_key"), objective="coverage")

@@ -280,7 +280,7 @@ class FocusConfig:
             one routing shared by every head) or ``"query_key"`` (experimental: per
             key-value head, centroids ``[H_kv, K, head_dim]`` score each key's and each
             query's vectors before the rotary embedding; no soft routing, trained with
-            ``focus train --objective attention``; refuses the static and the paged cache,
+            ``focus train --objective attention`` or ``coverage``; refuses the static and the paged cache,
             ``dense_heads`` and head gates).
         window: local window in tokens; key ``j`` is local to query ``i`` when
             ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
@@ -377,7 +377,7 @@ class FocusConfig:
         default="hidden_state",
         metadata={"help": "what routes tokens: the hidden state (one routing shared by the "
                   "heads) or each key-value head's pre-rotary queries and keys (query_key, "
-                  "experimental; trained with --objective attention)",
+                  "experimental; trained with --objective attention or coverage)",
                   "choices": ROUTER_INPUTS, "card": True},
     )  # fmt: skip
     # an inference setting names its declaration (INFERENCE_SETTINGS), whose type, default

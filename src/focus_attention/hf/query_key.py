@@ -17,10 +17,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..ops import topk_memberships
+from ..ops import sinkhorn, topk_memberships
 from .router import ROUTER_DTYPE, FocusRouter, checks_nan, init_generator, orthonormal_columns
 
-__all__ = ["PRE_ROTARY", "QueryKeyRouter", "check_query_key_model", "pre_rotary_query_key"]
+__all__ = [
+    "PRE_ROTARY",
+    "QueryKeyRouter",
+    "check_query_key_model",
+    "head_memberships",
+    "pre_rotary_query_key",
+]
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -86,8 +92,9 @@ def pre_rotary_query_key(model_type: str, module: nn.Module, hidden: torch.Tenso
     return PRE_ROTARY[model_type](module, hidden)
 
 
-def _topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """:func:`~focus_attention.ops.topk_memberships` of scores ``[B, N, H_kv, K]``."""
+def head_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`~focus_attention.ops.topk_memberships` of scores ``[B, N, H_kv, K]``: bool
+    ``[B, N, H_kv, K]``, ``top_k`` groups per token and key-value head."""
     return topk_memberships(scores.flatten(1, 2), top_k).view(scores.shape)
 
 
@@ -98,8 +105,9 @@ class QueryKeyRouter(FocusRouter):
     per key-value head. Buffers (saved): ``key_mean`` ``[H_kv, D]``, subtracted from every
     key before it is scored (zero at initialisation; ``focus train --objective attention``
     keeps the running mean of the training keys there, as MagicPIG centres keys);
-    ``routing_bias`` ``[H_kv, K]`` added to the scores of keys and queries (zero; kept for a
-    calibration, not updated by training) and ``bias_updates``.
+    ``routing_bias`` ``[H_kv, K]`` added to the scores of keys and queries (zero at
+    initialisation; ``focus train --objective coverage`` folds the Sinkhorn column bias of
+    each batch's keys into it, so the keys' hard groups stay balanced) and ``bias_updates``.
 
     Scores are plain dot products in float32 (the centroids' norms set their sharpness;
     ``temperature`` is not used): a key's ``(k - key_mean) . c`` against its head's
@@ -185,6 +193,21 @@ class QueryKeyRouter(FocusRouter):
         scores = torch.einsum("bhnd,hkd->bnhk", pooled.mean(dim=2), self.centroids)
         return scores + self.routing_bias
 
+    def balanced_keys(self, key: torch.Tensor, n_iter: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Sinkhorn-balanced soft groups of keys ``[B, H_kv, N, D]`` (pre-rotary), per
+        key-value head (docs/method.md §2): rows ``[B, N, H_kv, K]`` float32 (each real key's
+        row sums to 1, each group holds ``1 / K`` of the real keys after ``n_iter``
+        iterations) and the centred column bias ``[B, H_kv, K]`` of the scores without
+        ``routing_bias``, which
+        :meth:`~.router.FocusRouter.update_bias` folds into ``routing_bias``. ``real`` bool
+        ``[B, N]`` (True = real) or None; padding rows are zero."""
+        scores = self.key_scores(key) - self.routing_bias  # the whole bias, not a correction
+        bsz, n, heads, k = scores.shape
+        flat = scores.permute(0, 2, 1, 3).reshape(bsz * heads, n, k)
+        mask = None if real is None else real.repeat_interleave(heads, dim=0)
+        probs, bias = sinkhorn(flat, n_iter, mask, return_column_bias=True)
+        return probs.view(bsz, heads, n, k).transpose(1, 2), bias.view(bsz, heads, k)
+
     def group_sets(self, module: nn.Module, hidden: torch.Tensor, top_ks: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(key memberships, query memberships)`` bool ``[B, N, H_kv, K]`` of the tokens of
         ``hidden`` ``[B, N, d_model]`` entering ``module``: ``top_ks[0]`` groups per key,
@@ -198,18 +221,26 @@ class QueryKeyRouter(FocusRouter):
             keys, queries = self.key_scores(key), self.query_scores(query)
         if checks_nan(hidden) and bool(torch.isnan(keys).any() | torch.isnan(queries).any()):
             raise ValueError(f"Focus layer {self.layer_idx}: NaN query-key routing scores")
-        return _topk(keys, top_ks[0]), _topk(queries, top_ks[1])
+        return head_memberships(keys, top_ks[0]), head_memberships(queries, top_ks[1])
 
     @torch.no_grad()
-    def update_key_mean(self, key: torch.Tensor, real: torch.Tensor | None) -> None:
+    def update_key_mean(self, key: torch.Tensor, real: torch.Tensor | None,
+                        column_bias: torch.Tensor | None = None) -> None:  # fmt: skip
         """Fold one batch's mean pre-rotary key per head (``key`` ``[B, H_kv, N, D]``, real
-        tokens only: ``real`` bool ``[B, N]`` or None) into ``key_mean``: a cumulative mean
-        at first, then an exponential moving average of momentum ``bias_momentum``."""
+        tokens only: ``real`` bool ``[B, N]`` or None) into ``key_mean``, and its mean
+        Sinkhorn column bias (``column_bias`` ``[B, H_kv, K]`` of :meth:`balanced_keys`, the
+        sequences with a real token; None: ``routing_bias`` unchanged) into
+        ``routing_bias``: a cumulative mean at first, then an exponential moving average of
+        momentum ``bias_momentum``; one update of ``bias_updates``."""
         weights = key.new_ones(key.shape[0], key.shape[2]) if real is None else real.to(key.dtype)
         total = weights.sum().clamp_min(1.0)
         mean = torch.einsum("bhnd,bn->hd", key.float(), weights.float()) / total
         weight = torch.clamp(1.0 / (self.bias_updates.float() + 1.0), min=self.bias_momentum)
         self.key_mean.mul_(1.0 - weight).add_(weight * mean)
+        if column_bias is not None:
+            rows = column_bias if real is None else column_bias[real.any(dim=-1)]
+            if rows.shape[0]:
+                self.routing_bias.mul_(1.0 - weight).add_(weight * rows.float().mean(dim=0))
         self.bias_updates.add_(1)
 
     def extra_repr(self) -> str:

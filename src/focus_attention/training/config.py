@@ -19,6 +19,9 @@ __all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainCo
 
 #: training losses (docs/method.md §6, "Objectives")
 OBJECTIVES = ("lm", "distill", "mix", "coverage", "attention")
+#: the objectives of query-key routers (``FocusConfig.router_input="query_key"``), which have
+#: no soft routing of the whole model
+QUERY_KEY_OBJECTIVES = ("attention", "coverage")
 
 #: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
 #: on the attention projections (dense); every attention weight (dense); every base weight
@@ -217,7 +220,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "help": "training loss (docs/method.md §6): lm = next-token cross-entropy; "
             "distill = KL divergence from the frozen model's own dense output; mix = lm + "
             "distill_weight * distill; coverage = share of the dense model's attention beyond "
-            "the window that the soft groups drop; attention = KL from the dense attention's "
+            "the window that the soft groups drop (query-key routers: per key-value head, "
+            "the keys' groups Sinkhorn-balanced); attention = KL from the dense attention's "
             "mass per group to the query's groups (query-key routers, experimental)",
             "choices": OBJECTIVES,
         },
@@ -391,17 +395,18 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad(owner, "lora_dropout", self.lora_dropout, "a number in [0, 1)")
 
     def _validate_router_input(self) -> None:
-        """``--objective attention`` trains query-key routers, which train with it only
-        (they have no soft routing)."""
+        """``--objective attention`` trains query-key routers; they have no soft routing, so
+        they train with it or with ``coverage`` only."""
         query_key = self.focus.router_input == "query_key"
         if self.objective == "attention" and not query_key:
             raise bad("TrainConfig", "objective", "attention",
                       "another objective unless focus.router_input is 'query_key' (it trains "
                       "query-key routers)")  # fmt: skip
-        if query_key and self.objective != "attention":
+        if query_key and self.objective not in QUERY_KEY_OBJECTIVES:
             raise bad("TrainConfig", "focus.router_input", "query_key",
                       f"'hidden_state' with objective {self.objective!r} (query-key routers "
-                      "have no soft routing: train them with --objective attention)")  # fmt: skip
+                      "have no soft routing: train them with --objective attention or "
+                      "coverage)")  # fmt: skip
         if query_key and self.method != "focus":
             raise bad("TrainConfig", "focus.router_input", "query_key",
                       f"'hidden_state' with method {self.method!r} (query-key routers train "

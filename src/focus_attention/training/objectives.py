@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..evaluation.coverage import recorded_distant, recorded_groups
+from ..hf.query_key import head_memberships
 from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
 from .config import QUESTION_TOKENS
 
@@ -143,23 +144,51 @@ def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tupl
     return kept / total, float(hard_kept / total), mass, record
 
 
+def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tuple:
+    """:func:`_layer_coverage` of a query-key router: per key-value head, the distant dense
+    attention (the maximum over its query heads) that the query's ``softmax(q_bar . C)``
+    and the keys' Sinkhorn-balanced groups keep; folds the keys' mean and column bias into
+    the router (:meth:`~focus_attention.hf.query_key.QueryKeyRouter.update_key_mean`)."""
+    cfg = model.focus_config
+    router = model.routers[str(rec["layer"])]
+    real, key = rec["key_padding"], rec["pre_rotary_key"]
+    distant = _distant_per_kv_head(rec, cfg.window, rows)  # [B, H_kv, R, N]
+    key_probs, column_bias = router.balanced_keys(key, cfg.sinkhorn_iters, real)
+    query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])  # [B, R, H_kv, K]
+    pulled = torch.einsum("bhrn,bnhk->brhk", distant, key_probs)
+    kept = (torch.softmax(query_scores, dim=-1) * pulled).sum()
+    with torch.no_grad():
+        key_groups = head_memberships(router.key_scores(key), cfg.top_k)
+        query_groups = head_memberships(query_scores, cfg.resolved_query_top_k)
+        shared = torch.einsum("brhk,bnhk->bhrn", query_groups.float(), key_groups.float()) > 0
+        hard_kept = (distant * shared).sum()
+    router.update_key_mean(key, real, column_bias.detach())
+    total = distant.sum().clamp_min(torch.finfo(distant.dtype).tiny)
+    mass = float(total) / max(1, distant.shape[0] * distant.shape[1] * rows.numel())
+    return kept / total, float(hard_kept / total), mass, None
+
+
 def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
                   tail: int = 0) -> StepLoss:  # fmt: skip
     """Mean over Focus layers of the distant dense attention share that soft routing drops
     (``1 - kept / total``), on ``queries`` sampled queries per layer (and the last ``tail``,
     :func:`coverage_rows`); also folds each layer's Sinkhorn column bias into its routing
-    bias, as soft training does."""
+    bias, as soft training does. Query-key routers score each key-value head's attention
+    with Sinkhorn-balanced key groups (:func:`_query_key_coverage`)."""
     records = _dense_records(model, x)
     if not records:
         raise RuntimeError("the coverage objective found no Focus layer call to record")
     rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
     shares, hard, mass, routing = [], [], [], []
     for rec in records:
-        kept_share, hard_share, distant_mass, record = _layer_coverage(model, rec, rows)
+        query_key = model.routers[str(rec["layer"])].reads_query_key
+        layer = _query_key_coverage if query_key else _layer_coverage
+        kept_share, hard_share, distant_mass, record = layer(model, rec, rows)
         shares.append(kept_share)
         hard.append(hard_share)
         mass.append(distant_mass)
-        routing.append(record)
+        if record is not None:
+            routing.append(record)
         del rec["query"], rec["key"]
     loss = 1.0 - torch.stack(shares).mean()
     _check_finite(loss, "coverage loss")
@@ -167,6 +196,23 @@ def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Ge
                "coverage_topk": sum(hard) / len(hard),
                "distant_mass": sum(mass) / len(mass)}  # fmt: skip
     return StepLoss(loss, metrics, routing)
+
+
+def _distant_per_kv_head(rec: dict[str, Any], window: int, rows: torch.Tensor) -> torch.Tensor:
+    """The recorded layer's dense attention to distant keys, float32 ``[B, H_kv, R, N]``:
+    the maximum over the query heads sharing each key-value head
+    (:func:`~focus_attention.ops.coverage.distant_attention`)."""
+    return distant_attention(
+        rec["query"],
+        rec["key"],
+        window,
+        scale=rec["scale"],
+        softcap=rec["softcap"],
+        key_padding_mask=rec["key_padding"],
+        always_visible=rec["sinks"],
+        rows=rows,
+        per_kv_head=True,
+    ).float()
 
 
 def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tensor) -> tuple:
@@ -179,17 +225,7 @@ def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tens
     group with the keys' soft assignment ``softmax((k - key_mean) . C)`` and renormalised
     (``[B, H_kv, R, K]``); prediction: ``softmax(q_bar . C)`` of the pooled pre-rotary
     query. Rows without distant mass do not count."""
-    distant = distant_attention(
-        rec["query"],
-        rec["key"],
-        window,
-        scale=rec["scale"],
-        softcap=rec["softcap"],
-        key_padding_mask=rec["key_padding"],
-        always_visible=rec["sinks"],
-        rows=rows,
-        per_kv_head=True,
-    ).float()  # [B, H_kv, R, N]
+    distant = _distant_per_kv_head(rec, window, rows)  # [B, H_kv, R, N]
     soft_keys = torch.softmax(router.key_scores(rec["pre_rotary_key"]), dim=-1)  # [B, N, H_kv, K]
     mass = torch.einsum("bhrn,bnhk->bhrk", distant, soft_keys)
     total = mass.sum(-1, keepdim=True)
