@@ -183,7 +183,8 @@ def test_balanced_keys_share_the_real_keys_equally():
     real = torch.ones(2, 30, dtype=torch.bool)
     real[1, :6] = False
     probs, bias = router.balanced_keys(key, 30, real)
-    assert probs.shape == (2, 30, router.num_kv_heads, 4) and bias.shape == (2, router.num_kv_heads, 4)
+    heads = router.num_kv_heads
+    assert probs.shape == (2, 30, heads, 4) and bias.shape == (2, heads, 4)
     torch.testing.assert_close(probs[real].sum(-1), torch.ones(54, router.num_kv_heads))
     assert float(probs[~real].abs().sum()) == 0
     for b, n in ((0, 30), (1, 24)):
