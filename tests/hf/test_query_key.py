@@ -75,10 +75,13 @@ def _brute_groups(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("arch", KINDS)
-def test_memberships_equal_a_float64_brute_force_from_the_pre_rotary_states(arch):
+@pytest.mark.parametrize(
+    ("arch", "pooling"), [*((a, "mean") for a in KINDS), ("llama", "max"), ("gemma2", "max")]
+)
+def test_memberships_equal_a_float64_brute_force_from_the_pre_rotary_states(arch, pooling):
     top_k, query_top_k, sinks = 1, 2, 2
-    _, fm = focus(arch, top_k=top_k, query_top_k=query_top_k, sink_tokens=sinks, **QK)
+    _, fm = focus(arch, top_k=top_k, query_top_k=query_top_k, sink_tokens=sinks,
+                  query_pooling=pooling, **QK)  # fmt: skip
     for r in fm.routers.values():  # a key mean and a bias, so that both are applied
         r.key_mean.normal_(generator=torch.Generator().manual_seed(r.layer_idx))
         r.routing_bias.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(7))
@@ -94,10 +97,14 @@ def test_memberships_equal_a_float64_brute_force_from_the_pre_rotary_states(arch
         q, k = _states(seen, fm, i, arch)
         c = router.centroids.double()
         g = q.shape[1] // k.shape[1]
-        pooled = q.view(q.shape[0], k.shape[1], g, *q.shape[2:]).mean(2)
+        grouped = q.view(q.shape[0], k.shape[1], g, *q.shape[2:])
         bias = router.routing_bias.double()
         key_scores = torch.einsum("bhnd,hkd->bnhk", k - router.key_mean.double()[:, None], c) + bias
-        query_scores = torch.einsum("bhnd,hkd->bnhk", pooled, c) + bias
+        if pooling == "mean":
+            query_scores = torch.einsum("bhnd,hkd->bnhk", grouped.mean(2), c) + bias
+        else:  # each centroid's best score over the query heads of the key-value head
+            per_head = [torch.einsum("bhnd,hkd->bnhk", grouped[:, :, j], c) for j in range(g)]
+            query_scores = torch.stack(per_head).amax(0) + bias
         keys = _brute_groups(key_scores, top_k)
         keys[:, :sinks] = True  # the sink tokens join every group of every head
         assert rec["key_groups"].shape == (2, N, k.shape[1], 4)
@@ -197,6 +204,10 @@ def test_the_setting_round_trips_through_save_load_and_export(tmp_path):
 def test_bad_values_and_what_query_key_routing_cannot_run_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"FocusConfig.router_input: received 'qk'.*query_key"):
         FocusConfig(router_input="qk")
+    with pytest.raises(ValueError, match=r"FocusConfig.query_pooling: received 'sum'"):
+        FocusConfig(router_input="query_key", query_pooling="sum")
+    with pytest.raises(ValueError, match=r"query_pooling.*'mean' unless router_input"):
+        FocusConfig(query_pooling="max")
     _, fm = focus("llama", **QK)
     x = ids(1, 20, seed=11)
     fm.train()

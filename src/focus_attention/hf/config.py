@@ -21,6 +21,7 @@ __all__ = [
     "GATES",
     "INFERENCE_ROUTINGS",
     "INFERENCE_SETTINGS",
+    "QUERY_POOLINGS",
     "ROUTER_INPUTS",
     "ROUTINGS",
     "SAVED_EXTRA_KEYS",
@@ -38,6 +39,8 @@ INFERENCE_ROUTINGS = ("causal", "sequence", "streaming")
 #: §1) or each key-value head's queries and keys before the rotary embedding (§4,
 #: "Query-key routing")
 ROUTER_INPUTS = ("hidden_state", "query_key")
+#: how a query-key router pools the scores of the query heads sharing a key-value head
+QUERY_POOLINGS = ("mean", "max")
 
 
 # checks that name the field as "FocusConfig.<field>"
@@ -280,8 +283,12 @@ class FocusConfig:
             one routing shared by every head) or ``"query_key"`` (experimental: per
             key-value head, centroids ``[H_kv, K, head_dim]`` score each key's and each
             query's vectors before the rotary embedding; no soft routing, trained with
-            ``focus train --objective attention`` or ``coverage``; refuses the static and the paged cache,
-            ``dense_heads`` and head gates).
+            ``focus train --objective attention`` or ``coverage``; refuses the static and
+            the paged cache, ``dense_heads`` and head gates).
+        query_pooling: how a query-key router scores a query against a key-value head's
+            centroids from the ``H / H_kv`` query heads sharing it: ``"mean"`` (default: the
+            mean query's scores) or ``"max"`` (each centroid's best score over those heads,
+            as the oracle pools attention); ``"mean"`` only with hidden-state routing.
         window: local window in tokens; key ``j`` is local to query ``i`` when
             ``0 <= i - j < window`` (the window counts the query itself; docs/method.md §3).
         top_k: groups each token keeps at inference, ``1 <= top_k <= num_groups``: the
@@ -380,6 +387,12 @@ class FocusConfig:
                   "experimental; trained with --objective attention or coverage)",
                   "choices": ROUTER_INPUTS, "card": True},
     )  # fmt: skip
+    query_pooling: str = field(
+        default="mean",
+        metadata={"help": "query_key routing: a query's score for a group from the query heads "
+                  "sharing its key-value head: that of their mean query, or the max of theirs",
+                  "choices": QUERY_POOLINGS, "card": True},
+    )  # fmt: skip
     # an inference setting names its declaration (INFERENCE_SETTINGS), whose type, default
     # and help the field takes (_declared_fields)
     window: InferenceSetting = INFERENCE_SETTINGS["window"]
@@ -429,6 +442,12 @@ class FocusConfig:
         _int("group_dim", self.group_dim, 1)
         if self.router_input not in ROUTER_INPUTS:
             raise _bad("router_input", self.router_input, f"one of {ROUTER_INPUTS}")
+        if self.query_pooling not in QUERY_POOLINGS:
+            raise _bad("query_pooling", self.query_pooling, f"one of {QUERY_POOLINGS}")
+        if self.query_pooling != "mean" and self.router_input != "query_key":
+            raise _bad("query_pooling", self.query_pooling,
+                       "'mean' unless router_input is 'query_key' (hidden-state routers read "
+                       "no queries)")  # fmt: skip
         self._check_setting("window")
         self._check_setting("top_k")
         if self.top_k > self.num_groups:

@@ -270,6 +270,7 @@ class FocusModel(FocusContinuousBatching, nn.Module):
                 layer_idx=i,
                 seed=config.seed,
                 bias_momentum=config.bias_momentum,
+                query_pooling=config.query_pooling,
                 device=_router_device(modules[i], fallback),
             )  # fmt: skip
             for i in layers

@@ -112,7 +112,8 @@ class QueryKeyRouter(FocusRouter):
     Scores are plain dot products in float32 (the centroids' norms set their sharpness;
     ``temperature`` is not used): a key's ``(k - key_mean) . c`` against its head's
     centroids, a query's ``q_bar . c`` where ``q_bar`` is the mean of the queries of the
-    ``H / H_kv`` heads that share the key-value head. A key joins its ``top_k`` best groups,
+    ``H / H_kv`` heads that share the key-value head (``query_pooling="max"``: ``max_h q_h .
+    c`` over those heads instead). A key joins its ``top_k`` best groups,
     a query its ``query_top_k`` best (as with hidden-state routing).
 
     Initialisation (deterministic from ``seed`` and ``layer_idx``): each head's centroids are
@@ -122,6 +123,7 @@ class QueryKeyRouter(FocusRouter):
         num_heads, num_kv_heads, head_dim: the attention layer's ``H``, ``H_kv``, ``D``.
         model_type: the model's ``config.model_type`` (:data:`PRE_ROTARY` entry).
         num_groups, layer_idx, seed, bias_momentum, device: as :class:`FocusRouter`.
+        query_pooling: ``"mean"`` or ``"max"`` (:attr:`FocusConfig.query_pooling`).
 
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a model type
@@ -133,6 +135,7 @@ class QueryKeyRouter(FocusRouter):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_groups: int, *,
                  model_type: str, layer_idx: int, seed: int = 0, bias_momentum: float = 0.01,
+                 query_pooling: str = "mean",
                  device: torch.device | str | None = None) -> None:  # fmt: skip
         nn.Module.__init__(self)
         if num_heads % num_kv_heads:
@@ -140,7 +143,7 @@ class QueryKeyRouter(FocusRouter):
                              f"{num_kv_heads} key-value heads")  # fmt: skip
         check_query_key_model(model_type)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.model_type = model_type
+        self.model_type, self.query_pooling = model_type, query_pooling
         self.d_model, self.num_groups, self.group_dim = 0, num_groups, head_dim
         self.temperature, self.layer_idx, self.seed = 1.0, layer_idx, int(seed)
         self.bias_momentum = float(bias_momentum)
@@ -186,11 +189,15 @@ class QueryKeyRouter(FocusRouter):
         return scores + self.routing_bias
 
     def query_scores(self, query: torch.Tensor) -> torch.Tensor:
-        """Scores ``[B, N, H_kv, K]`` float32 of queries ``[B, H, N, D]`` (pre-rotary): the
-        mean query of the heads sharing each key-value head, against its centroids."""
+        """Scores ``[B, N, H_kv, K]`` float32 of queries ``[B, H, N, D]`` (pre-rotary),
+        pooled over the heads sharing each key-value head (``query_pooling``): the mean
+        query against the head's centroids, or each centroid's best score over the heads."""
         bsz, heads, n, d = query.shape
-        pooled = query.float().view(bsz, self.num_kv_heads, heads // self.num_kv_heads, n, d)
-        scores = torch.einsum("bhnd,hkd->bnhk", pooled.mean(dim=2), self.centroids)
+        grouped = query.float().view(bsz, self.num_kv_heads, heads // self.num_kv_heads, n, d)
+        if self.query_pooling == "max":
+            scores = torch.einsum("bhgnd,hkd->bnhgk", grouped, self.centroids).amax(dim=3)
+        else:
+            scores = torch.einsum("bhnd,hkd->bnhk", grouped.mean(dim=2), self.centroids)
         return scores + self.routing_bias
 
     def balanced_keys(self, key: torch.Tensor, n_iter: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
