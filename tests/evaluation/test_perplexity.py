@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
-from tiny_assets import check_eval_schema
+from tiny_assets import check_eval_schema, tiny_config
 
 from focus_attention.evaluation import RoutingStats, evaluate, markdown_table, score_windows
+from focus_attention.training import train
 from focus_attention.utils.env import weights_sha256
 
 
@@ -166,6 +167,26 @@ def test_routing_stats():
     assert routed == pytest.approx(12 / 21)  # (6 + 3 + 3) of 21 causal pairs
     assert s["pairs_retained_by_layer"]["1"] == 1.0
     assert s["pairs_retained"] == pytest.approx((routed + 1.0) / 2)
+
+
+def test_routing_stats_pool_the_heads_of_per_head_memberships():
+    """Query-key routers record memberships per key-value head ``[B, N, H_kv, K]``: the group
+    shares pool the heads, the pairs retained count every head's pairs."""
+    groups = torch.zeros(1, 6, 2, 4, dtype=torch.bool)
+    groups[:, :, 0, 0] = True  # head 0: every token in group 0
+    groups[:, :3, 1, 1], groups[:, 3:, 1, 2] = True, True  # head 1: two groups of three
+    stats = RoutingStats(window=1, num_groups=4)
+    stats.add(0, [{"layer": 0, "mode": "topk", "query_groups": groups, "key_groups": groups}])
+    s = stats.summary()
+    assert s["group_shares"]["0"] == [0.5, 0.25, 0.25, 0.0]
+    assert s["pairs_retained"] == pytest.approx((21 + 12) / 42)
+
+
+def test_a_query_key_adapter_evaluates_at_top_k(assets, tmp_path):
+    cfg = tiny_config(assets, tmp_path / "qk", objective="coverage", router_input="query_key",
+                      steps=1, eval_every=-1, save_every=0, coverage_queries=4)  # fmt: skip
+    result = _evaluate(assets, train(cfg).out, top_k=[1], soft=False, window=4)
+    assert math.isfinite(result["ppl"]["focus_topk"]["1"]) and 0 < result["pairs_retained"]["1"] < 1
 
 
 def test_argument_errors(assets, adapter, tmp_path):

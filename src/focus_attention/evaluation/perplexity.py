@@ -246,7 +246,8 @@ class RoutingStats:
             else:
                 assign = r["query_groups"].float()
                 self._add_pairs(layer, r)
-            mass = assign.sum(dim=(0, 1)).double()
+            # per key-value head memberships [B, N, H_kv, K] pool their heads
+            mass = assign.reshape(-1, assign.shape[-1]).sum(dim=0).double()
             self.layer_mass[layer] = self.layer_mass.get(layer, 0) + mass
 
     def summary(self) -> dict[str, Any]:
