@@ -182,7 +182,7 @@ def test_balanced_keys_share_the_real_keys_equally():
     key = torch.randn(2, router.num_kv_heads, 30, router.head_dim) * 3
     real = torch.ones(2, 30, dtype=torch.bool)
     real[1, :6] = False
-    probs, bias = router.balanced_keys(key, 30, real)
+    probs, bias = router.balanced_keys(router.key_scores(key), 30, real)
     heads = router.num_kv_heads
     assert probs.shape == (2, 30, heads, 4) and bias.shape == (2, heads, 4)
     torch.testing.assert_close(probs[real].sum(-1), torch.ones(54, router.num_kv_heads))

@@ -104,7 +104,8 @@ class QueryKeyRouter(FocusRouter):
     Parameters (trainable, the only ones): ``centroids`` ``[H_kv, K, D]`` float32, ``K``
     per key-value head. Buffers (saved): ``key_mean`` ``[H_kv, D]``, subtracted from every
     key before it is scored (zero at initialisation; ``focus train --objective attention``
-    keeps the running mean of the training keys there, as MagicPIG centres keys);
+    or ``coverage`` keeps the running mean of the training keys there, as MagicPIG centres
+    keys);
     ``routing_bias`` ``[H_kv, K]`` added to the scores of keys and queries (zero at
     initialisation; ``focus train --objective coverage`` folds the Sinkhorn column bias of
     each batch's keys into it, so the keys' hard groups stay balanced) and ``bias_updates``.
@@ -200,15 +201,15 @@ class QueryKeyRouter(FocusRouter):
             scores = torch.einsum("bhnd,hkd->bnhk", grouped.mean(dim=2), self.centroids)
         return scores + self.routing_bias
 
-    def balanced_keys(self, key: torch.Tensor, n_iter: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Sinkhorn-balanced soft groups of keys ``[B, H_kv, N, D]`` (pre-rotary), per
-        key-value head (docs/method.md §2): rows ``[B, N, H_kv, K]`` float32 (each real key's
-        row sums to 1, each group holds ``1 / K`` of the real keys after ``n_iter``
-        iterations) and the centred column bias ``[B, H_kv, K]`` of the scores without
-        ``routing_bias``, which
-        :meth:`~.router.FocusRouter.update_bias` folds into ``routing_bias``. ``real`` bool
-        ``[B, N]`` (True = real) or None; padding rows are zero."""
-        scores = self.key_scores(key) - self.routing_bias  # the whole bias, not a correction
+    def balanced_keys(self, key_scores: torch.Tensor, n_iter: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Sinkhorn-balanced soft groups of the keys whose :meth:`key_scores` are
+        ``key_scores`` ``[B, N, H_kv, K]``, per key-value head (docs/method.md §2): rows
+        ``[B, N, H_kv, K]`` float32 (each real key's row sums to 1, each group holds ``1 / K``
+        of the real keys after ``n_iter`` iterations) and the centred column bias
+        ``[B, H_kv, K]`` of the scores without ``routing_bias``, which
+        :meth:`update_key_mean` folds into ``routing_bias``. ``real`` bool ``[B, N]``
+        (True = real) or None; padding rows are zero."""
+        scores = key_scores - self.routing_bias  # the whole bias, not a correction
         bsz, n, heads, k = scores.shape
         flat = scores.permute(0, 2, 1, 3).reshape(bsz * heads, n, k)
         mask = None if real is None else real.repeat_interleave(heads, dim=0)

@@ -153,12 +153,13 @@ def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> 
     router = model.routers[str(rec["layer"])]
     real, key = rec["key_padding"], rec["pre_rotary_key"]
     distant = _distant_per_kv_head(rec, cfg.window, rows)  # [B, H_kv, R, N]
-    key_probs, column_bias = router.balanced_keys(key, cfg.sinkhorn_iters, real)
+    key_scores = router.key_scores(key)  # [B, N, H_kv, K]
+    key_probs, column_bias = router.balanced_keys(key_scores, cfg.sinkhorn_iters, real)
     query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])  # [B, R, H_kv, K]
     pulled = torch.einsum("bhrn,bnhk->brhk", distant, key_probs)
     kept = (torch.softmax(query_scores, dim=-1) * pulled).sum()
     with torch.no_grad():
-        key_groups = head_memberships(router.key_scores(key), cfg.top_k)
+        key_groups = head_memberships(key_scores, cfg.top_k)
         query_groups = head_memberships(query_scores, cfg.resolved_query_top_k)
         shared = torch.einsum("brhk,bnhk->bhrn", query_groups.float(), key_groups.float()) > 0
         hard_kept = (distant * shared).sum()
