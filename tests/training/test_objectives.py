@@ -3,6 +3,7 @@ attention coverage and their use in ``focus train``."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -24,7 +25,9 @@ from focus_attention.training.objectives import (
     coverage_step,
     distill_step,
     lm_step,
+    row_weights,
 )
+from focus_attention.training import objectives
 
 
 def test_record_dense_attention_is_the_base_model_and_records_every_focus_layer():
@@ -216,6 +219,35 @@ def test_coverage_rows_add_the_last_queries():
     assert torch.equal(coverage_rows(12, 10, 0, torch.Generator(), tail=16), torch.tensor([10, 11]))
 
 
+def test_row_weights_weigh_the_last_queries():
+    rows = torch.tensor([4, 10, 36, 37, 39])
+    assert row_weights(rows, 40, 3, 5.0)[:, 0].tolist() == [1, 1, 1, 5, 5]
+    assert row_weights(rows, 40, 0, 5.0)[:, 0].tolist() == [1] * 5
+    assert row_weights(rows, 40, 3, 5.0).shape == (5, 1)
+
+
+@pytest.mark.parametrize(
+    ("router_input", "step"),
+    [("hidden_state", coverage_step), ("query_key", coverage_step), ("query_key", attention_step)],
+    ids=["coverage-hidden_state", "coverage-query_key", "attention-query_key"],
+)
+def test_question_weight_scales_the_question_rows(monkeypatch, router_input, step):
+    """The objectives weigh the question's rows (the last ``tail`` queries) by
+    ``question_weight``: weight 0 gives the loss of the other rows alone, and a huge weight
+    that of the question rows alone, each scored on a fresh copy of the same routers."""
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input=router_input)
+    x, book, question = ids(2, 40, seed=4), torch.tensor([6, 11, 20, 29]), torch.arange(37, 40)
+
+    def loss(rows, weight):
+        monkeypatch.setattr(objectives, "coverage_rows", lambda *a, **k: rows)
+        return float(step(copy.deepcopy(fm), x, 4, torch.Generator(), 3, weight).loss.detach())
+
+    both = torch.cat([book, question])
+    assert loss(both, 0.0) == pytest.approx(loss(book, 1.0), rel=1e-5)
+    assert loss(both, 1e7) == pytest.approx(loss(question, 1.0), rel=1e-4)
+    assert loss(both, 1.0) != pytest.approx(loss(both, 4.0), rel=1e-4)
+
+
 def test_retrieval_blocks_join_the_training_blocks(assets, tmp_path):
     """``retrieval_blocks`` needle prompts join the corpus blocks (and the data fingerprint
     a resume checks); training on them with the coverage objective runs."""
@@ -287,6 +319,13 @@ def test_objective_setting_errors():
         TrainConfig(method="head-gates", objective="distill", init_adapter="a", retrieval_blocks=2)
     with pytest.raises(ValueError, match="distill_weight"):
         TrainConfig(distill_weight=-0.5)
+    with pytest.raises(ValueError, match="question_weight.*retrieval-blocks"):
+        TrainConfig(question_weight=4.0, objective="coverage")
+    with pytest.raises(ValueError, match="question_weight.*coverage or attention"):
+        TrainConfig(question_weight=4.0, retrieval_blocks=2)
+    with pytest.raises(ValueError, match="question_weight"):
+        TrainConfig(question_weight=0.0, retrieval_blocks=2, objective="coverage")
+    assert TrainConfig(question_weight=4.0, retrieval_blocks=2, objective="coverage")
     with pytest.raises(ValueError, match="router_input is 'query_key'"):
         TrainConfig(objective="attention")
     with pytest.raises(ValueError, match="focus.router_input.*--objective attention or coverage"):

@@ -246,6 +246,14 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             f"{QUESTION_TOKENS} queries of each block, the question (default 0: none)"
         },
     )
+    question_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": f"weight of each block's last {QUESTION_TOKENS} queries (a needle "
+            "prompt's question) against the other sampled queries in --objective coverage and "
+            "attention; needs --retrieval-blocks (default 1: every query alike)"
+        },
+    )
     init_adapter: str | None = field(
         default=None,
         metadata={
@@ -299,6 +307,13 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         if self.retrieval_blocks and self.method == "head-gates":
             raise bad(owner, "retrieval_blocks", self.retrieval_blocks,
                       "0 with --method head-gates, which trains on needle prompts only")  # fmt: skip
+        check_number(owner, "question_weight", self.question_weight)
+        if self.question_weight != 1.0 and not self.retrieval_blocks:
+            raise bad(owner, "question_weight", self.question_weight,
+                      "1 without --retrieval-blocks, whose questions it weighs")  # fmt: skip
+        if self.question_weight != 1.0 and self.objective not in ("coverage", "attention"):
+            raise bad(owner, "question_weight", self.question_weight,
+                      "1 with --objective coverage or attention, the objectives it weighs")  # fmt: skip
         if self.init_adapter is not None:
             if not isinstance(self.init_adapter, str) or not self.init_adapter:
                 raise bad(owner, "init_adapter", self.init_adapter, "an adapter folder path")

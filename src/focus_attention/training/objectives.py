@@ -37,7 +37,8 @@ from ..hf.query_key import head_memberships
 from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
 from .config import QUESTION_TOKENS
 
-__all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss"]
+__all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss",
+           "row_weights"]
 
 
 @dataclass
@@ -115,6 +116,14 @@ def coverage_rows(num_queries: int, window: int, count: int, generator: torch.Ge
     return pick.sort().values
 
 
+def row_weights(rows: torch.Tensor, num_queries: int, tail: int, weight: float) -> torch.Tensor:
+    """Weights of the sampled query ``rows`` (int64 ``[R]``, :func:`coverage_rows`) in the
+    coverage and attention objectives, float32 ``[R, 1]``: ``weight`` for the last ``tail``
+    queries of the block (a needle prompt's question), 1 for the others."""
+    question = rows >= num_queries - tail if tail else torch.zeros_like(rows, dtype=torch.bool)
+    return torch.where(question, float(weight), 1.0).to(torch.float32)[:, None]
+
+
 def _dense_records(model: Any, x: torch.Tensor) -> list[dict[str, Any]]:
     """One gradient-free dense forward recording every Focus layer's attention inputs."""
     kwargs: dict[str, Any] = {"input_ids": x, "use_cache": False}
@@ -125,16 +134,18 @@ def _dense_records(model: Any, x: torch.Tensor) -> list[dict[str, Any]]:
     return records
 
 
-def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tuple:
+def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor,
+                    weights: torch.Tensor) -> tuple:  # fmt: skip
     """``(soft share kept with gradient, top-k share kept, distant mass per query, routing
-    record)`` of one layer."""
+    record)`` of one layer, each query row's distant attention scaled by ``weights``
+    (:func:`row_weights`)."""
     cfg = model.focus_config
     router = model.routers[str(rec["layer"])]
     real = rec["key_padding"]
     scores = router.scores(rec["hidden"])
     probs, column_bias = router.soft(scores, cfg.sinkhorn_iters, real)
     router.update_bias(column_bias.detach(), real)
-    distant = recorded_distant(rec, cfg.window, rows)
+    distant = recorded_distant(rec, cfg.window, rows) * weights
     kept, total = soft_coverage(distant, probs, probs, rows)
     q_groups, k_groups = recorded_groups(router, scores.detach(), cfg.top_k, rec)
     hard_kept, _ = hard_coverage(distant, q_groups, k_groups, rows)
@@ -144,7 +155,8 @@ def _layer_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tupl
     return kept / total, float(hard_kept / total), mass, record
 
 
-def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> tuple:
+def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor,
+                        weights: torch.Tensor) -> tuple:  # fmt: skip
     """:func:`_layer_coverage` of a query-key router: per key-value head, the distant dense
     attention (the maximum over its query heads) that the query's ``softmax(q_bar . C)``
     and the keys' Sinkhorn-balanced groups keep; folds the keys' mean and column bias into
@@ -152,7 +164,7 @@ def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> 
     cfg = model.focus_config
     router = model.routers[str(rec["layer"])]
     real, key = rec["key_padding"], rec["pre_rotary_key"]
-    distant = _distant_per_kv_head(rec, cfg.window, rows)  # [B, H_kv, R, N]
+    distant = _distant_per_kv_head(rec, cfg.window, rows) * weights  # [B, H_kv, R, N]
     key_scores = router.key_scores(key)  # [B, N, H_kv, K]
     key_probs, column_bias = router.balanced_keys(key_scores, cfg.sinkhorn_iters, real)
     query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])  # [B, R, H_kv, K]
@@ -170,21 +182,23 @@ def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor) -> 
 
 
 def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
-                  tail: int = 0) -> StepLoss:  # fmt: skip
+                  tail: int = 0, question_weight: float = 1.0) -> StepLoss:  # fmt: skip
     """Mean over Focus layers of the distant dense attention share that soft routing drops
     (``1 - kept / total``), on ``queries`` sampled queries per layer (and the last ``tail``,
-    :func:`coverage_rows`); also folds each layer's Sinkhorn column bias into its routing
-    bias, as soft training does. Query-key routers score each key-value head's attention
-    with Sinkhorn-balanced key groups (:func:`_query_key_coverage`)."""
+    :func:`coverage_rows`, their attention weighted by ``question_weight``); also folds each
+    layer's Sinkhorn column bias into its routing bias, as soft training does. Query-key
+    routers score each key-value head's attention with Sinkhorn-balanced key groups
+    (:func:`_query_key_coverage`)."""
     records = _dense_records(model, x)
     if not records:
         raise RuntimeError("the coverage objective found no Focus layer call to record")
     rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
+    weights = row_weights(rows, x.shape[1], tail, question_weight)
     shares, hard, mass, routing = [], [], [], []
     for rec in records:
         query_key = model.routers[str(rec["layer"])].reads_query_key
         layer = _query_key_coverage if query_key else _layer_coverage
-        kept_share, hard_share, distant_mass, record = layer(model, rec, rows)
+        kept_share, hard_share, distant_mass, record = layer(model, rec, rows, weights)
         shares.append(kept_share)
         hard.append(hard_share)
         mass.append(distant_mass)
@@ -216,10 +230,12 @@ def _distant_per_kv_head(rec: dict[str, Any], window: int, rows: torch.Tensor) -
     ).float()
 
 
-def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tensor) -> tuple:
+def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """``(mean KL with gradient, queries counted)`` of one recorded layer (a
     :class:`~focus_attention.hf.query_key.QueryKeyRouter` and its
-    ``record_dense_attention`` record) on the query indices ``rows`` int64 ``[R]``.
+    ``record_dense_attention`` record) on the query indices ``rows`` int64 ``[R]``, the
+    mean weighted by ``weights`` float ``[R, 1]`` (:func:`row_weights`; default all 1).
 
     Target: the dense attention of each query row to its distant keys (``i - j >= window``,
     real, not sinks), the maximum over the query heads sharing a key-value head, summed per
@@ -237,22 +253,25 @@ def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tens
     log_target = torch.log(target.clamp_min(torch.finfo(mass.dtype).tiny))
     kl = (target * (log_target - log_router)).sum(-1)
     count = int(valid.sum())
-    return (kl * valid).sum() / max(1, count), count
+    weight = valid.float() if weights is None else valid * weights[:, 0]
+    return (kl * weight).sum() / weight.sum().clamp_min(torch.finfo(weight.dtype).tiny), count
 
 
 def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
-                   tail: int = 0) -> StepLoss:  # fmt: skip
+                   tail: int = 0, question_weight: float = 1.0) -> StepLoss:  # fmt: skip
     """Mean over Focus layers of :func:`attention_kl` on ``queries`` sampled queries per
-    layer and the last ``tail`` (:func:`coverage_rows`; query-key routers, docs/method.md
-    §6); each router then folds the batch's mean pre-rotary key into its ``key_mean``."""
+    layer and the last ``tail`` (:func:`coverage_rows`, weighted by ``question_weight``;
+    query-key routers, docs/method.md §6); each router then folds the batch's mean
+    pre-rotary key into its ``key_mean``."""
     records = _dense_records(model, x)
     if not records:
         raise RuntimeError("the attention objective found no Focus layer call to record")
     rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
+    weights = row_weights(rows, x.shape[1], tail, question_weight)
     losses, counted = [], 0
     for rec in records:
         router = model.routers[str(rec["layer"])]
-        kl, count = attention_kl(router, rec, model.focus_config.window, rows)
+        kl, count = attention_kl(router, rec, model.focus_config.window, rows, weights)
         losses.append(kl)
         counted += count
         router.update_key_mean(rec["pre_rotary_key"], rec["key_padding"])
@@ -279,6 +298,5 @@ def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Gener
     if cfg.objective == "mix":
         return distill_step(model, x, 1.0, cfg.distill_weight, forward)
     tail = QUESTION_TOKENS if cfg.retrieval_blocks else 0
-    if cfg.objective == "attention":
-        return attention_step(model, x, cfg.coverage_queries, generator, tail)
-    return coverage_step(model, x, cfg.coverage_queries, generator, tail)
+    step = attention_step if cfg.objective == "attention" else coverage_step
+    return step(model, x, cfg.coverage_queries, generator, tail, cfg.question_weight)
