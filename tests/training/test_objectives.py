@@ -18,7 +18,7 @@ from tolerances import tolerance
 
 from focus_attention.hf import FocusConfig
 from focus_attention.ops.coverage import distant_attention
-from focus_attention.training import TrainConfig, train
+from focus_attention.training import TrainConfig, objectives, train
 from focus_attention.training.objectives import (
     attention_step,
     coverage_rows,
@@ -27,7 +27,6 @@ from focus_attention.training.objectives import (
     lm_step,
     row_weights,
 )
-from focus_attention.training import objectives
 
 
 def test_record_dense_attention_is_the_base_model_and_records_every_focus_layer():

@@ -37,8 +37,14 @@ from ..hf.query_key import head_memberships
 from ..ops.coverage import distant_attention, hard_coverage, soft_coverage
 from .config import QUESTION_TOKENS
 
-__all__ = ["StepLoss", "attention_kl", "coverage_rows", "head_gates_step", "objective_loss",
-           "row_weights"]
+__all__ = [
+    "StepLoss",
+    "attention_kl",
+    "coverage_rows",
+    "head_gates_step",
+    "objective_loss",
+    "row_weights",
+]
 
 
 @dataclass
