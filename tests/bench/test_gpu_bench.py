@@ -156,6 +156,24 @@ def test_visible_keys_and_bucket_entries_by_hand():
     assert accounting.visible_keys(query, keys, 8) == 8 and accounting.bucket_entries(query, keys, 8) == (0, 0)  # fmt: skip
 
 
+def test_visible_keys_and_bucket_entries_per_key_value_head():
+    """Per key-value head memberships (query-key routing): keys seen are the mean over the
+    heads of each head's count, bucket entries the sum; with every head routed alike they are
+    the shared memberships' numbers, and a head whose query shares no group sees the window."""
+    keys = torch.tensor(
+        [[1, 0, 0], [0, 1, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 1], [0, 1, 0], [1, 0, 1]],
+        dtype=torch.bool,
+    )
+    query = keys[-1]
+    alike_keys, alike_query = keys[:, None].expand(8, 2, 3), query[None].expand(2, 3)
+    assert accounting.visible_keys(alike_query, alike_keys, 2) == 6
+    assert accounting.bucket_entries(alike_query, alike_keys, 2) == (10, 6)
+    lonely = torch.stack([query, torch.tensor([False, True, False])])  # head 1: group 1 only
+    other = torch.stack([keys, torch.zeros_like(keys)], dim=1)  # head 1's keys in no group
+    assert accounting.visible_keys(lonely, other, 2) == (6 + 2) / 2
+    assert accounting.bucket_entries(lonely, other, 2) == (5, 3)
+
+
 def test_step_bytes_by_hand():
     got = accounting.step_bytes(weights=1000, batch=2, kv_heads=3, head_dim=4, itemsize=2,
                                 keys_per_layer=[10, 5.5], entries_per_layer=[(7, 2)])  # fmt: skip

@@ -427,6 +427,33 @@ def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
     assert routed < share(fm) < 1.0
 
 
+def test_recorded_share_of_query_key_routers_is_per_key_value_head():
+    """Query-key routers route each key-value head: the share is averaged over the heads,
+    not summed, so one group (every key in it) sees every key, and K = 4 sees fewer."""
+    from tiny import focus, ids
+
+    from focus_attention.bench.decode_model import attention_shape, recorded_reads, recorded_share
+    from focus_attention.hf.compat import cache_kwargs, cache_of
+
+    def share(num_groups: int) -> float:
+        _, fm = focus("llama", num_groups=num_groups, top_k=1, window=8, router_input="query_key")
+        x = ids(1, 40, seed=1)
+        with torch.inference_mode():
+            cache = cache_of(fm(input_ids=x[:, :30], use_cache=True))
+            pos = iter(range(30, 40))
+
+            def step():
+                i = next(pos)
+                fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
+
+            kv_heads = attention_shape(fm.base_model)["kv_heads"]
+            assert kv_heads > 1
+            return recorded_share(fm, recorded_reads(fm, step, kv_heads))
+
+    assert share(1) == pytest.approx(1.0)
+    assert 8 / 40 < share(4) < 1.0
+
+
 @pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
 def test_count_operations_counts_operations_views_and_host_syncs(inference):
     """An add, a view, a nonzero (its size is read back), a sum, a comparison and a

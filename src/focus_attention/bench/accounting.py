@@ -61,25 +61,33 @@ def kv_bytes(batch: int, kv_heads: int, keys: float, head_dim: int, itemsize: in
     return 2.0 * batch * kv_heads * keys * head_dim * itemsize
 
 
-def visible_keys(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> int:
+def visible_keys(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> float:
     """Keys the last query sees: bool ``query_groups [K]``, ``key_groups [N, K]`` (the
-    query's key last, sinks in every group): the last ``window`` keys, and before them those
-    sharing a group with the query."""
+    query's key last, sinks in every group), or per key-value head ``[H_kv, K]`` and ``[N,
+    H_kv, K]`` (query-key routing), averaged over the heads: the last ``window`` keys, and
+    before them those sharing a group with the query."""
     n = key_groups.shape[0]
-    seen = (key_groups & query_groups).any(dim=-1)
+    seen = (key_groups & query_groups).any(dim=-1)  # [N] or [N, H_kv]
     seen[max(0, n - window) :] = True
-    return int(seen.sum())
+    return float(seen.sum(dim=0, dtype=torch.float64).mean())
 
 
 def bucket_entries(query_groups: torch.Tensor, key_groups: torch.Tensor, window: int) -> tuple[int, int]:  # fmt: skip
     """``(entries, later)``: the bucket entries a decoding query reads (the memberships, in
     the query's groups, of the keys older than the window: a key in two of them is listed
     twice) and those of them in a group after the query's first (whose group codes are read
-    too). Shapes as :func:`visible_keys`."""
+    too); per key-value head memberships sum their heads' entries. Shapes as
+    :func:`visible_keys`."""
     older = key_groups[: max(0, key_groups.shape[0] - window)]
-    per_group = older[:, query_groups].sum(dim=0)
-    entries = int(per_group.sum())
-    return entries, entries - (int(per_group[0]) if per_group.numel() else 0)
+    if query_groups.dim() == 1:  # one set of groups for every head
+        query_groups, older = query_groups[None], older[:, None]
+    entries = later = 0
+    for head, groups in enumerate(query_groups):
+        per_group = older[:, head, groups].sum(dim=0)
+        count = int(per_group.sum())
+        entries += count
+        later += count - (int(per_group[0]) if per_group.numel() else 0)
+    return entries, later
 
 
 def step_bytes(
