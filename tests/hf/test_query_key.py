@@ -220,8 +220,10 @@ def test_bad_values_and_what_query_key_routing_cannot_run_are_refused(monkeypatc
         with pytest.raises(ValueError, match=what), torch.no_grad():
             fm(input_ids=x, use_cache=False)
         fm.focus_config = fm.focus_config.replace(inference_routing="causal", dense_heads=())
-    with pytest.raises(ValueError, match="static KV cache"), torch.no_grad():
-        fm.generate(input_ids=x, max_new_tokens=2, cache_implementation="static")
+    with torch.no_grad():
+        fm.routers["1"].centroids[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="Focus layer 1: NaN query-key routing scores"), torch.no_grad():  # fmt: skip
+        fm(input_ids=x, use_cache=False)
     monkeypatch.delitem(query_key_module.PRE_ROTARY, "llama")
     with pytest.raises(ValueError, match="does not support model type 'llama'"):
         focus("llama", **QK)

@@ -12,6 +12,7 @@ from transformers import DynamicCache, StaticCache
 
 from focus_attention.bench.operations import OperationCounter
 from focus_attention.hf import FocusStaticLayer
+from focus_attention.hf import query_key as query_key_module
 from focus_attention.hf import router as router_module
 from focus_attention.hf.compat import cache_kwargs
 
@@ -70,6 +71,39 @@ def test_static_cache_decodes_as_the_dynamic_one_with_each_setting(settings):
     assert_same_decoding(greedy(fm, x, cache_implementation="static"), greedy(fm, x))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("query_top_k", [None, 2])
+def test_static_cache_of_query_key_routers_decodes_as_the_dynamic_one(arch, query_top_k):
+    """Query-key routers route each key-value head: the static layer keeps ``[B, C, H_kv, K]``
+    groups and a bucket row per key-value head, and decodes as the dynamic cache does."""
+    _, fm = focus(arch, num_groups=4, top_k=1, window=8, sink_tokens=2,
+                  router_input="query_key", query_top_k=query_top_k)  # fmt: skip
+    x = ids(1, PROMPT, seed=39)
+    static = greedy(fm, x, cache_implementation="static")
+    assert_same_decoding(static, greedy(fm, x))
+    heads = fm.base_model.config.num_key_value_heads
+    for i in fm.focus_layers:
+        layer = static.cache.layers[i]
+        groups, _ = layer.key_groups()
+        assert groups.shape == (1, PROMPT + NEW - 1, heads, 4)
+        counts = layer.buckets.count  # [B, H_kv, K]: each head's keys in its groups' buckets
+        assert torch.equal(counts, groups.sum(dim=1).to(counts.dtype))
+
+
+def test_static_cache_of_query_key_routers_with_left_padding_and_chunks():
+    """Left padding, and a prompt in chunks then single steps, as the forward without a cache."""
+    _, fm = focus("qwen2", num_groups=4, top_k=1, window=8, sink_tokens=3, router_input="query_key")
+    x, mask = left_pad([ids(1, 37, seed=40)[0], ids(1, 25, seed=41)[0]])
+    assert_same_decoding(greedy(fm, x, mask, cache_implementation="static"), greedy(fm, x, mask))
+    x = ids(1, 38, seed=42)
+    with torch.no_grad():
+        full = fm(input_ids=x, use_cache=False).logits
+        cache = StaticCache(config=fm.config, max_cache_len=48)
+        for start, stop in [(0, 30), (30, 33)] + [(i, i + 1) for i in range(33, 38)]:
+            out = fm(input_ids=x[:, start:stop], **cache_kwargs(cache), use_cache=True).logits
+            assert (out - full[:, start:stop]).abs().max() <= 1e-5, (start, stop)
+
+
 def test_static_cache_with_left_padding_decodes_as_the_dynamic_one():
     _, fm = focus("qwen2", num_groups=4, top_k=1, window=8, sink_tokens=3)
     x, mask = left_pad([ids(1, 37, seed=33)[0], ids(1, 25, seed=34)[0]])
@@ -112,12 +146,14 @@ def _step_operations(fm, prompt: torch.Tensor) -> tuple[list, int]:
     return seen, recorder.syncs
 
 
-def test_a_decoding_step_reads_nothing_back_and_does_not_depend_on_the_routing(monkeypatch):
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
+def test_a_decoding_step_reads_nothing_back_and_does_not_depend_on_the_routing(monkeypatch, router_input):  # fmt: skip
     """Two prompts routed differently run the same operations with the same shapes in a
     decoding step, none of which reads back to the host (what a CUDA graph needs). The
     routing's NaN check, which reads back on the CPU only (``checks_nan``), is off as on a GPU."""
     monkeypatch.setattr(router_module, "checks_nan", lambda hidden: False)
-    _, fm = focus("llama", num_groups=4, top_k=1, window=4, sink_tokens=1)
+    monkeypatch.setattr(query_key_module, "checks_nan", lambda hidden: False)
+    _, fm = focus("llama", num_groups=4, top_k=1, window=4, sink_tokens=1, router_input=router_input)  # fmt: skip
     first, syncs = _step_operations(fm, ids(1, 20, seed=36))
     second, _ = _step_operations(fm, ids(1, 20, seed=37))
     assert syncs == 0

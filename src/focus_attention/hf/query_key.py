@@ -94,8 +94,10 @@ def pre_rotary_query_key(model_type: str, module: nn.Module, hidden: torch.Tenso
 
 def head_memberships(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """:func:`~focus_attention.ops.topk_memberships` of scores ``[B, N, H_kv, K]``: bool
-    ``[B, N, H_kv, K]``, ``top_k`` groups per token and key-value head."""
-    return topk_memberships(scores.flatten(1, 2), top_k).view(scores.shape)
+    ``[B, N, H_kv, K]``, ``top_k`` groups per token and key-value head. NaN scores are not
+    checked here (that reads the device back): :meth:`QueryKeyRouter.group_sets` checks
+    them where :func:`~.router.checks_nan` says to."""
+    return topk_memberships(scores.flatten(1, 2), top_k, check_nan=False).view(scores.shape)
 
 
 class QueryKeyRouter(FocusRouter):

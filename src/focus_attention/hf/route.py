@@ -168,8 +168,8 @@ def _straight_through_groups(router: Any, scores: torch.Tensor, bias: torch.Tens
 def check_query_key_routing(mode: str, config: Any, cache: Any = None) -> None:
     """Refuse what query-key routers (``FocusConfig.router_input="query_key"``,
     docs/method.md §4) cannot run: soft routing (they train with ``focus train --objective
-    attention``), ``inference_routing="sequence"``, ``dense_heads``, and the static and
-    the paged cache (their group buckets are shared by the heads).
+    attention`` or ``coverage``), ``inference_routing="sequence"``, ``dense_heads``, and the
+    paged cache (its group buckets are shared by the heads).
 
     Raises:
         ValueError: naming the setting or cache and what to use instead.
@@ -182,10 +182,9 @@ def check_query_key_routing(mode: str, config: Any, cache: Any = None) -> None:
         what = "inference_routing='sequence' (no Sinkhorn): use 'causal'"
     elif config.dense_heads:
         what = "dense_heads (its groups are per key-value head): use dense_layers"
-    elif isinstance(cache, PagedGroups) or getattr(cache, "static", False):
-        kind = "paged (continuous batching)" if isinstance(cache, PagedGroups) else "static"
-        what = (f"the {kind} KV cache, whose group buckets all heads share: decode with the "
-                "dynamic cache (generate's default)")  # fmt: skip
+    elif isinstance(cache, PagedGroups):
+        what = ("the paged KV cache (continuous batching), whose group buckets all heads "
+                "share: decode with the dynamic or the static cache")  # fmt: skip
     if what is not None:
         raise ValueError(f"FocusConfig.router_input='query_key' cannot run {what}")
 

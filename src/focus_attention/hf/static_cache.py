@@ -35,9 +35,11 @@ class FocusStaticLayer(StaticLayer):
     ``StaticLayer``), it holds, once the first tokens are cached:
 
     - ``groups`` bool ``[B, C, K]``: the groups whose queries see each cached key (its
-      top-k memberships; every group for one of the first ``sink_tokens`` real tokens);
+      top-k memberships; every group for one of the first ``sink_tokens`` real tokens), or
+      ``[B, C, H_kv, K]`` for a routing per key-value head (query-key routers);
     - ``buckets``: the same memberships as per-group position lists
-      (:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, one routing row);
+      (:class:`~focus_attention.ops.sparse.buckets.GroupBuckets`, one routing row, or one
+      per key-value head);
     - ``real`` bool ``[B, C]`` (True = real token), only once a call passed a padding mask;
     - ``real_count`` int64 ``[B]``: real tokens cached so far per row (for the sinks);
     - ``grouped``: a 0-d int64 tensor, the tokens whose groups were recorded (a prompt's
@@ -73,17 +75,19 @@ class FocusStaticLayer(StaticLayer):
 
         Args:
             key_groups: bool ``[B, N, K]``, the new tokens' top-k memberships as keys (a
-                padding token's are ignored).
+                padding token's are ignored), or ``[B, N, H_kv, K]`` per key-value head;
+                every call of a cache has the same layout.
             sink_tokens: the first ``sink_tokens`` real tokens of a row join every group
                 (counted here from ``real_count``; ``sinks_new`` is not read).
             real_new: bool ``[B, N]`` (True = real) or None when every new token is real.
 
         Raises:
-            ValueError: the cached groups were computed with another ``sink_tokens`` or
-                another number of groups, or the batch differs from the cache's.
+            ValueError: the cached groups were computed with another ``sink_tokens``,
+                another number of groups or heads, or the batch differs from the cache's.
         """
-        bsz, n, k = key_groups.shape
-        self._check_groups(bsz, k, sink_tokens)
+        bsz, n = key_groups.shape[:2]
+        self._check_groups(bsz, tuple(key_groups.shape[2:]), sink_tokens)
+        spread = (..., *(None,) * (key_groups.dim() - 2))  # a [B, N] mask over the groups
         device = key_groups.device
         positions = self.cumulative_length - n + torch.arange(n, device=device)
         if real_new is not None and self.real is None:  # padding from now on: earlier keys real
@@ -91,21 +95,22 @@ class FocusStaticLayer(StaticLayer):
         real = torch.ones(bsz, n, dtype=torch.bool, device=device) if real_new is None else real_new  # fmt: skip
         index = self.real_count[:, None] + real.long().cumsum(dim=1) - 1  # among real tokens
         sinks = real & (index < sink_tokens)
-        keys = (key_groups | sinks[..., None]) & real[..., None]
+        keys = (key_groups | sinks[spread]) & real[spread]
         self.real_count.add_(real.long().sum(dim=1))
         self.grouped.add_(n)
         if self.real is not None:
             self.real.index_copy_(1, positions, real)
         self.groups.index_copy_(1, positions, keys)
-        self.buckets.append_(positions, keys[:, None])
+        self.buckets.append_(positions, keys[:, None] if keys.dim() == 3 else keys.transpose(1, 2))
 
-    def _check_groups(self, bsz: int, k: int, sink_tokens: int) -> None:
-        """Allocate the group buffers on the first call; refuse a change of ``sink_tokens``,
-        of K or of the batch afterwards."""
+    def _check_groups(self, bsz: int, layout: tuple[int, ...], sink_tokens: int) -> None:
+        """Allocate the group buffers on the first call (``layout``: ``(K,)`` or ``(H_kv,
+        K)``); refuse a change of ``sink_tokens``, of the layout or of the batch afterwards."""
         if self.groups is None:
             device = self.keys.device
-            self.groups = torch.zeros(bsz, self.max_cache_len, k, dtype=torch.bool, device=device)
-            self.buckets = GroupBuckets.empty(bsz, 1, k, self.max_cache_len, device)
+            self.groups = torch.zeros(bsz, self.max_cache_len, *layout, dtype=torch.bool, device=device)  # fmt: skip
+            rows = 1 if len(layout) == 1 else layout[0]
+            self.buckets = GroupBuckets.empty(bsz, rows, layout[-1], self.max_cache_len, device)
             self.real_count = torch.zeros(bsz, dtype=torch.long, device=device)
             self.grouped = torch.zeros((), dtype=torch.long, device=device)
             self.sink_tokens = sink_tokens
@@ -115,11 +120,11 @@ class FocusStaticLayer(StaticLayer):
                 f"the KV cache holds Focus groups computed with sink_tokens={self.sink_tokens}, "
                 f"this call has sink_tokens={sink_tokens}; start from an empty cache"
             )
-        if tuple(self.groups.shape[::2]) != (bsz, k):
+        held = (self.groups.shape[0], *self.groups.shape[2:])
+        if held != (bsz, *layout):
             raise ValueError(
-                f"the KV cache holds Focus groups of batch {self.groups.shape[0]} and K = "
-                f"{self.groups.shape[2]}, this call has batch {bsz} and K = {k}; start from an "
-                "empty cache"
+                f"the KV cache holds Focus groups of batch and (H_kv,) K {held}, this call has "
+                f"{(bsz, *layout)}; start from an empty cache"
             )
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -133,7 +138,8 @@ class FocusStaticLayer(StaticLayer):
             query: ``[B, H, Nq, D]``, the last ``Nq`` cached tokens' queries.
             key, value: ``[B, H_kv, C, D]``, this layer's ``keys`` and ``values`` (or some of
                 their heads).
-            query_groups: bool ``[B, Nq, K]``, their memberships as queries.
+            query_groups: bool ``[B, Nq, K]``, their memberships as queries (``[B, Nq,
+                H_kv, K]`` with per-head key groups).
             window, scale, softcap: as in :func:`~focus_attention.ops.sparse_attention`.
             key_padding_mask: not read (the layer keeps which keys are real).
             backend: ``FocusConfig.attention_backend``. With ``"auto"`` a decoding-sized call
@@ -156,8 +162,9 @@ class FocusStaticLayer(StaticLayer):
         )  # fmt: skip
 
     def key_groups(self, key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """``(groups bool [B, N, K], real bool [B, N] or None)`` of the ``N`` cached keys
-        (their number read back to the host; ``key_padding_mask`` is not read).
+        """``(groups bool [B, N, K] or [B, N, H_kv, K], real bool [B, N] or None)`` of the
+        ``N`` cached keys (their number read back to the host; ``key_padding_mask`` is not
+        read).
 
         Raises:
             ValueError: keys were cached without their groups (written while Focus was
@@ -194,7 +201,7 @@ class FocusStaticLayer(StaticLayer):
         self.grouped.sub_(abs(tokens_to_remove))
         kept = torch.arange(self.max_cache_len, device=self.groups.device) < self.cumulative_length  # fmt: skip
         self.buckets.crop_(self.cumulative_length.expand(self.groups.shape[0]))
-        self.groups.masked_fill_(~kept[None, :, None], False)
+        self.groups.masked_fill_(~kept[(None, slice(None), *(None,) * (self.groups.dim() - 2))], False)  # fmt: skip
         real = kept[None, :] if self.real is None else self.real & kept
         self.real_count.copy_(real.long().sum(dim=1).expand_as(self.real_count))
 
