@@ -180,6 +180,8 @@ def test_generate_batch_equals_generate_per_request(arch, decoding):
         dict(top_k=1, query_top_k=2),
         dict(top_k=2, window=4),
         dict(inference_routing="streaming", sink_tokens=3, window=4),
+        dict(router_input="query_key"),
+        dict(router_input="query_key", top_k=1, query_top_k=2, sink_tokens=2),
     ],
 )
 def test_settings(settings, decoding):
@@ -197,11 +199,13 @@ def test_sliding_base_layers_of_gemma2_with_dense_heads(decoding):
     ran_padded_batches(decoding)
 
 
-def test_forked_requests_copy_the_groups_of_their_cache_blocks(decoding):
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
+def test_forked_requests_copy_the_groups_of_their_cache_blocks(decoding, router_input):
     """``num_return_sequences=2``: the manager forks each request after its prefill, copying
-    its partly filled cache blocks; the Focus groups are copied with them, so each child
-    (sampling with top_k=1: the greedy tokens) equals the request's own generate."""
-    _, fm = focus("llama")
+    its partly filled cache blocks; the Focus groups (per key-value head for query-key
+    routers) are copied with them, so each child (sampling with top_k=1: the greedy tokens)
+    equals the request's own generate."""
+    _, fm = focus("llama", router_input=router_input)
     requests = prompts()
     gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=None,
                            num_return_sequences=2)  # fmt: skip

@@ -90,7 +90,8 @@ def is_paged_call(kwargs: dict) -> bool:
 class PagedGroups:
     """The groups whose queries see each cached key of one Focus layer, by physical slot of
     the paged cache: bool ``[slots, K]`` (a key's ``top_k`` memberships, every group for one
-    of the first ``sink_tokens`` tokens of its sequence; docs/method.md §3 and §5). Written at
+    of the first ``sink_tokens`` tokens of its sequence; docs/method.md §3 and §5), or
+    ``[slots, H_kv, K]`` for a routing per key-value head (query-key routers). Written at
     ``write_index`` when the layer writes the key, read through ``read_index``; a freed slot
     is always written again before it is read. The tensor grows to the highest slot used."""
 
@@ -99,7 +100,7 @@ class PagedGroups:
         self.sink_tokens: int | None = None
 
     def write(self, slots: torch.Tensor, groups: torch.Tensor, sink_tokens: int) -> None:
-        """Store ``groups`` bool ``[n, K]`` at ``slots`` int ``[n]``.
+        """Store ``groups`` bool ``[n, K]`` (or ``[n, H_kv, K]``) at ``slots`` int ``[n]``.
 
         Raises:
             ValueError: groups stored earlier were computed with another ``sink_tokens``.
@@ -117,7 +118,7 @@ class PagedGroups:
         self.storage[slots.to(self.storage.device)] = groups.to(self.storage.device)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """The groups bool ``[n, K]`` stored at ``slots`` int ``[n]``."""
+        """The groups bool ``[n, K]`` (or ``[n, H_kv, K]``) stored at ``slots`` int ``[n]``."""
         return self.storage.index_select(0, slots.to(self.storage.device))
 
     def copy_blocks(self, source: list[int], dest: list[int], stride: int, page: int) -> None:
@@ -136,7 +137,7 @@ class PagedGroups:
         if self.storage is not None and self.storage.shape[0] >= rows:
             return
         held = 0 if self.storage is None else len(self.storage)
-        grown = like.new_zeros(max(rows, 2 * held), like.shape[-1])
+        grown = like.new_zeros(max(rows, 2 * held), *like.shape[1:])
         if held:
             grown[:held] = self.storage
         self.storage = grown
@@ -200,9 +201,9 @@ class SequenceGroups(KeyGroups):
     """The :class:`~focus_attention.hf.focus_cache.FocusCache` of packed sequences of a Focus
     layer, for one sequence or a batch of decoding steps: ``group_length`` keys before this
     call; :meth:`store_groups` stores the new keys' groups in the paged storage (at
-    ``write_slots`` int ``[B * N_new]``) and sets ``groups`` bool ``[B, Nk, K]`` to the groups
-    of every key (read at ``read_slots`` int ``[B, Nk]``, or None when the sequence reads no
-    cache)."""
+    ``write_slots`` int ``[B * N_new]``) and sets ``groups`` bool ``[B, Nk, K]`` (``[B, Nk,
+    H_kv, K]`` per key-value head) to the groups of every key (read at ``read_slots`` int
+    ``[B, Nk]``, or None when the sequence reads no cache)."""
 
     store: PagedGroups
     write_slots: torch.Tensor
@@ -211,13 +212,14 @@ class SequenceGroups(KeyGroups):
     groups: torch.Tensor | None = None
 
     def store_groups(self, groups: torch.Tensor, sink_tokens: int = 0) -> None:
-        """Store the new keys' groups bool ``[B, N_new, K]`` (sinks included) at their slots."""
+        """Store the new keys' groups bool ``[B, N_new, K]`` or ``[B, N_new, H_kv, K]`` (sinks
+        included) at their slots."""
         self.store.write(self.write_slots, groups.flatten(0, 1), sink_tokens)
         if self.read_slots is None:
             self.groups = groups
         else:
             read = self.store.read(self.read_slots.flatten())
-            self.groups = read.view(*self.read_slots.shape, read.shape[-1])
+            self.groups = read.view(*self.read_slots.shape, *read.shape[1:])
 
 
 # --------------------------------------------------------------------------------------------

@@ -165,26 +165,22 @@ def _straight_through_groups(router: Any, scores: torch.Tensor, bias: torch.Tens
     return router.causal_groups(scores.detach(), config.resolved_query_top_k, bias), keys
 
 
-def check_query_key_routing(mode: str, config: Any, cache: Any = None) -> None:
+def check_query_key_routing(mode: str, config: Any) -> None:
     """Refuse what query-key routers (``FocusConfig.router_input="query_key"``,
     docs/method.md §4) cannot run: soft routing (they train with ``focus train --objective
-    attention`` or ``coverage``), ``inference_routing="sequence"``, ``dense_heads``, and the
-    paged cache (its group buckets are shared by the heads).
+    attention`` or ``coverage``), ``inference_routing="sequence"`` and ``dense_heads``.
 
     Raises:
-        ValueError: naming the setting or cache and what to use instead.
+        ValueError: naming the setting and what to use instead.
     """
     what = None
     if mode == "soft":
-        what = ("soft (Sinkhorn) routing: it trains with focus train --objective attention; "
-                "use eval() or set_routing('topk')")  # fmt: skip
+        what = ("soft (Sinkhorn) routing: it trains with focus train --objective attention or "
+                "coverage; use eval() or set_routing('topk')")  # fmt: skip
     elif config.inference_routing == "sequence":
         what = "inference_routing='sequence' (no Sinkhorn): use 'causal'"
     elif config.dense_heads:
         what = "dense_heads (its groups are per key-value head): use dense_layers"
-    elif isinstance(cache, PagedGroups):
-        what = ("the paged KV cache (continuous batching), whose group buckets all heads "
-                "share: decode with the dynamic or the static cache")  # fmt: skip
     if what is not None:
         raise ValueError(f"FocusConfig.router_input='query_key' cannot run {what}")
 
@@ -198,7 +194,7 @@ def check_cache_routing(mode: str, config: Any, cache: Any) -> None:
             routers cannot run (:func:`check_query_key_routing`).
     """
     if config.router_input == "query_key":
-        check_query_key_routing(mode, config, cache)
+        check_query_key_routing(mode, config)
     if mode == "topk" and config.inference_routing == "sequence":
         raise ValueError(
             "inference_routing='sequence' (the paper's sequence-wide Sinkhorn) is not causal: "
