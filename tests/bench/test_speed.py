@@ -399,56 +399,47 @@ def test_device_synchronize_waits_for_cuda_only():
     assert device_synchronize("cuda:0") is torch.cuda.synchronize
 
 
+def _decode_share(fm) -> float:
+    """The model level's share of keys seen over 10 decoding steps after a 30-token prompt."""
+    from tiny import ids
+
+    from focus_attention.bench.decode_model import attention_shape, recorded_reads, recorded_share
+    from focus_attention.hf.compat import cache_kwargs, cache_of
+
+    x = ids(1, 40, seed=1)
+    with torch.inference_mode():
+        cache = cache_of(fm(input_ids=x[:, :30], use_cache=True))
+        pos = iter(range(30, 40))
+
+        def step():
+            i = next(pos)
+            fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
+
+        kv_heads = attention_shape(fm.base_model)["kv_heads"]
+        return recorded_share(fm, recorded_reads(fm, step, kv_heads))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_recorded_share_on_models_with_and_without_grouped_query_heads(arch):
     """The model level's share reads the key-value head count the model has (GPT-2 names
     none): a dense head raises the share above routing alone, below every key."""
-    from tiny import focus, ids
-
-    from focus_attention.bench.decode_model import attention_shape, recorded_reads, recorded_share
-    from focus_attention.hf.compat import cache_kwargs, cache_of
-
-    def share(fm) -> float:
-        x = ids(1, 40, seed=1)
-        with torch.inference_mode():
-            cache = cache_of(fm(input_ids=x[:, :30], use_cache=True))
-            pos = iter(range(30, 40))
-
-            def step():
-                i = next(pos)
-                fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
-
-            kv_heads = attention_shape(fm.base_model)["kv_heads"]
-            return recorded_share(fm, recorded_reads(fm, step, kv_heads))
+    from tiny import focus
 
     _, fm = focus(arch, num_groups=4, top_k=1, window=8)
-    routed = share(fm)
+    routed = _decode_share(fm)
     fm.focus_config = fm.focus_config.replace(dense_heads=((fm.focus_layers[-1], 0),))
-    assert routed < share(fm) < 1.0
+    assert routed < _decode_share(fm) < 1.0
 
 
 def test_recorded_share_of_query_key_routers_is_per_key_value_head():
-    """Query-key routers route each key-value head: the share is averaged over the heads,
-    not summed, so one group (every key in it) sees every key, and K = 4 sees fewer."""
-    from tiny import focus, ids
-
-    from focus_attention.bench.decode_model import attention_shape, recorded_reads, recorded_share
-    from focus_attention.hf.compat import cache_kwargs, cache_of
+    """Query-key routers route each key-value head (here 2): the share is averaged over the
+    heads, not summed, so one group (every key in it) sees every key, and K = 4 fewer."""
+    from tiny import focus
 
     def share(num_groups: int) -> float:
         _, fm = focus("llama", num_groups=num_groups, top_k=1, window=8, router_input="query_key")
-        x = ids(1, 40, seed=1)
-        with torch.inference_mode():
-            cache = cache_of(fm(input_ids=x[:, :30], use_cache=True))
-            pos = iter(range(30, 40))
-
-            def step():
-                i = next(pos)
-                fm(input_ids=x[:, i : i + 1], use_cache=True, **cache_kwargs(cache))
-
-            kv_heads = attention_shape(fm.base_model)["kv_heads"]
-            assert kv_heads > 1
-            return recorded_share(fm, recorded_reads(fm, step, kv_heads))
+        assert fm.base_model.config.num_key_value_heads > 1
+        return _decode_share(fm)
 
     assert share(1) == pytest.approx(1.0)
     assert 8 / 40 < share(4) < 1.0

@@ -90,31 +90,19 @@ def test_static_cache_of_query_key_routers_decodes_as_the_dynamic_one(arch, quer
         assert torch.equal(counts, groups.sum(dim=1).to(counts.dtype))
 
 
-def test_static_cache_of_query_key_routers_with_left_padding_and_chunks():
-    """Left padding, and a prompt in chunks then single steps, as the forward without a cache."""
-    _, fm = focus("qwen2", num_groups=4, top_k=1, window=8, sink_tokens=3, router_input="query_key")
-    x, mask = left_pad([ids(1, 37, seed=40)[0], ids(1, 25, seed=41)[0]])
-    assert_same_decoding(greedy(fm, x, mask, cache_implementation="static"), greedy(fm, x, mask))
-    x = ids(1, 38, seed=42)
-    with torch.no_grad():
-        full = fm(input_ids=x, use_cache=False).logits
-        cache = StaticCache(config=fm.config, max_cache_len=48)
-        for start, stop in [(0, 30), (30, 33)] + [(i, i + 1) for i in range(33, 38)]:
-            out = fm(input_ids=x[:, start:stop], **cache_kwargs(cache), use_cache=True).logits
-            assert (out - full[:, start:stop]).abs().max() <= 1e-5, (start, stop)
-
-
-def test_static_cache_with_left_padding_decodes_as_the_dynamic_one():
-    _, fm = focus("qwen2", num_groups=4, top_k=1, window=8, sink_tokens=3)
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
+def test_static_cache_with_left_padding_decodes_as_the_dynamic_one(router_input):
+    _, fm = focus("qwen2", num_groups=4, top_k=1, window=8, sink_tokens=3, router_input=router_input)  # fmt: skip
     x, mask = left_pad([ids(1, 37, seed=33)[0], ids(1, 25, seed=34)[0]])
     static = greedy(fm, x, mask, cache_implementation="static")
     assert_same_decoding(static, greedy(fm, x, mask))
 
 
-def test_prompt_in_chunks_then_steps_equal_the_full_forward():
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
+def test_prompt_in_chunks_then_steps_equal_the_full_forward(router_input):
     """A static cache filled by a prompt of 30 tokens, then 3 at once, then 1 at a time: each
     call's logits equal the matching rows of one forward without a cache."""
-    _, fm = focus("llama", num_groups=4, top_k=2, window=8, sink_tokens=2)
+    _, fm = focus("llama", num_groups=4, top_k=2, window=8, sink_tokens=2, router_input=router_input)  # fmt: skip
     x = ids(1, 38, seed=35)
     with torch.no_grad():
         full = fm(input_ids=x, use_cache=False).logits
