@@ -62,10 +62,11 @@ def test_beam_search_with_each_cache_equals_the_dynamic_cache(arch, implementati
     _assert_same(other, dynamic)
 
 
-def test_prompt_lookup_decoding_with_the_static_cache_equals_the_dynamic_cache():
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
+def test_prompt_lookup_decoding_with_the_static_cache_equals_the_dynamic_cache(router_input):
     """Prompt-lookup (assisted) decoding verifies several drafted tokens per step and crops
     the rejected ones from the cache: the static cache's buckets forget them as its keys do."""
-    _, fm = focus("llama", **SETTINGS)
+    _, fm = focus("llama", **SETTINGS, router_input=router_input)
     phrase = ids(1, 12, seed=73)
     x = torch.cat([phrase, ids(1, 10, seed=74), phrase, phrase[:, :4]], dim=1)
     kw = dict(max_new_tokens=24, prompt_lookup_num_tokens=4)
@@ -108,14 +109,15 @@ OPERATIONS = {
 }
 
 
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 @pytest.mark.parametrize("op", sorted(OPERATIONS))
-def test_batch_operations_keep_the_cache_in_step(op, kind):
+def test_batch_operations_keep_the_cache_in_step(op, kind, router_input):
     """A left-padded batch of 3 prompts fills the cache; the operation rearranges its rows;
     the decoding steps that follow give the logits of a dynamic cache filled with the
     rearranged prompts (sinks, padding and groups of each row moved with its keys)."""
     apply, rows = OPERATIONS[op]
-    _, fm = focus("llama", **SETTINGS)
+    _, fm = focus("llama", **SETTINGS, router_input=router_input)
     x, mask = left_pad([ids(1, 30, seed=75)[0], ids(1, 21, seed=76)[0], ids(1, 26, seed=77)[0]])
     index = torch.tensor(rows)
     steps = ids(len(rows), 6, seed=78)
@@ -129,12 +131,14 @@ def test_batch_operations_keep_the_cache_in_step(op, kind):
         torch.testing.assert_close(got, expected, **tolerance("oracle"), msg=f"step {t}")
 
 
+@pytest.mark.parametrize("router_input", ["hidden_state", "query_key"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_a_cropped_cache_decodes_as_one_that_never_held_the_removed_tokens(kind):
+def test_a_cropped_cache_decodes_as_one_that_never_held_the_removed_tokens(kind, router_input):
     """Prompt, 5 steps, crop the last 3, then 4 other steps: the logits equal a dynamic cache
     that only ever held the prompt and the 2 kept steps (the buckets, counts and real-token
-    marks of the static cache forget the removed keys)."""
-    _, fm = focus("llama", **SETTINGS)
+    marks of the static cache forget the removed keys; per key-value head with query-key
+    routers)."""
+    _, fm = focus("llama", **SETTINGS, router_input=router_input)
     x, mask = left_pad([ids(1, 30, seed=79)[0], ids(1, 24, seed=80)[0]])
     first, then = ids(2, 5, seed=81), ids(2, 4, seed=82)
     reference = DynamicCache(config=fm.config)
@@ -150,8 +154,9 @@ def test_a_cropped_cache_decodes_as_one_that_never_held_the_removed_tokens(kind)
     if kind == "static":
         layer = cache.layers[0]
         assert isinstance(layer, FocusStaticLayer)
-        groups, _ = layer.key_groups()
-        assert torch.equal(layer.buckets.count[:, 0], groups.sum(dim=1).to(torch.int32))
+        groups, _ = layer.key_groups()  # [B, N, K], or [B, N, H_kv, K] per head
+        count = layer.buckets.count if groups.dim() == 4 else layer.buckets.count[:, 0]
+        assert torch.equal(count, groups.sum(dim=1).to(torch.int32))
     else:
         assert isinstance(cache.layers[0], FocusCacheLayer)
 
