@@ -265,6 +265,26 @@ def test_decode_and_model_benchmarks_with_dense_layers(tmp_path, monkeypatch, ke
         run_model_benchmark(replace(cfg, query_top_k=5))
 
 
+def test_model_benchmark_records_the_adapters_number_of_groups(tmp_path, monkeypatch, kernel_built):
+    """With an adapter the result records its K (here 3, a query-key adapter), not the
+    ``num_groups`` of fresh routers."""
+    from tiny_assets import make_tiny_assets, use_tiny_assets
+    from transformers import AutoModelForCausalLM
+
+    from focus_attention.bench.model import ModelBenchConfig, run_model_benchmark
+    from focus_attention.hf import FocusConfig, get_focus_model
+
+    assets = use_tiny_assets(make_tiny_assets(tmp_path), monkeypatch)
+    base = AutoModelForCausalLM.from_pretrained(assets["model"])
+    settings = FocusConfig(num_groups=3, top_k=1, window=8, router_input="query_key")
+    get_focus_model(base, settings).save_pretrained(tmp_path / "adapter")
+    cfg = ModelBenchConfig(model=str(assets["model"]), corpus=str(assets["corpus"]),
+                           adapter=str(tmp_path / "adapter"), lengths=(32,), top_k=(1,),
+                           warmup_tokens=8, threads=1, progress=False, floor=False)  # fmt: skip
+    assert cfg.num_groups == 8
+    assert run_model_benchmark(cfg)["config"]["num_groups"] == 3
+
+
 def _decode_in(tmp_path, monkeypatch, **kw) -> dict:
     """``focus bench decode`` of the tiny model at both levels, 24 cached tokens."""
     from tiny_assets import make_tiny_assets, use_tiny_assets

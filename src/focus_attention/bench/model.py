@@ -14,6 +14,7 @@ from transformers.modeling_utils import AttentionInterface
 from ..hf import FocusConfig, FocusModel, get_focus_model
 from ..hf.architectures import text_config_of
 from ..hf.files import weights_file_sha256
+from ..settings import adapter_groups
 from ..utils.checks import bad
 from ..utils.env import environment, library_versions
 from ..utils.io import read_json_record
@@ -215,7 +216,9 @@ def _prefill_row(config: ModelBenchConfig, model: Any, ids: torch.Tensor, n: int
 
 def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int | None, device: str) -> dict[str, Any]:  # fmt: skip
     """The ``config`` record of a result: the settings, the windows the rows ran, the
-    model's ``max_position_embeddings`` (``positions``) and weights, and the device."""
+    model's ``max_position_embeddings`` (``positions``) and weights, the device, and the
+    routers' K (the adapter's, else ``num_groups``)."""
+    groups = adapter_groups(config.adapter) or config.num_groups
     return {
         "model": config.model,
         **weights_record(config.model, config.seed),
@@ -223,7 +226,7 @@ def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int
         "corpus": config.corpus,
         "lengths": list(config.lengths),
         "top_ks": list(config.top_k),
-        "num_groups": config.num_groups,
+        "num_groups": groups,
         "windows": sorted({r["window"] for r in rows if r["window"] is not None}),
         "repeats": config.repeats,
         "warmup": config.warmup,
@@ -235,7 +238,7 @@ def _record(config: ModelBenchConfig, rows: list[dict[str, Any]], positions: int
         "batch_size": 1,
         "forward": "inference_mode, use_cache=False, logits_to_keep=1",
         "sparse_backend": sparse_backend_name(
-            config.attention_backend or "auto", config.num_groups, device, config.dtype
+            config.attention_backend or "auto", groups, device, config.dtype
         ),  # fmt: skip
         "routers": routers_record(config.adapter),
         "dense_layers": None if config.dense_layers is None else list(config.dense_layers),
