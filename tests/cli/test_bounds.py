@@ -101,6 +101,7 @@ OWN = {
         "--distill-weight": at_least(0),
         "--coverage-queries": at_least(0),
         "--retrieval-blocks": at_least(0),
+        "--question-weight": above(0, "--retrieval-blocks", "2", "--objective", "coverage"),
         "--base-lr": above(0, "--method", "focus+lora"),
         "--lora-alpha": above(0, "--method", "focus+lora"),
         "--lora-dropout": at_least(0, "--method", "focus+lora", high=1, high_open=True),
