@@ -126,7 +126,7 @@ def row_weights(rows: torch.Tensor, num_queries: int, tail: int, weight: float) 
     """Weights of the sampled query ``rows`` (int64 ``[R]``, :func:`coverage_rows`) in the
     coverage and attention objectives, float32 ``[R, 1]``: ``weight`` for the last ``tail``
     queries of the block (a needle prompt's question), 1 for the others."""
-    question = rows >= num_queries - tail if tail else torch.zeros_like(rows, dtype=torch.bool)
+    question = rows >= num_queries - tail  # none with tail 0: every row is < num_queries
     return torch.where(question, float(weight), 1.0).to(torch.float32)[:, None]
 
 
