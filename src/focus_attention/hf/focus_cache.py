@@ -29,7 +29,14 @@ import torch
 
 from ..ops import sparse_attention
 
-__all__ = ["CallKeys", "FocusCache", "KeyGroups"]
+__all__ = ["CallKeys", "FocusCache", "KeyGroups", "over_groups"]
+
+
+def over_groups(mask: torch.Tensor, groups_dim: int) -> torch.Tensor:
+    """``mask`` (bool ``[B, N]``, or ``[1, N]``) indexed to broadcast over the group axes of
+    memberships of rank ``groups_dim``: ``[B, N, K]`` (3) or, per key-value head,
+    ``[B, N, H_kv, K]`` (4)."""
+    return mask[(..., *(None,) * (groups_dim - 2))]
 
 
 class FocusCache(Protocol):
@@ -107,7 +114,7 @@ class KeyGroups:
         """See :meth:`FocusCache.append_groups`: a sink joins every group (of every head,
         for memberships per key-value head ``[B, N, H_kv, K]``)."""
         if sinks_new is not None:
-            sinks_new = sinks_new[(..., *(None,) * (key_groups.dim() - 2))]
+            sinks_new = over_groups(sinks_new, key_groups.dim())
         groups = key_groups if sinks_new is None else key_groups | sinks_new
         self.store_groups(groups, sink_tokens)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..utils.precision import autocast_dtype
-from .focus_cache import CallKeys, FocusCache
+from .focus_cache import CallKeys, FocusCache, over_groups
 from .masks import FocusMask, sink_keys, unsupported_mask_message
 
 __all__ = [
@@ -87,7 +87,7 @@ class LayerCall:
         with padding queries in no group."""
         if self.real_q is None:
             return groups
-        return groups & self.real_q[(..., *(None,) * (groups.dim() - 2))]
+        return groups & over_groups(self.real_q, groups.dim())
 
 
 def call_state(handle: Any, attention_mask: Any) -> dict:

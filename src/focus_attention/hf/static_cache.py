@@ -23,6 +23,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from ..ops import sparse_attention
 from ..ops.sparse import GroupBuckets, decode_attention, decoding_sized
+from .focus_cache import over_groups
 
 __all__ = ["FocusStaticLayer", "focus_static_layer", "is_static_layer"]
 
@@ -87,7 +88,6 @@ class FocusStaticLayer(StaticLayer):
         """
         bsz, n = key_groups.shape[:2]
         self._check_groups(bsz, tuple(key_groups.shape[2:]), sink_tokens)
-        spread = (..., *(None,) * (key_groups.dim() - 2))  # a [B, N] mask over the groups
         device = key_groups.device
         positions = self.cumulative_length - n + torch.arange(n, device=device)
         if real_new is not None and self.real is None:  # padding from now on: earlier keys real
@@ -95,7 +95,8 @@ class FocusStaticLayer(StaticLayer):
         real = torch.ones(bsz, n, dtype=torch.bool, device=device) if real_new is None else real_new  # fmt: skip
         index = self.real_count[:, None] + real.long().cumsum(dim=1) - 1  # among real tokens
         sinks = real & (index < sink_tokens)
-        keys = (key_groups | sinks[spread]) & real[spread]
+        rank = key_groups.dim()
+        keys = (key_groups | over_groups(sinks, rank)) & over_groups(real, rank)
         self.real_count.add_(real.long().sum(dim=1))
         self.grouped.add_(n)
         if self.real is not None:
@@ -201,7 +202,7 @@ class FocusStaticLayer(StaticLayer):
         self.grouped.sub_(abs(tokens_to_remove))
         kept = torch.arange(self.max_cache_len, device=self.groups.device) < self.cumulative_length  # fmt: skip
         self.buckets.crop_(self.cumulative_length.expand(self.groups.shape[0]))
-        self.groups.masked_fill_(~kept[(None, slice(None), *(None,) * (self.groups.dim() - 2))], False)  # fmt: skip
+        self.groups.masked_fill_(~over_groups(kept[None], self.groups.dim()), False)
         real = kept[None, :] if self.real is None else self.real & kept
         self.real_count.copy_(real.long().sum(dim=1).expand_as(self.real_count))
 
