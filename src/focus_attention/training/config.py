@@ -19,9 +19,10 @@ __all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainCo
 
 #: training losses (docs/method.md §6, "Objectives")
 OBJECTIVES = ("lm", "distill", "mix", "coverage", "attention")
-#: the objectives of query-key routers (``FocusConfig.router_input="query_key"``), which have
-#: no soft routing of the whole model
-QUERY_KEY_OBJECTIVES = ("attention", "coverage")
+#: the objectives that score the routers against the dense model's recorded attention on
+#: sampled queries, with no soft forward of the model: the only ones of query-key routers
+#: (``FocusConfig.router_input="query_key"``), and those ``question_weight`` weighs
+RECORDED_OBJECTIVES = ("attention", "coverage")
 
 #: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
 #: on the attention projections (dense); every attention weight (dense); every base weight
@@ -311,7 +312,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         if self.question_weight != 1.0 and not self.retrieval_blocks:
             raise bad(owner, "question_weight", self.question_weight,
                       "1 without --retrieval-blocks, whose questions it weighs")  # fmt: skip
-        if self.question_weight != 1.0 and self.objective not in ("coverage", "attention"):
+        if self.question_weight != 1.0 and self.objective not in RECORDED_OBJECTIVES:
             raise bad(owner, "question_weight", self.question_weight,
                       "1 with --objective coverage or attention, the objectives it weighs")  # fmt: skip
         if self.init_adapter is not None:
@@ -417,7 +418,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad("TrainConfig", "objective", "attention",
                       "another objective unless focus.router_input is 'query_key' (it trains "
                       "query-key routers)")  # fmt: skip
-        if query_key and self.objective not in QUERY_KEY_OBJECTIVES:
+        if query_key and self.objective not in RECORDED_OBJECTIVES:
             raise bad("TrainConfig", "focus.router_input", "query_key",
                       f"'hidden_state' with objective {self.objective!r} (query-key routers "
                       "have no soft routing: train them with --objective attention or "
@@ -444,7 +445,7 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
                 True,
                 f"False with method {self.method!r} (it trains no Focus routing)",
             )
-        if self.focus.straight_through and self.objective in ("coverage", "attention"):
+        if self.focus.straight_through and self.objective in RECORDED_OBJECTIVES:
             raise bad(
                 owner,
                 "focus.straight_through",
