@@ -6,6 +6,7 @@ the dynamic cache against recomputing, the settings' round trip and refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -110,6 +111,126 @@ def test_memberships_equal_a_float64_brute_force_from_the_pre_rotary_states(arch
         assert rec["key_groups"].shape == (2, N, k.shape[1], 4)
         assert torch.equal(rec["key_groups"], keys), i
         assert torch.equal(rec["query_groups"], _brute_groups(query_scores, query_top_k)), i
+
+
+def _reference_scores(router, module, hidden):
+    """``(key scores, query scores)`` float64 from the pre-rotary states of a float64 copy
+    of ``module``."""
+    with torch.no_grad():
+        q, k = router.query_key(copy.deepcopy(module).double(), hidden.double())
+    c, bias = router.centroids.double(), router.routing_bias.double()
+    keys = torch.einsum("bhnd,hkd->bnhk", k - router.key_mean.double()[:, None], c) + bias
+    grouped = q.view(q.shape[0], k.shape[1], -1, *q.shape[2:])
+    if router.query_pooling == "mean":
+        return keys, torch.einsum("bhnd,hkd->bnhk", grouped.mean(2), c) + bias
+    return keys, torch.einsum("bhgnd,hkd->bnhgk", grouped, c).amax(3) + bias
+
+
+def _pairs(fm):
+    """``(attention module, its router)`` of each Focus layer."""
+    return [(fm._modules_by_layer[int(i)], router) for i, router in fm.routers.items()]
+
+
+def _perturb(router, seed):
+    g = torch.Generator().manual_seed(seed)
+    router.key_mean.normal_(generator=g)
+    router.routing_bias.uniform_(-0.1, 0.1, generator=g)
+
+
+@pytest.mark.parametrize(
+    ("arch", "pooling", "dtype"),
+    [("llama", "mean", torch.float32), ("qwen2", "mean", torch.float32), ("gpt2", "mean", torch.float32),
+     ("gemma2", "max", torch.float32), ("qwen2", "max", torch.bfloat16), ("llama", "mean", torch.float16)],
+)  # fmt: skip
+def test_folded_scores_equal_the_scores_of_the_pre_rotary_states(arch, pooling, dtype):
+    """The centroids folded into the module's query and key maps score as the recomputed
+    states do: against float64, at most twice the recomputation's own error (plus float32
+    rounding of the folded matrix)."""
+    _, fm = focus(arch, dtype=dtype, query_pooling=pooling, **QK)
+    hidden = torch.randn(2, 17, fm.base_model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)  # fmt: skip
+    for module, router in _pairs(fm):
+        _perturb(router, router.layer_idx)
+        folded = router.folded_scores(module, hidden)
+        assert folded is not None, arch
+        with torch.no_grad():
+            query, key = router.query_key(module, hidden)
+            plain = router.key_scores(key), router.query_scores(query)
+        for got, base, want in zip(folded, plain, _reference_scores(router, module, hidden), strict=True):  # fmt: skip
+            assert got.shape == want.shape and got.dtype == torch.float32
+            err, base_err = (got.double() - want).abs().max(), (base.double() - want).abs().max()
+            assert err <= 2 * base_err + 1e-5 * want.abs().max(), (arch, float(err), float(base_err))
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "olmo2"])
+def test_query_key_norms_are_not_folded(arch):
+    _, fm = focus(arch, **QK)
+    module, router = _pairs(fm)[0]
+    assert router.folded_scores(module, torch.zeros(1, 3, fm.base_model.config.hidden_size)) is None
+
+
+def test_a_wrapped_projection_is_not_folded_and_routes_through_its_forward():
+    """An adapter around ``q_proj`` (here a subclass, as LoRA layers are) changes the
+    queries: the router then recomputes them with it."""
+
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    _, fm = focus("llama", **QK)
+    hidden = torch.randn(1, 9, fm.base_model.config.hidden_size)
+    for module in fm._modules_by_layer.values():
+        old = module.q_proj
+        module.q_proj = Shifted(old.in_features, old.out_features, bias=False)
+        module.q_proj.load_state_dict(old.state_dict())
+    module, router = _pairs(fm)[0]
+    assert router.folded_scores(module, hidden) is None
+    _, queries = router.group_sets(module, hidden, (1, 1))
+    with torch.no_grad():
+        query, _ = router.query_key(module, hidden)
+    assert torch.equal(queries, query_key_module.head_memberships(router.query_scores(query), 1))
+
+
+def test_the_folded_maps_follow_in_place_changes_of_centroids_bias_and_projections():
+    """Training steps and loads change the centroids, ``key_mean``, ``routing_bias`` and
+    the projections in place: the next call folds them again. A change through ``.data``
+    (no version counter) is seen after ``train()`` / ``eval()``."""
+    _, fm = focus("qwen2", **QK)
+    module, router = _pairs(fm)[0]
+    hidden = torch.randn(2, 11, fm.base_model.config.hidden_size, generator=torch.Generator().manual_seed(4))  # fmt: skip
+
+    def check():
+        want = _reference_scores(router, module, hidden)
+        for got, ref in zip(router.folded_scores(module, hidden), want, strict=True):
+            torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+    check()
+    changes = (
+        lambda: router.centroids.mul_(-2.0),
+        lambda: router.key_mean.add_(0.5),
+        lambda: router.routing_bias.uniform_(-1, 1),
+        lambda: module.q_proj.weight.mul_(1.5),
+        lambda: module.k_proj.bias.add_(0.3),
+        lambda: (router.centroids.data.mul_(0.5), fm.eval()),
+        lambda: router.load_state_dict({**router.state_dict(), "centroids": torch.randn_like(router.centroids)}),  # fmt: skip
+    )
+    for change in changes:
+        with torch.no_grad():
+            change()
+        check()
+
+
+def test_routing_computes_no_query_or_key_projection_beyond_the_modules_own():
+    """With folded maps a forward runs each layer's ``q_proj`` and ``k_proj`` once (the
+    attention's own), not again for routing."""
+    _, fm = focus("llama", **QK)
+    calls = []
+    hooks = [getattr(m, name).register_forward_hook(lambda *_: calls.append(1))
+             for m, _ in _pairs(fm) for name in ("q_proj", "k_proj")]  # fmt: skip
+    with torch.no_grad():
+        fm(input_ids=ids(1, N, seed=2), use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 * len(fm.routers)
 
 
 def _oracle_sparse_attention(query, key, value, query_groups, key_groups, window, *, scale=None, key_padding_mask=None, softcap=None, backend="auto"):  # fmt: skip

@@ -3,11 +3,15 @@ head, learnable centroids score each key's vector and each query's vector (poole
 query heads that share the key-value head), both taken before the rotary embedding.
 
 The attention function receives queries and keys after the rotary embedding, which makes
-their direction depend on the position. The router recomputes them from the hidden state the
-pre-hook passes, with the attention module's own projections (and its query/key norms where
-the architecture has them, :data:`PRE_ROTARY`): one extra query and key projection per Focus
-layer and call. A key's groups depend on that key only, so routing stays causal and a KV
-cache keeps each key's groups.
+their direction depend on the position. The router scores them from the hidden state the
+pre-hook passes, with the attention module's own projections. Where those are linear (no
+query/key norm, plain ``nn.Linear`` or GPT-2's ``Conv1D``: :data:`LINEAR_QUERY_KEY`), the
+centroids are folded into them once: the scores are one ``[d_model, H_kv * K + H * K]``
+product of the hidden state (``H_kv * K`` query columns with mean pooling), not a query and
+key projection per Focus layer and call. Elsewhere (QK-norms, adapters wrapping the
+projections) the router recomputes the pre-rotary states (:data:`PRE_ROTARY`). A key's
+groups depend on that key only, so routing stays causal and a KV cache keeps each key's
+groups.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..ops import sinkhorn, topk_memberships
 from .router import ROUTER_DTYPE, FocusRouter, checks_nan, init_generator, orthonormal_columns
 
 __all__ = [
+    "LINEAR_QUERY_KEY",
     "PRE_ROTARY",
     "QueryKeyRouter",
     "check_query_key_model",
@@ -68,6 +73,51 @@ PRE_ROTARY: dict[str, Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, to
     "gemma3_text": _projections,
     "olmo2": _normed_projections,
 }
+
+
+Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
+def _separate_weights(module: nn.Module) -> Weights | None:
+    """``q_proj`` / ``k_proj`` of exactly ``nn.Linear`` (no adapter around them) and no
+    QK-norm."""
+    q, k = module.q_proj, module.k_proj
+    if hasattr(module, "q_norm") or type(q) is not nn.Linear or type(k) is not nn.Linear:
+        return None
+    return q.weight, q.bias, k.weight, k.bias
+
+
+def _fused_weights(module: nn.Module) -> Weights | None:
+    """GPT-2's ``c_attn`` ``Conv1D`` (weight ``[d_model, 3 * d_model]``)."""
+    proj, split = module.c_attn, module.split_size
+    if type(proj).__name__ != "Conv1D":
+        return None
+    w, b = proj.weight, proj.bias
+    return w[:, :split].t(), b[:split], w[:, split : 2 * split].t(), b[split : 2 * split]
+
+
+#: per model type, the affine maps from the hidden state to the pre-rotary queries and keys:
+#: ``(W_q [H * D, d_model], b_q [H * D] | None, W_k [H_kv * D, d_model], b_k | None)``, or
+#: None where the module's are not plain affine maps (the router then recomputes the states)
+LINEAR_QUERY_KEY: dict[str, Callable[[nn.Module], Weights | None]] = {
+    "gpt2": _fused_weights,
+    "llama": _separate_weights,
+    "mistral": _separate_weights,
+    "qwen2": _separate_weights,
+    "gemma2": _separate_weights,
+    "gemma3_text": _separate_weights,
+    "olmo2": lambda module: None,  # q_norm / k_norm over the whole projection
+}
+
+
+def _stamp(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
+    """What identifies the values of ``tensors``: storage, device, dtype and the in-place
+    version counter (inference tensors have none: they cannot change outside inference
+    mode)."""
+    return tuple(
+        None if t is None else (t.data_ptr(), t.device, t.dtype, None if t.is_inference() else t._version)  # fmt: skip
+        for t in tensors
+    )
 
 
 def check_query_key_model(model_type: str) -> None:
@@ -157,6 +207,8 @@ class QueryKeyRouter(FocusRouter):
         self.register_buffer("routing_bias", torch.zeros(num_kv_heads, num_groups, **kw))
         self.register_buffer("bias_updates", torch.zeros((), dtype=torch.long, device=device))
         self.holds_values, self._never_initialised = False, True
+        self._fold: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fold_stamp: tuple | None = None
         self.reset_parameters(self.seed)
 
     @torch.no_grad()
@@ -203,6 +255,54 @@ class QueryKeyRouter(FocusRouter):
             scores = torch.einsum("bhnd,hkd->bnhk", grouped.mean(dim=2), self.centroids)
         return scores + self.routing_bias
 
+    def folded_scores(self, module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``(key scores, query scores)`` ``[B, N, H_kv, K]`` float32 of ``hidden``
+        ``[B, N, d_model]`` entering ``module``, as :meth:`key_scores` and
+        :meth:`query_scores` of its pre-rotary states, from one product with the centroids
+        folded into the module's query and key maps (:data:`LINEAR_QUERY_KEY`); None where
+        those maps are not plain affine ones. The folded matrix is built in float64 and kept
+        until the centroids, ``key_mean``, ``routing_bias`` or the projections change (their
+        storage or version counter: every in-place operation, an optimiser step and
+        ``load_state_dict`` included) or :meth:`train` is called (a change through
+        ``.data`` moves no version counter: call ``eval()`` after it)."""
+        weights = LINEAR_QUERY_KEY[self.model_type](module)
+        if weights is None:
+            return None
+        stamp = _stamp((self.centroids, self.key_mean, self.routing_bias, *weights))
+        if stamp != self._fold_stamp:
+            self._fold, self._fold_stamp = self._folded_maps(*weights), stamp
+        matrix, offset = self._fold
+        bsz, n = hidden.shape[:2]
+        flat = torch.addmm(offset, hidden.reshape(bsz * n, -1).to(matrix.dtype), matrix)
+        hk, k = self.num_kv_heads, self.num_groups
+        keys, queries = flat.split([hk * k, flat.shape[1] - hk * k], dim=1)
+        pooled = queries.reshape(bsz, n, hk, -1, k).amax(dim=3)  # one column block per head: mean pooling
+        return keys.reshape(bsz, n, hk, k), pooled
+
+    def train(self, mode: bool = True) -> QueryKeyRouter:
+        """``nn.Module.train``; also drops the folded maps of :meth:`folded_scores`."""
+        self._fold = self._fold_stamp = None
+        return super().train(mode)
+
+    @torch.no_grad()
+    def _folded_maps(self, w_q: torch.Tensor, b_q: torch.Tensor | None, w_k: torch.Tensor,
+                     b_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(matrix [d_model, H_kv * K + P * K], offset [H_kv * K + P * K])`` float32 with
+        ``P = H_kv`` (mean pooling) or ``H`` (max pooling): key columns ``W_k^T c`` with
+        offset ``(b_k - key_mean) . c + routing_bias``, then query columns per pooled head."""
+        c, bias = self.centroids.double(), self.routing_bias.double()
+        hk, k, d = c.shape
+        w_k, w_q = w_k.detach().double().view(hk, d, -1), w_q.detach().double().view(hk, -1, d, w_k.shape[1])  # fmt: skip
+        shift = -self.key_mean.double() if b_k is None else b_k.detach().double().view(hk, d) - self.key_mean.double()  # fmt: skip
+        b_q = w_q.new_zeros(w_q.shape[:3]) if b_q is None else b_q.detach().double().view(w_q.shape[:3])  # fmt: skip
+        if self.query_pooling == "mean":
+            w_q, b_q = w_q.mean(dim=1, keepdim=True), b_q.mean(dim=1, keepdim=True)
+        matrix = torch.cat([torch.einsum("hdm,hkd->mhk", w_k, c).flatten(1),
+                            torch.einsum("hgdm,hkd->mhgk", w_q, c).flatten(1)], dim=1)  # fmt: skip
+        offset = torch.cat([(torch.einsum("hd,hkd->hk", shift, c) + bias).flatten(),
+                            (torch.einsum("hgd,hkd->hgk", b_q, c) + bias[:, None]).flatten()])  # fmt: skip
+        return matrix.to(ROUTER_DTYPE).contiguous(), offset.to(ROUTER_DTYPE)
+
     def balanced_keys(self, key_scores: torch.Tensor, n_iter: int, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sinkhorn-balanced soft groups of the keys whose :meth:`key_scores` are
         ``key_scores`` ``[B, N, H_kv, K]``, per key-value head (docs/method.md §2): rows
@@ -227,8 +327,11 @@ class QueryKeyRouter(FocusRouter):
             ValueError: NaN scores, where :func:`~.router.checks_nan` says they are checked.
         """
         with torch.no_grad():
-            query, key = self.query_key(module, hidden)
-            keys, queries = self.key_scores(key), self.query_scores(query)
+            scores = self.folded_scores(module, hidden)
+            if scores is None:
+                query, key = self.query_key(module, hidden)
+                scores = self.key_scores(key), self.query_scores(query)
+        keys, queries = scores
         if checks_nan(hidden) and bool(torch.isnan(keys).any() | torch.isnan(queries).any()):
             raise ValueError(f"Focus layer {self.layer_idx}: NaN query-key routing scores")
         return head_memberships(keys, top_ks[0]), head_memberships(queries, top_ks[1])
