@@ -114,10 +114,11 @@ def _stamp(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
     """What identifies the values of ``tensors``: storage, device, dtype and the in-place
     version counter (inference tensors have none: they cannot change outside inference
     mode)."""
-    return tuple(
-        None if t is None else (t.data_ptr(), t.device, t.dtype, None if t.is_inference() else t._version)  # fmt: skip
-        for t in tensors
-    )
+
+    def one(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), t.device, t.dtype, None if t.is_inference() else t._version
+
+    return tuple(None if t is None else one(t) for t in tensors)
 
 
 def check_query_key_model(model_type: str) -> None:
@@ -276,7 +277,8 @@ class QueryKeyRouter(FocusRouter):
         flat = torch.addmm(offset, hidden.reshape(bsz * n, -1).to(matrix.dtype), matrix)
         hk, k = self.num_kv_heads, self.num_groups
         keys, queries = flat.split([hk * k, flat.shape[1] - hk * k], dim=1)
-        pooled = queries.reshape(bsz, n, hk, -1, k).amax(dim=3)  # one column block per head: mean pooling
+        # query columns per pooled head: one block per key-value head with mean pooling
+        pooled = queries.reshape(bsz, n, hk, -1, k).amax(dim=3)
         return keys.reshape(bsz, n, hk, k), pooled
 
     def train(self, mode: bool = True) -> QueryKeyRouter:
