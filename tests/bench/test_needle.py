@@ -12,7 +12,7 @@ from tiny_assets import make_tiny_assets, tiny_config, use_tiny_assets
 from focus_attention import cli
 from focus_attention.bench import needle
 from focus_attention.bench.needle import NeedleBenchConfig
-from focus_attention.evaluation.needles import answer_of
+from focus_attention.evaluation.needles import answer_margin, answer_of
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
     def fake_answer(model, tokenizer, case, max_new_tokens):
         dense = not model._runtime.current("enabled")  # disable_focus() of this thread
         seen.append((case.input_ids.shape[1], dense, model.focus_config.top_k))
-        return (f" {case.answer}." if dense else " 12345."), 0.01
+        return (f" {case.answer}." if dense else " 12345."), 0.01, (2.0 if dense else -1.0)
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     out = tmp_path / "needle.json"
@@ -71,6 +71,12 @@ def test_every_prompt_runs_in_every_mode_and_the_table_adds_up(tiny, monkeypatch
         acc = result["accuracy"][hay]
         assert acc["dense"] == {"64": {"0": 1.0, "1": 1.0}, "96": {"0": 1.0, "1": 1.0}}
         assert all(v == 0.0 for row in acc["top-1"].values() for v in row.values())
+        margins = result["answer_margin"][hay]
+        assert margins["dense"] == {"64": 2.0, "96": 2.0}
+        assert margins["top-1"] == margins["top-2"] == {"64": -1.0, "96": -1.0}
+    table = needle.needle_table(result)
+    assert "| dense | 64 | 1.00 | 1.00 | 1.00 | +2.00 |" in table
+    assert "| top-2 | 96 | 0.00 | 0.00 | 0.00 | -1.00 |" in table
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -90,7 +96,7 @@ def test_the_stored_correct_flag_and_accuracy_follow_whole_numbers(tiny, monkeyp
     def fake_answer(model, tokenizer, case, max_new_tokens):
         text = ANSWERS[len(given) % len(ANSWERS)].format(n=case.answer)
         given.append(answer_of(text) == case.answer)
-        return text, 0.01
+        return text, 0.01, None
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
@@ -121,7 +127,7 @@ def test_overrides_reach_every_focus_mode(tiny, monkeypatch):
             cfg = model.focus_config
             seen.add((cfg.window, cfg.sink_tokens, tuple(cfg.dense_layers), cfg.top_k,
                       cfg.query_top_k, cfg.dense_heads, cfg.inference_routing))  # fmt: skip
-        return " 1.", 0.01
+        return " 1.", 0.01, None
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),
@@ -151,7 +157,7 @@ def test_every_answered_cell_is_checkpointed(tiny, monkeypatch, tmp_path):
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
         try:
-            return next(answers), 0.01
+            return next(answers), 0.01, None
         except StopIteration:
             raise KeyboardInterrupt from None  # the run is stopped at the fourth cell
 
@@ -170,7 +176,7 @@ def test_every_answered_cell_is_checkpointed(tiny, monkeypatch, tmp_path):
                                corpus=str(assets["corpus"]), haystacks=("passkey",),
                                lengths=(64,), depths=(0.5,), trials=1, top_k=(1,),
                                progress=False)  # fmt: skip
-    monkeypatch.setattr(needle, "_answer", lambda *a: (" 4.", 0.01))
+    monkeypatch.setattr(needle, "_answer", lambda *a: (" 4.", 0.01, None))
     result = needle.run_needle_benchmark(config, checkpoint=seen.append)
     assert [len(p["cells"]) for p in seen] == [1, 2] and not any(p["complete"] for p in seen)
     assert result["complete"] is True and result["cells"] == seen[-1]["cells"]
@@ -195,7 +201,12 @@ def test_real_generation_runs_on_the_tiny_model(tiny, monkeypatch):
         with torch.no_grad():
             out = base.generate(case.input_ids, attention_mask=torch.ones_like(case.input_ids),
                                 max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)  # fmt: skip
+            logits = base(out).logits[0, 63:-1]  # teacher-forced: the logits before each new token
         assert tok.decode(out[0, 64:], skip_special_tokens=True) == cell["generated"]
+        answer = tok(" " + case.answer, add_special_tokens=False).input_ids
+        want = answer_margin(list(logits), out[0, 64:].tolist(), answer)
+        assert cell["answer_margin"] == pytest.approx(want, abs=1e-4)
+        assert (cell["answer_margin"] > 0) == (out[0, 64 : 64 + len(answer)].tolist() == answer[:4])
 
 
 def test_needle_attention_equals_the_eager_attention_maps(tiny, monkeypatch):
@@ -295,7 +306,7 @@ def test_no_dense_runs_only_the_focus_modes(tiny, monkeypatch):
 
     def fake_answer(model, tokenizer, case, max_new_tokens):
         modes.append(model._runtime.current("enabled"))
-        return " 1.", 0.01
+        return " 1.", 0.01, None
 
     monkeypatch.setattr(needle, "_answer", fake_answer)
     config = NeedleBenchConfig(model=str(assets["model"]), adapter=str(adapter),

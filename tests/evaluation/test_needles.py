@@ -4,6 +4,7 @@ prompts are deterministic."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 from focus_attention.assets.models import load_model
 from focus_attention.bench.settings import HAYSTACKS as BENCH_HAYSTACKS
-from focus_attention.evaluation.needles import PROMPTS, answer_of, build_case, needle_blocks
+from focus_attention.evaluation.needles import (
+    PROMPTS,
+    answer_margin,
+    answer_of,
+    build_case,
+    needle_blocks,
+)
 from focus_attention.evaluation.settings import HAYSTACKS
 
 
@@ -84,3 +91,31 @@ def test_needle_blocks_are_prompts_of_the_length(assets):
     assert blocks.shape == (4, 64) and blocks.dtype == torch.long and (blocks[:, 0] == 1).all()
     again = needle_blocks(tokenizer, str(assets["corpus"]), "validation", 64, 4, seed=0, bos_id=1)
     assert torch.equal(blocks, again) and not torch.equal(blocks[0], blocks[1])
+
+
+def _logits(*rows):
+    return [torch.tensor(r, dtype=torch.float32) for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("rows", "generated", "answer", "want"),
+    [
+        # every step writes the answer: the smallest lead over the best other token
+        ([[0.0, 3.0, 1.0], [2.5, 0.0, 0.5]], [1, 0], [1, 0], 2.0),
+        # the second step leaves the answer (token 2 wins by 1.5): negative, and later steps
+        # are not read
+        ([[0.0, 3.0, 1.0], [0.5, 0.0, 2.0], [9.0, -9.0, -9.0]], [1, 2, 0], [1, 0, 1], -1.5),
+        # a tie: greedy decoding picked the other token, the margin is 0 and not positive
+        ([[1.0, 1.0]], [0], [1], 0.0),
+        # a generation shorter than the answer: the steps it has
+        ([[0.0, 4.0]], [1], [1, 1, 1], 4.0),
+        # an answer shorter than the generation: its own tokens only
+        ([[0.0, 4.0], [5.0, 0.0]], [1, 0], [1], 4.0),
+    ],
+)  # fmt: skip
+def test_the_answer_margin_follows_greedy_decoding_along_the_answer(rows, generated, answer, want):  # fmt: skip
+    assert answer_margin(_logits(*rows), generated, answer) == pytest.approx(want)
+
+
+def test_the_answer_margin_of_no_step_is_nan():
+    assert math.isnan(answer_margin([], [], [1, 2]))

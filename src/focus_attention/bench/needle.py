@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from ..evaluation.needles import NeedleCase, answer_of, load_needle_model, needle_cases
+from ..evaluation.needles import (
+    NeedleCase,
+    answer_margin,
+    answer_of,
+    load_needle_model,
+    needle_cases,
+)
 from ..evaluation.retrieval import (
     RetrievalLayersConfig,
     rank_calibration_heads,
@@ -52,8 +58,9 @@ __all__ = [
 ]
 
 
-def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -> tuple[str, float]:  # fmt: skip
-    """Greedy answer of ``model`` to ``case`` and the seconds it took (prefill + decode)."""
+def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -> tuple[str, float, float]:  # fmt: skip
+    """Greedy answer of ``model`` to ``case``, the seconds it took (prefill + decode) and
+    its :func:`~focus_attention.evaluation.needles.answer_margin`."""
     t = time.monotonic()
     ids = case.input_ids.to(next(model.parameters()).device)
     with torch.no_grad():
@@ -63,9 +70,14 @@ def _answer(model: Any, tokenizer: Any, case: NeedleCase, max_new_tokens: int) -
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.eos_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    return text, time.monotonic() - t
+    seconds = time.monotonic() - t
+    new = out.sequences[0, ids.shape[1] :]
+    answer = tokenizer(" " + case.answer, add_special_tokens=False).input_ids
+    margin = answer_margin([step[0] for step in out.logits], new.tolist(), answer)
+    return tokenizer.decode(new, skip_special_tokens=True), seconds, margin
 
 
 def run_needle_benchmark(
@@ -82,9 +94,11 @@ def run_needle_benchmark(
         depth, trial, mode, answer, generated text, correct, seconds, ``distant_kept``:
         the share of distant keys kept on the prompt, ``needle_seen``: ``{layer: share of
         the needle's tokens the prompt's last query sees}`` per routed layer, None for
-        dense), ``accuracy``
-        ``{haystack: {mode: {length: {depth: share}}}}``, ``complete`` (True),
-        ``versions`` and ``environment``.
+        dense, ``answer_margin``: the logit margin of the answer's tokens,
+        :func:`~focus_attention.evaluation.needles.answer_margin`), ``accuracy``
+        ``{haystack: {mode: {length: {depth: share}}}}``, ``distant_kept`` and
+        ``answer_margin`` (means ``{haystack: {mode: {length: mean}}}``), ``complete``
+        (True), ``versions`` and ``environment``.
 
     Raises:
         ValueError: a length above the model's ``max_position_embeddings``, a haystack too
@@ -97,14 +111,15 @@ def run_needle_benchmark(
     for case in needle_cases(config, tokenizer, bos_id):
         for mode, enter in modes:
             with enter() as measure:
-                text, seconds = _answer(fm, tokenizer, case, config.max_new_tokens)
+                text, seconds, margin = _answer(fm, tokenizer, case, config.max_new_tokens)
             kept, seen = measure(case.needle_start, case.needle_end)
-            cells.append(_cell(case, mode, text, seconds, kept, seen))
+            cells.append(_cell(case, mode, text, seconds, kept, seen, margin))
             if config.progress:
                 c = cells[-1]
                 print(f"[needle] {c['haystack']} {c['length']} tokens depth {c['depth']:.2f} "
                       f"trial {c['trial']} {mode}: {'ok ' if c['correct'] else 'miss'} "
-                      f"{c['seconds']:.1f} s{_kept_text(c['distant_kept'])}{_seen_text(seen)}",
+                      f"{c['seconds']:.1f} s{_margin_text(c['answer_margin'])}"
+                      f"{_kept_text(c['distant_kept'])}{_seen_text(seen)}",
                       file=sys.stderr)  # fmt: skip
             if checkpoint is not None:
                 checkpoint(_needle_result(config, cells, complete=False))
@@ -117,11 +132,16 @@ def _needle_result(config: NeedleBenchConfig, cells: list[dict[str, Any]], *, co
         "config": asdict(config),
         "cells": list(cells),
         "accuracy": _accuracy(cells),
-        "distant_kept": _distant_kept(cells),
+        "distant_kept": _mean_per_length(cells, "distant_kept"),
+        "answer_margin": _mean_per_length(cells, "answer_margin"),
         "complete": complete,
         "versions": library_versions(),
         "environment": environment(),
     }
+
+
+def _margin_text(margin: float | None) -> str:
+    return "" if margin is None else f", margin {margin:+.2f}"
 
 
 def _kept_text(share: float | None) -> str:
@@ -137,7 +157,7 @@ def _seen_text(seen: dict[int, float] | None) -> str:
 
 
 def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | None,
-          seen: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
+          seen: dict[int, float] | None = None, margin: float | None = None) -> dict[str, Any]:  # fmt: skip
     return {
         "haystack": case.haystack,
         "length": case.length,
@@ -150,6 +170,7 @@ def _cell(case: NeedleCase, mode: str, text: str, seconds: float, kept: float | 
         "seconds": seconds,
         "distant_kept": kept,
         "needle_seen": None if seen is None else {str(k): v for k, v in seen.items()},
+        "answer_margin": None if margin is None or math.isnan(margin) else margin,
     }
 
 
@@ -166,26 +187,26 @@ def _accuracy(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _distant_kept(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean share of distant keys kept per haystack, mode and length (string keys), over the
-    cells that measured it."""
+def _mean_per_length(cells: list[dict[str, Any]], field: str) -> dict[str, Any]:
+    """Mean of each cell's ``field`` (``distant_kept``, ``answer_margin``) per haystack, mode
+    and length (string keys), over the cells that measured it."""
     groups: dict[tuple, list[float]] = {}
     for c in cells:
-        if c.get("distant_kept") is not None:
+        if c.get(field) is not None:
             key = (c["haystack"], c["mode"], str(c["length"]))
-            groups.setdefault(key, []).append(c["distant_kept"])
+            groups.setdefault(key, []).append(c[field])
     out: dict[str, Any] = {}
-    for (hay, mode, length), shares in groups.items():
-        out.setdefault(hay, {}).setdefault(mode, {})[length] = sum(shares) / len(shares)
+    for (hay, mode, length), values in groups.items():
+        out.setdefault(hay, {}).setdefault(mode, {})[length] = sum(values) / len(values)
     return out
 
 
 def needle_table(result: dict[str, Any]) -> str:
     """Markdown tables of the accuracy: one per haystack, a row per mode and length, a
-    column per depth, the row's mean and the mean share of distant keys kept (``-`` where
-    it was not measured)."""
+    column per depth, the row's mean, the mean answer margin in logits and the mean share
+    of distant keys kept (``-`` where it was not measured)."""
     lines = []
-    kept = result.get("distant_kept", {})
+    kept, margins = result.get("distant_kept", {}), result.get("answer_margin", {})
     for hay, modes in result["accuracy"].items():
         depths = _depths(row for lengths in modes.values() for row in lengths.values())
         lines += [
@@ -193,17 +214,19 @@ def needle_table(result: dict[str, Any]) -> str:
             "",
             "| mode | tokens | "
             + " | ".join(f"depth {d}" for d in depths)
-            + " | mean | distant kept |",
-            "|---|---:|" + "---:|" * (len(depths) + 2),
+            + " | mean | margin | distant kept |",
+            "|---|---:|" + "---:|" * (len(depths) + 3),
         ]
         for mode, lengths in modes.items():
             for length, row in lengths.items():
                 vals = [row[d] for d in depths if d in row]
                 cells = " | ".join("-" if d not in row else f"{row[d]:.2f}" for d in depths)
                 share = kept.get(hay, {}).get(mode, {}).get(length)
+                margin = margins.get(hay, {}).get(mode, {}).get(length)
                 share_text = "-" if share is None else f"{share:.3f}"
+                margin_text = "-" if margin is None else f"{margin:+.2f}"
                 lines.append(f"| {mode} | {length} | {cells} | {sum(vals) / len(vals):.2f} "
-                             f"| {share_text} |")  # fmt: skip
+                             f"| {margin_text} | {share_text} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines).rstrip()
 

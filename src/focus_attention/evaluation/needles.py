@@ -9,6 +9,7 @@ corpus, a different stretch per prompt). ``focus bench needle`` answers them
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "FILLER",
     "PROMPTS",
     "NeedleCase",
+    "answer_margin",
     "answer_of",
     "build_case",
     "haystack_tokens",
@@ -81,6 +83,26 @@ def answer_of(text: str) -> str | None:
     ``" 12 then 57291"`` (whose answer is 12) do not."""
     match = ANSWER_NUMBER.search(text)
     return None if match is None else match.group(0)
+
+
+def answer_margin(step_logits: list[torch.Tensor], generated: list[int], answer: list[int]) -> float:  # fmt: skip
+    """How far greedy decoding was from losing (or finding) the needle, in logits: along the
+    answer's tokens ``answer`` (the needle's number after a space, as the tokenizer encodes
+    it), the logit of the answer's token minus the largest other logit at each generated
+    step, ``step_logits[t]`` ``[V]`` the raw logits before generating ``generated[t]``; the
+    smallest of them up to and including the first step whose generated token is not the
+    answer's (where greedy decoding left the answer: a negative margin), else over the whole
+    answer. Positive when greedy decoding wrote the answer's tokens; ``nan`` with no step.
+    Read from the logits the generation already computed: no extra forward pass."""
+    worst = math.nan
+    for logits, got, want in zip(step_logits, generated, answer):  # noqa: B905 (the shorter)
+        row = logits.detach().float().flatten()
+        best_other = torch.cat([row[:want], row[want + 1 :]]).max()
+        margin = float(row[want] - best_other)
+        worst = margin if math.isnan(worst) else min(worst, margin)
+        if got != want:
+            break
+    return worst
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
