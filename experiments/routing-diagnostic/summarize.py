@@ -4,12 +4,17 @@
 usage: python experiments/routing-diagnostic/summarize.py [RESULT.json ...]
        python experiments/routing-diagnostic/summarize.py --budget [RESULT.json ...]
        python experiments/routing-diagnostic/summarize.py --seen RESULT.json ...
+       python experiments/routing-diagnostic/summarize.py --margins RESULT.json ...
 
 Default: every ``results/diagnostic-*.json``; with ``--budget``, the smallest-budget table
 of ``results/budget-seed*.json`` and the seed-2 dense and top-1 answers of the dense-heads study
 (the same prompts: a needle benchmark's prompts depend on its seed, haystacks and lengths);
 with ``--seen``, per mode and length of the files given, the pass keys found and how much of
-the needle the prompt's last query sees in the routed layers (``needle_seen``). A mode is labelled with the adapter folder it
+the needle the prompt's last query sees in the routed layers (``needle_seen``); with
+``--margins``, per mode and length of the files given (the same prompts, one of them with
+dense), the pass keys found, those dense finds that the mode loses, the mean answer margin
+(``answer_margin``, in logits) and dense's own margin on the prompts the mode loses and on
+those it keeps. A mode is labelled with the adapter folder it
 ran on when the files disagree (``top-1`` of a folder whose routers were not trained is not
 the adapter's top-1). Cells not yet answered (an interrupted run) are left out; the counts
 say how many prompts each row holds.
@@ -116,10 +121,38 @@ def seen(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _mean(values: list[float]) -> str:
+    return f"{sum(values) / len(values):+.2f}" if values else "-"
+
+
+def margins(paths: list[Path]) -> str:
+    """Markdown: per (mode, adapter, length), found / prompts, lost (of those dense finds),
+    the mode's mean answer margin, and the mean dense margin of the prompts it loses and of
+    those it keeps (prompts matched by length, depth, trial and needle)."""
+    by_mode = rows(paths)
+    dense = {(c["length"], c["depth"], c["trial"], c["answer"]): c
+             for (mode, _, _), cells in by_mode.items() if mode == "dense" for c in cells}  # fmt: skip
+    lines = ["| mode | adapter | tokens | pass keys found | lost (dense finds) | margin | "
+             "dense margin where lost | dense margin where kept |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (mode, adapter, length), cells in sorted(by_mode.items(), key=lambda kv: (kv[0][2], kv[0][0])):  # fmt: skip
+        ref = [dense.get((c["length"], c["depth"], c["trial"], c["answer"])) for c in cells]
+        lost = [d for c, d in zip(cells, ref, strict=True) if d and d["correct"] and not c["correct"]]  # fmt: skip
+        kept = [d for c, d in zip(cells, ref, strict=True) if d and d["correct"] and c["correct"]]  # fmt: skip
+        own = [c["answer_margin"] for c in cells if c.get("answer_margin") is not None]
+        lines.append(f"| {mode} | `{Path(adapter).name}` | {length} | "
+                     f"{sum(c['correct'] for c in cells)} / {len(cells)} | {len(lost)} | {_mean(own)} | "
+                     f"{_mean([d['answer_margin'] for d in lost])} | "
+                     f"{_mean([d['answer_margin'] for d in kept])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--seen"]:
         print(seen([Path(p) for p in args[1:]]))
+    elif args[:1] == ["--margins"]:
+        print(margins([Path(p) for p in args[1:]]))
     elif args[:1] == ["--budget"]:
         given = [Path(p) for p in args[1:]]
         print(
