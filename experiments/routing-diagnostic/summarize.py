@@ -132,15 +132,23 @@ def margins(paths: list[Path]) -> str:
     by_mode = rows(paths)
     dense = {(c["length"], c["depth"], c["trial"], c["answer"]): c
              for (mode, _, _), cells in by_mode.items() if mode == "dense" for c in cells}  # fmt: skip
-    lines = ["| mode | adapter | tokens | pass keys found | lost (dense finds) | margin | "
-             "dense margin where lost | dense margin where kept |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for (mode, adapter, length), cells in sorted(by_mode.items(), key=lambda kv: (kv[0][2], kv[0][0])):  # fmt: skip
+    lines = ["| mode | adapter | tokens | distant keys kept | pass keys found | lost (dense finds) "
+             "| margin | dense margin where lost | dense margin where kept |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+
+    def order(item):  # by length, then the most distant keys kept first (dense)
+        (_, _, length), cells = item
+        kept = [c["distant_kept"] for c in cells if c.get("distant_kept") is not None]
+        return length, -(sum(kept) / len(kept) if kept else 0.0)
+
+    for (mode, adapter, length), cells in sorted(by_mode.items(), key=order):
+        kept_share = [c["distant_kept"] for c in cells if c.get("distant_kept") is not None]
         ref = [dense.get((c["length"], c["depth"], c["trial"], c["answer"])) for c in cells]
         lost = [d for c, d in zip(cells, ref, strict=True) if d and d["correct"] and not c["correct"]]  # fmt: skip
         kept = [d for c, d in zip(cells, ref, strict=True) if d and d["correct"] and c["correct"]]  # fmt: skip
         own = [c["answer_margin"] for c in cells if c.get("answer_margin") is not None]
-        lines.append(f"| {mode} | `{Path(adapter).name}` | {length} | "
+        share = f"{sum(kept_share) / len(kept_share):.3f}" if kept_share else "-"
+        lines.append(f"| {mode} | `{Path(adapter).name}` | {length} | {share} | "
                      f"{sum(c['correct'] for c in cells)} / {len(cells)} | {len(lost)} | {_mean(own)} | "
                      f"{_mean([d['answer_margin'] for d in lost])} | "
                      f"{_mean([d['answer_margin'] for d in kept])} |")  # fmt: skip
