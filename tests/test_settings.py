@@ -99,7 +99,8 @@ def test_adapter_settings_are_declared_by_focusconfig_and_one_group():
 
 
 def _group_of(name: str) -> str:
-    return {"top_k": "TopKValues", "window": "WindowValues"}.get(name, "AdapterOverrides")
+    groups = {"top_k": "TopKValues", "window": "WindowValues", "query_top_k": "QueryTopKValue"}
+    return groups.get(name, "AdapterOverrides")
 
 
 def test_settings_modules_hold_every_command_class():

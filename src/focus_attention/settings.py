@@ -368,6 +368,13 @@ class TopKValues(Settings):
 
 
 @dataclass
+@override_fields("query_top_k")
+class QueryTopKValue(Settings):
+    """``query_top_k``, the groups each query keeps where it is not ``top_k``, over the
+    adapter's."""
+
+
+@dataclass
 @override_fields("window")
 class WindowValues(Settings):
     """The local window over the adapter's (one value, or several run in turn where the
@@ -382,7 +389,7 @@ class AttentionBackendSetting(Settings):
 
 @dataclass
 @override_fields(*INFERENCE_SETTINGS)
-class AdapterOverrides(WindowValues, TopKValues, AttentionBackendSetting):
+class AdapterOverrides(WindowValues, TopKValues, QueryTopKValue, AttentionBackendSetting):
     """The inference settings of a Focus adapter a command may override (None: the
     adapter's own): one field per setting of
     :data:`~focus_attention.hf.config.INFERENCE_SETTINGS`, in its order after those of the

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tolerances import tolerance
 
-from focus_attention import cli
+from focus_attention import cli, pairs_retained
 from focus_attention.bench import kernel as bench
 from focus_attention.utils.io import write_json_atomic
 
@@ -46,8 +46,8 @@ def test_kernel_benchmark_writes_json_table_and_plot(tmp_path):
 
 def test_kernel_inputs_are_the_same_numbers_in_every_dtype():
     cfg = dict(num_heads=2, num_key_value_heads=1, head_dim=8, num_groups=4, seed=3)
-    q32, k32, _, g32 = bench.kernel_inputs(32, 2, {**cfg, "dtype": "float32"})
-    q16, k16, _, g16 = bench.kernel_inputs(32, 2, {**cfg, "dtype": "bfloat16"})
+    q32, k32, _, g32, _ = bench.kernel_inputs(32, 2, {**cfg, "dtype": "float32"})
+    q16, k16, _, g16, _ = bench.kernel_inputs(32, 2, {**cfg, "dtype": "bfloat16"})
     assert q16.dtype == torch.bfloat16 and q32.dtype == torch.float32
     assert torch.equal(q16, q32.to(torch.bfloat16)) and torch.equal(k16, k32.to(torch.bfloat16))
     assert torch.equal(g16, g32)
@@ -56,8 +56,8 @@ def test_kernel_inputs_are_the_same_numbers_in_every_dtype():
 @pytest.mark.parametrize("dense_kernel", ["auto", "math"])
 def test_dense_kernel_choice_gives_dense_causal_attention(dense_kernel):
     cfg = dict(num_heads=4, num_key_value_heads=2, head_dim=8, num_groups=4, seed=0)
-    q, k, v, g = bench.kernel_inputs(40, 1, cfg)
-    out = bench.kernel_call("dense", q, k, v, g, 8, dense_kernel=dense_kernel)
+    q, k, v, qg, kg = bench.kernel_inputs(40, 1, cfg)
+    out = bench.kernel_call("dense", q, k, v, qg, kg, 8, dense_kernel=dense_kernel)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     logits = (q @ kk.transpose(-1, -2)) * 8**-0.5
     logits = logits.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
@@ -72,6 +72,28 @@ def test_kernel_benchmark_records_dtype_and_device(tmp_path):
     assert cli.main(args) == 0
     cfg = json.loads(out.read_text())["config"]
     assert (cfg["dtype"], cfg["device"], cfg["dense_kernel"]) == ("bfloat16", "cpu", "math")
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_queries_can_join_more_groups_than_the_keys(per_head, tmp_path):
+    """``query_top_k``: queries draw their own balanced memberships of that many groups, keys
+    keep ``top_k``; the density recorded is that of the two memberships."""
+    cfg = dict(num_heads=4, num_key_value_heads=2, head_dim=8, num_groups=8, seed=1,
+               per_head_groups=per_head, query_top_k=3)  # fmt: skip
+    _, _, _, qg, kg = bench.kernel_inputs(48, 1, cfg)
+    assert qg.shape == kg.shape == ((1, 48, 2, 8) if per_head else (1, 48, 8))
+    assert bool((qg.sum(-1) == 3).all()) and bool((kg.sum(-1) == 1).all())
+    out = tmp_path / "k.json"
+    args = ["bench", "kernel", "--json", str(out), "--lengths", "48", "--top-k", "1",
+            "--query-top-k", "3", "--repeats", "1", "--no-memory", "--no-gates", "--window", "4",
+            "--num-groups", "8", "--num-heads", "4", "--num-key-value-heads", "2",
+            "--head-dim", "8", "--seed", "1", *(["--per-head-groups"] if per_head else [])]  # fmt: skip
+    assert cli.main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["query_top_k"] == 3
+    assert data["rows"][0]["density"] == pytest.approx(pairs_retained(qg, kg, 4))
+    with pytest.raises(ValueError, match="query_top_k"):
+        bench.KernelBenchConfig(num_groups=4, query_top_k=5)
 
 
 def test_kernel_benchmark_rejects_bad_settings():

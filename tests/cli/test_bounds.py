@@ -157,6 +157,7 @@ OWN = {
         "--lengths": at_least(1),
         "--repeats": at_least(1),
         "--top-k": at_least(1, "--num-groups", "4", high=4, depends=("--num-groups",)),
+        "--query-top-k": at_least(1, "--num-groups", "4", high=4, depends=("--num-groups",)),
     },  # fmt: skip
     ("bench", "model"): {
         "--lengths": at_least(1),

@@ -59,10 +59,12 @@ def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torc
 
 
 def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships bool
-    ``[1, n, K]`` (with ``cfg["per_head_groups"]``: ``[1, n, H_kv, K]``, one balanced draw
-    per key-value head) on ``cfg["device"]`` (default cpu) in ``cfg["dtype"]`` (default
-    float32).
+    """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships of the
+    queries and of the keys, bool ``[1, n, K]`` (with ``cfg["per_head_groups"]``: ``[1, n,
+    H_kv, K]``, one balanced draw per key-value head), on ``cfg["device"]`` (default cpu)
+    in ``cfg["dtype"]`` (default float32): ``(q, k, v, query_groups, key_groups)``. Keys
+    join ``top_k`` groups; queries the same groups, or with ``cfg["query_top_k"]`` their own
+    draw of that many.
     On the CPU the values are drawn in fp32, then cast, so every dtype times the same
     numbers; on CUDA they are drawn on the device (a 128K-token input of Llama-3-8B's shape is
     800M values: seconds there, tens of seconds on the CPU), the same on every CUDA device."""
@@ -74,13 +76,22 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
     place = {"device": device, "dtype": dtype} if on_cuda else {}
     heads = (cfg["num_heads"], cfg["num_key_value_heads"], cfg["num_key_value_heads"])
     q, k, v = (torch.randn(1, h, n, cfg["head_dim"], generator=draw, **place) for h in heads)
-    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
-    if cfg.get("per_head_groups", False):  # the first head's draw is the shared one
-        draws = [groups] + [balanced_memberships(n, cfg["num_groups"], top_k, gen)
-                            for _ in range(1, cfg["num_key_value_heads"])]  # fmt: skip
-        groups = torch.stack(draws, dim=2)
+    key_groups = _memberships(n, top_k, cfg, gen)
+    query_top_k = cfg.get("query_top_k")
+    query_groups = key_groups if query_top_k in (None, top_k) else _memberships(n, query_top_k, cfg, gen)  # fmt: skip
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-    return q, k, v, groups.to(device)
+    return q, k, v, query_groups.to(device), key_groups.to(device)
+
+
+def _memberships(n: int, top_k: int, cfg: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    """:func:`balanced_memberships` ``[1, n, K]``, or one draw per key-value head ``[1, n,
+    H_kv, K]`` with ``cfg["per_head_groups"]`` (the first head's draw is the shared one)."""
+    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    if not cfg.get("per_head_groups", False):
+        return groups
+    draws = [groups] + [balanced_memberships(n, cfg["num_groups"], top_k, gen)
+                        for _ in range(1, cfg["num_key_value_heads"])]  # fmt: skip
+    return torch.stack(draws, dim=2)
 
 
 def dense_sdpa_context(dense_kernel: str):
@@ -94,8 +105,9 @@ def dense_sdpa_context(dense_kernel: str):
 
 
 def kernel_call(
-    method: str, q, k, v, groups, window: int, backend: str = "auto", dense_kernel: str = "auto"
-):
+    method: str, q, k, v, query_groups, key_groups, window: int, backend: str = "auto",
+    dense_kernel: str = "auto",
+):  # fmt: skip
     """One ``dense`` (causal SDPA, with the ``dense_kernel`` of :data:`DENSE_KERNELS`) or
     ``sparse`` (:func:`sparse_attention` with ``backend``) call.
 
@@ -107,7 +119,7 @@ def kernel_call(
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True
             )
-    return sparse_attention(q, k, v, groups, groups, window, backend=backend)
+    return sparse_attention(q, k, v, query_groups, key_groups, window, backend=backend)
 
 
 def measure_peak_here(method: str, n: int, top_k: int, cfg: dict[str, Any]) -> None:
@@ -187,7 +199,7 @@ def _kernel_row(n: int, top_k: int, cfg: dict[str, Any], config: KernelBenchConf
             synchronize=sync,
         )
     memory = config.memory
-    density = pairs_retained(inputs[-1].cpu(), inputs[-1].cpu(), window)
+    density = pairs_retained(inputs[3].cpu(), inputs[4].cpu(), window)
     speedup, ideal = dense_s / sparse_s, 1.0 / density
     return {
         "N": n,
@@ -225,7 +237,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         torch.set_num_threads(config.threads)
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
                                            "window", "num_groups", "seed", "device", "dtype",
-                                           "dense_kernel", "per_head_groups")}  # fmt: skip
+                                           "dense_kernel", "per_head_groups", "query_top_k")}  # fmt: skip
     cfg["backend"] = config.attention_backend
     combos = [(n, k) for n in config.lengths for k in config.top_k]
     bar = tqdm(combos, desc="kernel", disable=not config.progress)
@@ -248,6 +260,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "seed": config.seed,
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
         "per_head_groups": config.per_head_groups,
+        "query_top_k": config.query_top_k,
         "sparse_backend": sparse_backend_name(
             config.attention_backend, config.num_groups, config.device, config.dtype
         ),  # fmt: skip

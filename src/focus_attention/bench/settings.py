@@ -25,6 +25,7 @@ from ..settings import (
     ModelSettings,
     OutputSettings,
     PlotFile,
+    QueryTopKValue,
     ResultFile,
     RunSettings,
     SeedSettings,
@@ -269,6 +270,8 @@ class AttentionShape(Settings):
 
 @command_help(
     top_k="groups each token joins in the random memberships (at most --num-groups)",
+    query_top_k="groups each query joins, its own random draw (default: the keys' top_k "
+    "groups, shared with them); the keys join top_k",
     window="local window in tokens, the query included",
     num_groups="K, the groups of the random memberships",
     attention_backend="backend of Focus's sparse attention (masked: every key under the "
@@ -278,11 +281,11 @@ class AttentionShape(Settings):
 @settings_class(
     defaults={"top_k": (1, 2), "window": FRESH_WINDOW, "lengths": KERNEL_LENGTHS, "device": "cpu",
               "num_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-              "attention_backend": "auto", "num_groups": 8},
+              "attention_backend": "auto", "num_groups": 8, "query_top_k": None},
     renamed={"backend": "attention_backend"},
     several=("top_k",),
 )  # fmt: skip
-class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, AttentionShape, AttentionBackendSetting, DenseKernelSetting):  # fmt: skip
+class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceSettings, SeedSettings, LengthSettings, FreshRouters, WindowValues, TopKValues, QueryTopKValue, AttentionShape, AttentionBackendSetting, DenseKernelSetting):  # fmt: skip
     """Settings of the kernel benchmark (``focus bench kernel``). The default shape is
     SmolLM2-135M's attention: 9 query heads, 3 key/value heads, D = 64; ``top_k`` lists
     the values timed, ``window`` is the one local window; ``device`` is cpu or cuda;
@@ -309,6 +312,11 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "KernelBenchConfig"
+        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
+        if self.query_top_k is not None and self.query_top_k > self.num_groups:
+            raise bad(
+                owner, "query_top_k", self.query_top_k, f"at most num_groups = {self.num_groups}"
+            )
         check_grid(owner, self)
         self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
