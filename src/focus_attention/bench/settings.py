@@ -312,11 +312,6 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "KernelBenchConfig"
-        check_int(owner, "query_top_k", self.query_top_k, 1, optional=True)
-        if self.query_top_k is not None and self.query_top_k > self.num_groups:
-            raise bad(
-                owner, "query_top_k", self.query_top_k, f"at most num_groups = {self.num_groups}"
-            )
         check_grid(owner, self)
         self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
