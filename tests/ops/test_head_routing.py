@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from tolerances import tolerance
 
 from focus_attention.ops import dense_attention, focus_mask, sparse_attention
-from focus_attention.ops.sparse import GroupBuckets, decode_attention
+from focus_attention.ops.sparse import GroupBuckets, cpu_fused, decode_attention
 from focus_attention.ops.sparse.dispatch import SparseInputs, fold_heads, unfold_heads
 
 from .helpers import (
@@ -96,6 +96,29 @@ def test_per_head_half_precision_within_twice_the_dense_error(params, backend, h
 def test_property_per_head_memberships_equal_the_oracle(backend, params):
     case = make_head_case(**params)
     assert_matches_oracle(case, *case.sparse(backend, return_lse=True))
+
+
+@pytest.mark.parametrize("nq", [1, 2, 5, 40])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(top_k=1), dict(top_k=2, padding="random"), dict(kv_heads=1, heads=3, top_k=2),
+     dict(query_membership="independent", top_k=2, padding="left"), dict(groups=9, top_k=3)],
+)  # fmt: skip
+def test_per_head_plans_of_the_fused_kernel_equal_the_oracle(nq, kw, fused_kernel, tiny_blocks, monkeypatch):  # fmt: skip
+    """The fused kernel plans each key-value head's classes itself: with tiny tiles and
+    3-key position segments (4 threads want 16 work items), decoding steps and short
+    chunks split every head's keys into segments, merged per head; longer chunks cross
+    many class tiles, key blocks and local tiles per head."""
+    monkeypatch.setattr(cpu_fused, "FUSED_SEGMENT_KEYS", 3)
+    base = dict(batch=2, heads=6, kv_heads=3, groups=4, window=5, nk=77, nq=nq, seed=41)
+    case = make_head_case(**{**base, **kw})
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out, lse = case.sparse("cpu_fused", return_lse=True)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches_oracle(case, out, lse)
 
 
 @pytest.mark.parametrize("backend_name", ["auto", "triton", "gather", "masked", "cpu_fused",

@@ -298,15 +298,17 @@ inline uint64_t pack_bools(const bool* b, int64_t n) {
 }
 
 template <typename C>
+// qg / kg: token i's K memberships at qg + i * stride (stride K for memberships shared by
+// the heads, H_kv * K for one key-value head's of [N, H_kv, K])
 Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, int64_t nk,
-               int64_t kgroups) {
+               int64_t kgroups, int64_t stride) {
   Plan<C> p;
   p.qcode.resize(nq);
   p.kcode.resize(nk);
-  for (int64_t i = 0; i < nq; ++i) p.qcode[i] = static_cast<C>(pack_bools(qg + i * kgroups, kgroups));
+  for (int64_t i = 0; i < nq; ++i) p.qcode[i] = static_cast<C>(pack_bools(qg + i * stride, kgroups));
   for (int64_t j = 0; j < nk; ++j) {
     const bool keep = real == nullptr || real[j];
-    p.kcode[j] = keep ? static_cast<C>(pack_bools(kg + j * kgroups, kgroups)) : C{0};
+    p.kcode[j] = keep ? static_cast<C>(pack_bools(kg + j * stride, kgroups)) : C{0};
   }
   // classes: queries sorted by (code, index); code 0 (no group) gets no class
   std::vector<int32_t> order(nq);
@@ -355,7 +357,13 @@ struct Kernel {
   int64_t segments = 1;      // when it has too few items for the threads (decoding)
   mutable std::vector<float> part_out, part_lse;  // [segments, B, Nq, H, (D)] partial results
   float scale;
-  std::vector<Plan<C>> plans;
+  int64_t routes = 1;  // memberships per batch element: 1 (shared by the heads) or H_kv
+  std::vector<Plan<C>> plans;  // [B * routes]
+
+  // the plan of key head hk of batch element bi
+  const Plan<C>& plan(int64_t bi, int64_t hk) const {
+    return plans[bi * routes + (routes > 1 ? hk : 0)];
+  }
 
   const T* q_row(int64_t bi, int64_t head, int64_t i) const {
     return q + ((bi * h + head) * nq + i) * d;
@@ -385,7 +393,7 @@ struct Kernel {
 
   // phase 1: class queries rows[0..n) against the union of the class's groups' keys
   void group_tile(TileState& ts, const Item& it) const {
-    const Plan<C>& p = plans[it.batch];
+    const Plan<C>& p = plan(it.batch, it.head_kv);
     const int32_t* rows = p.class_rows.data() + it.row0;
     const int64_t n = it.row1 - it.row0;
     const int64_t bi = it.batch, hk = it.head_kv;
@@ -439,10 +447,34 @@ struct Kernel {
       }
   }
 
+  // Hides, in the logits of a local tile's key block j0..j0+nkb, every key outside query
+  // i's window [pos - window + 1, pos] (two fills per row) and, inside it, the keys that
+  // are padding or share a group with the query (phase 1 counted those).
+  void band_mask(TileState& ts, const Plan<C>& p, const bool* rl, int64_t first, int64_t n,
+                 int64_t j0, int64_t nkb) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = offset + first + i;
+      const int64_t lo = std::clamp<int64_t>(pos - window + 1 - j0, 0, nkb);
+      const int64_t hi = std::clamp<int64_t>(pos + 1 - j0, lo, nkb);  // exclusive
+      float* row0 = ts.s.data() + i * ts.tile_k;  // head r's row at row0 + r * n * tile_k
+      const int64_t head_step = n * ts.tile_k;
+      for (int64_t r = 0; r < rep; ++r) {
+        std::fill(row0 + r * head_step, row0 + r * head_step + lo, kNegInf);
+        std::fill(row0 + r * head_step + hi, row0 + r * head_step + nkb, kNegInf);
+      }
+      const C qc = p.qcode[first + i];
+      const C* kc = p.kcode.data() + j0;
+      if (qc == 0 && rl == nullptr) continue;
+      for (int64_t t = lo; t < hi; ++t)
+        if ((qc & kc[t]) != 0 || (rl != nullptr && !rl[j0 + t]))
+          for (int64_t r = 0; r < rep; ++r) row0[r * head_step + t] = kNegInf;
+    }
+  }
+
   // phase 2: queries first..first+n (in order) against their window's keys that share no
   // group, merged into phase 1's result (rows without a class start empty)
   void band_tile(TileState& ts, const Item& it) const {
-    const Plan<C>& p = plans[it.batch];
+    const Plan<C>& p = plan(it.batch, it.head_kv);
     const int64_t bi = it.batch, hk = it.head_kv, first = it.row0, n = it.row1 - it.row0;
     const bool* rl = real ? real + bi * nk : nullptr;
     ts.start(rep * n);
@@ -456,17 +488,7 @@ struct Kernel {
         load_row(ts.v.data() + t * d, v_row(bi, hk, j0 + t), d);
       }
       logits(ts, n, nkb);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = offset + first + i;
-        const C qc = p.qcode[first + i];
-        for (int64_t t = 0; t < nkb; ++t) {
-          const int64_t j = j0 + t;
-          const bool vis = j <= pos && pos - j < window && (rl == nullptr || rl[j]) &&
-                           (qc & p.kcode[j]) == 0;
-          if (!vis)
-            for (int64_t r = 0; r < rep; ++r) ts.s[(r * n + i) * ts.tile_k + t] = kNegInf;
-        }
-      }
+      band_mask(ts, p, rl, first, n, j0, nkb);
       ts.update(nkb);
     }
     for (int64_t r = 0; r < rep; ++r)
@@ -569,21 +591,25 @@ struct Kernel {
   // query's). Each (batch, key head,
   // position segment) reads its visible key and value rows once, in place (no tile
   // copies), with a two-pass softmax; segments merge by log-sum-exp (merge_segments).
-  const bool *qg_bools = nullptr, *kg_bools = nullptr;  // [B, 1, K], [B, Nk, K]
+  // [B, 1, routes, K], [B, Nk, routes, K] (routes 1: memberships shared by the heads)
+  const bool *qg_bools = nullptr, *kg_bools = nullptr;
   int64_t kgroups = 0;
   static constexpr int64_t kAhead = 8;  // rows prefetched ahead of the one being read
-  std::vector<std::vector<int64_t>> visible;  // [B * segments]: the keys each query sees
+  // [B * routes * segments]: the keys the query sees, per membership route and segment
+  std::vector<std::vector<int64_t>> visible;
 
-  // visible keys in [lo, hi) of batch element bi, increasing, into idx
-  void decode_keys(int64_t bi, int64_t lo, int64_t hi, std::vector<int64_t>& idx) const {
-    const int64_t local_lo = std::max<int64_t>(0, nk - window);
+  // visible keys in [lo, hi) of batch element bi under membership route ro, increasing,
+  // into idx
+  void decode_keys(int64_t bi, int64_t ro, int64_t lo, int64_t hi,
+                   std::vector<int64_t>& idx) const {
+    const int64_t local_lo = std::max<int64_t>(0, nk - window), stride = routes * kgroups;
     const bool* rl = real ? real + bi * nk : nullptr;
-    const uint64_t qcode = pack_bools(qg_bools + bi * kgroups, kgroups);
-    const bool* kg = kg_bools + bi * nk * kgroups;
+    const uint64_t qcode = pack_bools(qg_bools + (bi * routes + ro) * kgroups, kgroups);
+    const bool* kg = kg_bools + bi * nk * stride + ro * kgroups;
     idx.clear();
     if (qcode)
       for (int64_t j = lo, stop = std::min(hi, local_lo); j < stop; ++j)
-        if ((rl == nullptr || rl[j]) && (pack_bools(kg + j * kgroups, kgroups) & qcode))
+        if ((rl == nullptr || rl[j]) && (pack_bools(kg + j * stride, kgroups) & qcode))
           idx.push_back(j);
     for (int64_t j = std::max(lo, local_lo); j < hi; ++j)
       if (rl == nullptr || rl[j]) idx.push_back(j);
@@ -631,7 +657,8 @@ struct Kernel {
     const int64_t seg = t % segments, hk = (t / segments) % hkv, bi = t / (segments * hkv);
     float* out_base = segments > 1 ? part_out.data() + seg * b * h * d : out;
     float* lse_base = segments > 1 ? part_lse.data() + seg * b * h : lse;
-    const std::vector<int64_t>& keys = visible[bi * segments + seg];
+    const int64_t ro = routes > 1 ? hk : 0;
+    const std::vector<int64_t>& keys = visible[(bi * routes + ro) * segments + seg];
     const int64_t n = static_cast<int64_t>(keys.size());
     sc.idx = keys.data();
     for (int64_t r = 0; r < rep; ++r) load_row(sc.q.data() + r * d, q_row(bi, hk * rep + r, 0), d);
@@ -667,12 +694,13 @@ struct Kernel {
   void run_decode() {
     plan_segments(b * hkv);
     const int64_t longest = (nk + segments - 1) / segments + 1;
-    visible.assign(b * segments, {});  // listed once, read by every key head
-    at::parallel_for(0, b * segments, 1, [&](int64_t lo, int64_t hi) {
+    visible.assign(b * routes * segments, {});  // listed once, read by the heads of a route
+    at::parallel_for(0, b * routes * segments, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t bi = t / segments, seg = t % segments;
+        const int64_t seg = t % segments, ro = (t / segments) % routes;
+        const int64_t bi = t / (segments * routes);
         visible[t].reserve(static_cast<size_t>(longest));
-        decode_keys(bi, seg * nk / segments, (seg + 1) * nk / segments, visible[t]);
+        decode_keys(bi, ro, seg * nk / segments, (seg + 1) * nk / segments, visible[t]);
       }
     });
     pull<DecodeScratch>(
@@ -685,21 +713,26 @@ struct Kernel {
     }
   }
 
-  void run() {
-    std::vector<Item> items;
-    for (int64_t bi = 0; bi < b; ++bi) {
-      const Plan<C>& p = plans[bi];
-      const int64_t classes = static_cast<int64_t>(p.class_code.size());
-      for (int64_t c = 0; c < classes; ++c) {
-        const int64_t groups = __builtin_popcountll(static_cast<uint64_t>(p.class_code[c]));
-        for (int64_t r0 = p.class_start[c]; r0 < p.class_start[c + 1]; r0 += tile_q) {
-          const int64_t r1 = std::min(p.class_start[c + 1], r0 + tile_q);
-          const double cost = static_cast<double>(r1 - r0) *
-                              static_cast<double>(offset + p.class_rows[r1 - 1] + 1) * groups;
-          for (int64_t hk = 0; hk < hkv; ++hk) items.push_back({bi, c, r0, r1, hk, cost, 0, 0, nk});
-        }
+  // phase 1's items of key head hk of batch element bi: tiles of up to tile_q queries of
+  // each class of its plan
+  void add_group_items(std::vector<Item>& items, int64_t bi, int64_t hk) const {
+    const Plan<C>& p = plan(bi, hk);
+    const int64_t classes = static_cast<int64_t>(p.class_code.size());
+    for (int64_t c = 0; c < classes; ++c) {
+      const int64_t groups = __builtin_popcountll(static_cast<uint64_t>(p.class_code[c]));
+      for (int64_t r0 = p.class_start[c]; r0 < p.class_start[c + 1]; r0 += tile_q) {
+        const int64_t r1 = std::min(p.class_start[c + 1], r0 + tile_q);
+        const double cost = static_cast<double>(r1 - r0) *
+                            static_cast<double>(offset + p.class_rows[r1 - 1] + 1) * groups;
+        items.push_back({bi, c, r0, r1, hk, cost, 0, 0, nk});
       }
     }
+  }
+
+  void run() {
+    std::vector<Item> items;
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t hk = 0; hk < hkv; ++hk) add_group_items(items, bi, hk);
     plan_segments(static_cast<int64_t>(items.size()));
     if (segments > 1) {
       std::vector<Item> split;
@@ -726,8 +759,9 @@ struct Kernel {
       at::parallel_for(0, b * nq, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t t = lo; t < hi; ++t) {
           const int64_t bi = t / nq, qi = t % nq;
-          if (plans[bi].qcode[qi] == 0) continue;  // no group part: phase 2 alone
-          for (int64_t head = 0; head < h; ++head) merge_segments(bi, qi, head);
+          for (int64_t head = 0; head < h; ++head)
+            if (plan(bi, head / rep).qcode[qi] != 0)  // else no group part: phase 2 alone
+              merge_segments(bi, qi, head);
         }
       });
     }
@@ -748,7 +782,8 @@ bool rows_contiguous(const at::Tensor& t) {
 
 // query [B, H, Nq, D] (contiguous), key/value [B, H_kv, Nk, D] (rows contiguous along Nk,
 // any batch and head strides; same dtype), query_groups
-// bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64), real bool [B, Nk] or empty;
+// bool [B, Nq, K], key_groups bool [B, Nk, K] (K <= 64) shared by the heads, or both per key
+// head, [B, Nq, H_kv, K] and [B, Nk, H_kv, K]; real bool [B, Nk] or empty;
 // writes out fp32 [B, Nq, H, D] and lse fp32 [B, Nq, H].
 void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const at::Tensor& query_groups, const at::Tensor& key_groups,
@@ -762,8 +797,12 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && out.scalar_type() == at::kFloat &&
                   lse.scalar_type() == at::kFloat,
               "focus_forward: out/lse must be contiguous float32");
-  TORCH_CHECK(query_groups.size(2) <= 64, "focus_forward: at most 64 groups");
-  const int64_t kgroups = query_groups.size(2);
+  const int64_t routes = query_groups.dim() == 4 ? query_groups.size(2) : 1;
+  TORCH_CHECK((query_groups.dim() == 3 || routes == key.size(1)) &&
+                  key_groups.dim() == query_groups.dim(),
+              "focus_forward: memberships [B, N, K], or [B, N, H_kv, K] on both sides");
+  const int64_t kgroups = query_groups.size(-1);
+  TORCH_CHECK(kgroups <= 64, "focus_forward: at most 64 groups");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "focus", [&] {
     auto launch = [&](auto code_type) {
       using C = decltype(code_type);
@@ -792,6 +831,7 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
       ker.tile_k = tile_k;
       ker.tile_band = tile_band;
       ker.segment_keys = segment_keys;
+      ker.routes = routes;
       const bool* qg = query_groups.data_ptr<bool>();
       const bool* kg = key_groups.data_ptr<bool>();
       if (ker.nq == 1 && ker.rep <= 64) {  // a decoding step: no classes to plan
@@ -801,11 +841,12 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
         ker.run_decode();
         return;
       }
-      for (int64_t bi = 0; bi < ker.b; ++bi) {
-        ker.plans.push_back(make_plan<C>(qg + bi * ker.nq * kgroups, kg + bi * ker.nk * kgroups,
-                                         ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq,
-                                         ker.nk, kgroups));
-      }
+      const int64_t stride = routes * kgroups;  // between the tokens of one route
+      for (int64_t bi = 0; bi < ker.b; ++bi)
+        for (int64_t ro = 0; ro < routes; ++ro)
+          ker.plans.push_back(make_plan<C>(
+              qg + bi * ker.nq * stride + ro * kgroups, kg + bi * ker.nk * stride + ro * kgroups,
+              ker.real ? ker.real + bi * ker.nk : nullptr, ker.nq, ker.nk, kgroups, stride));
       ker.run();
     };
     if (kgroups <= 8) {
