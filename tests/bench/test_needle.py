@@ -23,6 +23,8 @@ from focus_attention.evaluation.needles import answer_margin, answer_of
         {"haystacks": ("web",)},
         {"lengths": (8,)},
         {"diagnostics": ("random",)},
+        {"diagnostic_top_k": 0},
+        {"diagnostic_top_k": 1.5},
     ],  # fmt: skip
 )
 def test_bad_settings_are_errors(change):
@@ -345,6 +347,27 @@ def test_diagnostic_modes_answer_and_measure_the_distant_keys_kept(tiny, monkeyp
     assert all(0.0 < kept[m] < 1.0 for m in ("top-1", "kmeans", "kmeans-fine"))
     assert result["distant_kept"]["passkey"]["oracle"]["64"] == pytest.approx(want)
     assert f"| {kept['oracle']:.3f} |" in needle.needle_table(result)
+
+
+def test_diagnostic_modes_at_a_larger_budget(tiny, monkeypatch):
+    """--diagnostic-top-k 2: the oracle keeps ceil(2 distant / K) of each query's distant
+    keys and is named oracle/top-2; above the adapter's K the run is refused by name."""
+    from focus_attention.hf import FocusModel
+
+    assets, adapter = tiny
+    use_tiny_assets(assets, monkeypatch)
+    settings = dict(model=str(assets["model"]), adapter=str(adapter), corpus=str(assets["corpus"]),
+                    haystacks=("passkey",), lengths=(64,), depths=(0.5,), trials=1, top_k=(1,),
+                    max_new_tokens=2, window=8, sink_tokens=1, dense=False, progress=False,
+                    diagnostics=("oracle",))  # fmt: skip
+    result = needle.run_needle_benchmark(NeedleBenchConfig(**settings, diagnostic_top_k=2))
+    k = FocusModel.from_pretrained(load_base(assets), adapter).focus_config.num_groups
+    want = sum(-(-2 * (i - 8) // k) / (i - 8) for i in range(9, 64)) / 55
+    kept = {c["mode"]: c["distant_kept"] for c in result["cells"]}
+    assert list(kept) == ["top-1", "oracle/top-2"]
+    assert kept["oracle/top-2"] == pytest.approx(want)
+    with pytest.raises(ValueError, match=rf"diagnostic_top_k.*num_groups = {k}"):
+        needle.run_needle_benchmark(NeedleBenchConfig(**settings, diagnostic_top_k=k + 1))
 
 
 def test_needle_seen_is_measured_per_routed_layer(tiny, monkeypatch):

@@ -170,7 +170,7 @@ OWN = {
         "--steps": at_least(1),
         "--warmup": at_least(0),
     },  # fmt: skip
-    ("bench", "needle"): {"--lengths": at_least(64)},
+    ("bench", "needle"): {"--lengths": at_least(64), "--diagnostic-top-k": at_least(1)},
     ("bench", "retrieval-layers"): {
         "--lengths": at_least(64),
         "--count": at_least(1),

@@ -56,7 +56,7 @@ def _pooled(q, k_or_c, b, kv, t, rep):
     return torch.stack([k_or_c[b, kv] @ q[b, h, t] for h in heads]).max(dim=0).values
 
 
-def _check_oracle(mask, q, k, window, groups, sinks, real):
+def _check_oracle(mask, q, k, window, groups, sinks, real, top_k=1):
     b_, h, nq, _ = q.shape
     h_kv, nk = k.shape[1], k.shape[2]
     rep = h // h_kv
@@ -68,7 +68,7 @@ def _check_oracle(mask, q, k, window, groups, sinks, real):
                 far = [j for j in range(nk) if kinds[j] == "distant"]
                 scores = _pooled(q, k, b, kv, t, rep)
                 kept = [j for j in far if mask[b, kv, t, j]]
-                assert len(kept) == math.ceil(len(far) / groups)  # the budget, exactly
+                assert len(kept) == math.ceil(top_k * len(far) / groups)  # the budget, exactly
                 dropped = [j for j in far if not mask[b, kv, t, j]]
                 if kept and dropped:  # the kept are the best
                     assert min(scores[kept]) >= max(scores[dropped])
@@ -85,6 +85,17 @@ def test_oracle_keeps_the_budget_of_best_distant_keys(shape, groups):
     mask = oracle_visibility(q, k, window, groups, sinks=sink)
     assert mask.shape == (b, h_kv, nq, nk) and mask.dtype == torch.bool
     _check_oracle(mask, q, k, window, groups, sink, None)
+
+
+@pytest.mark.parametrize(("groups", "top_k"), [(4, 2), (3, 2), (8, 3), (4, 4)])
+def test_oracle_at_a_larger_budget_keeps_top_k_groups_worth(groups, top_k):
+    """``top_k`` of ``num_groups``: each query keeps ``ceil(top_k * distant / K)`` of its
+    best distant keys (all of them at top_k = K), a superset of top-1's choice."""
+    q, k, sink, real = _case(2, 6, 2, 19, 23, 2, seed=7, padded=True)
+    mask = oracle_visibility(q, k, 3, groups, top_k=top_k, sinks=sink, real=real)
+    _check_oracle(mask, q, k, 3, groups, sink, real, top_k=top_k)
+    one = oracle_visibility(q, k, 3, groups, sinks=sink, real=real)
+    assert torch.equal(one & mask, one) and mask.sum() > one.sum()
 
 
 def test_oracle_with_padding_and_float32():
@@ -201,6 +212,8 @@ def test_kept_share_counts_distant_keys_only():
     [
         (lambda q, k: oracle_visibility(q, k, 0, 2), "window"),
         (lambda q, k: oracle_visibility(q, k, 2, 0), "num_groups"),
+        (lambda q, k: oracle_visibility(q, k, 2, 2, top_k=0), "top_k"),
+        (lambda q, k: oracle_visibility(q, k, 2, 2, top_k=3), "top_k.*num_groups = 2"),
         (lambda q, k: oracle_visibility(q, k[:, :, :, :4], 2, 2), "key"),
         (lambda q, k: oracle_visibility(q[:, :2], k[:, :, :3], 2, 2), "key"),
         (lambda q, k: kmeans_keys(k, 99), "num_clusters"),

@@ -102,11 +102,13 @@ def run_needle_benchmark(
 
     Raises:
         ValueError: a length above the model's ``max_position_embeddings``, a haystack too
-            short, or the errors of loading the model or adapter.
+            short, ``diagnostic_top_k`` above the adapter's ``num_groups``, or the errors of
+            loading the model or adapter.
     """
     fm, tokenizer, bos_id = load_needle_model(config)
     fm.focus_config = fm.focus_config.override(**config.overrides(without=("top_k",)))
-    modes = needle_modes(fm, config.top_k, config.diagnostics, config.seed, config.dense)
+    modes = needle_modes(fm, config.top_k, config.diagnostics, config.seed, config.dense,
+                         config.diagnostic_top_k)  # fmt: skip
     cells = []
     for case in needle_cases(config, tokenizer, bos_id):
         for mode, enter in modes:

@@ -1,12 +1,14 @@
 """The modes of ``focus bench needle`` beside dense attention: Focus at a ``top_k``, and the
 diagnostic modes (:data:`~focus_attention.bench.settings.NEEDLE_DIAGNOSTICS`) that keep the
 adapter's window, sinks and dense layers but choose each query's distant keys otherwise, at
-the budget of top-1 routing (``ceil(distant / K)`` keys, K the adapter's ``num_groups``):
+the budget of top-k routing (``ceil(k * distant / K)`` keys, K the adapter's ``num_groups``,
+k the command's ``diagnostic_top_k``, 1 by default; a mode at k > 1 is named
+``oracle/top-k``):
 
-- ``oracle``: each query's ``ceil(distant / K)`` distant keys of highest ``q . k``;
+- ``oracle``: each query's ``ceil(k * distant / K)`` distant keys of highest ``q . k``;
 - ``kmeans``: the keys of the prompt grouped by k-means into K groups; each query sees the
-  group whose centroid its ``q . c`` scores highest;
-- ``kmeans-fine``: the same with ``4 K`` groups, each query seeing its best 4.
+  k groups whose centroids its ``q . c`` scores highest;
+- ``kmeans-fine``: the same with ``4 K`` groups, each query seeing its best ``4 k``.
 
 Per key-value head, with the queries of the heads sharing it pooled by the maximum of their
 scores (:mod:`focus_attention.ops.diagnostic`), on the rotary-embedded queries and keys the
@@ -30,6 +32,7 @@ import torch
 
 from ..ops import focus_mask
 from ..ops.diagnostic import distant_kept_share, group_visibility, kmeans_keys, oracle_visibility
+from ..utils.checks import bad
 
 __all__ = [
     "FINE_GROUPS",
@@ -101,11 +104,13 @@ class DiagnosticVisibility:
     """The visibility function of one diagnostic mode for
     ``FocusModel.override_visibility()``: ``mode`` one of
     :data:`~focus_attention.bench.settings.NEEDLE_DIAGNOSTICS`, ``num_groups`` K, ``window``
-    the adapter's, ``seed`` the k-means draw's. A call whose queries are all its keys (a
-    prompt) fits the layer's k-means centroids and measures the kept share."""
+    the adapter's, ``seed`` the k-means draw's, ``top_k`` the budget in groups (module
+    docstring). A call whose queries are all its keys (a prompt) fits the layer's k-means
+    centroids and measures the kept share."""
 
-    def __init__(self, mode: str, num_groups: int, window: int, seed: int) -> None:
+    def __init__(self, mode: str, num_groups: int, window: int, seed: int, top_k: int = 1) -> None:  # fmt: skip
         self.mode, self.num_groups, self.window, self.seed = mode, num_groups, window, seed
+        self.top_k = top_k
         self.centroids: dict[int, torch.Tensor] = {}
         self.shares: dict[int, float | None] = {}
         self.last_rows: dict[int, torch.Tensor] = {}  # the prompt's last query row per layer
@@ -115,14 +120,15 @@ class DiagnosticVisibility:
         q, k, prompt = call.query, call.key, call.query.shape[2] == call.key.shape[2]
         sinks, real = call.sinks, call.real
         if self.mode == "oracle":
-            mask = oracle_visibility(q, k, self.window, self.num_groups, sinks=sinks, real=real)
+            mask = oracle_visibility(q, k, self.window, self.num_groups, top_k=self.top_k,
+                                     sinks=sinks, real=real)  # fmt: skip
         else:
             fine = self.mode == "kmeans-fine"
             if prompt or layer not in self.centroids:
                 groups = min(self.num_groups * (FINE_GROUPS if fine else 1), k.shape[2])
                 self.centroids[layer] = kmeans_keys(k, groups, iters=KMEANS_ITERS,
                                                     seed=self.seed, real=real)[1]  # fmt: skip
-            top = min(FINE_GROUPS if fine else 1, self.centroids[layer].shape[2])
+            top = min(self.top_k * (FINE_GROUPS if fine else 1), self.centroids[layer].shape[2])
             mask = group_visibility(q, k, self.window, self.centroids[layer], top, sinks=sinks,
                                     real=real)  # fmt: skip
         if prompt:
@@ -142,10 +148,19 @@ class DiagnosticVisibility:
 
 
 def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], seed: int,
-                 dense: bool = True) -> list[Mode]:  # fmt: skip
+                 dense: bool = True, diagnostic_top_k: int = 1) -> list[Mode]:  # fmt: skip
     """The :data:`Mode` list of ``focus bench needle``: ``dense`` (kept share 1), Focus at
     each ``top_k`` (named ``top-K``, or ``top-K/qQ`` when its queries keep ``Q`` groups),
-    then each diagnostic mode (under top-1 routing, whose cache groups they leave unread)."""
+    then each diagnostic mode at ``diagnostic_top_k`` groups' budget (named as the mode, or
+    ``oracle/top-2`` beyond 1; under top-1 routing, whose cache groups they leave unread).
+
+    Raises:
+        ValueError: ``diagnostic_top_k`` above the adapter's ``num_groups``.
+    """
+    groups = fm.focus_config.num_groups
+    if diagnostics and diagnostic_top_k > groups:
+        raise bad("NeedleBenchConfig", "diagnostic_top_k", diagnostic_top_k,
+                  f"at most the adapter's num_groups = {groups}")  # fmt: skip
 
     def topk(k: int):
         @contextlib.contextmanager
@@ -161,7 +176,8 @@ def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], 
         def enter() -> Iterator[Measure]:
             fm.set_top_k(1)
             config = fm.focus_config
-            visibility = DiagnosticVisibility(mode, config.num_groups, config.window, seed)
+            visibility = DiagnosticVisibility(mode, config.num_groups, config.window, seed,
+                                              diagnostic_top_k)  # fmt: skip
             with fm.override_visibility(visibility):
                 yield visibility.measure
 
@@ -176,5 +192,7 @@ def needle_modes(fm: Any, top_k: tuple[int, ...], diagnostics: tuple[str, ...], 
         q = fm.focus_config.query_top_k
         return f"top-{k}" if q is None or q == k else f"top-{k}/q{q}"
 
-    modes = [(name(k), topk(k)) for k in top_k] + [(m, diagnostic(m)) for m in diagnostics]
+    suffix = "" if diagnostic_top_k == 1 else f"/top-{diagnostic_top_k}"
+    modes = [(name(k), topk(k)) for k in top_k]
+    modes += [(m + suffix, diagnostic(m)) for m in diagnostics]
     return [("dense", dense_mode), *modes] if dense else modes

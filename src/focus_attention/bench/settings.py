@@ -524,11 +524,20 @@ class NeedleBenchConfig(PlotFile, GenerationLength, ResultFile, RunSettings, See
             "choices": NEEDLE_DIAGNOSTICS,
         },
     )
+    diagnostic_top_k: int = field(
+        default=1,
+        metadata={
+            "help": "the diagnostic modes' budget in groups of K: each query keeps "
+            "ceil(k * distant / K) distant keys (oracle), or its best k (kmeans) or 4k "
+            "(kmeans-fine) groups; a mode at k > 1 is named oracle/top-k"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.check_shared()
         check_grid("NeedleBenchConfig", self)
         check_prompts("NeedleBenchConfig", self)
+        check_int("NeedleBenchConfig", "diagnostic_top_k", self.diagnostic_top_k, 1)
         self.diagnostics = tuple(dict.fromkeys(self.diagnostics))
         if any(d not in NEEDLE_DIAGNOSTICS for d in self.diagnostics):
             raise bad("NeedleBenchConfig", "diagnostics", self.diagnostics,

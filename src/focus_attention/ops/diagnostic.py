@@ -95,20 +95,25 @@ def _base_mask(query, key, window, sinks, real) -> tuple[torch.Tensor, torch.Ten
 
 
 def oracle_visibility(query: torch.Tensor, key: torch.Tensor, window: int, num_groups: int,
-                      *, sinks=None, real=None) -> torch.Tensor:  # fmt: skip
-    """The near keys and, per key-value head, each query's ``ceil(distant / num_groups)``
-    distant keys of highest pooled ``q . k`` (:func:`pooled_scores`; ties broken by
-    ``torch.topk``): bool ``[B, H_kv, Nq, Nk]``. Each query keeps exactly that many distant
-    keys (never more than it has).
+                      *, top_k: int = 1, sinks=None, real=None) -> torch.Tensor:  # fmt: skip
+    """The near keys and, per key-value head, each query's ``ceil(top_k * distant /
+    num_groups)`` distant keys of highest pooled ``q . k`` (:func:`pooled_scores`; ties
+    broken by ``torch.topk``), the share top-k routing of ``num_groups`` groups reads: bool
+    ``[B, H_kv, Nq, Nk]``. Each query keeps exactly that many distant keys (never more
+    than it has).
 
     Raises:
-        ValueError: malformed tensors, ``window`` or ``num_groups`` not an int >= 1.
+        ValueError: malformed tensors, ``window``, ``num_groups`` or ``top_k`` not an int
+            >= 1, ``top_k`` above ``num_groups``.
     """
     _check_inputs(query, key, sinks, real)
     _check_count("num_groups", num_groups)
     _check_count("window", window)
+    _check_count("top_k", top_k)
+    if top_k > num_groups:
+        fail("top_k", top_k, f"at most num_groups = {num_groups}")
     mask, distant = _base_mask(query, key, window, sinks, real)
-    budget = (distant.sum(dim=-1) + num_groups - 1) // num_groups  # [B or 1, Nq]
+    budget = (distant.sum(dim=-1) * top_k + num_groups - 1) // num_groups  # [B or 1, Nq]
     for start in range(0, query.shape[2], CHUNK_ROWS):
         rows = slice(start, start + CHUNK_ROWS)
         need = budget[:, None, rows]  # [B or 1, 1, rows]
