@@ -216,8 +216,9 @@ def make_case(
     query_membership: "aligned" (the queries are the last ``nq`` keys and carry their
     memberships, as in a model), "independent" (memberships differ between the lists), or
     asymmetric top-k as a model routes it (``query_top_k`` differs from ``top_k``): "wider"
-    (each query keeps its key groups and joins one more) or "narrower" (each query keeps
-    one of its key groups).
+    (each query keeps its key groups and joins one more), "widest" (three more: with
+    ``top_k=1``, the query-key layout of keys in one group and queries in four) or
+    "narrower" (each query keeps one of its key groups).
     """
     g = gen(seed)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -255,7 +256,7 @@ def _query_memberships(g: torch.Generator, aligned: torch.Tensor, kind: str, dra
     # a random score per group, the key groups ranked first: the query keeps its best
     rank = torch.rand(aligned.shape, generator=g) + 2.0 * aligned
     order = rank.argsort(dim=-1, descending=True)
-    keep = aligned.sum(-1, keepdim=True) + (1 if kind == "wider" else 0)
+    keep = aligned.sum(-1, keepdim=True) + {"wider": 1, "widest": 3}.get(kind, 0)
     if kind == "narrower":
         keep = keep.clamp(max=1)
     taken = torch.arange(aligned.shape[-1]).expand_as(aligned) < keep

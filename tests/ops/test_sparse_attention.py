@@ -82,6 +82,13 @@ def _grid() -> list:
     add("many-classes-K12-top6-chunk", nk=300, nq=120, groups=12, top_k=6, window=4)
     add("many-classes-random-pad", nk=300, groups=9, membership="random", padding="random")
     add("many-classes-indep", nk=300, nq=200, groups=9, top_k=4, query_membership="independent")
+    # keys in one group, queries in four (the query-key layout): the fused kernel runs its
+    # group part by single group, each query's groups merged by log-sum-exp
+    add("query-widest", nk=300, groups=12, top_k=1, query_membership="widest", window=6)
+    add("query-widest-chunk-pad", nk=260, nq=97, groups=12, top_k=1, query_membership="widest",
+        padding="random", batch=2)  # fmt: skip
+    add("query-widest-empty-groups", nk=200, groups=16, top_k=1, used_groups=5,
+        query_membership="widest", heads=6, kv_heads=2)  # fmt: skip
     add("mqa", nk=130, heads=4, kv_heads=1)
     add("mha", nk=130, heads=3, kv_heads=3)
     add("dim1", nk=70, dim=1)
@@ -121,6 +128,7 @@ HALF_GRID = [
     pytest.param(dict(nk=120, batch=2, padding="random", membership="random"), id="pad-random"),
     pytest.param(dict(nk=1), id="n1"),
     pytest.param(dict(nk=200, top_k=1, query_membership="wider"), id="query-wider"),
+    pytest.param(dict(nk=200, groups=12, top_k=1, query_membership="widest"), id="query-widest"),
 ]
 
 
@@ -762,6 +770,35 @@ def test_segmented_decoding_propagates_nan(where, fused_kernel, monkeypatch):
     ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
     assert torch.isnan(ref).any()
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+@pytest.mark.parametrize("where", ["query", "early key", "late key"])
+def test_group_part_by_single_group_propagates_nan(where, fused_kernel):
+    """Keys in one group, queries in four: the fused kernel's group part runs by single
+    group and merges each query's groups by log-sum-exp; a NaN in one group's keys reaches
+    exactly the queries that see it, as in dense attention."""
+    case = make_case(nk=120, heads=2, kv_heads=1, groups=12, top_k=1, window=4, seed=6,
+                     query_membership="widest")  # fmt: skip
+    if where == "query":
+        case.q[0, 0, 70] = math.nan
+    else:
+        case.k[0, 0, 5 if where == "early key" else 100] = math.nan
+    out = case.sparse("cpu_fused")
+    ref, _ = dense_attention(case.q, case.k, case.v, case.mask())
+    assert torch.isnan(ref).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+@pytest.mark.parametrize("groups", [12, 33, 64])
+def test_group_part_by_single_group_at_every_code_width(groups, fused_kernel):
+    """The by-group split at 16- to 64-bit membership codes (a query's slot is the count of
+    its groups below the one being run, the top groups included), with padding."""
+    case = make_case(nk=150, nq=70, batch=2, heads=4, kv_heads=2, groups=groups, top_k=1,
+                     query_membership="widest", padding="left", seed=groups)  # fmt: skip
+    case.kg[:, ::5] = False
+    case.kg[:, ::5, -1] = True  # the last group is never empty
+    case.qg[:, :, -1] = True
+    assert_matches_oracle(case, *case.sparse("cpu_fused", return_lse=True))
 
 
 @pytest.mark.parametrize("groups", [8, 9, 12, 17, 33, 64])

@@ -7,7 +7,9 @@
 //   phase 1 (group part): queries are partitioned by their exact membership set S (a
 //     "class"); a tile of up to `tile_q` class queries attends causally (by position) to
 //     the union of the real keys of every group in S, found by a scan of the keys' group
-//     bit codes (a key in several groups of S is visited once);
+//     bit codes (a key in several groups of S is visited once); where every key is in one
+//     group at most and the classes are small (queries in several groups), by single group
+//     instead, each query's per-group results merged by log-sum-exp (plan_by_group);
 //   phase 2 (local part): tiles of consecutive queries attend to the contiguous keys of
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
@@ -283,7 +285,38 @@ struct Plan {
   std::vector<int64_t> class_start;   // [C + 1] into class_rows
   std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
   std::vector<C> qcode, kcode;        // membership bit codes (kcode 0 for padding)
+  bool keys_single = true;            // every key in at most one group
+  int64_t most_query_groups = 0;      // the most groups one query is in
 };
+
+// The classes of p rebuilt by single group: class g lists, in order, every query in group g
+// (a query in Q groups is in Q classes). Exact where every key is in one group at most: the
+// key sets of a query's groups are then disjoint, and its Q partial results merge by
+// log-sum-exp into the union's.
+template <typename C>
+void plan_by_group(Plan<C>& p, int64_t kgroups) {
+  p.class_code.clear();
+  p.class_start.clear();
+  p.class_rows.clear();
+  const int64_t nq = static_cast<int64_t>(p.qcode.size());
+  for (int64_t g = 0; g < kgroups; ++g) {
+    const C bit = static_cast<C>(uint64_t{1} << g);
+    const int64_t start = static_cast<int64_t>(p.class_rows.size());
+    for (int64_t i = 0; i < nq; ++i)
+      if (p.qcode[i] & bit) p.class_rows.push_back(static_cast<int32_t>(i));
+    if (static_cast<int64_t>(p.class_rows.size()) == start) continue;
+    p.class_code.push_back(bit);
+    p.class_start.push_back(start);
+  }
+  p.class_start.push_back(static_cast<int64_t>(p.class_rows.size()));
+}
+
+// Which of query code qc's partial results (by group) the group of `bit` writes: the number
+// of its groups below that one.
+template <typename C>
+inline int64_t group_slot(C qc, C bit) {
+  return __builtin_popcountll(static_cast<uint64_t>(qc) & (static_cast<uint64_t>(bit) - 1));
+}
 
 // Bit code of n bools (bytes of 0 or 1): bit g set where b[g]. Eight at a time, one byte each
 // to one bit by a multiply (little-endian loads; torch's bools are exactly 0 or 1).
@@ -305,10 +338,15 @@ Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, 
   Plan<C> p;
   p.qcode.resize(nq);
   p.kcode.resize(nk);
-  for (int64_t i = 0; i < nq; ++i) p.qcode[i] = static_cast<C>(pack_bools(qg + i * stride, kgroups));
+  for (int64_t i = 0; i < nq; ++i) {
+    p.qcode[i] = static_cast<C>(pack_bools(qg + i * stride, kgroups));
+    p.most_query_groups = std::max<int64_t>(p.most_query_groups,
+                                            __builtin_popcountll(static_cast<uint64_t>(p.qcode[i])));
+  }
   for (int64_t j = 0; j < nk; ++j) {
     const bool keep = real == nullptr || real[j];
     p.kcode[j] = keep ? static_cast<C>(pack_bools(kg + j * stride, kgroups)) : C{0};
+    p.keys_single &= (p.kcode[j] & (p.kcode[j] - 1)) == 0;
   }
   // classes: queries sorted by (code, index); code 0 (no group) gets no class
   std::vector<int32_t> order(nq);
@@ -355,7 +393,10 @@ struct Kernel {
   int64_t k_batch_stride, k_head_stride, v_batch_stride, v_head_stride;  // rows are contiguous
   int64_t segment_keys = 0;  // phase 1 splits the keys into segments of at least this many
   int64_t segments = 1;      // when it has too few items for the threads (decoding)
-  mutable std::vector<float> part_out, part_lse;  // [segments, B, Nq, H, (D)] partial results
+  // [segments, B, Nq, H, (D)] partial results: of key segments, or (by_group) of each query's
+  // groups in order; part_out is read only where part_lse is finite
+  mutable Buffer<float> part_out, part_lse;
+  bool by_group = false;  // phase 1 by single group (plan_by_group), merged by log-sum-exp
   float scale;
   int64_t routes = 1;  // memberships per batch element: 1 (shared by the heads) or H_kv
   std::vector<Plan<C>> plans;  // [B * routes]
@@ -403,8 +444,6 @@ struct Kernel {
     const int64_t last_pos = std::min(offset + rows[n - 1], it.key_hi - 1);
     KeyUnion<C> keys(p.kcode, p.class_code[it.problem]);
     keys.j = it.key_lo;
-    float* out_base = segments > 1 ? part_out.data() + it.segment * b * nq * h * d : out;
-    float* lse_base = segments > 1 ? part_lse.data() + it.segment * b * nq * h : lse;
     while (true) {
       int64_t nkb = 0;
       for (; nkb < tile_k; ++nkb) {
@@ -430,8 +469,20 @@ struct Kernel {
       ts.update(nkb);
       if (nkb < tile_k) break;
     }
-    for (int64_t r = 0; r < rep; ++r)
-      for (int64_t i = 0; i < n; ++i) {
+    write_group_tile(ts, it, p, rows, n);
+  }
+
+  // phase 1's normalised rows of a tile into out / lse, or into the partial results: the
+  // item's key segment, or (by group) the query's slot of the class's group
+  void write_group_tile(const TileState& ts, const Item& it, const Plan<C>& p,
+                        const int32_t* rows, int64_t n) const {
+    const int64_t bi = it.batch, hk = it.head_kv, plane = b * nq * h;
+    const C bit = p.class_code[it.problem];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t part = by_group ? group_slot(p.qcode[rows[i]], bit) : it.segment;
+      float* out_base = segments > 1 ? part_out.data() + part * plane * d : out;
+      float* lse_base = segments > 1 ? part_lse.data() + part * plane : lse;
+      for (int64_t r = 0; r < rep; ++r) {
         const int64_t row = r * n + i, head = hk * rep + r;
         float* o = out_base + ((bi * nq + rows[i]) * h + head) * d;
         const float* a = ts.acc.data() + row * d;
@@ -445,6 +496,7 @@ struct Kernel {
           ls = kNegInf;
         }
       }
+    }
   }
 
   // Hides, in the logits of a local tile's key block j0..j0+nkb, every key outside query
@@ -580,10 +632,34 @@ struct Kernel {
     const int64_t wanted = (4 * threads + group_items - 1) / group_items;
     segments = std::max<int64_t>(1, std::min<int64_t>(wanted, nk / segment_keys));
     if (segments * b * nq * h * d > (int64_t{1} << 22)) segments = 1;  // partials <= 16 MiB
-    if (segments > 1) {
-      part_out.assign(segments * b * nq * h * d, 0.f);
-      part_lse.assign(segments * b * nq * h, kNegInf);
+    if (segments > 1) allocate_parts();
+  }
+
+  void allocate_parts() {
+    part_out.resize(segments * b * nq * h * d);
+    part_lse.resize(segments * b * nq * h);
+    std::fill(part_lse.begin(), part_lse.begin() + segments * b * nq * h, kNegInf);
+  }
+
+  // Phase 1 by single group instead of by exact membership set, where that is exact (every
+  // key in one group at most), needed (some query in several groups) and pays: the exact
+  // sets are too many to fill tiles (under half a tile of queries each, on average), and the
+  // partial results (one per group of the query in the most) stay within 256 MiB.
+  void choose_by_group() {
+    int64_t classes = 0, most = 0;
+    bool single = true;
+    for (const Plan<C>& p : plans) {
+      classes += static_cast<int64_t>(p.class_code.size());
+      most = std::max(most, p.most_query_groups);
+      single &= p.keys_single;
     }
+    const int64_t rows = nq * static_cast<int64_t>(plans.size());
+    if (!single || most < 2 || 2 * rows >= classes * tile_q) return;
+    if (most * b * nq * h * d > (int64_t{1} << 26)) return;
+    for (Plan<C>& p : plans) plan_by_group(p, kgroups);
+    by_group = true;
+    segments = most;
+    allocate_parts();
   }
 
   // ---- decoding (Nq == 1): the query at position nk - 1 sees the real keys of its window
@@ -731,10 +807,11 @@ struct Kernel {
 
   void run() {
     std::vector<Item> items;
+    choose_by_group();
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t hk = 0; hk < hkv; ++hk) add_group_items(items, bi, hk);
-    plan_segments(static_cast<int64_t>(items.size()));
-    if (segments > 1) {
+    if (!by_group) plan_segments(static_cast<int64_t>(items.size()));
+    if (segments > 1 && !by_group) {
       std::vector<Item> split;
       for (const Item& it : items)
         for (int64_t sg = 0; sg < segments; ++sg) {
@@ -832,12 +909,12 @@ void focus_forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
       ker.tile_band = tile_band;
       ker.segment_keys = segment_keys;
       ker.routes = routes;
+      ker.kgroups = kgroups;
       const bool* qg = query_groups.data_ptr<bool>();
       const bool* kg = key_groups.data_ptr<bool>();
       if (ker.nq == 1 && ker.rep <= 64) {  // a decoding step: no classes to plan
         ker.qg_bools = qg;
         ker.kg_bools = kg;
-        ker.kgroups = kgroups;
         ker.run_decode();
         return;
       }
