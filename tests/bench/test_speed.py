@@ -96,6 +96,34 @@ def test_kernel_queries_can_join_more_groups_than_the_keys(per_head, tmp_path):
         bench.KernelBenchConfig(num_groups=4, query_top_k=5)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_queries_can_draw_their_groups_at_random(per_head, tmp_path):
+    """``query_draw="random"``: each query in exactly ``query_top_k`` groups, drawn among all
+    sets (many distinct ones, where the balanced draw makes K), keys still balanced; the
+    result records the draw; without ``query_top_k`` it is refused by name."""
+    cfg = dict(num_heads=4, num_key_value_heads=2, head_dim=8, num_groups=16, seed=1,
+               per_head_groups=per_head, query_top_k=4)  # fmt: skip
+    _, _, _, balanced, _ = bench.kernel_inputs(256, 1, cfg)
+    _, _, _, qg, kg = bench.kernel_inputs(256, 1, {**cfg, "query_draw": "random"})
+    assert qg.shape == kg.shape == ((1, 256, 2, 16) if per_head else (1, 256, 16))
+    assert bool((qg.sum(-1) == 4).all()) and bool((kg.sum(-1) == 1).all())
+    assert bool((kg.sum(1) == 16).all())  # 256 keys, 16 per group
+    sets = {tuple(row) for row in qg.reshape(-1, 16).int().tolist()}
+    assert len({tuple(row) for row in balanced.reshape(-1, 16).int().tolist()}) == 16
+    assert len(sets) > 150
+    out = tmp_path / "k.json"
+    args = ["bench", "kernel", "--json", str(out), "--lengths", "48", "--top-k", "1",
+            "--query-top-k", "4", "--query-draw", "random", "--repeats", "1", "--no-memory",
+            "--no-gates", "--window", "4", "--num-groups", "16", "--num-heads", "4",
+            "--num-key-value-heads", "2", "--head-dim", "8", "--seed", "1"]  # fmt: skip
+    assert cli.main(args) == 0
+    assert json.loads(out.read_text())["config"]["query_draw"] == "random"
+    with pytest.raises(ValueError, match="query_draw.*unless query_top_k"):
+        bench.KernelBenchConfig(query_draw="random")
+    with pytest.raises(ValueError, match="query_draw"):
+        bench.KernelBenchConfig(query_top_k=2, query_draw="sorted")
+
+
 def test_kernel_benchmark_rejects_bad_settings():
     with pytest.raises(ValueError, match="dtype"):
         bench.KernelBenchConfig(dtype="int8")

@@ -33,6 +33,7 @@ __all__ = [
     "KERNEL_LENGTHS",
     "KernelBenchConfig",
     "balanced_memberships",
+    "random_memberships",
     "dense_sdpa_context",
     "kernel_peak_memory",
     "kernel_table",
@@ -58,13 +59,23 @@ def balanced_memberships(n: int, num_groups: int, top_k: int, generator) -> torc
     return out
 
 
+def random_memberships(n: int, num_groups: int, top_k: int, generator) -> torch.Tensor:
+    """Memberships of ``top_k`` groups per token, each token's drawn uniformly among all
+    ``C(K, top_k)`` sets (the ``top_k`` largest of K uniform scores), so that a prompt has
+    about as many distinct sets as tokens where ``C(K, top_k)`` is large, as learned routing
+    of queries makes. Returns bool ``[1, n, K]``."""
+    picked = torch.rand(n, num_groups, generator=generator).topk(top_k, dim=-1).indices
+    return torch.zeros(1, n, num_groups, dtype=torch.bool).scatter_(2, picked[None], True)
+
+
 def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """Seeded query, key, value ``[1, H(_kv), n, D]`` and balanced memberships of the
     queries and of the keys, bool ``[1, n, K]`` (with ``cfg["per_head_groups"]``: ``[1, n,
     H_kv, K]``, one balanced draw per key-value head), on ``cfg["device"]`` (default cpu)
     in ``cfg["dtype"]`` (default float32): ``(q, k, v, query_groups, key_groups)``. Keys
     join ``top_k`` groups; queries the same groups, or with ``cfg["query_top_k"]`` their own
-    draw of that many.
+    draw of that many (``cfg["query_draw"]``: ``balanced``, the default, or ``random``,
+    :func:`random_memberships`).
     On the CPU the values are drawn in fp32, then cast, so every dtype times the same
     numbers; on CUDA they are drawn on the device (a 128K-token input of Llama-3-8B's shape is
     800M values: seconds there, tens of seconds on the CPU), the same on every CUDA device."""
@@ -78,18 +89,23 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
     q, k, v = (torch.randn(1, h, n, cfg["head_dim"], generator=draw, **place) for h in heads)
     key_groups = _memberships(n, top_k, cfg, gen)
     query_top_k = cfg.get("query_top_k")
-    query_groups = key_groups if query_top_k in (None, top_k) else _memberships(n, query_top_k, cfg, gen)  # fmt: skip
+    query_draw = cfg.get("query_draw", "balanced")
+    own = query_top_k not in (None, top_k) or (query_top_k is not None and query_draw != "balanced")  # fmt: skip
+    query_groups = _memberships(n, query_top_k, cfg, gen, query_draw) if own else key_groups
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     return q, k, v, query_groups.to(device), key_groups.to(device)
 
 
-def _memberships(n: int, top_k: int, cfg: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
-    """:func:`balanced_memberships` ``[1, n, K]``, or one draw per key-value head ``[1, n,
-    H_kv, K]`` with ``cfg["per_head_groups"]`` (the first head's draw is the shared one)."""
-    groups = balanced_memberships(n, cfg["num_groups"], top_k, gen)
+def _memberships(n: int, top_k: int, cfg: dict[str, Any], gen: torch.Generator,
+                 kind: str = "balanced") -> torch.Tensor:  # fmt: skip
+    """:func:`balanced_memberships` (or with ``kind="random"`` :func:`random_memberships`)
+    ``[1, n, K]``, or one draw per key-value head ``[1, n, H_kv, K]`` with
+    ``cfg["per_head_groups"]`` (the first head's draw is the shared one)."""
+    draw = random_memberships if kind == "random" else balanced_memberships
+    groups = draw(n, cfg["num_groups"], top_k, gen)
     if not cfg.get("per_head_groups", False):
         return groups
-    draws = [groups] + [balanced_memberships(n, cfg["num_groups"], top_k, gen)
+    draws = [groups] + [draw(n, cfg["num_groups"], top_k, gen)
                         for _ in range(1, cfg["num_key_value_heads"])]  # fmt: skip
     return torch.stack(draws, dim=2)
 
@@ -237,7 +253,8 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         torch.set_num_threads(config.threads)
     cfg = {k: getattr(config, k) for k in ("num_heads", "num_key_value_heads", "head_dim",
                                            "window", "num_groups", "seed", "device", "dtype",
-                                           "dense_kernel", "per_head_groups", "query_top_k")}  # fmt: skip
+                                           "dense_kernel", "per_head_groups", "query_top_k",
+                                           "query_draw")}  # fmt: skip
     cfg["backend"] = config.attention_backend
     combos = [(n, k) for n in config.lengths for k in config.top_k]
     bar = tqdm(combos, desc="kernel", disable=not config.progress)
@@ -261,6 +278,7 @@ def run_kernel_benchmark(config: KernelBenchConfig | None = None) -> dict[str, A
         "memberships": "balanced random (bench.kernel.balanced_memberships)",
         "per_head_groups": config.per_head_groups,
         "query_top_k": config.query_top_k,
+        "query_draw": config.query_draw if config.query_top_k is not None else None,
         "sparse_backend": sparse_backend_name(
             config.attention_backend, config.num_groups, config.device, config.dtype
         ),  # fmt: skip

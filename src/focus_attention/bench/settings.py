@@ -54,6 +54,7 @@ __all__ = [
     "SHAPE_FIELDS",
     "DECODE_CONTEXTS",
     "DENSE_KERNELS",
+    "QUERY_DRAWS",
     "DTYPE_NAMES",
     "ComputeDtype",
     "FRESH_WINDOW",
@@ -109,6 +110,10 @@ NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: diagnostic modes of the needle benchmark, each at top-1's budget of distant keys (module
 #: docstring of :mod:`focus_attention.bench.needle_diagnostics`)
 NEEDLE_DIAGNOSTICS = ("oracle", "kmeans", "kmeans-fine")
+#: ``focus bench kernel --query-draw``: how queries draw their own ``query_top_k`` groups
+#: (``balanced``: consecutive groups from a balanced start, K distinct sets; ``random``: any
+#: ``query_top_k`` of K uniformly, per token and head, as many sets as learned routing makes)
+QUERY_DRAWS = ("balanced", "random")
 #: the KV caches of the decoding benchmark's model level: transformers' ``DynamicCache``
 #: (and Focus's own dynamic cache), or transformers' ``StaticCache`` (what a CUDA graph
 #: captures)
@@ -308,10 +313,23 @@ class KernelBenchConfig(PlotFile, ResultFile, RunSettings, ComputeDtype, DeviceS
                   "balanced draw: a routing per head), instead of one [1, N, K] shared by "
                   "every head"},
     )  # fmt: skip
+    query_draw: str = field(
+        default="balanced",
+        metadata={
+            "help": "how queries draw their own --query-top-k groups: balanced (consecutive "
+            "groups from a balanced start: K distinct sets) or random (any query_top_k of K, "
+            "uniformly per token and head: as many distinct sets as learned routing makes)",
+            "choices": QUERY_DRAWS,
+        },
+    )
 
     def __post_init__(self) -> None:
         self.check_shared()
         owner = "KernelBenchConfig"
+        if self.query_draw not in QUERY_DRAWS:
+            raise bad(owner, "query_draw", self.query_draw, f"one of {QUERY_DRAWS}")
+        if self.query_draw != "balanced" and self.query_top_k is None:
+            raise bad(owner, "query_draw", self.query_draw, "'balanced' unless query_top_k is set")
         check_grid(owner, self)
         self.check_compute(owner)
         if self.dense_kernel not in DENSE_KERNELS:
