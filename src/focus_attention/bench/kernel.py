@@ -90,7 +90,7 @@ def kernel_inputs(n: int, top_k: int, cfg: dict[str, Any]) -> tuple[torch.Tensor
     key_groups = _memberships(n, top_k, cfg, gen)
     query_top_k = cfg.get("query_top_k")
     query_draw = cfg.get("query_draw", "balanced")
-    own = query_top_k not in (None, top_k) or (query_top_k is not None and query_draw != "balanced")  # fmt: skip
+    own = query_top_k is not None and (query_top_k != top_k or query_draw != "balanced")
     query_groups = _memberships(n, query_top_k, cfg, gen, query_draw) if own else key_groups
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     return q, k, v, query_groups.to(device), key_groups.to(device)

@@ -107,8 +107,9 @@ LEVELS = ("op", "model")
 #: prompt lengths (tokens) and needle depths (fraction of the haystack before the needle)
 NEEDLE_LENGTHS = (1024, 2048, 4096, 8192)
 NEEDLE_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-#: diagnostic modes of the needle benchmark, each at top-1's budget of distant keys (module
-#: docstring of :mod:`focus_attention.bench.needle_diagnostics`)
+#: diagnostic modes of the needle benchmark, each at top-k's budget of distant keys (k the
+#: command's ``diagnostic_top_k``; module docstring of
+#: :mod:`focus_attention.bench.needle_diagnostics`)
 NEEDLE_DIAGNOSTICS = ("oracle", "kmeans", "kmeans-fine")
 #: ``focus bench kernel --query-draw``: how queries draw their own ``query_top_k`` groups
 #: (``balanced``: consecutive groups from a balanced start, K distinct sets; ``random``: any

@@ -6,10 +6,10 @@ class's queries) gather their keys in blocks into float32 buffers and run an onl
 softmax with MKL's sgemm; the local tiles merge into the same rows by log-sum-exp (the
 maximum of both parts). Where every key is in one group and the classes are many and small
 (queries in several groups), the group part runs by single group and each query's groups
-merge by log-sum-exp (docs/method.md §5). Memberships per key-value head (``[B, N, H_kv, K]``) are planned
-per head in the kernel, which writes every head's rows in place. No intermediate result
-returns to Python. Inference only, CPU, at
-most 64 groups (membership codes are at most 64-bit integers); the fastest CPU path.
+merge by log-sum-exp (docs/method.md §5). Memberships per key-value head (``[B, N, H_kv,
+K]``) are planned per head in the kernel, which writes every head's rows in place. No
+intermediate result returns to Python. Inference only, CPU, at most 64 groups (membership
+codes are at most 64-bit integers); the fastest CPU path.
 """
 
 from __future__ import annotations

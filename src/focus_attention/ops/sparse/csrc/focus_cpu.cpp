@@ -805,25 +805,29 @@ struct Kernel {
     }
   }
 
+  // plan_segments() for phase 1's items, then each item's keys split into its segments
+  void split_into_segments(std::vector<Item>& items) {
+    plan_segments(static_cast<int64_t>(items.size()));
+    if (segments == 1) return;
+    std::vector<Item> split;
+    for (const Item& it : items)
+      for (int64_t sg = 0; sg < segments; ++sg) {
+        Item part = it;
+        part.segment = sg;
+        part.key_lo = sg * nk / segments;
+        part.key_hi = (sg + 1) * nk / segments;
+        part.cost = it.cost / static_cast<double>(segments);
+        split.push_back(part);
+      }
+    items.swap(split);
+  }
+
   void run() {
     std::vector<Item> items;
     choose_by_group();
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t hk = 0; hk < hkv; ++hk) add_group_items(items, bi, hk);
-    if (!by_group) plan_segments(static_cast<int64_t>(items.size()));
-    if (segments > 1 && !by_group) {
-      std::vector<Item> split;
-      for (const Item& it : items)
-        for (int64_t sg = 0; sg < segments; ++sg) {
-          Item part = it;
-          part.segment = sg;
-          part.key_lo = sg * nk / segments;
-          part.key_hi = (sg + 1) * nk / segments;
-          part.cost = it.cost / static_cast<double>(segments);
-          split.push_back(part);
-        }
-      items.swap(split);
-    }
+    if (!by_group) split_into_segments(items);
     // costliest first: the pull order then balances the triangular workload
     std::sort(items.begin(), items.end(),
               [](const Item& x, const Item& y) { return x.cost > y.cost; });
