@@ -5,8 +5,9 @@ Tiles of query rows of one membership class (the query heads sharing a key head 
 class's queries) gather their keys in blocks into float32 buffers and run an online
 softmax with MKL's sgemm; the local tiles merge into the same rows by log-sum-exp (the
 maximum of both parts). Where every key is in one group and the classes are many and small
-(queries in several groups), the group part runs by single group and each query's groups
-merge by log-sum-exp (docs/method.md §5). Memberships per key-value head (``[B, N, H_kv,
+(queries in several groups), the keys are laid out group by group once and the group part
+runs per block of consecutive queries and single group, each query's groups merged by
+log-sum-exp (docs/method.md §5). Memberships per key-value head (``[B, N, H_kv,
 K]``) are planned per head in the kernel, which writes every head's rows in place. No
 intermediate result returns to Python. Inference only, CPU, at most 64 groups (membership
 codes are at most 64-bit integers); the fastest CPU path.

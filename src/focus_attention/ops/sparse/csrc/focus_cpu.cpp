@@ -9,7 +9,9 @@
 //     the union of the real keys of every group in S, found by a scan of the keys' group
 //     bit codes (a key in several groups of S is visited once); where every key is in one
 //     group at most and the classes are small (queries in several groups), by single group
-//     instead, each query's per-group results merged by log-sum-exp (plan_by_group);
+//     instead: the keys are laid out group by group once, and for each block of
+//     consecutive queries and each group, the block's queries in it attend to its keys, the
+//     groups merged into the block's rows by log-sum-exp (group_block);
 //   phase 2 (local part): tiles of consecutive queries attend to the contiguous keys of
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
@@ -249,8 +251,9 @@ struct TileState {
     std::fill(m.begin(), m.begin() + r, kNegInf);
     std::fill(l.begin(), l.begin() + r, 0.f);
   }
-  // One key block of nk keys already in k/v/kpos; s holds masked logits (-inf = hidden).
-  void update(int64_t nk) {
+  // One key block of nk keys whose masked logits are in s (-inf = hidden) and value rows at
+  // vals (default: the tile's own v).
+  void update(int64_t nk, const float* vals = nullptr) {
     for (int64_t r = 0; r < rows; ++r) {
       float* srow = s.data() + r * tile_k;
       const float mx = row_max(srow, nk);
@@ -268,7 +271,7 @@ struct TileState {
       l[r] = l[r] * alpha + sum;
       m[r] = mnew;
     }
-    gemm_ab_add(rows, d, nk, s.data(), tile_k, v.data(), d, acc.data(), d);
+    gemm_ab_add(rows, d, nk, s.data(), tile_k, vals ? vals : v.data(), d, acc.data(), d);
   }
 };
 
@@ -289,34 +292,29 @@ struct Plan {
   int64_t most_query_groups = 0;      // the most groups one query is in
 };
 
-// The classes of p rebuilt by single group: class g lists, in order, every query in group g
-// (a query in Q groups is in Q classes). Exact where every key is in one group at most: the
-// key sets of a query's groups are then disjoint, and its Q partial results merge by
-// log-sum-exp into the union's.
-template <typename C>
-void plan_by_group(Plan<C>& p, int64_t kgroups) {
-  p.class_code.clear();
-  p.class_start.clear();
-  p.class_rows.clear();
-  const int64_t nq = static_cast<int64_t>(p.qcode.size());
-  for (int64_t g = 0; g < kgroups; ++g) {
-    const C bit = static_cast<C>(uint64_t{1} << g);
-    const int64_t start = static_cast<int64_t>(p.class_rows.size());
-    for (int64_t i = 0; i < nq; ++i)
-      if (p.qcode[i] & bit) p.class_rows.push_back(static_cast<int32_t>(i));
-    if (static_cast<int64_t>(p.class_rows.size()) == start) continue;
-    p.class_code.push_back(bit);
-    p.class_start.push_back(start);
-  }
-  p.class_start.push_back(static_cast<int64_t>(p.class_rows.size()));
-}
+// The real keys of one (batch element, key head) laid out group by group, each key in one
+// group (phase 1 by single group): group g's keys at [start[g], start[g + 1]), increasing in
+// position, with their fp32 key and value rows one after the other.
+struct GroupedKeys {
+  std::vector<int64_t> start;  // [K + 1]
+  std::vector<int64_t> pos;    // [keys]
+  Buffer<float> k, v;          // [keys, D]
+};
 
-// Which of query code qc's partial results (by group) the group of `bit` writes: the number
-// of its groups below that one.
-template <typename C>
-inline int64_t group_slot(C qc, C bit) {
-  return __builtin_popcountll(static_cast<uint64_t>(qc) & (static_cast<uint64_t>(bit) - 1));
-}
+// A worker's buffers for group_block: one group's tile of the block's queries (ts, rows:
+// their indices) and the block's running softmax over its groups (row r * n + i: head
+// hk * rep + r, query i of the block).
+struct BlockScratch {
+  TileState ts;
+  Buffer<float> acc, m, l;
+  std::vector<int32_t> rows;
+  void reserve(int64_t max_rows, int64_t d, int64_t tile_k) {
+    ts.reserve(max_rows, d, tile_k);
+    acc.resize(max_rows * d);
+    m.resize(max_rows);
+    l.resize(max_rows);
+  }
+};
 
 // Bit code of n bools (bytes of 0 or 1): bit g set where b[g]. Eight at a time, one byte each
 // to one bit by a multiply (little-endian loads; torch's bools are exactly 0 or 1).
@@ -393,10 +391,14 @@ struct Kernel {
   int64_t k_batch_stride, k_head_stride, v_batch_stride, v_head_stride;  // rows are contiguous
   int64_t segment_keys = 0;  // phase 1 splits the keys into segments of at least this many
   int64_t segments = 1;      // when it has too few items for the threads (decoding)
-  // [segments, B, Nq, H, (D)] partial results: of key segments, or (by_group) of each query's
-  // groups in order; part_out is read only where part_lse is finite
+  // [segments, B, Nq, H, (D)] partial results of key segments; part_out is read only where
+  // part_lse is finite
   mutable Buffer<float> part_out, part_lse;
-  bool by_group = false;  // phase 1 by single group (plan_by_group), merged by log-sum-exp
+  // phase 1 by single group over blocks of consecutive queries (group_block), on the keys
+  // laid out group by group (grouped, [B * H_kv]); by_group_block queries per block
+  bool by_group = false;
+  int64_t by_group_block = 0;
+  std::vector<GroupedKeys> grouped;
   float scale;
   int64_t routes = 1;  // memberships per batch element: 1 (shared by the heads) or H_kv
   std::vector<Plan<C>> plans;  // [B * routes]
@@ -469,19 +471,17 @@ struct Kernel {
       ts.update(nkb);
       if (nkb < tile_k) break;
     }
-    write_group_tile(ts, it, p, rows, n);
+    write_group_tile(ts, it, rows, n);
   }
 
-  // phase 1's normalised rows of a tile into out / lse, or into the partial results: the
-  // item's key segment, or (by group) the query's slot of the class's group
-  void write_group_tile(const TileState& ts, const Item& it, const Plan<C>& p,
-                        const int32_t* rows, int64_t n) const {
+  // phase 1's normalised rows of a tile into out / lse, or into the partial results of the
+  // item's key segment
+  void write_group_tile(const TileState& ts, const Item& it, const int32_t* rows,
+                        int64_t n) const {
     const int64_t bi = it.batch, hk = it.head_kv, plane = b * nq * h;
-    const C bit = p.class_code[it.problem];
+    float* out_base = segments > 1 ? part_out.data() + it.segment * plane * d : out;
+    float* lse_base = segments > 1 ? part_lse.data() + it.segment * plane : lse;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t part = by_group ? group_slot(p.qcode[rows[i]], bit) : it.segment;
-      float* out_base = segments > 1 ? part_out.data() + part * plane * d : out;
-      float* lse_base = segments > 1 ? part_lse.data() + part * plane : lse;
       for (int64_t r = 0; r < rep; ++r) {
         const int64_t row = r * n + i, head = hk * rep + r;
         float* o = out_base + ((bi * nq + rows[i]) * h + head) * d;
@@ -643,8 +643,8 @@ struct Kernel {
 
   // Phase 1 by single group instead of by exact membership set, where that is exact (every
   // key in one group at most), needed (some query in several groups) and pays: the exact
-  // sets are too many to fill tiles (under half a tile of queries each, on average), and the
-  // partial results (one per group of the query in the most) stay within 256 MiB.
+  // sets are too many to fill tiles (under half a tile of queries each, on average). The
+  // keys laid out group by group (2 B H_kv Nk D floats) must stay within 256 MiB.
   void choose_by_group() {
     int64_t classes = 0, most = 0;
     bool single = true;
@@ -655,11 +655,159 @@ struct Kernel {
     }
     const int64_t rows = nq * static_cast<int64_t>(plans.size());
     if (!single || most < 2 || 2 * rows >= classes * tile_q) return;
-    if (most * b * nq * h * d > (int64_t{1} << 26)) return;
-    for (Plan<C>& p : plans) plan_by_group(p, kgroups);
+    if (2 * b * hkv * nk * d > (int64_t{1} << 26)) return;
     by_group = true;
-    segments = most;
-    allocate_parts();
+    // blocks of 4 tiles of queries (a group's share of them fills about half a tile at 4 of
+    // 32 groups), smaller where the blocks would be too few for the threads
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t even = (b * hkv * nq + 4 * threads - 1) / (4 * threads);
+    by_group_block = std::max(std::min(even, 4 * tile_q), std::min<int64_t>(32, nq));
+    grouped.resize(b * hkv);
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) group_keys(t / hkv, t % hkv);
+    });
+  }
+
+  // grouped[bi * hkv + hk]: the real keys of key head hk of batch element bi, group by group
+  void group_keys(int64_t bi, int64_t hk) {
+    const Plan<C>& p = plan(bi, hk);
+    GroupedKeys& gk = grouped[bi * hkv + hk];
+    gk.start.assign(kgroups + 1, 0);
+    for (const C c : p.kcode)
+      if (c) ++gk.start[__builtin_ctzll(static_cast<uint64_t>(c)) + 1];
+    std::partial_sum(gk.start.begin(), gk.start.end(), gk.start.begin());
+    const int64_t keys = gk.start[kgroups];
+    std::vector<int64_t> fill(gk.start.begin(), gk.start.end() - 1);
+    gk.pos.resize(keys);
+    gk.k.resize(keys * d);
+    gk.v.resize(keys * d);
+    for (int64_t j = 0; j < nk; ++j) {
+      if (p.kcode[j] == 0) continue;
+      const int64_t at = fill[__builtin_ctzll(static_cast<uint64_t>(p.kcode[j]))]++;
+      gk.pos[at] = j;
+      load_row(gk.k.data() + at * d, k_row(bi, hk, j), d);
+      load_row(gk.v.data() + at * d, v_row(bi, hk, j), d);
+    }
+  }
+
+  // One group's tile in group_block: the rows (rep x n, query indices sc.rows) against the
+  // group's keys at or before the last of them (the n_keys rows at keys / vals, positions
+  // pos), causally masked, into sc.ts.
+  void group_keys_tile(BlockScratch& sc, int64_t bi, int64_t hk, const int64_t* pos,
+                       const float* keys, const float* vals, int64_t n_keys) const {
+    TileState& ts = sc.ts;
+    const int64_t n = static_cast<int64_t>(sc.rows.size());
+    ts.start(rep * n);
+    load_queries(ts, bi, hk, sc.rows.data(), 0, n);
+    const int64_t first_pos = offset + sc.rows[0];
+    for (int64_t c0 = 0; c0 < n_keys; c0 += tile_k) {
+      const int64_t nkb = std::min(tile_k, n_keys - c0);
+      gemm_abt(static_cast<int>(rep * n), static_cast<int>(nkb), static_cast<int>(d), scale,
+               ts.q.data(), static_cast<int>(d), keys + c0 * d, static_cast<int>(d),
+               ts.s.data(), static_cast<int>(ts.tile_k));
+      if (pos[c0 + nkb - 1] > first_pos) {  // causal mask inside the block
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t cut = std::upper_bound(pos + c0, pos + c0 + nkb, offset + sc.rows[i]) -
+                              (pos + c0);
+          for (int64_t r = 0; r < rep; ++r) {
+            float* srow = ts.s.data() + (r * n + i) * ts.tile_k;
+            std::fill(srow + cut, srow + nkb, kNegInf);
+          }
+        }
+      }
+      ts.update(nkb, vals + c0 * d);
+    }
+  }
+
+  // sc.ts's rows (sc.rows, of the block starting at query `first` with n queries) merged
+  // into the block's running softmax by log-sum-exp (NaN propagated)
+  void merge_into_block(BlockScratch& sc, int64_t first, int64_t n) const {
+    const TileState& ts = sc.ts;
+    const int64_t ns = static_cast<int64_t>(sc.rows.size());
+    for (int64_t r = 0; r < rep; ++r)
+      for (int64_t t = 0; t < ns; ++t) {
+        const int64_t from = r * ns + t, to = r * n + (sc.rows[t] - first);
+        if (ts.l[from] == 0.f) continue;  // no key of this group visible
+        const float* a = ts.acc.data() + from * d;
+        float* acc = sc.acc.data() + to * d;
+        if (sc.m[to] == kNegInf) {
+          std::copy(a, a + d, acc);
+          sc.m[to] = ts.m[from];
+          sc.l[to] = ts.l[from];
+          continue;
+        }
+        const float m1 = sc.m[to], m2 = ts.m[from];
+        const float mx = (m1 != m1 || m2 != m2) ? m1 + m2 : std::max(m1, m2);
+        const float w1 = std::exp(m1 - mx), w2 = std::exp(m2 - mx);
+        for (int64_t e = 0; e < d; ++e) acc[e] = acc[e] * w1 + a[e] * w2;
+        sc.l[to] = sc.l[to] * w1 + ts.l[from] * w2;
+        sc.m[to] = mx;
+      }
+  }
+
+  // phase 1 by single group: queries first..first+n (in order) of key head hk; for each
+  // group, those of them in it attend to its keys (group_keys_tile), merged into the
+  // block's rows, which are then written normalised into out / lse (rows in a group only)
+  void group_block(BlockScratch& sc, const Item& it) const {
+    const Plan<C>& p = plan(it.batch, it.head_kv);
+    const GroupedKeys& gk = grouped[it.batch * hkv + it.head_kv];
+    const int64_t first = it.row0, n = it.row1 - it.row0;
+    std::fill(sc.acc.begin(), sc.acc.begin() + rep * n * d, 0.f);
+    std::fill(sc.m.begin(), sc.m.begin() + rep * n, kNegInf);
+    std::fill(sc.l.begin(), sc.l.begin() + rep * n, 0.f);
+    for (int64_t g = 0; g < kgroups; ++g) {
+      const C bit = static_cast<C>(uint64_t{1} << g);
+      sc.rows.clear();
+      for (int64_t i = first; i < first + n; ++i)
+        if (p.qcode[i] & bit) sc.rows.push_back(static_cast<int32_t>(i));
+      if (sc.rows.empty()) continue;
+      const int64_t* pos = gk.pos.data() + gk.start[g];
+      const int64_t n_keys =
+          std::upper_bound(pos, gk.pos.data() + gk.start[g + 1], offset + sc.rows.back()) - pos;
+      if (n_keys == 0) continue;
+      group_keys_tile(sc, it.batch, it.head_kv, pos, gk.k.data() + gk.start[g] * d,
+                      gk.v.data() + gk.start[g] * d, n_keys);
+      merge_into_block(sc, first, n);
+    }
+    write_block(sc, p, it);
+  }
+
+  // the block's rows of queries in a group, normalised, into out / lse
+  void write_block(const BlockScratch& sc, const Plan<C>& p, const Item& it) const {
+    const int64_t n = it.row1 - it.row0;
+    for (int64_t r = 0; r < rep; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t qi = it.row0 + i, row = r * n + i, head = it.head_kv * rep + r;
+        if (p.qcode[qi] == 0) continue;  // no group part: phase 2 alone
+        float* o = out + ((it.batch * nq + qi) * h + head) * d;
+        float& ls = lse[(it.batch * nq + qi) * h + head];
+        if (sc.l[row] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
+          const float inv = 1.f / sc.l[row];
+          const float* a = sc.acc.data() + row * d;
+          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
+          ls = sc.m[row] + std::log(sc.l[row]);
+        } else {
+          std::fill(o, o + d, 0.f);
+          ls = kNegInf;
+        }
+      }
+  }
+
+  // phase 1 by single group: blocks of by_group_block queries per batch element and key head
+  void run_by_group() const {
+    const int64_t blocks = (nq + by_group_block - 1) / by_group_block;
+    std::vector<Item> items;
+    for (int64_t t = 0; t < b * hkv * blocks; ++t) {
+      const int64_t r0 = t % blocks * by_group_block, r1 = std::min(nq, r0 + by_group_block);
+      items.push_back({t / (hkv * blocks), 0, r0, r1, t / blocks % hkv,
+                       static_cast<double>(r1 - r0) * static_cast<double>(offset + r1)});
+    }
+    std::sort(items.begin(), items.end(),
+              [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    pull<BlockScratch>(
+        static_cast<int64_t>(items.size()),
+        [&](BlockScratch& sc) { sc.reserve(rep * by_group_block, d, tile_k); },
+        [&](BlockScratch& sc, int64_t t) { group_block(sc, items[t]); });
   }
 
   // ---- decoding (Nq == 1): the query at position nk - 1 sees the real keys of its window
@@ -822,12 +970,13 @@ struct Kernel {
     items.swap(split);
   }
 
-  void run() {
+  // phase 1 by membership class: tiles of each class's queries, split into key segments
+  // where they are too few for the threads
+  void run_by_class() {
     std::vector<Item> items;
-    choose_by_group();
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t hk = 0; hk < hkv; ++hk) add_group_items(items, bi, hk);
-    if (!by_group) split_into_segments(items);
+    split_into_segments(items);
     // costliest first: the pull order then balances the triangular workload
     std::sort(items.begin(), items.end(),
               [](const Item& x, const Item& y) { return x.cost > y.cost; });
@@ -835,7 +984,6 @@ struct Kernel {
     for (const Item& it : items) widest = std::max(widest, it.row1 - it.row0);
     pull_tiles(static_cast<int64_t>(items.size()), rep * widest,
          [&](TileState& ts, int64_t t) { group_tile(ts, items[t]); });
-    std::vector<Item>().swap(items);
     if (segments > 1) {
       at::parallel_for(0, b * nq, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t t = lo; t < hi; ++t) {
@@ -845,6 +993,16 @@ struct Kernel {
               merge_segments(bi, qi, head);
         }
       });
+    }
+  }
+
+  void run() {
+    choose_by_group();
+    if (by_group) {
+      run_by_group();
+      std::vector<GroupedKeys>().swap(grouped);
+    } else {
+      run_by_class();
     }
     const int64_t tiles = (nq + tile_band - 1) / tile_band;  // per batch element and head
     pull_tiles(b * tiles * hkv, rep * std::min(tile_band, nq), [&](TileState& ts, int64_t t) {
