@@ -205,6 +205,7 @@ def make_case(
     membership: str = "topk",
     query_membership: str = "aligned",
     used_groups: int | None = None,
+    sinks: int = 0,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Case:
@@ -219,6 +220,8 @@ def make_case(
     (each query keeps its key groups and joins one more), "widest" (three more: with
     ``top_k=1``, the query-key layout of keys in one group and queries in four) or
     "narrower" (each query keeps one of its key groups).
+    sinks: the first ``sinks`` keys join every group after the queries' memberships are
+    drawn (as a model's caches store sink tokens).
     """
     g = gen(seed)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -241,6 +244,7 @@ def make_case(
 
     kg = draw(nk)
     qg = _query_memberships(g, kg[:, nk - nq :], query_membership, draw)
+    kg[:, :sinks] = True
     kpm = padding_mask(g, batch, nk, padding, lengths)
     case = Case(q, k, v, qg, kg, window, kpm)
     return case.to(dtype) if dtype != torch.float32 else case

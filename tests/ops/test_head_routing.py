@@ -103,14 +103,15 @@ def test_property_per_head_memberships_equal_the_oracle(backend, params):
     "kw",
     [dict(top_k=1), dict(top_k=2, padding="random"), dict(kv_heads=1, heads=3, top_k=2),
      dict(query_membership="independent", top_k=2, padding="left"), dict(groups=9, top_k=3),
-     dict(groups=12, top_k=1, query_membership="widest", padding="random")],
+     dict(groups=12, top_k=1, query_membership="widest", padding="random"),
+     dict(groups=12, top_k=1, query_membership="widest", sinks=9)],
 )  # fmt: skip
 def test_per_head_plans_of_the_fused_kernel_equal_the_oracle(nq, kw, fused_kernel, tiny_blocks, monkeypatch):  # fmt: skip
     """The fused kernel plans each key-value head's classes itself: with tiny tiles and
     3-key position segments (4 threads want 16 work items), decoding steps and short
     chunks split every head's keys into segments, merged per head; longer chunks cross
-    many class tiles, key blocks and local tiles per head; keys in one group and queries
-    in four run the group part by single group, per head."""
+    many class tiles, key blocks and local tiles per head; keys in one group (or, sinks, in
+    all) and queries in four run the group part by single group, per head."""
     monkeypatch.setattr(cpu_fused, "FUSED_SEGMENT_KEYS", 3)
     base = dict(batch=2, heads=6, kv_heads=3, groups=4, window=5, nk=77, nq=nq, seed=41)
     case = make_head_case(**{**base, **kw})

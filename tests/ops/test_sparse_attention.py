@@ -89,6 +89,11 @@ def _grid() -> list:
         padding="random", batch=2)  # fmt: skip
     add("query-widest-empty-groups", nk=200, groups=16, top_k=1, used_groups=5,
         query_membership="widest", heads=6, kv_heads=2)  # fmt: skip
+    # ... with sink keys in every group (the caches' layout): by single group, the sinks as
+    # one more group that every query with a group sees
+    add("query-widest-sinks", nk=300, groups=12, top_k=1, query_membership="widest", sinks=7)
+    add("query-widest-sinks-chunk-pad", nk=230, nq=71, groups=12, top_k=1, sinks=40,
+        query_membership="widest", padding="random", batch=2, heads=6, kv_heads=2)  # fmt: skip
     add("mqa", nk=130, heads=4, kv_heads=1)
     add("mha", nk=130, heads=3, kv_heads=3)
     add("dim1", nk=70, dim=1)
@@ -129,6 +134,8 @@ HALF_GRID = [
     pytest.param(dict(nk=1), id="n1"),
     pytest.param(dict(nk=200, top_k=1, query_membership="wider"), id="query-wider"),
     pytest.param(dict(nk=200, groups=12, top_k=1, query_membership="widest"), id="query-widest"),
+    pytest.param(dict(nk=200, groups=12, top_k=1, query_membership="widest", sinks=5),
+                 id="query-widest-sinks"),
 ]
 
 

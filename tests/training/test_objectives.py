@@ -25,6 +25,7 @@ from focus_attention.training.objectives import (
     coverage_step,
     distill_step,
     lm_step,
+    ranking_step,
     row_weights,
 )
 
@@ -145,6 +146,40 @@ def test_query_key_coverage_trains_the_centroids_and_balances_the_keys():
         assert float(r.key_mean.abs().sum()) > 0
 
 
+def test_ranking_step_lowers_its_loss_balances_the_keys_and_trains_only_the_centroids():
+    """``--objective ranking``: a positive KL and a top-k share in (0, 1), gradients on the
+    centroids only, one fold of the keys' mean and Sinkhorn column bias per step, a lower
+    loss on the same batch after a step, the base model untouched."""
+    _, fm = focus("llama", window=4, num_groups=4, top_k=1, router_input="query_key")
+    fm.train()
+    base = {n: p.clone() for n, p in fm.base_model.named_parameters()}
+    x = ids(2, 40, seed=4)
+
+    def step():
+        return ranking_step(fm, x, 16, torch.Generator().manual_seed(0))
+
+    first = step()
+    assert first.metrics["loss"] > 0 and 0 < first.metrics["coverage_topk"] < 1
+    first.loss.backward()
+    names = [n for n, p in fm.named_parameters() if p.grad is not None]
+    assert names == [f"routers.{i}.centroids" for i in fm.routers]
+    for r in fm.routers.values():
+        assert int(r.bias_updates) == 1 and float(r.routing_bias.abs().sum()) > 0
+        assert float(r.key_mean.abs().sum()) > 0
+    torch.optim.Adam([p for p in fm.parameters() if p.requires_grad], lr=0.05).step()
+    assert float(step().loss) < float(first.loss)
+    assert all(torch.equal(p, base[n]) for n, p in fm.base_model.named_parameters())
+
+
+def test_ranking_with_one_group_has_nothing_to_order():
+    """One group holds every key: the target is that group alone, the router's softmax over
+    one group matches it (KL 0) and top-k routing keeps the whole distant mass."""
+    _, fm = focus("llama", window=4, num_groups=1, top_k=1, router_input="query_key")
+    m = ranking_step(fm, ids(2, 40, seed=4), 16, torch.Generator().manual_seed(0)).metrics
+    assert m["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert m["coverage_topk"] == pytest.approx(1.0)
+
+
 def test_query_key_coverage_keeps_everything_with_one_group():
     """One group holds every key: soft and top-k routing keep the whole distant mass."""
     _, fm = focus("llama", window=4, num_groups=1, top_k=1, router_input="query_key")
@@ -227,8 +262,10 @@ def test_row_weights_weigh_the_last_queries():
 
 @pytest.mark.parametrize(
     ("router_input", "step"),
-    [("hidden_state", coverage_step), ("query_key", coverage_step), ("query_key", attention_step)],
-    ids=["coverage-hidden_state", "coverage-query_key", "attention-query_key"],
+    [("hidden_state", coverage_step), ("query_key", coverage_step), ("query_key", attention_step),
+     ("query_key", ranking_step)],
+    ids=["coverage-hidden_state", "coverage-query_key", "attention-query_key",
+         "ranking-query_key"],
 )
 def test_question_weight_scales_the_question_rows(monkeypatch, router_input, step):
     """The objectives weigh the question's rows (the last ``tail`` queries) by
@@ -261,16 +298,17 @@ def test_retrieval_blocks_join_the_training_blocks(assets, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "objective", ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage", "attention"]
+    "objective",
+    ["distill", pytest.param("mix", marks=pytest.mark.slow), "coverage", "attention", "ranking"],
 )
 def test_train_with_objective_logs_its_terms_and_resumes_exactly(assets, tmp_path, objective):
-    qk = {"router_input": "query_key"} if objective == "attention" else {}
+    qk = {"router_input": "query_key"} if objective in ("attention", "ranking") else {}
     cfg = tiny_config(assets, tmp_path / "full", objective=objective, steps=4,
                       coverage_queries=8, save_every=2, eval_every=-1, **qk)  # fmt: skip
     full = train(cfg)
     log = [json.loads(line) for line in (full.out / "log.jsonl").read_text().splitlines()]
     keys = {"distill": "distill_kl", "mix": "lm_loss", "coverage": "coverage_topk",
-            "attention": "attention_queries"}  # fmt: skip
+            "attention": "attention_queries", "ranking": "coverage_topk"}  # fmt: skip
     assert all(keys[objective] in r for r in log if "loss" in r)
     half = tiny_config(assets, tmp_path / "half", objective=objective, steps=4,
                        coverage_queries=8, save_every=2, eval_every=-1, **qk)  # fmt: skip
@@ -320,13 +358,14 @@ def test_objective_setting_errors():
         TrainConfig(distill_weight=-0.5)
     with pytest.raises(ValueError, match="question_weight.*retrieval-blocks"):
         TrainConfig(question_weight=4.0, objective="coverage")
-    with pytest.raises(ValueError, match="question_weight.*coverage or attention"):
+    with pytest.raises(ValueError, match="question_weight.*coverage, attention or ranking"):
         TrainConfig(question_weight=4.0, retrieval_blocks=2)
     with pytest.raises(ValueError, match="question_weight"):
         TrainConfig(question_weight=0.0, retrieval_blocks=2, objective="coverage")
     assert TrainConfig(question_weight=4.0, retrieval_blocks=2, objective="coverage")
-    with pytest.raises(ValueError, match="router_input is 'query_key'"):
-        TrainConfig(objective="attention")
-    with pytest.raises(ValueError, match="focus.router_input.*--objective attention or coverage"):
+    for objective in ("attention", "ranking"):
+        with pytest.raises(ValueError, match=f"objective.*{objective}.*router_input is 'query_key'"):
+            TrainConfig(objective=objective)
+    with pytest.raises(ValueError, match="focus.router_input.*--objective attention, coverage or ranking"):
         TrainConfig(focus=FocusConfig(router_input="query_key"))
     assert TrainConfig(focus=FocusConfig(router_input="query_key"), objective="coverage")

@@ -384,7 +384,7 @@ class FocusConfig:
         default="hidden_state",
         metadata={"help": "what routes tokens: the hidden state (one routing shared by the "
                   "heads) or each key-value head's pre-rotary queries and keys (query_key, "
-                  "experimental; trained with --objective attention or coverage)",
+                  "experimental; trained with --objective attention, coverage or ranking)",
                   "choices": ROUTER_INPUTS, "card": True},
     )  # fmt: skip
     query_pooling: str = field(

@@ -18,11 +18,13 @@ from .settings import TrainingSettings
 __all__ = ["DEFAULT_LR", "METHODS", "OBJECTIVES", "RESUME_FREE_FIELDS", "TrainConfig"]
 
 #: training losses (docs/method.md §6, "Objectives")
-OBJECTIVES = ("lm", "distill", "mix", "coverage", "attention")
+OBJECTIVES = ("lm", "distill", "mix", "coverage", "attention", "ranking")
 #: the objectives that score the routers against the dense model's recorded attention on
 #: sampled queries, with no soft forward of the model: the only ones of query-key routers
 #: (``FocusConfig.router_input="query_key"``), and those ``question_weight`` weighs
-RECORDED_OBJECTIVES = ("attention", "coverage")
+RECORDED_OBJECTIVES = ("attention", "coverage", "ranking")
+#: the recorded objectives of query-key routers only
+QUERY_KEY_OBJECTIVES = ("attention", "ranking")
 
 #: what trains (docs/method.md §6, "Methods"): the Focus routers of the frozen model; LoRA
 #: on the attention projections (dense); every attention weight (dense); every base weight
@@ -223,7 +225,9 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             "distill_weight * distill; coverage = share of the dense model's attention beyond "
             "the window that the soft groups drop (query-key routers: per key-value head, "
             "the keys' groups Sinkhorn-balanced); attention = KL from the dense attention's "
-            "mass per group to the query's groups (query-key routers, experimental)",
+            "mass per group to the query's groups (query-key routers, experimental); "
+            "ranking = the same KL with the keys' groups Sinkhorn-balanced, so the query's "
+            "top groups are those attention weighs most (query-key routers, experimental)",
             "choices": OBJECTIVES,
         },
     )
@@ -233,8 +237,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
     coverage_queries: int = field(
         default=512,
         metadata={
-            "help": "queries per layer and block sampled for --objective coverage and attention "
-            "(0: every query; the cost of the dense attention rows grows with it)"
+            "help": "queries per layer and block sampled for --objective coverage, attention "
+            "and ranking (0: every query; the cost of the dense attention rows grows with it)"
         },
     )
     retrieval_blocks: int = field(
@@ -251,8 +255,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
         default=1.0,
         metadata={
             "help": f"weight of each block's last {QUESTION_TOKENS} queries (a needle "
-            "prompt's question) against the other sampled queries in --objective coverage and "
-            "attention; needs --retrieval-blocks (default 1: every query alike)"
+            "prompt's question) against the other sampled queries in --objective coverage, "
+            "attention and ranking; needs --retrieval-blocks (default 1: every query alike)"
         },
     )
     init_adapter: str | None = field(
@@ -314,7 +318,8 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
                       "1 without --retrieval-blocks, whose questions it weighs")  # fmt: skip
         if self.question_weight != 1.0 and self.objective not in RECORDED_OBJECTIVES:
             raise bad(owner, "question_weight", self.question_weight,
-                      "1 with --objective coverage or attention, the objectives it weighs")  # fmt: skip
+                      "1 with --objective coverage, attention or ranking, the objectives it "
+                      "weighs")  # fmt: skip
         if self.init_adapter is not None:
             if not isinstance(self.init_adapter, str) or not self.init_adapter:
                 raise bad(owner, "init_adapter", self.init_adapter, "an adapter folder path")
@@ -411,18 +416,18 @@ class TrainConfig(TrainingSettings, BaseModelSettings, BosSettings):
             raise bad(owner, "lora_dropout", self.lora_dropout, "a number in [0, 1)")
 
     def _validate_router_input(self) -> None:
-        """``--objective attention`` trains query-key routers; they have no soft routing, so
-        they train with it or with ``coverage`` only."""
+        """``--objective attention`` and ``ranking`` train query-key routers; they have no
+        soft routing, so they train with those or with ``coverage`` only."""
         query_key = self.focus.router_input == "query_key"
-        if self.objective == "attention" and not query_key:
-            raise bad("TrainConfig", "objective", "attention",
+        if self.objective in QUERY_KEY_OBJECTIVES and not query_key:
+            raise bad("TrainConfig", "objective", self.objective,
                       "another objective unless focus.router_input is 'query_key' (it trains "
                       "query-key routers)")  # fmt: skip
         if query_key and self.objective not in RECORDED_OBJECTIVES:
             raise bad("TrainConfig", "focus.router_input", "query_key",
                       f"'hidden_state' with objective {self.objective!r} (query-key routers "
-                      "have no soft routing: train them with --objective attention or "
-                      "coverage)")  # fmt: skip
+                      "have no soft routing: train them with --objective attention, "
+                      "coverage or ranking)")  # fmt: skip
         if query_key and self.method != "focus":
             raise bad("TrainConfig", "focus.router_input", "query_key",
                       f"'hidden_state' with method {self.method!r} (query-key routers train "

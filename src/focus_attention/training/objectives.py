@@ -22,6 +22,10 @@ model stays frozen in every objective.
   renormalised) summed per group through the keys' soft assignment ``softmax(k . C)``,
   against the query's ``softmax(q . C)``; gradients reach the centroids from both sides.
   Also folds the batch's mean key into each router's ``key_mean``. Cost as ``coverage``.
+- ``ranking`` (query-key routers): ``attention``'s KL with the keys' groups
+  Sinkhorn-balanced as in ``coverage``, so that the order of the query's groups follows the
+  attention's mass per group (its top ``query_top_k`` groups are those attention weighs
+  most) while the groups stay about equal in size (:func:`ranking_kl`).
 """
 
 from __future__ import annotations
@@ -177,14 +181,22 @@ def _query_key_coverage(model: Any, rec: dict[str, Any], rows: torch.Tensor,
     pulled = torch.einsum("bhrn,bnhk->brhk", distant, key_probs)
     kept = (torch.softmax(query_scores, dim=-1) * pulled).sum()
     with torch.no_grad():
-        key_groups = head_memberships(key_scores, cfg.top_k)
-        query_groups = head_memberships(query_scores, cfg.resolved_query_top_k)
-        shared = torch.einsum("brhk,bnhk->bhrn", query_groups.float(), key_groups.float()) > 0
-        hard_kept = (distant * shared).sum()
+        hard_kept = _hard_kept(cfg, key_scores, query_scores, distant)
     router.update_key_mean(key, real, column_bias.detach())
     total = distant.sum().clamp_min(torch.finfo(distant.dtype).tiny)
     mass = float(total) / max(1, distant.shape[0] * distant.shape[1] * rows.numel())
     return kept / total, float(hard_kept / total), mass, None
+
+
+def _hard_kept(cfg: Any, key_scores: torch.Tensor, query_scores: torch.Tensor,
+               distant: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The distant attention ``distant [B, H_kv, R, N]`` that inference's hard groups keep:
+    the keys' top ``cfg.top_k`` of ``key_scores [B, N, H_kv, K]``, the queries' top
+    ``query_top_k`` of ``query_scores [B, R, H_kv, K]`` (a scalar tensor)."""
+    key_groups = head_memberships(key_scores, cfg.top_k)
+    query_groups = head_memberships(query_scores, cfg.resolved_query_top_k)
+    shared = torch.einsum("brhk,bnhk->bhrn", query_groups.float(), key_groups.float()) > 0
+    return (distant * shared).sum()
 
 
 def coverage_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
@@ -287,6 +299,64 @@ def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.G
     return StepLoss(loss, metrics)
 
 
+def ranking_kl(model: Any, rec: dict[str, Any], rows: torch.Tensor,
+               weights: torch.Tensor) -> tuple:  # fmt: skip
+    """``(weighted mean KL with gradient, share of the distant attention the hard groups
+    keep)`` of one recorded layer of a query-key router on the query indices ``rows`` int64
+    ``[R]``, weighted by ``weights`` float ``[R, 1]`` (:func:`row_weights`).
+
+    Target: each query row's distant dense attention per key-value head (the maximum over
+    the query heads sharing it) summed per group through the keys' Sinkhorn-balanced soft
+    assignment (``QueryKeyRouter.balanced_keys``) and renormalised, ``[B, H_kv, R, K]``;
+    prediction: the query's ``softmax(q_bar . C)``. Rows without distant mass do not count.
+    Folds the keys' mean and column bias into the router, as ``coverage`` does."""
+    cfg = model.focus_config
+    router = model.routers[str(rec["layer"])]
+    real, key = rec["key_padding"], rec["pre_rotary_key"]
+    distant = _distant_per_kv_head(rec, cfg.window, rows)  # [B, H_kv, R, N]
+    key_scores = router.key_scores(key)  # [B, N, H_kv, K]
+    key_probs, column_bias = router.balanced_keys(key_scores, cfg.sinkhorn_iters, real)
+    mass = torch.einsum("bhrn,bnhk->bhrk", distant, key_probs)
+    total = mass.sum(-1, keepdim=True)
+    tiny = torch.finfo(mass.dtype).tiny
+    target = mass / total.clamp_min(tiny)
+    query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])  # [B, R, H_kv, K]
+    log_router = torch.log_softmax(query_scores, -1).transpose(1, 2)  # [B, H_kv, R, K]
+    kl = (target * (torch.log(target.clamp_min(tiny)) - log_router)).sum(-1)
+    weight = (total[..., 0] > 0) * weights[:, 0]
+    loss = (kl * weight).sum() / weight.sum().clamp_min(tiny)
+    with torch.no_grad():
+        hard_kept = _hard_kept(cfg, key_scores, query_scores, distant)
+    router.update_key_mean(key, real, column_bias.detach())
+    return loss, float(hard_kept / distant.sum().clamp_min(tiny))
+
+
+def ranking_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
+                 tail: int = 0, question_weight: float = 1.0) -> StepLoss:  # fmt: skip
+    """Mean over Focus layers of :func:`ranking_kl` on ``queries`` sampled queries per
+    layer and the last ``tail`` (:func:`coverage_rows`, weighted by ``question_weight``);
+    query-key routers only.
+
+    Raises:
+        RuntimeError: no Focus layer call was recorded, or a non-finite loss.
+    """
+    records = _dense_records(model, x)
+    if not records:
+        raise RuntimeError("the ranking objective found no Focus layer call to record")
+    rows = coverage_rows(x.shape[1], model.focus_config.window, queries, generator, tail)
+    weights = row_weights(rows, x.shape[1], tail, question_weight)
+    losses, hard = [], []
+    for rec in records:
+        kl, kept = ranking_kl(model, rec, rows, weights)
+        losses.append(kl)
+        hard.append(kept)
+        del rec["query"], rec["key"]
+    loss = torch.stack(losses).mean()
+    _check_finite(loss, "ranking loss")
+    metrics = {"loss": float(loss.detach()), "coverage_topk": sum(hard) / len(hard)}
+    return StepLoss(loss, metrics)
+
+
 def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Generator,
                    forward: Any = None) -> StepLoss:  # fmt: skip
     """The loss of ``cfg.objective`` (a :class:`~.config.TrainConfig`) on ``x`` int64
@@ -304,5 +374,6 @@ def objective_loss(model: Any, x: torch.Tensor, cfg: Any, generator: torch.Gener
     if cfg.objective == "mix":
         return distill_step(model, x, 1.0, cfg.distill_weight, forward)
     tail = QUESTION_TOKENS if cfg.retrieval_blocks else 0
-    step = attention_step if cfg.objective == "attention" else coverage_step
+    step = {"attention": attention_step, "coverage": coverage_step, "ranking": ranking_step}
+    step = step[cfg.objective]
     return step(model, x, cfg.coverage_queries, generator, tail, cfg.question_weight)

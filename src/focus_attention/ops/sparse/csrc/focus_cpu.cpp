@@ -8,7 +8,8 @@
 //     "class"); a tile of up to `tile_q` class queries attends causally (by position) to
 //     the union of the real keys of every group in S, found by a scan of the keys' group
 //     bit codes (a key in several groups of S is visited once); where every key is in one
-//     group at most and the classes are small (queries in several groups), by single group
+//     group at most (or in all: sinks) and the classes are small (queries in several
+//     groups), by single group
 //     instead: the keys are laid out group by group once, and for each block of
 //     consecutive queries and each group, the block's queries in it attend to its keys, the
 //     groups merged into the block's rows by log-sum-exp (group_block);
@@ -288,15 +289,17 @@ struct Plan {
   std::vector<int64_t> class_start;   // [C + 1] into class_rows
   std::vector<int32_t> class_rows;    // [Nq] query indices, sorted within each class
   std::vector<C> qcode, kcode;        // membership bit codes (kcode 0 for padding)
-  bool keys_single = true;            // every key in at most one group
+  bool keys_single = true;            // every key in one group at most, or in all (sinks)
   int64_t most_query_groups = 0;      // the most groups one query is in
 };
 
 // The real keys of one (batch element, key head) laid out group by group, each key in one
-// group (phase 1 by single group): group g's keys at [start[g], start[g + 1]), increasing in
-// position, with their fp32 key and value rows one after the other.
+// group or in all of them (phase 1 by single group): group g's keys at [start[g],
+// start[g + 1]) and, as a group K, the keys in every group (sinks) at [start[K],
+// start[K + 1]), each increasing in position, with their fp32 key and value rows one after
+// the other.
 struct GroupedKeys {
-  std::vector<int64_t> start;  // [K + 1]
+  std::vector<int64_t> start;  // [K + 2]
   std::vector<int64_t> pos;    // [keys]
   Buffer<float> k, v;          // [keys, D]
 };
@@ -328,6 +331,12 @@ inline uint64_t pack_bools(const bool* b, int64_t n) {
   return code;
 }
 
+// The code of a token in every one of K groups (a sink, as the caches store them).
+template <typename C>
+inline C all_groups(int64_t kgroups) {
+  return static_cast<C>(kgroups >= 64 ? ~uint64_t{0} : (uint64_t{1} << kgroups) - 1);
+}
+
 template <typename C>
 // qg / kg: token i's K memberships at qg + i * stride (stride K for memberships shared by
 // the heads, H_kv * K for one key-value head's of [N, H_kv, K])
@@ -341,10 +350,11 @@ Plan<C> make_plan(const bool* qg, const bool* kg, const bool* real, int64_t nq, 
     p.most_query_groups = std::max<int64_t>(p.most_query_groups,
                                             __builtin_popcountll(static_cast<uint64_t>(p.qcode[i])));
   }
+  const C every = all_groups<C>(kgroups);
   for (int64_t j = 0; j < nk; ++j) {
     const bool keep = real == nullptr || real[j];
     p.kcode[j] = keep ? static_cast<C>(pack_bools(kg + j * stride, kgroups)) : C{0};
-    p.keys_single &= (p.kcode[j] & (p.kcode[j] - 1)) == 0;
+    p.keys_single &= (p.kcode[j] & (p.kcode[j] - 1)) == 0 || p.kcode[j] == every;
   }
   // classes: queries sorted by (code, index); code 0 (no group) gets no class
   std::vector<int32_t> order(nq);
@@ -642,7 +652,7 @@ struct Kernel {
   }
 
   // Phase 1 by single group instead of by exact membership set, where that is exact (every
-  // key in one group at most), needed (some query in several groups) and pays: the exact
+  // key in one group at most, or in all of them as sinks are), needed (some query in several groups) and pays: the exact
   // sets are too many to fill tiles (under half a tile of queries each, on average). The
   // keys laid out group by group (2 B H_kv Nk D floats) must stay within 256 MiB.
   void choose_by_group() {
@@ -672,18 +682,22 @@ struct Kernel {
   void group_keys(int64_t bi, int64_t hk) {
     const Plan<C>& p = plan(bi, hk);
     GroupedKeys& gk = grouped[bi * hkv + hk];
-    gk.start.assign(kgroups + 1, 0);
+    // a key's slot: its one group, or kgroups for a key in several (then in all of them)
+    const auto slot = [&](C c) -> int64_t {
+      return (c & (c - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(c)) : kgroups;
+    };
+    gk.start.assign(kgroups + 2, 0);
     for (const C c : p.kcode)
-      if (c) ++gk.start[__builtin_ctzll(static_cast<uint64_t>(c)) + 1];
+      if (c) ++gk.start[slot(c) + 1];
     std::partial_sum(gk.start.begin(), gk.start.end(), gk.start.begin());
-    const int64_t keys = gk.start[kgroups];
+    const int64_t keys = gk.start[kgroups + 1];
     std::vector<int64_t> fill(gk.start.begin(), gk.start.end() - 1);
     gk.pos.resize(keys);
     gk.k.resize(keys * d);
     gk.v.resize(keys * d);
     for (int64_t j = 0; j < nk; ++j) {
       if (p.kcode[j] == 0) continue;
-      const int64_t at = fill[__builtin_ctzll(static_cast<uint64_t>(p.kcode[j]))]++;
+      const int64_t at = fill[slot(p.kcode[j])]++;
       gk.pos[at] = j;
       load_row(gk.k.data() + at * d, k_row(bi, hk, j), d);
       load_row(gk.v.data() + at * d, v_row(bi, hk, j), d);
@@ -755,8 +769,8 @@ struct Kernel {
     std::fill(sc.acc.begin(), sc.acc.begin() + rep * n * d, 0.f);
     std::fill(sc.m.begin(), sc.m.begin() + rep * n, kNegInf);
     std::fill(sc.l.begin(), sc.l.begin() + rep * n, 0.f);
-    for (int64_t g = 0; g < kgroups; ++g) {
-      const C bit = static_cast<C>(uint64_t{1} << g);
+    for (int64_t g = 0; g <= kgroups; ++g) {  // g = kgroups: the keys in every group
+      const C bit = g < kgroups ? static_cast<C>(uint64_t{1} << g) : all_groups<C>(kgroups);
       sc.rows.clear();
       for (int64_t i = first; i < first + n; ++i)
         if (p.qcode[i] & bit) sc.rows.push_back(static_cast<int32_t>(i));
