@@ -134,8 +134,10 @@ HALF_GRID = [
     pytest.param(dict(nk=1), id="n1"),
     pytest.param(dict(nk=200, top_k=1, query_membership="wider"), id="query-wider"),
     pytest.param(dict(nk=200, groups=12, top_k=1, query_membership="widest"), id="query-widest"),
-    pytest.param(dict(nk=200, groups=12, top_k=1, query_membership="widest", sinks=5),
-                 id="query-widest-sinks"),
+    pytest.param(
+        dict(nk=200, groups=12, top_k=1, query_membership="widest", sinks=5),
+        id="query-widest-sinks",
+    ),
 ]
 
 

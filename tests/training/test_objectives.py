@@ -262,10 +262,13 @@ def test_row_weights_weigh_the_last_queries():
 
 @pytest.mark.parametrize(
     ("router_input", "step"),
-    [("hidden_state", coverage_step), ("query_key", coverage_step), ("query_key", attention_step),
-     ("query_key", ranking_step)],
-    ids=["coverage-hidden_state", "coverage-query_key", "attention-query_key",
-         "ranking-query_key"],
+    [
+        ("hidden_state", coverage_step),
+        ("query_key", coverage_step),
+        ("query_key", attention_step),
+        ("query_key", ranking_step),
+    ],
+    ids=["coverage-hidden_state", "coverage-query_key", "attention-query_key", "ranking-query_key"],
 )
 def test_question_weight_scales_the_question_rows(monkeypatch, router_input, step):
     """The objectives weigh the question's rows (the last ``tail`` queries) by
@@ -364,8 +367,12 @@ def test_objective_setting_errors():
         TrainConfig(question_weight=0.0, retrieval_blocks=2, objective="coverage")
     assert TrainConfig(question_weight=4.0, retrieval_blocks=2, objective="coverage")
     for objective in ("attention", "ranking"):
-        with pytest.raises(ValueError, match=f"objective.*{objective}.*router_input is 'query_key'"):
+        with pytest.raises(
+            ValueError, match=f"objective.*{objective}.*router_input is 'query_key'"
+        ):
             TrainConfig(objective=objective)
-    with pytest.raises(ValueError, match="focus.router_input.*--objective attention, coverage or ranking"):
+    with pytest.raises(
+        ValueError, match="focus.router_input.*--objective attention, coverage or ranking"
+    ):
         TrainConfig(focus=FocusConfig(router_input="query_key"))
     assert TrainConfig(focus=FocusConfig(router_input="query_key"), objective="coverage")
