@@ -9,10 +9,9 @@
 //     the union of the real keys of every group in S, found by a scan of the keys' group
 //     bit codes (a key in several groups of S is visited once); where every key is in one
 //     group at most (or in all: sinks) and the classes are small (queries in several
-//     groups), by single group
-//     instead: the keys are laid out group by group once, and for each block of
-//     consecutive queries and each group, the block's queries in it attend to its keys, the
-//     groups merged into the block's rows by log-sum-exp (group_block);
+//     groups), by single group instead: the keys are laid out group by group once, and for
+//     each block of consecutive queries and each group, the block's queries in it attend to
+//     its keys, the groups merged into the block's rows by log-sum-exp (group_block);
 //   phase 2 (local part): tiles of consecutive queries attend to the contiguous keys of
 //     their window, masked to pairs that share no group, and merge into phase 1's rows.
 // Each tile runs flash-attention style (key blocks, online softmax) on fp32 copies of the
