@@ -21,6 +21,7 @@ SOFTMAX_ALLOWED = {
     "ops.reference:gated_attention": "soft-gated logits, the mask folded into the gate's bias",
     "training.objectives:distill_step": "the vocabulary (distillation)",
     "training.objectives:attention_kl": "groups of query-key routing (routing, not keys)",
+    "training.objectives:group_kl": "groups of query-key routing (routing, not keys)",
     "training.objectives:_query_key_coverage": "groups of query-key routing (routing, not keys)",
     "evaluation.instructions:_log_probs": "the vocabulary (answer log-likelihoods)",
     "bench.kernel:run_gate_benchmark.eager": "the timed baseline: transformers' eager attention",

@@ -45,6 +45,7 @@ __all__ = [
     "StepLoss",
     "attention_kl",
     "coverage_rows",
+    "group_kl",
     "head_gates_step",
     "objective_loss",
     "row_weights",
@@ -263,16 +264,24 @@ def attention_kl(router: Any, rec: dict[str, Any], window: int, rows: torch.Tens
     distant = _distant_per_kv_head(rec, window, rows)  # [B, H_kv, R, N]
     soft_keys = torch.softmax(router.key_scores(rec["pre_rotary_key"]), dim=-1)  # [B, N, H_kv, K]
     mass = torch.einsum("bhrn,bnhk->bhrk", distant, soft_keys)
+    query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])
+    return group_kl(mass, query_scores, weights)
+
+
+def group_kl(mass: torch.Tensor, query_scores: torch.Tensor,
+             weights: torch.Tensor | None = None) -> tuple:  # fmt: skip
+    """``(weighted mean KL with gradient, rows counted)``: ``KL(target || softmax(scores))``
+    per query row, the target each row's attention mass per group ``mass`` float ``[B,
+    H_kv, R, K]`` renormalised, the scores ``query_scores`` ``[B, R, H_kv, K]``; the mean
+    over the rows with mass, weighted by ``weights`` float ``[R, 1]`` (default all 1)."""
+    tiny = torch.finfo(mass.dtype).tiny
     total = mass.sum(-1, keepdim=True)
     valid = total[..., 0] > 0
-    target = mass / total.clamp_min(torch.finfo(mass.dtype).tiny)
-    log_router = torch.log_softmax(router.query_scores(rec["pre_rotary_query"][:, :, rows]), -1)
-    log_router = log_router.transpose(1, 2)  # [B, H_kv, R, K]
-    log_target = torch.log(target.clamp_min(torch.finfo(mass.dtype).tiny))
-    kl = (target * (log_target - log_router)).sum(-1)
-    count = int(valid.sum())
+    target = mass / total.clamp_min(tiny)
+    log_router = torch.log_softmax(query_scores, -1).transpose(1, 2)  # [B, H_kv, R, K]
+    kl = (target * (torch.log(target.clamp_min(tiny)) - log_router)).sum(-1)
     weight = valid.float() if weights is None else valid * weights[:, 0]
-    return (kl * weight).sum() / weight.sum().clamp_min(torch.finfo(weight.dtype).tiny), count
+    return (kl * weight).sum() / weight.sum().clamp_min(tiny), int(valid.sum())
 
 
 def attention_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
@@ -317,18 +326,12 @@ def ranking_kl(model: Any, rec: dict[str, Any], rows: torch.Tensor,
     key_scores = router.key_scores(key)  # [B, N, H_kv, K]
     key_probs, column_bias = router.balanced_keys(key_scores, cfg.sinkhorn_iters, real)
     mass = torch.einsum("bhrn,bnhk->bhrk", distant, key_probs)
-    total = mass.sum(-1, keepdim=True)
-    tiny = torch.finfo(mass.dtype).tiny
-    target = mass / total.clamp_min(tiny)
     query_scores = router.query_scores(rec["pre_rotary_query"][:, :, rows])  # [B, R, H_kv, K]
-    log_router = torch.log_softmax(query_scores, -1).transpose(1, 2)  # [B, H_kv, R, K]
-    kl = (target * (torch.log(target.clamp_min(tiny)) - log_router)).sum(-1)
-    weight = (total[..., 0] > 0) * weights[:, 0]
-    loss = (kl * weight).sum() / weight.sum().clamp_min(tiny)
+    loss, _ = group_kl(mass, query_scores, weights)
     with torch.no_grad():
         hard_kept = _hard_kept(cfg, key_scores, query_scores, distant)
     router.update_key_mean(key, real, column_bias.detach())
-    return loss, float(hard_kept / distant.sum().clamp_min(tiny))
+    return loss, float(hard_kept / distant.sum().clamp_min(torch.finfo(distant.dtype).tiny))
 
 
 def ranking_step(model: Any, x: torch.Tensor, queries: int, generator: torch.Generator,
