@@ -330,6 +330,21 @@ inline uint64_t pack_bools(const bool* b, int64_t n) {
   return code;
 }
 
+// One normalised output row of d values from an unnormalised running softmax (acc, max m,
+// sum l) into o, its log-sum-exp into ls: zeros and -inf where nothing was visible (l = 0);
+// a NaN sum (from NaN inputs) is propagated, not hidden.
+inline void write_normalised(float* o, float& ls, const float* acc, float m, float l,
+                             int64_t d) {
+  if (l != 0.f) {
+    const float inv = 1.f / l;
+    for (int64_t e = 0; e < d; ++e) o[e] = acc[e] * inv;
+    ls = m + std::log(l);
+  } else {
+    std::fill(o, o + d, 0.f);
+    ls = kNegInf;
+  }
+}
+
 // The code of a token in every one of K groups (a sink, as the caches store them).
 template <typename C>
 inline C all_groups(int64_t kgroups) {
@@ -434,6 +449,21 @@ struct Kernel {
              static_cast<int>(ts.tile_k));
   }
 
+  // Hides, in the tile's logits against a key block at positions kpos[0..nkb) (increasing),
+  // the keys after each query rows[i] (i < n), for each of its rep heads; nothing to do
+  // where the block ends at or before the first query.
+  void causal_mask(TileState& ts, const int32_t* rows, int64_t n, const int64_t* kpos,
+                   int64_t nkb) const {
+    if (kpos[nkb - 1] <= offset + rows[0]) return;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t cut = std::upper_bound(kpos, kpos + nkb, offset + rows[i]) - kpos;
+      for (int64_t r = 0; r < rep; ++r) {
+        float* srow = ts.s.data() + (r * n + i) * ts.tile_k;
+        std::fill(srow + cut, srow + nkb, kNegInf);
+      }
+    }
+  }
+
   void load_queries(TileState& ts, int64_t bi, int64_t hk, const int32_t* rows, int64_t first,
                     int64_t n) const {
     for (int64_t r = 0; r < rep; ++r)
@@ -451,7 +481,6 @@ struct Kernel {
     const int64_t bi = it.batch, hk = it.head_kv;
     ts.start(rep * n);
     load_queries(ts, bi, hk, rows, 0, n);
-    const int64_t first_pos = offset + rows[0];
     const int64_t last_pos = std::min(offset + rows[n - 1], it.key_hi - 1);
     KeyUnion<C> keys(p.kcode, p.class_code[it.problem]);
     keys.j = it.key_lo;
@@ -466,17 +495,7 @@ struct Kernel {
       }
       if (nkb == 0) break;
       logits(ts, n, nkb);
-      if (ts.kpos[nkb - 1] > first_pos) {  // causal mask inside the block
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t pos = offset + rows[i];
-          const int64_t cut = std::upper_bound(ts.kpos.begin(), ts.kpos.begin() + nkb, pos) -
-                              ts.kpos.begin();
-          for (int64_t r = 0; r < rep; ++r) {
-            float* srow = ts.s.data() + (r * n + i) * ts.tile_k;
-            std::fill(srow + cut, srow + nkb, kNegInf);
-          }
-        }
-      }
+      causal_mask(ts, rows, n, ts.kpos.data(), nkb);
       ts.update(nkb);
       if (nkb < tile_k) break;
     }
@@ -493,17 +512,9 @@ struct Kernel {
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t r = 0; r < rep; ++r) {
         const int64_t row = r * n + i, head = hk * rep + r;
-        float* o = out_base + ((bi * nq + rows[i]) * h + head) * d;
-        const float* a = ts.acc.data() + row * d;
-        float& ls = lse_base[(bi * nq + rows[i]) * h + head];
-        if (ts.l[row] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
-          const float inv = 1.f / ts.l[row];
-          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
-          ls = ts.m[row] + std::log(ts.l[row]);
-        } else {
-          std::fill(o, o + d, 0.f);
-          ls = kNegInf;
-        }
+        const int64_t at = (bi * nq + rows[i]) * h + head;
+        write_normalised(out_base + at * d, lse_base[at], ts.acc.data() + row * d, ts.m[row],
+                         ts.l[row], d);
       }
     }
   }
@@ -712,22 +723,12 @@ struct Kernel {
     const int64_t n = static_cast<int64_t>(sc.rows.size());
     ts.start(rep * n);
     load_queries(ts, bi, hk, sc.rows.data(), 0, n);
-    const int64_t first_pos = offset + sc.rows[0];
     for (int64_t c0 = 0; c0 < n_keys; c0 += tile_k) {
       const int64_t nkb = std::min(tile_k, n_keys - c0);
       gemm_abt(static_cast<int>(rep * n), static_cast<int>(nkb), static_cast<int>(d), scale,
                ts.q.data(), static_cast<int>(d), keys + c0 * d, static_cast<int>(d),
                ts.s.data(), static_cast<int>(ts.tile_k));
-      if (pos[c0 + nkb - 1] > first_pos) {  // causal mask inside the block
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t cut = std::upper_bound(pos + c0, pos + c0 + nkb, offset + sc.rows[i]) -
-                              (pos + c0);
-          for (int64_t r = 0; r < rep; ++r) {
-            float* srow = ts.s.data() + (r * n + i) * ts.tile_k;
-            std::fill(srow + cut, srow + nkb, kNegInf);
-          }
-        }
-      }
+      causal_mask(ts, sc.rows.data(), n, pos + c0, nkb);
       ts.update(nkb, vals + c0 * d);
     }
   }
@@ -792,17 +793,9 @@ struct Kernel {
       for (int64_t i = 0; i < n; ++i) {
         const int64_t qi = it.row0 + i, row = r * n + i, head = it.head_kv * rep + r;
         if (p.qcode[qi] == 0) continue;  // no group part: phase 2 alone
-        float* o = out + ((it.batch * nq + qi) * h + head) * d;
-        float& ls = lse[(it.batch * nq + qi) * h + head];
-        if (sc.l[row] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
-          const float inv = 1.f / sc.l[row];
-          const float* a = sc.acc.data() + row * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
-          ls = sc.m[row] + std::log(sc.l[row]);
-        } else {
-          std::fill(o, o + d, 0.f);
-          ls = kNegInf;
-        }
+        const int64_t at = (it.batch * nq + qi) * h + head;
+        write_normalised(out + at * d, lse[at], sc.acc.data() + row * d, sc.m[row], sc.l[row],
+                         d);
       }
   }
 
@@ -914,17 +907,8 @@ struct Kernel {
     decode_values(sc, bi, hk, n);
     for (int64_t r = 0; r < rep; ++r) {
       const int64_t head = hk * rep + r;
-      float* o = out_base + (bi * h + head) * d;
-      float& ls = lse_base[bi * h + head];
-      if (sum[r] != 0.f) {  // also NaN (from NaN inputs): propagated, not hidden
-        const float inv = 1.f / sum[r];
-        const float* a = sc.acc.data() + r * d;
-        for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
-        ls = mx[r] + std::log(sum[r]);
-      } else {
-        std::fill(o, o + d, 0.f);
-        ls = kNegInf;
-      }
+      write_normalised(out_base + (bi * h + head) * d, lse_base[bi * h + head],
+                       sc.acc.data() + r * d, mx[r], sum[r], d);
     }
   }
 
